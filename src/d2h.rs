@@ -1,0 +1,307 @@
+//! Device-to-host copies at PCIe line rate.
+//!
+//! Into pinned memory: one `cuMemcpyDtoHAsync` and a wait on a recycled event. Into pageable
+//! memory: a ring of pinned bounce buffers, the copy engine filling one while the CPU drains
+//! another, which beats the driver's own pageable path.
+
+use parking_lot::Mutex;
+
+use crate::device::{ContextGuard, Device, PooledEvent, StreamHandle};
+use crate::dlpack::{DeviceView, MemoryKind};
+use crate::driver;
+use crate::error::{Error, Result};
+use crate::pinned::{PinnedBuffer, PinnedFlags};
+
+/// How a D2H copy was carried out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum D2HPath {
+    /// One DMA straight into pinned memory.
+    Pinned,
+    /// Through the pinned bounce ring into pageable memory.
+    Bounced,
+    /// The source was host memory: a plain memcpy.
+    Host,
+    /// Nothing to copy.
+    Empty,
+}
+
+/// Bytes per bounce chunk.
+pub const BOUNCE_CHUNK: usize = 8 << 20;
+/// Bounce buffers in flight.
+pub const BOUNCE_DEPTH: usize = 3;
+
+/// Per-device cache of bounce buffers, so pageable copies do not pay `cuMemHostAlloc`.
+static BOUNCE: Mutex<Vec<(i32, PinnedBuffer)>> = Mutex::new(Vec::new());
+
+fn check_src(device: &Device, src: &DeviceView, dst_len: usize) -> Result<()> {
+    if let MemoryKind::Cuda(id) = src.memory()
+        && id != device.ordinal()
+    {
+        return Err(Error::WrongDevice {
+            what: "copy",
+            expected: device.ordinal(),
+            got: id,
+        });
+    }
+    if dst_len < src.nbytes() {
+        return Err(Error::DestinationTooSmall {
+            needed: src.nbytes(),
+            got: dst_len,
+        });
+    }
+    Ok(())
+}
+
+fn enter_for_copy(device: &Device, stream: StreamHandle) -> Result<ContextGuard> {
+    let g = device.enter()?;
+    // SAFETY: context current; a bad stream handle is reported by the driver.
+    if unsafe { driver::stream_is_capturing(stream.raw()) }? {
+        return Err(Error::StreamCapturing);
+    }
+    Ok(g)
+}
+
+/// Copies `src` into `dst[..src.nbytes()]` and waits. `dst` may be pinned (one DMA) or pageable
+/// (bounce ring); a host `src` is a plain memcpy. `stream` orders the copy after the producer's
+/// work.
+pub fn copy_d2h(
+    device: &Device,
+    src: &DeviceView,
+    dst: &mut [u8],
+    stream: StreamHandle,
+) -> Result<D2HPath> {
+    check_src(device, src, dst.len())?;
+    let n = src.nbytes();
+    if n == 0 {
+        return Ok(D2HPath::Empty);
+    }
+    if src.memory() == MemoryKind::Host {
+        // SAFETY: the view's contract: `src` is readable host memory of n bytes; `dst` is a
+        // distinct &mut slice of at least n bytes.
+        unsafe { std::ptr::copy(src.ptr() as *const u8, dst.as_mut_ptr(), n) };
+        return Ok(D2HPath::Host);
+    }
+    let _g = enter_for_copy(device, stream)?;
+    if driver::is_pinned_host(dst.as_ptr().cast()) {
+        let ev = device.pooled_event()?;
+        // SAFETY: dst is pinned and exclusively borrowed until we wait below; src is device
+        // memory of this device of n bytes (view contract, device checked).
+        unsafe { issue_d2h(&ev, src.ptr(), dst.as_mut_ptr(), n, stream) }?;
+        ev.synchronize()?;
+        return Ok(D2HPath::Pinned);
+    }
+    bounce(device, src.ptr(), &mut dst[..n], stream)?;
+    Ok(D2HPath::Bounced)
+}
+
+/// Issues one D2H copy and records `ev` after it.
+///
+/// # Safety
+/// 1. Context current; `dst..dst+n` host memory untouched until `ev` completed; `src` valid
+///    device memory of `n` bytes.
+unsafe fn issue_d2h(
+    ev: &PooledEvent,
+    src: u64,
+    dst: *mut u8,
+    n: usize,
+    stream: StreamHandle,
+) -> Result<()> {
+    // SAFETY: caller's contract.
+    unsafe { driver::memcpy_dtoh_async(dst.cast(), src, n, stream.raw()) }?;
+    if let Err(e) = ev.record_entered(stream) {
+        // The copy cannot be tracked: wait for the stream so `dst` is free when we return.
+        // SAFETY: the caller's stream, context current.
+        let _ = unsafe { driver::stream_synchronize(stream.raw()) };
+        return Err(e);
+    }
+    Ok(())
+}
+
+fn bounce(device: &Device, src: u64, dst: &mut [u8], stream: StreamHandle) -> Result<()> {
+    let mut bufs: Vec<PinnedBuffer> = {
+        let mut cache = BOUNCE.lock();
+        let mut mine = Vec::with_capacity(BOUNCE_DEPTH);
+        let mut i = 0;
+        while i < cache.len() && mine.len() < BOUNCE_DEPTH {
+            if cache[i].0 == device.ordinal() {
+                mine.push(cache.swap_remove(i).1);
+            } else {
+                i += 1;
+            }
+        }
+        mine
+    };
+    while bufs.len() < BOUNCE_DEPTH {
+        bufs.push(PinnedBuffer::new(
+            device,
+            BOUNCE_CHUNK,
+            PinnedFlags::PORTABLE,
+        )?);
+    }
+    let events = (0..BOUNCE_DEPTH)
+        .map(|_| device.pooled_event())
+        .collect::<Result<Vec<_>>>()?;
+    let chunks: Vec<(usize, usize)> = (0..dst.len())
+        .step_by(BOUNCE_CHUNK)
+        .map(|off| (off, BOUNCE_CHUNK.min(dst.len() - off)))
+        .collect();
+    let mut issued = 0usize;
+    let mut result = Ok(());
+    // Prime the ring.
+    while issued < chunks.len().min(BOUNCE_DEPTH) {
+        let (off, len) = chunks[issued];
+        let k = issued % BOUNCE_DEPTH;
+        // SAFETY: bounce buffer k is ours and idle; src + off is within the source.
+        if let Err(e) = unsafe {
+            issue_d2h(
+                &events[k],
+                src + off as u64,
+                bufs[k].as_mut_ptr(),
+                len,
+                stream,
+            )
+        } {
+            result = Err(e);
+            break;
+        }
+        issued += 1;
+    }
+    let mut drained = 0usize;
+    while result.is_ok() && drained < chunks.len() {
+        let k = drained % BOUNCE_DEPTH;
+        if let Err(e) = events[k].synchronize() {
+            result = Err(e);
+            break;
+        }
+        let (off, len) = chunks[drained];
+        dst[off..off + len].copy_from_slice(&bufs[k].as_slice()[..len]);
+        drained += 1;
+        if issued < chunks.len() {
+            let (off, len) = chunks[issued];
+            // SAFETY: buffer k was just drained and its copy completed.
+            if let Err(e) = unsafe {
+                issue_d2h(
+                    &events[k],
+                    src + off as u64,
+                    bufs[k].as_mut_ptr(),
+                    len,
+                    stream,
+                )
+            } {
+                result = Err(e);
+                break;
+            }
+            issued += 1;
+        }
+    }
+    // Whatever happened, no copy may still write a buffer that goes back to the cache.
+    for ev in &events {
+        let _ = ev.synchronize();
+    }
+    BOUNCE
+        .lock()
+        .extend(bufs.into_iter().map(|b| (device.ordinal(), b)));
+    result
+}
+
+/// Frees the cached bounce buffers.
+pub fn release_bounce_buffers() {
+    BOUNCE.lock().clear();
+}
+
+/// Host memory a [`PendingCopy`] writes into and hands back when done.
+///
+/// # Safety
+/// Implementors return the same stable region from every call to `region`: its address must not
+/// change while the value is alive (it may be moved, the bytes may not).
+pub unsafe trait HostRegion: Send {
+    /// Start and length of the writable region.
+    fn region(&mut self) -> (*mut u8, usize);
+}
+
+// SAFETY: the heap block of a PinnedBuffer does not move with the value.
+unsafe impl HostRegion for PinnedBuffer {
+    fn region(&mut self) -> (*mut u8, usize) {
+        (self.as_mut_ptr(), self.len())
+    }
+}
+
+// SAFETY: a Vec's heap block does not move with the value (we never push to it).
+unsafe impl HostRegion for Vec<u8> {
+    fn region(&mut self) -> (*mut u8, usize) {
+        (self.as_mut_ptr(), self.len())
+    }
+}
+
+/// An asynchronous D2H copy into an owned host region. The region is handed back by
+/// [`PendingCopy::wait`]; dropping a pending copy waits for it first, so the region is never
+/// freed while the copy writes it.
+pub struct PendingCopy<B: HostRegion> {
+    buf: Option<B>,
+    event: Option<PooledEvent>,
+}
+
+impl<B: HostRegion> PendingCopy<B> {
+    /// Whether the copy completed (errors count as done: `wait` reports them).
+    pub fn is_done(&self) -> bool {
+        self.event
+            .as_ref()
+            .is_none_or(|e| e.query().unwrap_or(true))
+    }
+
+    /// Waits for the copy and returns the region.
+    pub fn wait(mut self) -> Result<B> {
+        let r = match self.event.take() {
+            Some(e) => e.synchronize(),
+            None => Ok(()),
+        };
+        let buf = self.buf.take().expect("buffer present until wait");
+        r.map(|()| buf)
+    }
+}
+
+impl<B: HostRegion> Drop for PendingCopy<B> {
+    fn drop(&mut self) {
+        if let Some(e) = self.event.take() {
+            let _ = e.synchronize();
+        }
+    }
+}
+
+/// Starts copying `src` into `dst` and returns at once. A pinned `dst` gets a truly
+/// asynchronous DMA; a pageable one is filled through the bounce ring before this returns
+/// (still correct, not overlapped).
+pub fn copy_d2h_async<B: HostRegion>(
+    device: &Device,
+    src: &DeviceView,
+    mut dst: B,
+    stream: StreamHandle,
+) -> Result<PendingCopy<B>> {
+    let (ptr, len) = dst.region();
+    check_src(device, src, len)?;
+    let n = src.nbytes();
+    if n == 0
+        || src.memory() == MemoryKind::Host
+        || !{
+            let _g = device.enter()?;
+            driver::is_pinned_host(ptr.cast())
+        }
+    {
+        // SAFETY: `region` is valid for `len` bytes and exclusively ours.
+        let slice = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+        copy_d2h(device, src, slice, stream)?;
+        return Ok(PendingCopy {
+            buf: Some(dst),
+            event: None,
+        });
+    }
+    let _g = enter_for_copy(device, stream)?;
+    let ev = device.pooled_event()?;
+    // SAFETY: the region is pinned, owned by the PendingCopy (which waits before releasing it),
+    // and holds at least n bytes; src is device memory of this device.
+    unsafe { issue_d2h(&ev, src.ptr(), ptr, n, stream) }?;
+    Ok(PendingCopy {
+        buf: Some(dst),
+        event: Some(ev),
+    })
+}

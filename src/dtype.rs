@@ -1,0 +1,235 @@
+//! Element types: DLPack codes, numpy names and Rust `Pod` types.
+
+use std::fmt;
+
+use static_assertions::assert_eq_size;
+
+/// DLPack type code for signed integers.
+pub const DL_INT: u8 = 0;
+/// DLPack type code for unsigned integers.
+pub const DL_UINT: u8 = 1;
+/// DLPack type code for IEEE floats.
+pub const DL_FLOAT: u8 = 2;
+/// DLPack type code for bfloat16.
+pub const DL_BFLOAT: u8 = 4;
+/// DLPack type code for complex numbers.
+pub const DL_COMPLEX: u8 = 5;
+/// DLPack type code for booleans.
+pub const DL_BOOL: u8 = 6;
+
+/// The element types pinstage moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DType {
+    /// `bool`, one byte (0 or 1).
+    Bool,
+    /// `int8`.
+    I8,
+    /// `int16`.
+    I16,
+    /// `int32`.
+    I32,
+    /// `int64`.
+    I64,
+    /// `uint8`.
+    U8,
+    /// `uint16`.
+    U16,
+    /// `uint32`.
+    U32,
+    /// `uint64`.
+    U64,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// `float32`.
+    F32,
+    /// `float64`.
+    F64,
+    /// Two `float32`.
+    C64,
+    /// Two `float64`.
+    C128,
+}
+
+impl DType {
+    /// Every dtype, in a stable order.
+    pub const ALL: [DType; 15] = [
+        DType::Bool,
+        DType::I8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+        DType::C64,
+        DType::C128,
+    ];
+
+    /// Size of one element in bytes.
+    pub const fn itemsize(self) -> usize {
+        match self {
+            DType::Bool | DType::I8 | DType::U8 => 1,
+            DType::I16 | DType::U16 | DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::U32 | DType::F32 => 4,
+            DType::I64 | DType::U64 | DType::F64 | DType::C64 => 8,
+            DType::C128 => 16,
+        }
+    }
+
+    /// DLPack `(code, bits)`, lanes being 1.
+    pub const fn dlpack(self) -> (u8, u8) {
+        let bits = (self.itemsize() * 8) as u8;
+        let code = match self {
+            DType::Bool => DL_BOOL,
+            DType::I8 | DType::I16 | DType::I32 | DType::I64 => DL_INT,
+            DType::U8 | DType::U16 | DType::U32 | DType::U64 => DL_UINT,
+            DType::F16 | DType::F32 | DType::F64 => DL_FLOAT,
+            DType::BF16 => DL_BFLOAT,
+            DType::C64 | DType::C128 => DL_COMPLEX,
+        };
+        (code, bits)
+    }
+
+    /// The dtype of a DLPack `(code, bits, lanes)`, or `None` when unsupported.
+    pub fn from_dlpack(code: u8, bits: u8, lanes: u16) -> Option<DType> {
+        if lanes != 1 {
+            return None;
+        }
+        DType::ALL.into_iter().find(|d| d.dlpack() == (code, bits))
+    }
+
+    /// The numpy name (`"int32"`, `"bfloat16"`, `"complex64"`...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::Bool => "bool",
+            DType::I8 => "int8",
+            DType::I16 => "int16",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::U8 => "uint8",
+            DType::U16 => "uint16",
+            DType::U32 => "uint32",
+            DType::U64 => "uint64",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+            DType::C64 => "complex64",
+            DType::C128 => "complex128",
+        }
+    }
+
+    /// Parses a numpy name or a framework's spelling (`"torch.int32"`, `"float"`, `"bool_"`).
+    pub fn from_name(name: &str) -> Option<DType> {
+        let n = name.trim();
+        let n = n.strip_prefix("torch.").unwrap_or(n);
+        let n = n.strip_prefix("numpy.").unwrap_or(n);
+        Some(match n {
+            "bool" | "bool_" | "b1" | "?" => DType::Bool,
+            "int8" | "i1" | "b" => DType::I8,
+            "int16" | "i2" | "short" | "h" => DType::I16,
+            "int32" | "i4" | "int" | "i" => DType::I32,
+            "int64" | "i8" | "long" | "q" | "l" => DType::I64,
+            "uint8" | "u1" | "B" => DType::U8,
+            "uint16" | "u2" | "H" => DType::U16,
+            "uint32" | "u4" | "I" => DType::U32,
+            "uint64" | "u8" | "Q" | "L" => DType::U64,
+            "float16" | "f2" | "half" | "e" => DType::F16,
+            "bfloat16" => DType::BF16,
+            "float32" | "f4" | "float" | "f" => DType::F32,
+            "float64" | "f8" | "double" | "d" => DType::F64,
+            "complex64" | "c8" | "cfloat" | "F" => DType::C64,
+            "complex128" | "c16" | "cdouble" | "D" => DType::C128,
+            _ => return None,
+        })
+    }
+
+    /// Whether the dtype is an integer (signed or not) or bool.
+    pub const fn is_integral(self) -> bool {
+        matches!(
+            self,
+            DType::Bool
+                | DType::I8
+                | DType::I16
+                | DType::I32
+                | DType::I64
+                | DType::U8
+                | DType::U16
+                | DType::U32
+                | DType::U64
+        )
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A boolean stored as one byte (0 or 1), `Pod` unlike `bool`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(transparent)]
+pub struct Bool8(pub u8);
+
+impl From<bool> for Bool8 {
+    fn from(b: bool) -> Self {
+        Bool8(b as u8)
+    }
+}
+
+/// A Rust type that is bit-for-bit one element of a [`DType`].
+pub trait Element: bytemuck::Pod + Send + Sync + 'static {
+    /// The matching dtype.
+    const DTYPE: DType;
+}
+
+macro_rules! element {
+    ($($t:ty => $d:expr),* $(,)?) => {
+        $(
+            impl Element for $t { const DTYPE: DType = $d; }
+            assert_eq_size!($t, [u8; $d.itemsize()]);
+        )*
+    };
+}
+
+element! {
+    Bool8 => DType::Bool,
+    i8 => DType::I8, i16 => DType::I16, i32 => DType::I32, i64 => DType::I64,
+    u8 => DType::U8, u16 => DType::U16, u32 => DType::U32, u64 => DType::U64,
+    half::f16 => DType::F16, half::bf16 => DType::BF16,
+    f32 => DType::F32, f64 => DType::F64,
+    num_complex::Complex32 => DType::C64, num_complex::Complex64 => DType::C128,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dlpack_codes_round_trip() {
+        for d in DType::ALL {
+            let (code, bits) = d.dlpack();
+            assert_eq!(DType::from_dlpack(code, bits, 1), Some(d));
+            assert_eq!(
+                DType::from_dlpack(code, bits, 2),
+                None,
+                "lanes != 1 refused"
+            );
+            assert_eq!(DType::from_name(d.name()), Some(d));
+            assert_eq!(bits as usize, d.itemsize() * 8);
+        }
+        assert_eq!(DType::from_dlpack(DL_FLOAT, 8, 1), None);
+        assert_eq!(DType::from_dlpack(3, 64, 1), None, "opaque handles refused");
+        assert_eq!(DType::from_name("torch.int32"), Some(DType::I32));
+        assert_eq!(DType::from_name("object"), None);
+    }
+}

@@ -1,0 +1,169 @@
+//! Page-locked host memory from `cuMemHostAlloc`.
+
+use std::ptr::NonNull;
+
+use crate::device::Device;
+use crate::driver;
+use crate::error::{Error, Result};
+
+/// Allocation flags for [`PinnedBuffer`]. `PORTABLE` is always set: the memory is pinned for
+/// every context, so buffers work with any framework's context on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PinnedFlags {
+    write_combined: bool,
+}
+
+impl PinnedFlags {
+    /// `CU_MEMHOSTALLOC_PORTABLE`: for buffers the CPU reads (D2H destinations, pools).
+    pub const PORTABLE: Self = Self {
+        write_combined: false,
+    };
+    /// `PORTABLE | CU_MEMHOSTALLOC_WRITECOMBINED`: only for H2D staging buffers the CPU writes
+    /// and never reads (CPU reads of write-combined memory are very slow).
+    pub const WRITE_COMBINED: Self = Self {
+        write_combined: true,
+    };
+
+    /// Whether the memory is write-combined.
+    pub fn is_write_combined(self) -> bool {
+        self.write_combined
+    }
+
+    fn raw(self) -> u32 {
+        driver::HOSTALLOC_PORTABLE
+            | if self.write_combined {
+                driver::HOSTALLOC_WRITECOMBINED
+            } else {
+                0
+            }
+    }
+}
+
+/// An owned block of pinned host memory. Dropping it frees the block with `cuMemFreeHost`; the
+/// owner must make sure no copy still reads or writes it (the stager, the pool and pending
+/// copies do, by waiting on their events first).
+///
+/// `Send + Sync`: it owns plain memory; `&PinnedBuffer` only reads, writes need `&mut`.
+pub struct PinnedBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+    flags: PinnedFlags,
+    /// Keeps the primary context (which owns the pinned mapping) alive.
+    device: Device,
+}
+
+// SAFETY: the buffer is uniquely owned host memory; the driver lets it be freed from any thread.
+unsafe impl Send for PinnedBuffer {}
+// SAFETY: shared references only allow reads of the bytes.
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Allocates `len` bytes of pinned memory. A 0-byte buffer allocates nothing.
+    pub fn new(device: &Device, len: usize, flags: PinnedFlags) -> Result<Self> {
+        if len == 0 {
+            return Ok(Self {
+                ptr: NonNull::dangling(),
+                len: 0,
+                flags,
+                device: device.clone(),
+            });
+        }
+        let _g = device.enter()?;
+        // SAFETY: the device's context is current (guard).
+        let raw = unsafe { driver::mem_host_alloc(len, flags.raw()) }?;
+        let ptr = NonNull::new(raw.cast::<u8>())
+            .ok_or_else(|| Error::InvalidArgument("cuMemHostAlloc returned null".into()))?;
+        Ok(Self {
+            ptr,
+            len,
+            flags,
+            device: device.clone(),
+        })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The flags it was allocated with.
+    pub fn flags(&self) -> PinnedFlags {
+        self.flags
+    }
+
+    /// The device whose context allocated it.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Start of the block.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Start of the block, for writing.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The bytes. Reading write-combined memory is correct but very slow.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len bytes (or dangling with len 0) for our lifetime.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in as_slice, and `&mut self` is exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// A typed view (the block is page-aligned, so any Pod type's alignment holds); the length
+    /// must be a multiple of `size_of::<T>()`.
+    pub fn typed<T: bytemuck::Pod>(&self) -> Result<&[T]> {
+        bytemuck::try_cast_slice(self.as_slice())
+            .map_err(|e| Error::InvalidArgument(format!("typed view: {e:?}")))
+    }
+
+    /// A typed mutable view.
+    pub fn typed_mut<T: bytemuck::Pod>(&mut self) -> Result<&mut [T]> {
+        bytemuck::try_cast_slice_mut(self.as_mut_slice())
+            .map_err(|e| Error::InvalidArgument(format!("typed view: {e:?}")))
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        // cuMemFreeHost needs no particular current context for PORTABLE memory, but enter ours
+        // so the call works from any thread; errors are ignored: drop never panics.
+        if let Ok(_g) = self.device.enter() {
+            // SAFETY: allocated by cuMemHostAlloc in `new`, freed once; owners guarantee no copy
+            // is in flight.
+            let _ = unsafe { driver::mem_free_host(self.ptr.as_ptr().cast()) };
+        }
+    }
+}
+
+impl std::fmt::Debug for PinnedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedBuffer")
+            .field("len", &self.len)
+            .field("flags", &self.flags)
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+/// Whether `ptr` lies in page-locked host memory known to the CUDA driver (allocated or
+/// registered by pinstage, PyTorch, CuPy, JAX...). `false` without a driver.
+pub fn is_pinned(ptr: *const u8) -> bool {
+    crate::device::cuda_available() && driver::is_pinned_host(ptr.cast())
+}

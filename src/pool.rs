@@ -1,0 +1,311 @@
+//! A pool of pinned blocks, so repeated D2H results do not pay `cuMemHostAlloc` (about 0.1 ms
+//! per MB).
+//!
+//! Size classes: 4 KiB minimum, then four classes per power of two (at most 25% waste). A byte
+//! budget bounds the pinned bytes the pool holds (cached and in use); past it, cached blocks are
+//! evicted, and if that is not enough the request is served by pageable memory (counted).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::d2h::HostRegion;
+use crate::device::Device;
+use crate::error::Result;
+use crate::pinned::{PinnedBuffer, PinnedFlags};
+
+/// Default budget: 4 GiB of pinned memory.
+pub const DEFAULT_BUDGET: usize = 4 << 30;
+
+/// Counters and gauges of a pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Requests served from the cache.
+    pub hits: u64,
+    /// Requests that allocated a new pinned block.
+    pub misses: u64,
+    /// Requests served by pageable memory because the budget was exhausted.
+    pub pageable_fallbacks: u64,
+    /// Cached blocks freed to stay within the budget or by `empty_cache`.
+    pub evictions: u64,
+    /// Pinned bytes in blocks handed out now.
+    pub in_use_bytes: usize,
+    /// Pinned bytes cached for reuse now.
+    pub cached_bytes: usize,
+    /// Highest `in_use_bytes + cached_bytes` seen.
+    pub peak_bytes: usize,
+    /// The budget.
+    pub budget_bytes: usize,
+}
+
+struct State {
+    free: BTreeMap<usize, Vec<PinnedBuffer>>,
+    stats: PoolStats,
+}
+
+struct Inner {
+    device: Device,
+    state: Mutex<State>,
+}
+
+/// A pool of pinned blocks on one device. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct PinnedPool {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for PinnedPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedPool")
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+/// The size class that serves `len` bytes.
+pub fn size_class(len: usize) -> usize {
+    const MIN: usize = 4096;
+    if len <= MIN {
+        return MIN;
+    }
+    let top = usize::BITS - 1 - len.leading_zeros(); // floor(log2(len))
+    let quarter = (1usize << top) / 4;
+    len.div_ceil(quarter) * quarter
+}
+
+impl PinnedPool {
+    /// An empty pool on `device` with `budget` bytes.
+    pub fn new(device: &Device, budget: usize) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                device: device.clone(),
+                state: Mutex::new(State {
+                    free: BTreeMap::new(),
+                    stats: PoolStats {
+                        budget_bytes: budget,
+                        ..PoolStats::default()
+                    },
+                }),
+            }),
+        }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// A block of at least `len` bytes: cached, newly pinned, or pageable past the budget.
+    pub fn acquire(&self, len: usize) -> Result<PoolBlock> {
+        let class = size_class(len);
+        let mut evicted = Vec::new();
+        {
+            let mut st = self.inner.state.lock();
+            if let Some(buf) = st.free.get_mut(&class).and_then(Vec::pop) {
+                st.stats.hits += 1;
+                st.stats.cached_bytes -= class;
+                st.stats.in_use_bytes += class;
+                return Ok(self.block(buf, len));
+            }
+            // Make room within the budget by evicting cached blocks, largest first.
+            while st.stats.in_use_bytes + st.stats.cached_bytes + class > st.stats.budget_bytes
+                && st.stats.cached_bytes > 0
+            {
+                let (&c, list) = st.free.iter_mut().next_back().expect("cached bytes > 0");
+                if let Some(b) = list.pop() {
+                    st.stats.cached_bytes -= c;
+                    st.stats.evictions += 1;
+                    evicted.push(b);
+                }
+                if st.free.get(&c).is_some_and(Vec::is_empty) {
+                    st.free.remove(&c);
+                }
+            }
+            if st.stats.in_use_bytes + st.stats.cached_bytes + class > st.stats.budget_bytes {
+                st.stats.pageable_fallbacks += 1;
+                drop(st);
+                drop(evicted);
+                return Ok(PoolBlock {
+                    kind: Kind::Pageable(vec![0u8; len]),
+                    len,
+                });
+            }
+            // Reserve before allocating outside the lock.
+            st.stats.misses += 1;
+            st.stats.in_use_bytes += class;
+            let total = st.stats.in_use_bytes + st.stats.cached_bytes;
+            st.stats.peak_bytes = st.stats.peak_bytes.max(total);
+        }
+        drop(evicted); // free outside the lock
+        match PinnedBuffer::new(&self.inner.device, class, PinnedFlags::PORTABLE) {
+            Ok(buf) => Ok(self.block(buf, len)),
+            Err(e) => {
+                self.inner.state.lock().stats.in_use_bytes -= class;
+                Err(e)
+            }
+        }
+    }
+
+    fn block(&self, buf: PinnedBuffer, len: usize) -> PoolBlock {
+        PoolBlock {
+            kind: Kind::Pinned {
+                buf: Some(buf),
+                pool: self.inner.clone(),
+            },
+            len,
+        }
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> PoolStats {
+        self.inner.state.lock().stats
+    }
+
+    /// Changes the budget; cached blocks beyond it are freed now.
+    pub fn set_budget(&self, budget: usize) {
+        let evicted = {
+            let mut st = self.inner.state.lock();
+            st.stats.budget_bytes = budget;
+            Self::trim(&mut st)
+        };
+        drop(evicted);
+    }
+
+    /// Frees every cached block (blocks in use are unaffected).
+    pub fn empty_cache(&self) {
+        let evicted = {
+            let mut st = self.inner.state.lock();
+            let all: Vec<_> = std::mem::take(&mut st.free)
+                .into_values()
+                .flatten()
+                .collect();
+            st.stats.evictions += all.len() as u64;
+            st.stats.cached_bytes = 0;
+            all
+        };
+        drop(evicted);
+    }
+
+    fn trim(st: &mut State) -> Vec<PinnedBuffer> {
+        let mut evicted = Vec::new();
+        while st.stats.in_use_bytes + st.stats.cached_bytes > st.stats.budget_bytes
+            && st.stats.cached_bytes > 0
+        {
+            let (&c, list) = st.free.iter_mut().next_back().expect("cached bytes > 0");
+            if let Some(b) = list.pop() {
+                st.stats.cached_bytes -= c;
+                st.stats.evictions += 1;
+                evicted.push(b);
+            }
+            if st.free.get(&c).is_some_and(Vec::is_empty) {
+                st.free.remove(&c);
+            }
+        }
+        evicted
+    }
+}
+
+enum Kind {
+    Pinned {
+        buf: Option<PinnedBuffer>,
+        pool: Arc<Inner>,
+    },
+    Pageable(Vec<u8>),
+}
+
+/// A block from a [`PinnedPool`]: `len` usable bytes, pinned unless the budget was exhausted.
+/// Returns to the pool's cache when dropped.
+pub struct PoolBlock {
+    kind: Kind,
+    len: usize,
+}
+
+impl PoolBlock {
+    /// Usable length (the requested size).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the block is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the block is pinned (else it is a pageable fallback).
+    pub fn is_pinned(&self) -> bool {
+        matches!(self.kind, Kind::Pinned { .. })
+    }
+
+    /// Start of the block.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        match &mut self.kind {
+            Kind::Pinned { buf, .. } => buf.as_mut().expect("present until drop").as_mut_ptr(),
+            Kind::Pageable(v) => v.as_mut_ptr(),
+        }
+    }
+
+    /// The usable bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match &self.kind {
+            Kind::Pinned { buf, .. } => {
+                &buf.as_ref().expect("present until drop").as_slice()[..self.len]
+            }
+            Kind::Pageable(v) => &v[..self.len],
+        }
+    }
+
+    /// The usable bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        let len = self.len;
+        match &mut self.kind {
+            Kind::Pinned { buf, .. } => {
+                &mut buf.as_mut().expect("present until drop").as_mut_slice()[..len]
+            }
+            Kind::Pageable(v) => &mut v[..len],
+        }
+    }
+}
+
+// SAFETY: both the pinned block and the Vec's heap block stay put when the PoolBlock moves.
+unsafe impl HostRegion for PoolBlock {
+    fn region(&mut self) -> (*mut u8, usize) {
+        (self.as_mut_ptr(), self.len)
+    }
+}
+
+impl Drop for PoolBlock {
+    fn drop(&mut self) {
+        if let Kind::Pinned { buf, pool } = &mut self.kind
+            && let Some(buf) = buf.take()
+        {
+            let class = buf.len();
+            let evicted = {
+                let mut st = pool.state.lock();
+                st.stats.in_use_bytes -= class;
+                st.stats.cached_bytes += class;
+                st.free.entry(class).or_default().push(buf);
+                PinnedPool::trim(&mut st)
+            };
+            drop(evicted);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::size_class;
+
+    #[test]
+    fn size_classes_bound_waste() {
+        assert_eq!(size_class(0), 4096);
+        assert_eq!(size_class(4096), 4096);
+        assert_eq!(size_class(4097), 5120);
+        assert_eq!(size_class(1 << 30), 1 << 30);
+        assert_eq!(size_class((1 << 30) + 1), (1 << 30) + (1 << 28));
+        for len in [5000usize, 65_537, 1_000_000, 123_456_789] {
+            let c = size_class(len);
+            assert!(c >= len && (c - len) * 4 <= len, "{len} -> {c}");
+        }
+    }
+}

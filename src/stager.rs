@@ -1,0 +1,539 @@
+//! The stager: a ring of persistent pinned buffers for small host-to-device copies.
+//!
+//! Each device copy writes values and padding into one slot's pinned buffer on the host and
+//! issues exactly ONE `cuMemcpyHtoDAsync` from it, then records the slot's event. A slot is not
+//! rewritten until that event completed. Slots are claimed through [`crate::ring`]'s atomics:
+//! no lock is held while waiting, and a waiting thread blocks no other slot.
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering as StatOrdering};
+
+use crate::device::{ContextGuard, Device, Event, StreamHandle};
+use crate::dlpack::{DeviceView, MemoryKind};
+use crate::driver;
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+use crate::mirror::{CopyKey, H2DMirror};
+use crate::pinned::{PinnedBuffer, PinnedFlags};
+use crate::ring::Ring;
+use crate::sync::UnsafeCell;
+
+/// Counters of a stager; every field is monotonic except `pinned_bytes`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StagerStats {
+    /// Device copies issued (one `cuMemcpyHtoDAsync` each).
+    pub copies: u64,
+    /// Copies of host destinations, written directly.
+    pub host_copies: u64,
+    /// Copies skipped because the mirror showed the destination already held the values.
+    pub skipped: u64,
+    /// Bytes copied (device and host, values and padding).
+    pub bytes: u64,
+    /// Claims that found the slot's last copy still running and waited for its event.
+    pub waits: u64,
+    /// Slot buffers grown because a copy exceeded their capacity.
+    pub growths: u64,
+    /// Pinned bytes held by the ring now.
+    pub pinned_bytes: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    copies: AtomicU64,
+    host_copies: AtomicU64,
+    skipped: AtomicU64,
+    bytes: AtomicU64,
+    waits: AtomicU64,
+    growths: AtomicU64,
+    pinned_bytes: AtomicU64,
+}
+
+impl Counters {
+    #[inline]
+    fn add(c: &AtomicU64, v: u64) {
+        // Relaxed: statistics only, no data is published through them.
+        c.fetch_add(v, StatOrdering::Relaxed);
+    }
+}
+
+struct Slot {
+    buf: UnsafeCell<PinnedBuffer>,
+    event: Event,
+}
+
+/// What one `copy_` did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyOutcome {
+    /// One device copy was issued from slot `slot`.
+    Issued {
+        /// The ring slot used.
+        slot: usize,
+    },
+    /// A host destination was written directly.
+    Host,
+    /// The mirror showed the destination already holds these values: nothing was done.
+    Skipped,
+    /// Nothing to copy (0 elements).
+    Empty,
+}
+
+/// The untyped stager: element type chosen at run time (the Python layer uses this one).
+/// [`PinnedStager`] is the typed facade.
+///
+/// `Sync`: the slot protocol gives each slot's buffer a single owner at a time (see
+/// [`crate::ring`]); events are driver handles safe to use from any thread.
+pub struct Stager {
+    dtype: DType,
+    ordinal: i32,
+    device: Option<Device>,
+    unavailable: Option<String>,
+    ring: Ring,
+    slots: Box<[Slot]>,
+    stats: Counters,
+}
+
+// SAFETY: `Slot::buf` is only accessed by the thread that owns the slot in state WRITING (ring
+// protocol) or through `&mut self`; everything else is atomics or driver handles usable from any
+// thread.
+unsafe impl Sync for Stager {}
+// SAFETY: all fields are owned and may move between threads (see PinnedBuffer and Event).
+unsafe impl Send for Stager {}
+
+impl std::fmt::Debug for Stager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stager")
+            .field("dtype", &self.dtype)
+            .field("device", &self.ordinal)
+            .field("depth", &self.ring.depth())
+            .field("cuda", &self.device.is_some())
+            .finish()
+    }
+}
+
+/// Default slot capacity in elements.
+pub const DEFAULT_NUMEL: usize = 256;
+/// Default ring depth.
+pub const DEFAULT_DEPTH: usize = 8;
+
+impl Stager {
+    /// A stager of `depth` slots of `numel` elements of `dtype` on device `ordinal`.
+    ///
+    /// Without a driver this succeeds and serves host destinations only; a device destination
+    /// then gets [`Error::CudaUnavailable`]. A bad ordinal with a driver present is an error.
+    pub fn new(dtype: DType, ordinal: i32, numel: usize, depth: usize) -> Result<Self> {
+        if depth == 0 {
+            return Err(Error::InvalidArgument("depth must be at least 1".into()));
+        }
+        let slot_bytes = numel
+            .checked_mul(dtype.itemsize())
+            .ok_or_else(|| Error::InvalidArgument(format!("numel {numel} overflows")))?;
+        let stats = Counters::default();
+        let (device, unavailable, slots) = match Device::new(ordinal) {
+            Ok(device) => {
+                let slots = (0..depth)
+                    .map(|_| {
+                        Ok(Slot {
+                            buf: UnsafeCell::new(PinnedBuffer::new(
+                                &device,
+                                slot_bytes,
+                                PinnedFlags::WRITE_COMBINED,
+                            )?),
+                            event: Event::new(&device)?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                stats
+                    .pinned_bytes
+                    .store((slot_bytes * depth) as u64, StatOrdering::Relaxed);
+                (Some(device), None, slots)
+            }
+            Err(Error::CudaUnavailable { reason }) => (None, Some(reason), Vec::new()),
+            Err(e) => return Err(e),
+        };
+        Ok(Self {
+            dtype,
+            ordinal,
+            device,
+            unavailable,
+            ring: Ring::new(depth),
+            slots: slots.into_boxed_slice(),
+            stats,
+        })
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device ordinal served.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Number of slots.
+    pub fn depth(&self) -> usize {
+        self.ring.depth()
+    }
+
+    /// Whether device destinations can be served (a driver and the device were found).
+    pub fn has_cuda(&self) -> bool {
+        self.device.is_some()
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> StagerStats {
+        let s = &self.stats;
+        let l = |c: &AtomicU64| c.load(StatOrdering::Relaxed);
+        StagerStats {
+            copies: l(&s.copies),
+            host_copies: l(&s.host_copies),
+            skipped: l(&s.skipped),
+            bytes: l(&s.bytes),
+            waits: l(&s.waits),
+            growths: l(&s.growths),
+            pinned_bytes: l(&s.pinned_bytes),
+        }
+    }
+
+    /// Writes `values` (and, with `pad`, the pad element up to the destination's length) into
+    /// `dst`, on `stream` for a device destination. `values` and `pad` are raw element bytes of
+    /// the stager's dtype. See [`PinnedStager::copy_`] for the rules.
+    pub fn copy_bytes(
+        &self,
+        dst: &DeviceView,
+        values: &[u8],
+        pad: Option<&[u8]>,
+        mirror: Option<&mut H2DMirror>,
+        stream: StreamHandle,
+    ) -> Result<CopyOutcome> {
+        // Validate everything before any side effect.
+        if dst.dtype() != self.dtype {
+            return Err(Error::DtypeMismatch {
+                expected: self.dtype,
+                got: dst.dtype(),
+            });
+        }
+        let itemsize = self.dtype.itemsize();
+        if values.len() % itemsize != 0 {
+            return Err(Error::RaggedBytes {
+                bytes: values.len(),
+                itemsize,
+            });
+        }
+        if let Some(p) = pad
+            && p.len() != itemsize
+        {
+            return Err(Error::InvalidArgument(format!(
+                "pad is {} bytes, expected one {}-byte {} element",
+                p.len(),
+                itemsize,
+                self.dtype
+            )));
+        }
+        let n = values.len() / itemsize;
+        let capacity = dst.numel();
+        if n > capacity {
+            return Err(Error::TooManyValues {
+                values: n,
+                capacity,
+            });
+        }
+        if dst.is_read_only() {
+            return Err(Error::ReadOnly);
+        }
+        let device = match dst.memory() {
+            MemoryKind::Cuda(id) => {
+                let Some(device) = &self.device else {
+                    return Err(Error::unavailable(
+                        self.unavailable.clone().unwrap_or_default(),
+                    ));
+                };
+                if id != self.ordinal {
+                    return Err(Error::WrongDevice {
+                        what: "stager",
+                        expected: self.ordinal,
+                        got: id,
+                    });
+                }
+                Some(device)
+            }
+            MemoryKind::Host => None,
+        };
+        let total = if pad.is_some() {
+            capacity * itemsize
+        } else {
+            values.len()
+        };
+        if total == 0 {
+            return Ok(CopyOutcome::Empty);
+        }
+        let key = CopyKey::new(dst.ptr(), dst.nbytes(), pad);
+        let mut mirror = mirror;
+        if let Some(m) = mirror.as_deref_mut() {
+            m.bind(dst.ptr(), dst.nbytes())?;
+            if m.matches(key.as_bytes(), values) {
+                Counters::add(&self.stats.skipped, 1);
+                return Ok(CopyOutcome::Skipped);
+            }
+        }
+        let outcome = match device {
+            None => {
+                // SAFETY: the view's contract: `dst` is valid, writable host memory of
+                // `capacity` elements; `total <= capacity * itemsize`. `write_padded` tolerates
+                // `values` overlapping `dst` (memmove).
+                unsafe { write_padded(dst.ptr() as *mut u8, values, pad, total, true) };
+                Counters::add(&self.stats.host_copies, 1);
+                CopyOutcome::Host
+            }
+            Some(device) => {
+                let _g = self.enter_for_copy(device, stream)?;
+                let slot = self.issue(device, dst.ptr(), values, pad, total, stream)?;
+                Counters::add(&self.stats.copies, 1);
+                CopyOutcome::Issued { slot }
+            }
+        };
+        Counters::add(&self.stats.bytes, total as u64);
+        if let Some(m) = mirror {
+            m.record(key.as_bytes(), values);
+        }
+        Ok(outcome)
+    }
+
+    fn enter_for_copy(&self, device: &Device, stream: StreamHandle) -> Result<ContextGuard> {
+        let g = device.enter()?;
+        // SAFETY: context current; the stream handle is the caller's (a bad handle is reported
+        // by the driver as an error).
+        if unsafe { driver::stream_is_capturing(stream.raw()) }? {
+            return Err(Error::StreamCapturing);
+        }
+        Ok(g)
+    }
+
+    /// Claims a slot, writes it and issues the one copy. Context is current.
+    fn issue(
+        &self,
+        device: &Device,
+        dst: u64,
+        values: &[u8],
+        pad: Option<&[u8]>,
+        total: usize,
+        stream: StreamHandle,
+    ) -> Result<usize> {
+        let claim = self.ring.claim();
+        let slot = &self.slots[claim.index];
+        // Whether a copy may still be reading the slot's buffer; decides how the slot is
+        // released on every path, errors included.
+        let mut pending = claim.was_in_flight;
+        let result = (|| -> Result<()> {
+            if pending {
+                if !slot.event.query()? {
+                    Counters::add(&self.stats.waits, 1);
+                    slot.event.synchronize()?;
+                }
+                pending = false;
+            }
+            // SAFETY: we own the slot (state WRITING) and its last copy completed, so nobody
+            // else reads or writes the buffer until we release it.
+            let src = unsafe {
+                slot.buf.with_mut(|b| -> Result<*const u8> {
+                    let buf = &mut *b;
+                    if buf.len() < total {
+                        let cap = total.max(buf.len().saturating_mul(2));
+                        let grown = PinnedBuffer::new(device, cap, PinnedFlags::WRITE_COMBINED)?;
+                        let old = std::mem::replace(buf, grown);
+                        self.stats
+                            .pinned_bytes
+                            .fetch_add(cap as u64, StatOrdering::Relaxed);
+                        self.stats
+                            .pinned_bytes
+                            .fetch_sub(old.len() as u64, StatOrdering::Relaxed);
+                        Counters::add(&self.stats.growths, 1);
+                    }
+                    write_padded(buf.as_mut_ptr(), values, pad, total, false);
+                    Ok(buf.as_ptr())
+                })
+            }?;
+            // The buffer is write-combined: drain the CPU's write-combining buffers before the
+            // copy engine may read it.
+            store_fence();
+            // SAFETY: `src` holds `total` bytes and stays untouched until the event recorded
+            // below completed (ring protocol); `dst` is device memory of this device (checked by
+            // the caller: the view's contract covers its size); the stream is the caller's.
+            unsafe { driver::memcpy_htod_async(dst, src.cast(), total, stream.raw()) }?;
+            pending = true;
+            if let Err(e) = slot.event.record_entered(stream) {
+                // The copy cannot be tracked: wait for it before the slot is reused.
+                // SAFETY: the caller's stream, context current.
+                if unsafe { driver::stream_synchronize(stream.raw()) }.is_ok() {
+                    pending = false;
+                }
+                return Err(e);
+            }
+            Ok(())
+        })();
+        self.ring.release(claim.index, pending);
+        result.map(|()| claim.index)
+    }
+}
+
+impl Drop for Stager {
+    fn drop(&mut self) {
+        for i in 0..self.slots.len() {
+            if self.ring.is_in_flight(i) {
+                // Never free a buffer a copy still reads. Errors are ignored: drop never panics.
+                let _ = self.slots[i].event.synchronize();
+            }
+        }
+    }
+}
+
+#[inline]
+fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: sfence has no preconditions on x86_64.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Writes `values` then the `pad` element repeated up to `total` bytes at `dst`, never reading
+/// `dst` (it may be write-combined).
+///
+/// # Safety
+/// 1. `dst` is valid for writes of `total` bytes, and `values.len() <= total`.
+/// 2. `pad` is `Some` when `values.len() < total`; `total - values.len()` is a multiple of its
+///    length, which divides 512.
+/// 3. Without `may_overlap`, `values` does not overlap `dst..dst+total`.
+#[inline]
+unsafe fn write_padded(
+    dst: *mut u8,
+    values: &[u8],
+    pad: Option<&[u8]>,
+    total: usize,
+    may_overlap: bool,
+) {
+    // SAFETY: contract 1 and 3 (memmove when overlap is possible).
+    unsafe {
+        if may_overlap {
+            std::ptr::copy(values.as_ptr(), dst, values.len());
+        } else {
+            std::ptr::copy_nonoverlapping(values.as_ptr(), dst, values.len());
+        }
+    }
+    let rest = total - values.len();
+    if rest == 0 {
+        return;
+    }
+    let Some(p) = pad else { return };
+    let mut chunk = [0u8; 512];
+    for (i, b) in chunk.iter_mut().enumerate() {
+        *b = p[i % p.len()];
+    }
+    // SAFETY: contract 1: we write exactly `rest` bytes after the values.
+    unsafe {
+        let mut out = dst.add(values.len());
+        let mut left = rest;
+        while left >= chunk.len() {
+            std::ptr::copy_nonoverlapping(chunk.as_ptr(), out, chunk.len());
+            out = out.add(chunk.len());
+            left -= chunk.len();
+        }
+        std::ptr::copy_nonoverlapping(chunk.as_ptr(), out, left);
+    }
+}
+
+/// Typed facade over [`Stager`]: `PinnedStager::<i32>::new(0, 256, 8)`.
+pub struct PinnedStager<T: Element> {
+    raw: Stager,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: Element> std::fmt::Debug for PinnedStager<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.raw.fmt(f)
+    }
+}
+
+impl<T: Element> PinnedStager<T> {
+    /// A ring of `depth` pinned slots of `numel` elements on device `ordinal` (defaults:
+    /// [`DEFAULT_NUMEL`], [`DEFAULT_DEPTH`]). Succeeds without a driver (host destinations
+    /// only).
+    pub fn new(ordinal: i32, numel: usize, depth: usize) -> Result<Self> {
+        Ok(Self {
+            raw: Stager::new(T::DTYPE, ordinal, numel, depth)?,
+            _t: PhantomData,
+        })
+    }
+
+    /// `dst[..values.len()] = values` and, with `pad`, the rest of `dst` = `pad`, as ONE
+    /// non-blocking host-to-device copy on `stream` from a pinned ring slot.
+    ///
+    /// - Without `pad` only `values.len()` elements change; more values than `dst` holds is
+    ///   [`Error::TooManyValues`]; a 0-element copy issues nothing.
+    /// - `dst` must be of `T`'s dtype ([`Error::DtypeMismatch`]), writable, on this stager's
+    ///   device ([`Error::WrongDevice`]). A host destination is written directly, padding too.
+    /// - A stream capturing a CUDA graph is refused ([`Error::StreamCapturing`]).
+    /// - With a `mirror` that already records these values for `dst`, nothing is copied.
+    /// - `values` may be overwritten as soon as this returns.
+    pub fn copy_(
+        &self,
+        dst: &DeviceView,
+        values: &[T],
+        pad: Option<T>,
+        mirror: Option<&mut H2DMirror>,
+        stream: StreamHandle,
+    ) -> Result<CopyOutcome> {
+        let pad_bytes = pad.as_ref().map(bytemuck::bytes_of);
+        self.raw
+            .copy_bytes(dst, bytemuck::cast_slice(values), pad_bytes, mirror, stream)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> StagerStats {
+        self.raw.stats()
+    }
+
+    /// The untyped stager.
+    pub fn raw(&self) -> &Stager {
+        &self.raw
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn write_padded_layout() {
+        for itemsize in [1usize, 2, 4, 8, 16] {
+            for total_elems in [0usize, 1, 3, 255, 256, 257, 1000] {
+                for n in [0usize, 1, total_elems / 2, total_elems] {
+                    if n > total_elems {
+                        continue;
+                    }
+                    let values: Vec<u8> = (0..n * itemsize).map(|i| (i % 251) as u8 + 1).collect();
+                    let pad: Vec<u8> = (0..itemsize).map(|i| 0xA0 + i as u8).collect();
+                    let mut out = vec![0xEEu8; total_elems * itemsize + 7];
+                    // SAFETY: out holds total + 7 bytes; values do not overlap.
+                    unsafe {
+                        write_padded(
+                            out.as_mut_ptr(),
+                            &values,
+                            Some(&pad),
+                            total_elems * itemsize,
+                            false,
+                        )
+                    };
+                    assert_eq!(&out[..values.len()], &values[..]);
+                    for e in n..total_elems {
+                        assert_eq!(&out[e * itemsize..(e + 1) * itemsize], &pad[..]);
+                    }
+                    assert!(out[total_elems * itemsize..].iter().all(|&b| b == 0xEE));
+                }
+            }
+        }
+    }
+}

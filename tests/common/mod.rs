@@ -1,0 +1,103 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use pinstage::DType;
+
+/// Element counts from `fixtures/sizes.txt`.
+pub fn sizes() -> Vec<usize> {
+    read_fixture("sizes.txt")
+        .iter()
+        .map(|l| l.parse().expect("size"))
+        .collect()
+}
+
+/// dtypes from `fixtures/dtypes.txt`.
+pub fn dtypes() -> Vec<DType> {
+    read_fixture("dtypes.txt")
+        .iter()
+        .map(|l| DType::from_name(l).expect("dtype"))
+        .collect()
+}
+
+fn read_fixture(name: &str) -> Vec<String> {
+    // The GPU machine runs binaries built here from another checkout path: PINSTAGE_FIXTURES
+    // (set by scripts/gpu-run) or ./fixtures take precedence over the build-time path.
+    let dir = std::env::var_os("PINSTAGE_FIXTURES")
+        .map(std::path::PathBuf::from)
+        .or_else(|| Some(std::path::PathBuf::from("fixtures")).filter(|p| p.is_dir()))
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures"));
+    let path = dir.join(name);
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Deterministic, non-zero-heavy element bytes for `dtype` (bools are 0/1 mixed).
+pub fn values(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(n * dtype.itemsize());
+    for i in 0..n * dtype.itemsize() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = if dtype == DType::Bool {
+            ((x >> 11) & 1) as u8 ^ (i as u8 & 1)
+        } else {
+            (x >> 24) as u8 | 1
+        };
+        out.push(b);
+    }
+    out
+}
+
+/// One pad element, distinct from values and poison.
+pub fn pad(dtype: DType) -> Vec<u8> {
+    if dtype == DType::Bool {
+        vec![1]
+    } else {
+        (0..dtype.itemsize())
+            .map(|i| 0x5A ^ (i as u8 * 16))
+            .collect()
+    }
+}
+
+/// Poison byte written before every copy.
+pub const POISON: u8 = 0xA5;
+
+/// Checks `out` = values, then pad up to `padded_elems`, then poison.
+pub fn check_layout(out: &[u8], values: &[u8], pad: Option<&[u8]>, padded_bytes: usize) {
+    assert_eq!(&out[..values.len()], values, "values differ");
+    if let Some(p) = pad {
+        for (i, chunk) in out[values.len()..padded_bytes].chunks(p.len()).enumerate() {
+            assert_eq!(chunk, p, "pad element {i} differs");
+        }
+    }
+    let end = if pad.is_some() {
+        padded_bytes
+    } else {
+        values.len()
+    };
+    assert!(
+        out[end..].iter().all(|&b| b == POISON),
+        "bytes past the copy were touched"
+    );
+}
+
+/// `Some(device)` when a GPU is present; otherwise prints the skip reason and returns `None`,
+/// or panics when `PINSTAGE_REQUIRE_GPU=1`.
+pub fn gpu_or_skip(test: &str) -> Option<pinstage::Device> {
+    match pinstage::Device::new(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            if std::env::var("PINSTAGE_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("PINSTAGE_REQUIRE_GPU=1 but no GPU: {e}");
+            }
+            eprintln!("SKIP {test}: no GPU ({e})");
+            None
+        }
+    }
+}

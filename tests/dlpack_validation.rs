@@ -1,0 +1,192 @@
+//! Pure DLPack validation: dtype x size matrix from fixtures, and every refusal.
+
+mod common;
+
+use pinstage::dlpack::{DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED, TensorDesc, validate};
+use pinstage::{DType, DlpackError, MemoryKind};
+use rstest::rstest;
+
+fn desc<'a>(dtype: DType, shape: &'a [i64], strides: Option<&'a [i64]>) -> TensorDesc<'a> {
+    let (code, bits) = dtype.dlpack();
+    TensorDesc {
+        device_type: DL_CUDA,
+        device_id: 0,
+        data: 0x7f00_0000_1000,
+        byte_offset: 64,
+        code,
+        bits,
+        lanes: 1,
+        shape,
+        strides,
+        read_only: false,
+    }
+}
+
+#[test]
+fn fixture_matrix_has_the_promised_entries() {
+    assert_eq!(common::sizes(), vec![0, 1, 255, 256, 257, 4096, 1 << 20]);
+    assert_eq!(common::dtypes().len(), 15);
+}
+
+#[rstest]
+fn validates_every_dtype_and_size(
+    #[values(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14)] d: usize,
+    #[values(0, 1, 2, 3, 4, 5, 6)] s: usize,
+) {
+    let dtype = common::dtypes()[d];
+    let n = common::sizes()[s] as i64;
+    for (shape, strides) in [
+        (vec![n], Some(vec![1])),
+        (vec![n], None),
+        (vec![1, n, 1], Some(vec![12345, 1, -7])),
+    ] {
+        let v = validate(&desc(dtype, &shape, strides.as_deref())).unwrap();
+        assert_eq!(v.dtype(), dtype);
+        assert_eq!(v.numel(), n as usize);
+        assert_eq!(v.nbytes(), n as usize * dtype.itemsize());
+        assert_eq!(v.ptr(), 0x7f00_0000_1000 + 64);
+        assert_eq!(v.memory(), MemoryKind::Cuda(0));
+        assert_eq!(v.shape(), &shape[..]);
+    }
+    if n > 1 {
+        let shape = [n, 2];
+        let err = validate(&desc(dtype, &shape, Some(&[1, n]))).unwrap_err();
+        assert!(matches!(err, DlpackError::NotContiguous { .. }), "{err}");
+    }
+}
+
+#[rstest]
+#[case::cpu(DL_CPU, 0, MemoryKind::Host)]
+#[case::cuda_host(DL_CUDA_HOST, 0, MemoryKind::Host)]
+#[case::cuda1(DL_CUDA, 1, MemoryKind::Cuda(1))]
+#[case::managed(DL_CUDA_MANAGED, 0, MemoryKind::Cuda(0))]
+fn device_types(#[case] ty: u32, #[case] id: i32, #[case] kind: MemoryKind) {
+    let mut d = desc(DType::F32, &[4], None);
+    d.device_type = ty;
+    d.device_id = id;
+    assert_eq!(validate(&d).unwrap().memory(), kind);
+}
+
+#[test]
+fn refusals_name_the_problem() {
+    let shape = [4i64];
+    let base = desc(DType::I32, &shape, None);
+    let cases: Vec<(TensorDesc<'_>, &str)> = vec![
+        (
+            TensorDesc {
+                device_type: 10,
+                ..base
+            },
+            "unsupported DLPack device type 10",
+        ),
+        (
+            TensorDesc {
+                device_id: -1,
+                ..base
+            },
+            "invalid DLPack device id -1",
+        ),
+        (TensorDesc { lanes: 4, ..base }, "lanes 4"),
+        (
+            TensorDesc {
+                code: 2,
+                bits: 8,
+                ..base
+            },
+            "code 2, bits 8",
+        ),
+        (
+            TensorDesc {
+                code: 3,
+                bits: 64,
+                ..base
+            },
+            "code 3",
+        ),
+        (
+            TensorDesc {
+                data: 0,
+                byte_offset: 0,
+                ..base
+            },
+            "data pointer is null",
+        ),
+        (
+            TensorDesc {
+                data: u64::MAX - 8,
+                ..base
+            },
+            "overflows",
+        ),
+        (
+            TensorDesc {
+                shape: &[-3],
+                ..base
+            },
+            "dimension 0 is negative",
+        ),
+        (
+            TensorDesc {
+                shape: &[i64::MAX, 4],
+                ..base
+            },
+            "overflows",
+        ),
+        (
+            TensorDesc {
+                shape: &[4, 4],
+                strides: Some(&[4, 2]),
+                ..base
+            },
+            "not contiguous",
+        ),
+        (
+            TensorDesc {
+                shape: &[4],
+                strides: Some(&[-1]),
+                ..base
+            },
+            "not contiguous",
+        ),
+    ];
+    for (d, needle) in cases {
+        let msg = validate(&d).unwrap_err().to_string();
+        assert!(msg.contains(needle), "{msg:?} should contain {needle:?}");
+    }
+}
+
+#[test]
+fn raw_dltensor_checks_ndim_and_shape_pointer() {
+    use dlpark::ffi::{DLDataType, DLDataTypeCode, DLDevice, DLTensor};
+    let shape = [2i64, 3];
+    let mut t = DLTensor {
+        data: 0x1000 as *mut _,
+        device: DLDevice::cuda(0),
+        ndim: 2,
+        dtype: DLDataType {
+            code: DLDataTypeCode::FLOAT,
+            bits: 32,
+            lanes: 1,
+        },
+        shape: shape.as_ptr() as *mut i64,
+        strides: std::ptr::null_mut(),
+        byte_offset: 0,
+    };
+    // SAFETY: shape points to ndim i64s; no memory behind data is touched.
+    let v = unsafe { pinstage::DeviceView::from_dltensor(&t, true) }.unwrap();
+    assert!(v.is_read_only());
+    assert_eq!(v.numel(), 6);
+    t.ndim = -1;
+    // SAFETY: ndim is refused before any read.
+    assert!(matches!(
+        unsafe { pinstage::DeviceView::from_dltensor(&t, false) },
+        Err(DlpackError::BadNdim(-1))
+    ));
+    t.ndim = 2;
+    t.shape = std::ptr::null_mut();
+    // SAFETY: the null shape is refused before any read.
+    assert!(matches!(
+        unsafe { pinstage::DeviceView::from_dltensor(&t, false) },
+        Err(DlpackError::NullShape(2))
+    ));
+}

@@ -1,0 +1,114 @@
+//! GPU tests of device-to-host copies and the pinned pool.
+
+mod common;
+
+use common::{POISON, gpu_or_skip, values};
+use pinstage::{
+    D2HPath, DType, DeviceBuffer, DeviceView, Error, PinnedBuffer, PinnedFlags, PinnedPool,
+    StreamHandle, copy_d2h, copy_d2h_async,
+};
+use rstest::rstest;
+
+fn filled(dev: &pinstage::Device, bytes: usize, seed: u64) -> (DeviceBuffer, Vec<u8>) {
+    let data = values(DType::U8, bytes, seed);
+    let buf = DeviceBuffer::new(dev, bytes).unwrap();
+    buf.upload(0, &data).unwrap();
+    (buf, data)
+}
+
+fn view(buf: &DeviceBuffer) -> DeviceView {
+    buf.view(DType::U8)
+}
+
+#[rstest]
+#[case::one(1)]
+#[case::odd(4097)]
+#[case::mib(1 << 20)]
+#[case::two_chunks_and_a_bit((2 * pinstage::BOUNCE_CHUNK) + 12345)]
+#[case::many_chunks(7 * pinstage::BOUNCE_CHUNK + 1)]
+fn gpu_d2h_pinned_and_pageable(#[case] bytes: usize) {
+    let Some(dev) = gpu_or_skip("gpu_d2h_pinned_and_pageable") else {
+        return;
+    };
+    let (src, data) = filled(&dev, bytes, bytes as u64);
+    // pinned destination, one byte longer than needed: the tail must stay poisoned
+    let mut pinned = PinnedBuffer::new(&dev, bytes + 1, PinnedFlags::PORTABLE).unwrap();
+    pinned.as_mut_slice().fill(POISON);
+    assert!(pinstage::is_pinned(pinned.as_ptr()));
+    let path = copy_d2h(
+        &dev,
+        &view(&src),
+        pinned.as_mut_slice(),
+        StreamHandle::LEGACY,
+    )
+    .unwrap();
+    assert_eq!(path, D2HPath::Pinned);
+    assert_eq!(&pinned.as_slice()[..bytes], &data[..]);
+    assert_eq!(pinned.as_slice()[bytes], POISON);
+    // pageable destination
+    let mut pageable = vec![POISON; bytes + 1];
+    assert!(!pinstage::is_pinned(pageable.as_ptr()));
+    let path = copy_d2h(&dev, &view(&src), &mut pageable, StreamHandle::LEGACY).unwrap();
+    assert_eq!(path, D2HPath::Bounced);
+    assert!(pageable[..bytes] == data[..], "pageable bytes differ");
+    assert_eq!(pageable[bytes], POISON);
+}
+
+#[test]
+fn gpu_d2h_async_and_pool() {
+    let Some(dev) = gpu_or_skip("gpu_d2h_async_and_pool") else {
+        return;
+    };
+    let bytes = 3 << 20;
+    let (src, data) = filled(&dev, bytes, 99);
+    let pool = PinnedPool::new(&dev, 16 << 20);
+    let mut block = pool.acquire(bytes).unwrap();
+    assert!(block.is_pinned());
+    block.as_mut_slice().fill(POISON);
+    let pending = copy_d2h_async(&dev, &view(&src), block, StreamHandle::LEGACY).unwrap();
+    let block = pending.wait().unwrap();
+    assert!(block.as_slice() == &data[..]);
+    drop(block);
+    let s = pool.stats();
+    assert_eq!((s.misses, s.hits, s.in_use_bytes), (1, 0, 0));
+    assert_eq!(s.cached_bytes, pinstage::size_class(bytes));
+    let again = pool.acquire(bytes - 5).unwrap();
+    assert_eq!(pool.stats().hits, 1, "same class reused");
+    // budget: a block that does not fit falls back to pageable memory
+    let big = pool.acquire(15 << 20).unwrap();
+    assert!(!big.is_pinned());
+    assert_eq!(pool.stats().pageable_fallbacks, 1);
+    assert!(pool.stats().in_use_bytes + pool.stats().cached_bytes <= 16 << 20);
+    drop((again, big));
+    pool.empty_cache();
+    assert_eq!(pool.stats().cached_bytes, 0);
+    // dropping a pending copy waits for it (no write into freed memory)
+    let block = pool.acquire(bytes).unwrap();
+    drop(copy_d2h_async(&dev, &view(&src), block, StreamHandle::LEGACY).unwrap());
+    assert_eq!(pool.stats().in_use_bytes, 0);
+}
+
+#[test]
+fn gpu_d2h_refusals() {
+    let Some(dev) = gpu_or_skip("gpu_d2h_refusals") else {
+        return;
+    };
+    let (src, _) = filled(&dev, 64, 1);
+    let mut small = vec![POISON; 63];
+    let err = copy_d2h(&dev, &view(&src), &mut small, StreamHandle::LEGACY).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::DestinationTooSmall {
+                needed: 64,
+                got: 63
+            }
+        ),
+        "{err}"
+    );
+    let other = DeviceView::contiguous_device(5, src.ptr(), DType::U8, 64);
+    let mut out = vec![POISON; 64];
+    let err = copy_d2h(&dev, &other, &mut out, StreamHandle::LEGACY).unwrap_err();
+    assert!(matches!(err, Error::WrongDevice { got: 5, .. }));
+    assert!(small.iter().chain(&out).all(|&b| b == POISON));
+}

@@ -1,0 +1,326 @@
+//! GPU tests of the stager. They run when a driver is present, print a skip reason otherwise,
+//! and fail when `PINSTAGE_REQUIRE_GPU=1` finds no GPU.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::{POISON, check_layout, gpu_or_skip, pad, values};
+use pinstage::{
+    CopyOutcome, DType, DeviceBuffer, DeviceView, Error, H2DMirror, PinnedStager, Stager, Stream,
+    StreamHandle,
+};
+use rstest::rstest;
+
+/// A device buffer of `numel` elements plus a 3-element guard band, poisoned.
+fn poisoned(dev: &pinstage::Device, dtype: DType, numel: usize) -> DeviceBuffer {
+    let bytes = (numel + 3) * dtype.itemsize();
+    let buf = DeviceBuffer::new(dev, bytes).unwrap();
+    buf.upload(0, &vec![POISON; bytes]).unwrap();
+    buf
+}
+
+fn read(buf: &DeviceBuffer) -> Vec<u8> {
+    let mut out = vec![0u8; buf.len()];
+    buf.download(0, &mut out).unwrap();
+    out
+}
+
+fn view(buf: &DeviceBuffer, dtype: DType, numel: usize) -> DeviceView {
+    DeviceView::contiguous_device(buf.device().ordinal(), buf.ptr(), dtype, numel)
+}
+
+#[rstest]
+fn gpu_every_dtype_and_size(
+    #[values(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14)] d: usize,
+    #[values(0, 1, 2, 3, 4, 5, 6)] s: usize,
+) {
+    let Some(dev) = gpu_or_skip("gpu_every_dtype_and_size") else {
+        return;
+    };
+    let dtype = common::dtypes()[d];
+    let n = common::sizes()[s];
+    let stager = Stager::new(dtype, 0, 256, 2).unwrap();
+    let stream = Stream::new(&dev).unwrap();
+    for (nvals, with_pad) in [(n, false), (n / 2, true), (n / 2, false)] {
+        let buf = poisoned(&dev, dtype, n);
+        let vals = values(dtype, nvals, (7 * n + nvals) as u64);
+        let p = pad(dtype);
+        let padv = with_pad.then_some(&p[..]);
+        let outcome = stager
+            .copy_bytes(&view(&buf, dtype, n), &vals, padv, None, stream.handle())
+            .unwrap();
+        let touched = if with_pad { n } else { nvals };
+        if touched == 0 {
+            assert_eq!(outcome, CopyOutcome::Empty);
+        } else {
+            assert!(matches!(outcome, CopyOutcome::Issued { .. }));
+        }
+        stream.synchronize().unwrap();
+        check_layout(&read(&buf), &vals, padv, n * dtype.itemsize());
+    }
+}
+
+#[test]
+fn gpu_mirror_skip_is_counted() {
+    let Some(dev) = gpu_or_skip("gpu_mirror_skip_is_counted") else {
+        return;
+    };
+    let st = PinnedStager::<i32>::new(0, 256, 4).unwrap();
+    let buf = poisoned(&dev, DType::I32, 4096);
+    let dst = view(&buf, DType::I32, 4096);
+    let mut m = H2DMirror::new();
+    let v: Vec<i32> = (1..=256).collect();
+    let s = StreamHandle::LEGACY;
+    assert!(matches!(
+        st.copy_(&dst, &v, Some(-1), Some(&mut m), s).unwrap(),
+        CopyOutcome::Issued { .. }
+    ));
+    assert_eq!(
+        st.copy_(&dst, &v, Some(-1), Some(&mut m), s).unwrap(),
+        CopyOutcome::Skipped
+    );
+    let stats = st.stats();
+    assert_eq!((stats.copies, stats.skipped), (1, 1));
+    assert_eq!(stats.bytes, 4096 * 4);
+    let out = read(&buf);
+    let got: &[i32] = bytemuck::cast_slice(&out[..4096 * 4]);
+    assert_eq!(&got[..256], &v[..]);
+    assert!(got[256..].iter().all(|&x| x == -1));
+}
+
+#[test]
+fn gpu_growth_then_correct_copy() {
+    let Some(dev) = gpu_or_skip("gpu_growth_then_correct_copy") else {
+        return;
+    };
+    let st = PinnedStager::<f32>::new(0, 4, 2).unwrap();
+    let before = st.stats().pinned_bytes;
+    assert_eq!(before, 4 * 4 * 2);
+    let n = 1 << 20;
+    let buf = poisoned(&dev, DType::F32, n);
+    let v: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 + 1.0).collect();
+    st.copy_(
+        &view(&buf, DType::F32, n),
+        &v,
+        None,
+        None,
+        StreamHandle::LEGACY,
+    )
+    .unwrap();
+    let stats = st.stats();
+    assert_eq!(stats.growths, 1);
+    assert_eq!(stats.pinned_bytes, 16 + (n as u64) * 4);
+    let out = read(&buf);
+    assert_eq!(bytemuck::cast_slice::<u8, f32>(&out[..n * 4]), &v[..]);
+    assert!(out[n * 4..].iter().all(|&b| b == POISON));
+}
+
+/// Stalls `stream` until the returned flag is set, through a host function (no kernel).
+fn stall(stream: &Stream) -> Arc<AtomicBool> {
+    let go = Arc::new(AtomicBool::new(false));
+    let g = go.clone();
+    stream
+        .launch_host_fn(move || {
+            while !g.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        })
+        .unwrap();
+    go
+}
+
+#[rstest]
+fn gpu_event_guarded_reuse_under_a_stalled_stream(#[values(1, 2, 8)] depth: usize) {
+    let Some(dev) = gpu_or_skip("gpu_event_guarded_reuse") else {
+        return;
+    };
+    let st = Arc::new(PinnedStager::<i64>::new(0, 64, depth).unwrap());
+    let stream = Arc::new(Stream::new(&dev).unwrap());
+    let copies = depth + 4;
+    let bufs: Arc<Vec<DeviceBuffer>> = Arc::new(
+        (0..copies)
+            .map(|_| poisoned(&dev, DType::I64, 64))
+            .collect(),
+    );
+    let go = stall(&stream);
+    let issued = Arc::new(AtomicUsize::new(0));
+    let worker = {
+        let (st, stream, bufs, issued) = (st.clone(), stream.clone(), bufs.clone(), issued.clone());
+        std::thread::spawn(move || {
+            let mut vals = vec![0i64; 64];
+            for (k, buf) in bufs.iter().enumerate() {
+                for (i, v) in vals.iter_mut().enumerate() {
+                    *v = (k as i64 + 1) * 1000 + i as i64;
+                }
+                st.copy_(
+                    &view(buf, DType::I64, 64),
+                    &vals,
+                    None,
+                    None,
+                    stream.handle(),
+                )
+                .unwrap();
+                // The caller's values may change as soon as copy_ returns.
+                vals.iter_mut().for_each(|v| *v = -7);
+                issued.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    // With the stream stalled, exactly `depth` copies can be staged; the next waits on an event.
+    assert_eq!(
+        issued.load(Ordering::SeqCst),
+        depth,
+        "a slot was reused before its copy ran"
+    );
+    go.store(true, Ordering::Release);
+    worker.join().unwrap();
+    stream.synchronize().unwrap();
+    assert!(st.stats().waits >= 4, "stats: {:?}", st.stats());
+    for (k, buf) in bufs.iter().enumerate() {
+        let out = read(buf);
+        let got: &[i64] = bytemuck::cast_slice(&out[..64 * 8]);
+        for (i, &g) in got.iter().enumerate() {
+            assert_eq!(
+                g,
+                (k as i64 + 1) * 1000 + i as i64,
+                "destination {k} element {i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_copy_from_a_thread_without_context_leaves_it_without() {
+    let Some(dev) = gpu_or_skip("gpu_copy_from_a_thread_without_context") else {
+        return;
+    };
+    let st = Arc::new(PinnedStager::<u16>::new(0, 256, 2).unwrap());
+    let buf = poisoned(&dev, DType::U16, 300);
+    let dst = view(&buf, DType::U16, 300);
+    let st2 = st.clone();
+    std::thread::spawn(move || {
+        assert_eq!(
+            pinstage::current_context().unwrap(),
+            0,
+            "fresh thread has no context"
+        );
+        st2.copy_(&dst, &[9, 8, 7], Some(6), None, StreamHandle::LEGACY)
+            .unwrap();
+        assert_eq!(
+            pinstage::current_context().unwrap(),
+            0,
+            "context left as found"
+        );
+    })
+    .join()
+    .unwrap();
+    let out = read(&buf);
+    let got: &[u16] = bytemuck::cast_slice(&out[..600]);
+    assert_eq!(&got[..3], &[9, 8, 7]);
+    assert!(got[3..].iter().all(|&x| x == 6));
+}
+
+#[test]
+fn gpu_capturing_stream_is_refused() {
+    let Some(dev) = gpu_or_skip("gpu_capturing_stream_is_refused") else {
+        return;
+    };
+    let st = PinnedStager::<i32>::new(0, 16, 2).unwrap();
+    let buf = poisoned(&dev, DType::I32, 16);
+    let stream = Stream::new(&dev).unwrap();
+    stream.begin_capture().unwrap();
+    let err = st
+        .copy_(
+            &view(&buf, DType::I32, 16),
+            &[1, 2],
+            None,
+            None,
+            stream.handle(),
+        )
+        .unwrap_err();
+    stream.end_capture().unwrap();
+    assert!(matches!(err, Error::StreamCapturing), "{err}");
+    assert!(err.to_string().contains("capturing a CUDA graph"));
+    assert_eq!(st.stats().copies, 0);
+    assert!(read(&buf).iter().all(|&b| b == POISON));
+}
+
+#[test]
+fn gpu_wrong_device_and_dtype_are_refused() {
+    let Some(dev) = gpu_or_skip("gpu_wrong_device_and_dtype_are_refused") else {
+        return;
+    };
+    let st = PinnedStager::<i32>::new(0, 16, 2).unwrap();
+    let buf = poisoned(&dev, DType::I32, 16);
+    let other = DeviceView::contiguous_device(7, buf.ptr(), DType::I32, 16);
+    let err = st
+        .copy_(&other, &[1], None, None, StreamHandle::LEGACY)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::WrongDevice {
+                expected: 0,
+                got: 7,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let err = st
+        .copy_(
+            &view(&buf, DType::U32, 16),
+            &[1],
+            None,
+            None,
+            StreamHandle::LEGACY,
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::DtypeMismatch { .. }));
+    assert!(matches!(
+        PinnedStager::<i32>::new(99, 16, 2),
+        Err(Error::NoSuchDevice { ordinal: 99, .. })
+    ));
+    assert!(read(&buf).iter().all(|&b| b == POISON));
+}
+
+#[test]
+fn gpu_drop_waits_for_in_flight_copies() {
+    let Some(dev) = gpu_or_skip("gpu_drop_waits_for_in_flight_copies") else {
+        return;
+    };
+    let stream = Stream::new(&dev).unwrap();
+    let buf = poisoned(&dev, DType::U32, 1024);
+    let go = stall(&stream);
+    let st = PinnedStager::<u32>::new(0, 1024, 2).unwrap();
+    let v: Vec<u32> = (0..1024).map(|i| i * 3 + 1).collect();
+    st.copy_(
+        &view(&buf, DType::U32, 1024),
+        &v,
+        None,
+        None,
+        stream.handle(),
+    )
+    .unwrap();
+    let release = {
+        let go = go.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            go.store(true, Ordering::Release);
+        })
+    };
+    let t0 = std::time::Instant::now();
+    drop(st); // must wait for the stalled copy before freeing its pinned buffer
+    assert!(
+        t0.elapsed() >= Duration::from_millis(100),
+        "drop returned before the copy ran"
+    );
+    release.join().unwrap();
+    stream.synchronize().unwrap();
+    let out = read(&buf);
+    assert_eq!(bytemuck::cast_slice::<u8, u32>(&out[..4096]), &v[..]);
+}
