@@ -57,8 +57,15 @@ impl Counters {
 }
 
 struct Slot {
-    buf: UnsafeCell<PinnedBuffer>,
+    buf: UnsafeCell<SlotBuf>,
     event: Event,
+}
+
+struct SlotBuf {
+    buf: PinnedBuffer,
+    /// Buffers outgrown by `buf`. They are freed with the stager, not at growth time:
+    /// `cuMemFreeHost` may synchronize the whole device, which would stall a live graph.
+    retired: Vec<PinnedBuffer>,
 }
 
 /// What one `copy_` did.
@@ -133,11 +140,14 @@ impl Stager {
                 let slots = (0..depth)
                     .map(|_| {
                         Ok(Slot {
-                            buf: UnsafeCell::new(PinnedBuffer::new(
-                                &device,
-                                slot_bytes,
-                                PinnedFlags::WRITE_COMBINED,
-                            )?),
+                            buf: UnsafeCell::new(SlotBuf {
+                                buf: PinnedBuffer::new(
+                                    &device,
+                                    slot_bytes,
+                                    PinnedFlags::WRITE_COMBINED,
+                                )?,
+                                retired: Vec::new(),
+                            }),
                             event: Event::new(&device)?,
                         })
                     })
@@ -337,17 +347,14 @@ impl Stager {
             // else reads or writes the buffer until we release it.
             let src = unsafe {
                 slot.buf.with_mut(|b| -> Result<*const u8> {
-                    let buf = &mut *b;
+                    let SlotBuf { buf, retired } = &mut *b;
                     if buf.len() < total {
                         let cap = total.max(buf.len().saturating_mul(2));
                         let grown = PinnedBuffer::new(device, cap, PinnedFlags::WRITE_COMBINED)?;
-                        let old = std::mem::replace(buf, grown);
+                        retired.push(std::mem::replace(buf, grown));
                         self.stats
                             .pinned_bytes
                             .fetch_add(cap as u64, StatOrdering::Relaxed);
-                        self.stats
-                            .pinned_bytes
-                            .fetch_sub(old.len() as u64, StatOrdering::Relaxed);
                         Counters::add(&self.stats.growths, 1);
                     }
                     write_padded(buf.as_mut_ptr(), values, pad, total, false);

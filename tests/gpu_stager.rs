@@ -112,25 +112,52 @@ fn gpu_growth_then_correct_copy() {
     .unwrap();
     let stats = st.stats();
     assert_eq!(stats.growths, 1);
-    assert_eq!(stats.pinned_bytes, 16 + (n as u64) * 4);
+    assert_eq!(
+        stats.pinned_bytes,
+        before + (n as u64) * 4,
+        "outgrown buffers are kept until drop"
+    );
     let out = read(&buf);
     assert_eq!(bytemuck::cast_slice::<u8, f32>(&out[..n * 4]), &v[..]);
     assert!(out[n * 4..].iter().all(|&b| b == POISON));
 }
 
-/// Stalls `stream` until the returned flag is set, through a host function (no kernel).
-fn stall(stream: &Stream) -> Arc<AtomicBool> {
+/// Releases a stalled stream when dropped, so a failing assertion cannot leave the stream (and
+/// every allocation that synchronizes the device) blocked forever.
+struct Stall(Arc<AtomicBool>);
+
+impl Stall {
+    fn release(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for Stall {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Stalls `stream` through a host function (no kernel) until the returned guard is released or
+/// dropped. Allocate everything the test needs BEFORE stalling: pinned and device allocations may
+/// synchronize the whole device, and would wait for the stall.
+fn stall(stream: &Stream) -> Stall {
     let go = Arc::new(AtomicBool::new(false));
     let g = go.clone();
     stream
         .launch_host_fn(move || {
-            while !g.load(Ordering::Acquire) {
+            let t0 = std::time::Instant::now();
+            // Bounded: never hold a stream longer than 20 s even if the test thread died.
+            while !g.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(20) {
                 std::thread::sleep(Duration::from_micros(200));
             }
         })
         .unwrap();
-    go
+    Stall(go)
 }
+
+/// Serialises the tests that stall a stream.
+static STALL_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[rstest]
 fn gpu_event_guarded_reuse_under_a_stalled_stream(#[values(1, 2, 8)] depth: usize) {
@@ -145,6 +172,8 @@ fn gpu_event_guarded_reuse_under_a_stalled_stream(#[values(1, 2, 8)] depth: usiz
             .map(|_| poisoned(&dev, DType::I64, 64))
             .collect(),
     );
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let go = stall(&stream);
     let issued = Arc::new(AtomicUsize::new(0));
     let worker = {
@@ -169,14 +198,18 @@ fn gpu_event_guarded_reuse_under_a_stalled_stream(#[values(1, 2, 8)] depth: usiz
             }
         })
     };
-    std::thread::sleep(Duration::from_millis(300));
-    // With the stream stalled, exactly `depth` copies can be staged; the next waits on an event.
+    // With the stream stalled, at most `depth` copies can be staged; the next waits on an event.
+    let t0 = std::time::Instant::now();
+    while issued.load(Ordering::SeqCst) < depth && t0.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let staged = issued.load(Ordering::SeqCst);
+    go.release();
     assert_eq!(
-        issued.load(Ordering::SeqCst),
-        depth,
-        "a slot was reused before its copy ran"
+        staged, depth,
+        "while stalled, exactly depth copies may be staged"
     );
-    go.store(true, Ordering::Release);
     worker.join().unwrap();
     stream.synchronize().unwrap();
     assert!(st.stats().waits >= 4, "stats: {:?}", st.stats());
@@ -293,26 +326,18 @@ fn gpu_drop_waits_for_in_flight_copies() {
     let Some(dev) = gpu_or_skip("gpu_drop_waits_for_in_flight_copies") else {
         return;
     };
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let stream = Stream::new(&dev).unwrap();
     let buf = poisoned(&dev, DType::U32, 1024);
-    let go = stall(&stream);
     let st = PinnedStager::<u32>::new(0, 1024, 2).unwrap();
     let v: Vec<u32> = (0..1024).map(|i| i * 3 + 1).collect();
-    st.copy_(
-        &view(&buf, DType::U32, 1024),
-        &v,
-        None,
-        None,
-        stream.handle(),
-    )
-    .unwrap();
-    let release = {
-        let go = go.clone();
-        std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(200));
-            go.store(true, Ordering::Release);
-        })
-    };
+    let go = stall(&stream);
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        drop(go);
+    });
+    let dst = view(&buf, DType::U32, 1024);
+    st.copy_(&dst, &v, None, None, stream.handle()).unwrap();
     let t0 = std::time::Instant::now();
     drop(st); // must wait for the stalled copy before freeing its pinned buffer
     assert!(
