@@ -268,6 +268,40 @@ impl<B: HostRegion> Drop for PendingCopy<B> {
     }
 }
 
+/// Starts copying `src` into `dst_ptr..dst_ptr+len`. A pinned destination gets one truly
+/// asynchronous DMA and the event to wait on; a pageable one is filled through the bounce ring
+/// before this returns (`None`: already done), as is a host source.
+///
+/// # Safety
+/// 1. `dst_ptr..dst_ptr+len` is writable host memory that nothing else touches, and that stays
+///    valid, until the returned event completed (or until return when `None`).
+pub(crate) unsafe fn start_d2h(
+    device: &Device,
+    src: &DeviceView,
+    dst_ptr: *mut u8,
+    len: usize,
+    stream: StreamHandle,
+) -> Result<Option<PooledEvent>> {
+    check_src(device, src, len)?;
+    let n = src.nbytes();
+    let pinned = n > 0 && src.memory() != MemoryKind::Host && {
+        let _g = device.enter()?;
+        driver::is_pinned_host(dst_ptr.cast())
+    };
+    if !pinned {
+        // SAFETY: caller's contract: `len` writable bytes, exclusively ours until return.
+        let slice = unsafe { std::slice::from_raw_parts_mut(dst_ptr, len) };
+        copy_d2h(device, src, slice, stream)?;
+        return Ok(None);
+    }
+    let _g = enter_for_copy(device, stream)?;
+    let ev = device.pooled_event()?;
+    // SAFETY: the destination is pinned and reserved for this copy until the event completed
+    // (caller); src is device memory of this device of n bytes (view contract, device checked).
+    unsafe { issue_d2h(&ev, src.ptr(), dst_ptr, n, stream) }?;
+    Ok(Some(ev))
+}
+
 /// Starts copying `src` into `dst` and returns at once. A pinned `dst` gets a truly
 /// asynchronous DMA; a pageable one is filled through the bounce ring before this returns
 /// (still correct, not overlapped).
@@ -278,30 +312,8 @@ pub fn copy_d2h_async<B: HostRegion>(
     stream: StreamHandle,
 ) -> Result<PendingCopy<B>> {
     let (ptr, len) = dst.region();
-    check_src(device, src, len)?;
-    let n = src.nbytes();
-    if n == 0
-        || src.memory() == MemoryKind::Host
-        || !{
-            let _g = device.enter()?;
-            driver::is_pinned_host(ptr.cast())
-        }
-    {
-        // SAFETY: `region` is valid for `len` bytes and exclusively ours.
-        let slice = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
-        copy_d2h(device, src, slice, stream)?;
-        return Ok(PendingCopy {
-            buf: Some(dst),
-            event: None,
-        });
-    }
-    let _g = enter_for_copy(device, stream)?;
-    let ev = device.pooled_event()?;
-    // SAFETY: the region is pinned, owned by the PendingCopy (which waits before releasing it),
-    // and holds at least n bytes; src is device memory of this device.
-    unsafe { issue_d2h(&ev, src.ptr(), ptr, n, stream) }?;
-    Ok(PendingCopy {
-        buf: Some(dst),
-        event: Some(ev),
-    })
+    // SAFETY: the region is owned by `dst`, which the PendingCopy keeps (and waits for before
+    // handing back or dropping); HostRegion guarantees the address is stable.
+    let event = unsafe { start_d2h(device, src, ptr, len, stream) }?;
+    Ok(PendingCopy { buf: Some(dst), event })
 }

@@ -165,5 +165,7 @@ impl std::fmt::Debug for PinnedBuffer {
 /// Whether `ptr` lies in page-locked host memory known to the CUDA driver (allocated or
 /// registered by pinstage, PyTorch, CuPy, JAX...). `false` without a driver.
 pub fn is_pinned(ptr: *const u8) -> bool {
-    crate::device::cuda_available() && driver::is_pinned_host(ptr.cast())
+    let Ok(device) = Device::new(0) else { return false };
+    let Ok(_g) = device.enter() else { return false };
+    driver::is_pinned_host(ptr.cast())
 }

@@ -1,1 +1,97 @@
-//! Python bindings (feature `python`).
+//! Python bindings (feature `python`): a thin skin over the core.
+//!
+//! - `errors`: the one place mapping [`crate::Error`] to Python exceptions.
+//! - `import`: DLPack import (C exchange API, then `__dlpack__` with fallbacks) and streams.
+//! - `arrays`: numpy arrays over pinned blocks whose `base` keeps the block alive.
+//! - `stager`, `d2h`: the user-facing classes and functions.
+//!
+//! No panic crosses into Python: pyo3 turns a panic into an exception at the boundary, and the
+//! code here returns typed errors for every bad input instead of panicking.
+
+mod arrays;
+mod d2h;
+mod errors;
+mod import;
+mod stager;
+
+use std::sync::OnceLock;
+
+use pyo3::prelude::*;
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::pool::PinnedPool;
+
+/// Per-device state shared by the module: the retained device and its result pool.
+struct DeviceState {
+    device: Device,
+    pool: PinnedPool,
+}
+
+static DEVICES: OnceLock<Vec<OnceLock<DeviceState>>> = OnceLock::new();
+static POOL_BUDGET: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(crate::pool::DEFAULT_BUDGET);
+
+fn device_state(ordinal: i32) -> Result<&'static DeviceState> {
+    let probe = crate::driver::probe().map_err(Error::unavailable)?;
+    let table = DEVICES
+        .get_or_init(|| (0..probe.device_count.max(0)).map(|_| OnceLock::new()).collect());
+    let slot = usize::try_from(ordinal)
+        .ok()
+        .and_then(|i| table.get(i))
+        .ok_or(Error::NoSuchDevice { ordinal, count: probe.device_count })?;
+    if let Some(s) = slot.get() {
+        return Ok(s);
+    }
+    let device = Device::new(ordinal)?;
+    let pool =
+        PinnedPool::new(&device, POOL_BUDGET.load(std::sync::atomic::Ordering::Relaxed));
+    Ok(slot.get_or_init(|| DeviceState { device, pool }))
+}
+
+/// Whether a CUDA driver and at least one device are usable.
+#[pyfunction]
+fn cuda_available() -> bool {
+    crate::device::cuda_available()
+}
+
+/// Number of CUDA devices (0 without a driver).
+#[pyfunction]
+fn device_count() -> i32 {
+    crate::device::device_count().unwrap_or(0)
+}
+
+/// Driver facts: `{"available", "reason", "device_count", "driver_version"}`.
+#[pyfunction]
+fn driver_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let d = pyo3::types::PyDict::new(py);
+    match crate::driver::probe() {
+        Ok(p) => {
+            d.set_item("available", p.device_count > 0)?;
+            d.set_item("reason", py.None())?;
+            d.set_item("device_count", p.device_count)?;
+            d.set_item("driver_version", p.driver_version)?;
+        }
+        Err(reason) => {
+            d.set_item("available", false)?;
+            d.set_item("reason", reason)?;
+            d.set_item("device_count", 0)?;
+            d.set_item("driver_version", py.None())?;
+        }
+    }
+    Ok(d)
+}
+
+/// The Python module `pinstage._native`.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(driver_info, m)?)?;
+    arrays::register(m)?;
+    stager::register(m)?;
+    d2h::register(m)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,60 @@
+"""pinstage: host<->CUDA copies at PCIe line rate for any framework, through DLPack.
+
+- ``alloc_pinned_numpy`` / ``empty_pinned``: numpy arrays on page-locked memory.
+- ``PinnedStager``: a ring of pinned buffers for small host-to-device copies (one
+  non-blocking copy per call, values and padding written on the host).
+- ``copy_d2h`` / ``copy_d2h_async``: device-to-host into pinned memory, from torch, jax,
+  cupy or numpy tensors; a transparent numpy fallback where no CUDA driver exists.
+"""
+
+from ._native import (
+    CudaDriverError,
+    CudaUnavailableError,
+    H2DMirror,
+    PendingCopy,
+    PinnedBlock,
+    PinnedStager,
+    PinstageError,
+    PinstageTypeError,
+    PinstageValueError,
+    StagedTarget,
+    StreamCaptureError,
+    __version__,
+    alloc_pinned_numpy,
+    copy_d2h,
+    copy_d2h_async,
+    cuda_available,
+    device_count,
+    driver_info,
+    empty_cache,
+    empty_pinned,
+    is_pinned,
+    pool_stats,
+    set_pool_budget,
+)
+
+__all__ = [
+    "CudaDriverError",
+    "CudaUnavailableError",
+    "H2DMirror",
+    "PendingCopy",
+    "PinnedBlock",
+    "PinnedStager",
+    "PinstageError",
+    "PinstageTypeError",
+    "PinstageValueError",
+    "StagedTarget",
+    "StreamCaptureError",
+    "__version__",
+    "alloc_pinned_numpy",
+    "copy_d2h",
+    "copy_d2h_async",
+    "cuda_available",
+    "device_count",
+    "driver_info",
+    "empty_cache",
+    "empty_pinned",
+    "is_pinned",
+    "pool_stats",
+    "set_pool_budget",
+]

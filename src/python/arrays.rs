@@ -1,0 +1,271 @@
+//! numpy arrays over pinned memory. Each array's `base` is a `PinnedBlock` that owns the memory,
+//! so the block lives until the array and every view of it are gone.
+
+use numpy::npyffi::{self, NPY_ARRAY_WRITEABLE, PY_ARRAY_API};
+use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyTuple;
+
+use super::errors::{IntoPy, type_err, value_err};
+use crate::dtype::DType;
+use crate::pinned::{PinnedBuffer, PinnedFlags};
+use crate::pool::PoolBlock;
+
+/// What a [`PinnedBlock`] owns.
+pub(crate) enum Memory {
+    /// A dedicated pinned allocation.
+    Pinned(PinnedBuffer),
+    /// A block from a pool; returns to the pool when dropped.
+    Pool(PoolBlock),
+    /// Plain host memory (fallbacks).
+    Vec(Vec<u8>),
+}
+
+/// Owner of the memory behind arrays made by pinstage (their `base`).
+#[pyclass(frozen, module = "pinstage._native")]
+pub struct PinnedBlock {
+    mem: Memory,
+    ptr: usize,
+    len: usize,
+}
+
+impl PinnedBlock {
+    pub(crate) fn new(mut mem: Memory) -> Self {
+        let (ptr, len) = match &mut mem {
+            Memory::Pinned(b) => (b.as_mut_ptr() as usize, b.len()),
+            Memory::Pool(b) => (b.as_mut_ptr() as usize, b.len()),
+            Memory::Vec(v) => (v.as_mut_ptr() as usize, v.len()),
+        };
+        Self { mem, ptr, len }
+    }
+
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr as *mut u8
+    }
+}
+
+#[pymethods]
+impl PinnedBlock {
+    /// Size in bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the memory is page-locked (False for a pageable fallback).
+    #[getter]
+    fn pinned(&self) -> bool {
+        match &self.mem {
+            Memory::Pinned(_) => true,
+            Memory::Pool(b) => b.is_pinned(),
+            Memory::Vec(_) => false,
+        }
+    }
+
+    /// Address of the first byte.
+    #[getter]
+    fn address(&self) -> usize {
+        self.ptr
+    }
+
+    fn __repr__(&self) -> String {
+        format!("PinnedBlock(nbytes={}, pinned={})", self.len, self.pinned())
+    }
+}
+
+static DESCRS: PyOnceLock<Vec<Py<PyArrayDescr>>> = PyOnceLock::new();
+
+/// The numpy dtype of `d`; bfloat16 needs `ml_dtypes`.
+pub(crate) fn descr<'py>(py: Python<'py>, d: DType) -> PyResult<Bound<'py, PyArrayDescr>> {
+    if d == DType::BF16 {
+        let ml = py.import("ml_dtypes").map_err(|_| {
+            type_err(
+                "bfloat16 results need the ml_dtypes package (pip install ml_dtypes), which \
+                 provides numpy's bfloat16 dtype",
+            )
+        })?;
+        let np = py.import("numpy")?;
+        return Ok(np.call_method1("dtype", (ml.getattr("bfloat16")?,))?.cast_into()?);
+    }
+    let table = DESCRS.get_or_try_init(py, || -> PyResult<_> {
+        let np = py.import("numpy")?;
+        DType::ALL
+            .iter()
+            .map(|d| {
+                let name = if *d == DType::BF16 { "uint16" } else { d.name() };
+                Ok(np.call_method1("dtype", (name,))?.cast_into::<PyArrayDescr>()?.unbind())
+            })
+            .collect()
+    })?;
+    let i = DType::ALL.iter().position(|x| *x == d).expect("every dtype is in ALL");
+    Ok(table[i].bind(py).clone())
+}
+
+/// A writable C-contiguous array of `dtype` and `shape` over `ptr`, whose base is `owner`.
+///
+/// # Safety
+/// 1. `ptr` is valid for `prod(shape) * itemsize` bytes for as long as `owner` lives.
+pub(crate) unsafe fn array_over<'py>(
+    owner: Bound<'py, PyAny>,
+    ptr: *mut u8,
+    dtype: DType,
+    shape: &[i64],
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = owner.py();
+    let descr = descr(py, dtype)?;
+    let mut dims: Vec<npyffi::npy_intp> = shape.iter().map(|&d| d as npyffi::npy_intp).collect();
+    // SAFETY: numpy's C API: NewFromDescr steals a reference to descr (we give it one); the
+    // data pointer is valid (caller); flags ask for a writable, C-contiguous array.
+    unsafe {
+        let descr_ptr = descr.into_ptr() as *mut npyffi::PyArray_Descr;
+        let arr = PY_ARRAY_API.PyArray_NewFromDescr(
+            py,
+            npyffi::get_type_object(py, npyffi::NpyTypes::PyArray_Type),
+            descr_ptr,
+            dims.len() as i32,
+            dims.as_mut_ptr(),
+            std::ptr::null_mut(),
+            ptr.cast(),
+            npyffi::NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_WRITEABLE | npyffi::NPY_ARRAY_ALIGNED,
+            std::ptr::null_mut(),
+        );
+        if arr.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        let arr = Bound::from_owned_ptr(py, arr);
+        // SetBaseObject steals a reference to the owner.
+        if PY_ARRAY_API.PyArray_SetBaseObject(py, arr.as_ptr().cast(), owner.into_ptr()) < 0 {
+            return Err(PyErr::fetch(py));
+        }
+        Ok(arr)
+    }
+}
+
+/// A new array on a fresh pinned block (or on `mem` if given).
+pub(crate) fn array_on<'py>(
+    py: Python<'py>,
+    mem: Memory,
+    dtype: DType,
+    shape: &[i64],
+) -> PyResult<Bound<'py, PyAny>> {
+    let block = PinnedBlock::new(mem);
+    let ptr = block.ptr();
+    let need = numel(shape)? * dtype.itemsize();
+    if need > block.len {
+        return Err(value_err(format!("block of {} bytes cannot hold {need} bytes", block.len)));
+    }
+    let owner = Bound::new(py, block)?.into_any();
+    // SAFETY: the block holds `need` bytes and lives as long as the owner (the array's base).
+    unsafe { array_over(owner, ptr, dtype, shape) }
+}
+
+pub(crate) fn numel(shape: &[i64]) -> PyResult<usize> {
+    shape.iter().try_fold(1usize, |acc, &d| {
+        usize::try_from(d)
+            .ok()
+            .and_then(|d| acc.checked_mul(d))
+            .ok_or_else(|| value_err(format!("invalid shape {shape:?}")))
+    })
+}
+
+pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    if let Ok(n) = obj.extract::<i64>() {
+        return Ok(vec![n]);
+    }
+    let shape: Vec<i64> = obj
+        .extract()
+        .map_err(|_| type_err("shape must be an int or a sequence of ints"))?;
+    if let Some(d) = shape.iter().find(|&&d| d < 0) {
+        return Err(value_err(format!("shape {shape:?} has a negative dimension {d}")));
+    }
+    Ok(shape)
+}
+
+/// A writable array on pinned memory: `nbytes` bytes viewed as `dtype` with `shape`.
+#[pyfunction]
+#[pyo3(signature = (nbytes, dtype, shape, *, device=0))]
+fn alloc_pinned_numpy<'py>(
+    py: Python<'py>,
+    nbytes: usize,
+    dtype: &Bound<'py, PyAny>,
+    shape: &Bound<'py, PyAny>,
+    device: i32,
+) -> PyResult<Bound<'py, PyAny>> {
+    let dtype = super::import::parse_dtype(dtype)?;
+    let shape = parse_shape(shape)?;
+    let need = numel(&shape)?
+        .checked_mul(dtype.itemsize())
+        .ok_or_else(|| value_err("shape overflows"))?;
+    if nbytes < need {
+        return Err(value_err(format!(
+            "nbytes={nbytes} is smaller than prod(shape) * itemsize = {need} for shape {shape:?} \
+             of {dtype}"
+        )));
+    }
+    let state = super::device_state(device).py_err()?;
+    let buf = py
+        .detach(|| PinnedBuffer::new(&state.device, nbytes, PinnedFlags::PORTABLE))
+        .py_err()?;
+    array_on(py, Memory::Pinned(buf), dtype, &shape)
+}
+
+/// `numpy.empty(shape, dtype)` on pinned memory.
+#[pyfunction]
+#[pyo3(signature = (shape, dtype=None, *, device=0))]
+fn empty_pinned<'py>(
+    py: Python<'py>,
+    shape: &Bound<'py, PyAny>,
+    dtype: Option<Bound<'py, PyAny>>,
+    device: i32,
+) -> PyResult<Bound<'py, PyAny>> {
+    let dtype = match dtype {
+        Some(d) if !d.is_none() => d,
+        _ => pyo3::types::PyString::new(py, "float64").into_any(),
+    };
+    let d = super::import::parse_dtype(&dtype)?;
+    let s = parse_shape(shape)?;
+    let nbytes = numel(&s)? * d.itemsize();
+    alloc_pinned_numpy(py, nbytes, &dtype, &PyTuple::new(py, &s)?.into_any(), device)
+}
+
+/// Whether an address (or a numpy array's data) lies in page-locked memory.
+#[pyfunction]
+fn is_pinned(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let ptr = if let Ok(a) = obj.cast::<PyUntypedArray>() {
+        // SAFETY: reading the data field of a live numpy array object.
+        unsafe { (*a.as_array_ptr()).fields.data as usize }
+    } else {
+        obj.extract::<usize>()
+            .map_err(|_| type_err("is_pinned() takes a numpy array or an address"))?
+    };
+    Ok(crate::pinned::is_pinned(ptr as *const u8))
+}
+
+/// A writable, C-contiguous numpy array's (address, nbytes), or a clear error.
+pub(crate) fn writable_numpy(obj: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
+    let Ok(a) = obj.cast::<PyUntypedArray>() else {
+        return Err(type_err(format!(
+            "dst must be a numpy array, got {}",
+            super::import::type_name(obj)
+        )));
+    };
+    if !a.is_c_contiguous() {
+        return Err(value_err("dst must be C-contiguous"));
+    }
+    // SAFETY: reading fields of a live numpy array object.
+    let (data, flags) = unsafe { ((*a.as_array_ptr()).fields.data as usize, (*a.as_array_ptr()).fields.flags) };
+    if flags & NPY_ARRAY_WRITEABLE == 0 {
+        return Err(value_err("dst is read-only"));
+    }
+    let nbytes = a.len() * a.dtype().itemsize();
+    Ok((data, nbytes))
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PinnedBlock>()?;
+    m.add_function(wrap_pyfunction!(alloc_pinned_numpy, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_pinned, m)?)?;
+    m.add_function(wrap_pyfunction!(is_pinned, m)?)?;
+    Ok(())
+}

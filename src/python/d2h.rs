@@ -1,0 +1,249 @@
+//! `copy_d2h`, `copy_d2h_async`, `PendingCopy` and the result pool.
+
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::arrays::{Memory, PinnedBlock, array_over, descr, writable_numpy};
+use super::errors::{IntoPy, value_err};
+use super::import::{Imported, import, parse_stream};
+use crate::device::PooledEvent;
+use crate::dlpack::MemoryKind;
+
+/// A raw destination pointer that may cross `py.detach`.
+struct SendPtr(*mut u8);
+// SAFETY: the memory is kept alive by the result array held in the caller's frame.
+unsafe impl Send for SendPtr {}
+
+/// Starts a copy; returns the result array and the event to wait on (None: done).
+fn start<'py>(
+    py: Python<'py>,
+    src: &Bound<'py, PyAny>,
+    dst: Option<&Bound<'py, PyAny>>,
+    stream: Option<&Bound<'py, PyAny>>,
+) -> PyResult<(Bound<'py, PyAny>, Option<PooledEvent>, Imported)> {
+    let s = parse_stream(stream)?;
+    let imp = import(src, s)?;
+    let view = &imp.view;
+    let (dtype, shape, nbytes) = (view.dtype(), view.shape().to_vec(), view.nbytes());
+    descr(py, dtype)?; // fail early (bfloat16 without ml_dtypes) before any copy
+    let (array, ptr, len) = match dst.filter(|d| !d.is_none()) {
+        Some(d) => {
+            let (ptr, len) = writable_numpy(d)?;
+            if len < nbytes {
+                return Err(value_err(format!(
+                    "dst holds {len} bytes but the source needs {nbytes} bytes ({dtype}, shape \
+                     {shape:?})"
+                )));
+            }
+            // SAFETY: dst is a live writable numpy array of `len >= nbytes` bytes; it is the
+            // new array's base, so it outlives it.
+            let array = unsafe { array_over(d.clone(), ptr as *mut u8, dtype, &shape) }?;
+            (array, ptr as *mut u8, len)
+        }
+        None => {
+            let mem = match view.memory() {
+                MemoryKind::Cuda(id) => {
+                    let state = super::device_state(id).py_err()?;
+                    Memory::Pool(py.detach(|| state.pool.acquire(nbytes)).py_err()?)
+                }
+                MemoryKind::Host if crate::device::cuda_available() => {
+                    let state = super::device_state(0).py_err()?;
+                    Memory::Pool(py.detach(|| state.pool.acquire(nbytes)).py_err()?)
+                }
+                MemoryKind::Host => Memory::Vec(vec![0u8; nbytes]),
+            };
+            let block = PinnedBlock::new(mem);
+            let ptr = block.ptr();
+            let owner = Bound::new(py, block)?.into_any();
+            // SAFETY: the block holds >= nbytes bytes and is the array's base.
+            let array = unsafe { array_over(owner, ptr, dtype, &shape) }?;
+            (array, ptr, nbytes)
+        }
+    };
+    let event = match view.memory() {
+        MemoryKind::Host => {
+            // A plain host copy (the fallback without a driver, and CPU producers).
+            // SAFETY: the source view is readable host memory of nbytes (kept alive by `imp`);
+            // the destination holds >= nbytes and is distinct memory (a new block or the
+            // caller's dst; overlap is tolerated by memmove).
+            unsafe { std::ptr::copy(view.ptr() as *const u8, ptr, nbytes) };
+            None
+        }
+        MemoryKind::Cuda(id) => {
+            let state = super::device_state(id).py_err()?;
+            let stream = s.unwrap_or(imp.stream);
+            let p = SendPtr(ptr);
+            py.detach(move || {
+                let p = p;
+                // SAFETY: the destination (the result array's memory) is kept alive by the
+                // array, which the caller holds until the event completed.
+                unsafe { crate::d2h::start_d2h(&state.device, view, p.0, len, stream) }
+            })
+            .py_err()?
+        }
+    };
+    Ok((array, event, imp))
+}
+
+fn wait_event(py: Python<'_>, ev: &PooledEvent, timeout: Option<f64>) -> PyResult<bool> {
+    py.detach(|| -> crate::Result<bool> {
+        match timeout {
+            None => ev.synchronize().map(|()| true),
+            Some(t) => {
+                let deadline = Instant::now() + Duration::from_secs_f64(t.max(0.0));
+                let mut nap = Duration::from_micros(20);
+                loop {
+                    if ev.query()? {
+                        return Ok(true);
+                    }
+                    if Instant::now() >= deadline {
+                        return Ok(false);
+                    }
+                    std::thread::sleep(nap);
+                    nap = (nap * 2).min(Duration::from_millis(1));
+                }
+            }
+        }
+    })
+    .py_err()
+}
+
+/// Copies any DLPack tensor (torch, jax, cupy, numpy) to host memory and returns a writable numpy
+/// array of its shape and dtype, in pinned memory (`dst`, or a pool block).
+#[pyfunction]
+#[pyo3(signature = (src, dst=None, *, stream=None))]
+fn copy_d2h<'py>(
+    py: Python<'py>,
+    src: &Bound<'py, PyAny>,
+    dst: Option<&Bound<'py, PyAny>>,
+    stream: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (array, event, imp) = start(py, src, dst, stream)?;
+    if let Some(ev) = event {
+        wait_event(py, &ev, None)?;
+    }
+    drop(imp);
+    Ok(array)
+}
+
+/// A device-to-host copy in flight.
+#[pyclass(frozen, module = "pinstage._native")]
+pub struct PendingCopy {
+    event: Mutex<Option<PooledEvent>>,
+    array: Py<PyAny>,
+    src: Mutex<Option<Imported>>,
+}
+
+#[pymethods]
+impl PendingCopy {
+    /// Whether the copy completed.
+    fn done(&self) -> PyResult<bool> {
+        match &*self.event.lock() {
+            Some(ev) => ev.query().py_err(),
+            None => Ok(true),
+        }
+    }
+
+    /// Waits (GIL released) and returns the array; raises TimeoutError after `timeout` seconds.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        let ev = self.event.lock().take();
+        if let Some(ev) = ev {
+            if !wait_event(py, &ev, timeout)? {
+                *self.event.lock() = Some(ev);
+                return Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
+                    "the copy did not complete within {} s",
+                    timeout.unwrap_or_default()
+                )));
+            }
+        }
+        drop(self.src.lock().take());
+        Ok(self.array.clone_ref(py))
+    }
+
+    fn __repr__(&self) -> PyResult<String> {
+        Ok(format!("PendingCopy(done={})", self.done()?))
+    }
+}
+
+impl Drop for PendingCopy {
+    fn drop(&mut self) {
+        // Never release the source (or let the destination die) while the copy runs.
+        if let Some(ev) = self.event.get_mut().take() {
+            let _ = ev.synchronize();
+        }
+    }
+}
+
+/// Starts a device-to-host copy and returns a `PendingCopy` at once.
+#[pyfunction]
+#[pyo3(signature = (src, dst=None, *, stream=None))]
+fn copy_d2h_async<'py>(
+    py: Python<'py>,
+    src: &Bound<'py, PyAny>,
+    dst: Option<&Bound<'py, PyAny>>,
+    stream: Option<&Bound<'py, PyAny>>,
+) -> PyResult<PendingCopy> {
+    let (array, event, imp) = start(py, src, dst, stream)?;
+    Ok(PendingCopy {
+        event: Mutex::new(event),
+        array: array.unbind(),
+        src: Mutex::new(Some(imp)),
+    })
+}
+
+/// Counters of the result pool of `device`.
+#[pyfunction]
+#[pyo3(signature = (device=0))]
+fn pool_stats(py: Python<'_>, device: i32) -> PyResult<Bound<'_, PyDict>> {
+    let s = super::device_state(device).py_err()?.pool.stats();
+    let d = PyDict::new(py);
+    d.set_item("hits", s.hits)?;
+    d.set_item("misses", s.misses)?;
+    d.set_item("pageable_fallbacks", s.pageable_fallbacks)?;
+    d.set_item("evictions", s.evictions)?;
+    d.set_item("in_use_bytes", s.in_use_bytes)?;
+    d.set_item("cached_bytes", s.cached_bytes)?;
+    d.set_item("peak_bytes", s.peak_bytes)?;
+    d.set_item("budget_bytes", s.budget_bytes)?;
+    Ok(d)
+}
+
+/// Frees the pool's cached blocks (and the D2H bounce buffers) on every device.
+#[pyfunction]
+fn empty_cache(py: Python<'_>) {
+    py.detach(|| {
+        if let Some(table) = super::DEVICES.get() {
+            for s in table.iter().filter_map(|s| s.get()) {
+                s.pool.empty_cache();
+            }
+        }
+        crate::d2h::release_bounce_buffers();
+    });
+}
+
+/// Sets the pinned byte budget of the result pools (every device).
+#[pyfunction]
+fn set_pool_budget(py: Python<'_>, nbytes: usize) {
+    super::POOL_BUDGET.store(nbytes, std::sync::atomic::Ordering::Relaxed);
+    py.detach(|| {
+        if let Some(table) = super::DEVICES.get() {
+            for s in table.iter().filter_map(|s| s.get()) {
+                s.pool.set_budget(nbytes);
+            }
+        }
+    });
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PendingCopy>()?;
+    m.add_function(wrap_pyfunction!(copy_d2h, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_d2h_async, m)?)?;
+    m.add_function(wrap_pyfunction!(pool_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(set_pool_budget, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,127 @@
+//! The one place where [`crate::Error`] becomes a Python exception.
+//!
+//! Exceptions (all subclasses of `pinstage.PinstageError`):
+//! `CudaUnavailableError(RuntimeError)`, `CudaDriverError(RuntimeError)`,
+//! `StreamCaptureError(RuntimeError)`, `PinstageValueError(ValueError)`,
+//! `PinstageTypeError(TypeError)`.
+
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
+
+use crate::dlpack::DlpackError;
+use crate::error::Error;
+
+const DEFS: &std::ffi::CStr = cr#"
+class PinstageError(Exception):
+    """Base class of every pinstage error."""
+
+class CudaUnavailableError(PinstageError, RuntimeError):
+    """No usable CUDA driver or device (missing, disabled, or a forked child)."""
+
+class CudaDriverError(PinstageError, RuntimeError):
+    """A CUDA driver call failed; the message names the call and the CUDA error."""
+
+class StreamCaptureError(PinstageError, RuntimeError):
+    """A staged copy was issued on a stream that is capturing a CUDA graph."""
+
+class PinstageValueError(PinstageError, ValueError):
+    """A bad argument value (sizes, devices, layouts)."""
+
+class PinstageTypeError(PinstageError, TypeError):
+    """A bad argument type (dtypes, objects without DLPack)."""
+"#;
+
+static CLASSES: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+
+fn module(py: Python<'_>) -> &Bound<'_, PyModule> {
+    CLASSES
+        .get_or_init(py, || {
+            PyModule::from_code(py, DEFS, c"pinstage/_errors.py", c"pinstage._errors")
+                .expect("static exception definitions compile")
+                .unbind()
+        })
+        .bind(py)
+}
+
+/// Which Python class an error maps to.
+#[derive(Clone, Copy)]
+pub(crate) enum Kind {
+    Unavailable,
+    Driver,
+    Capture,
+    Value,
+    Type,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Unavailable => "CudaUnavailableError",
+            Kind::Driver => "CudaDriverError",
+            Kind::Capture => "StreamCaptureError",
+            Kind::Value => "PinstageValueError",
+            Kind::Type => "PinstageTypeError",
+        }
+    }
+}
+
+/// A Python exception of `kind` with `msg`.
+pub(crate) fn new_err(py: Python<'_>, kind: Kind, msg: impl Into<String>) -> PyErr {
+    match module(py).getattr(kind.name()).and_then(|c| Ok(c.cast_into::<PyType>()?)) {
+        Ok(cls) => PyErr::from_type(cls, msg.into()),
+        Err(e) => e,
+    }
+}
+
+/// A `PinstageValueError`.
+pub(crate) fn value_err(msg: impl Into<String>) -> PyErr {
+    Python::attach(|py| new_err(py, Kind::Value, msg))
+}
+
+/// A `PinstageTypeError`.
+pub(crate) fn type_err(msg: impl Into<String>) -> PyErr {
+    Python::attach(|py| new_err(py, Kind::Type, msg))
+}
+
+/// Converts a core error.
+pub(crate) fn to_py(e: Error) -> PyErr {
+    let kind = match &e {
+        Error::CudaUnavailable { .. } => Kind::Unavailable,
+        Error::Driver(_) => Kind::Driver,
+        Error::StreamCapturing => Kind::Capture,
+        Error::DtypeMismatch { .. } => Kind::Type,
+        Error::Dlpack(DlpackError::UnsupportedDtype { .. }) => Kind::Type,
+        _ => Kind::Value,
+    };
+    Python::attach(|py| new_err(py, kind, e.to_string()))
+}
+
+/// `?`-friendly conversion.
+pub(crate) trait IntoPy<T> {
+    fn py_err(self) -> PyResult<T>;
+}
+
+impl<T> IntoPy<T> for crate::error::Result<T> {
+    #[inline]
+    fn py_err(self) -> PyResult<T> {
+        self.map_err(to_py)
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let defs = module(m.py());
+    for name in [
+        "PinstageError",
+        "CudaUnavailableError",
+        "CudaDriverError",
+        "StreamCaptureError",
+        "PinstageValueError",
+        "PinstageTypeError",
+    ] {
+        let cls = defs.getattr(name)?;
+        cls.setattr("__module__", "pinstage")?;
+        m.add(name, cls)?;
+    }
+    Ok(())
+}

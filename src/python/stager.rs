@@ -1,0 +1,477 @@
+//! `PinnedStager`, `StagedTarget` and `H2DMirror` for Python.
+
+use std::sync::Arc;
+
+use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+
+use super::errors::{IntoPy, type_err, value_err};
+use super::import::{Imported, import, parse_dtype, parse_stream, type_name};
+use crate::device::StreamHandle;
+use crate::dtype::DType;
+use crate::mirror::H2DMirror as CoreMirror;
+use crate::stager::{CopyOutcome, Stager};
+
+/// Element bytes of `values`: borrowed from a matching numpy array, or converted.
+pub(crate) enum Values<'py> {
+    Borrowed { ptr: *const u8, len: usize, _keep: Bound<'py, PyAny> },
+    Owned(Vec<u8>),
+}
+
+impl Values<'_> {
+    pub(crate) fn bytes(&self) -> &[u8] {
+        match self {
+            // SAFETY: `_keep` holds the numpy array, whose buffer is valid for `len` bytes.
+            Values::Borrowed { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+            Values::Owned(v) => v,
+        }
+    }
+}
+
+/// A `&[u8]` that may cross `py.detach` (the owner stays alive in the caller's frame).
+struct SendBytes<'a>(&'a [u8]);
+// SAFETY: a shared byte slice; the Python owner outlives the detached section.
+unsafe impl Send for SendBytes<'_> {}
+
+fn int_range(d: DType) -> Option<(i128, i128)> {
+    Some(match d {
+        DType::I8 => (i8::MIN as i128, i8::MAX as i128),
+        DType::I16 => (i16::MIN as i128, i16::MAX as i128),
+        DType::I32 => (i32::MIN as i128, i32::MAX as i128),
+        DType::I64 => (i64::MIN as i128, i64::MAX as i128),
+        DType::U8 => (0, u8::MAX as i128),
+        DType::U16 => (0, u16::MAX as i128),
+        DType::U32 => (0, u32::MAX as i128),
+        DType::U64 => (0, u64::MAX as i128),
+        DType::Bool => (0, 1),
+        _ => return None,
+    })
+}
+
+/// Fast path for a list/tuple of Python ints or floats; `Ok(None)` means "use numpy".
+fn convert_sequence(items: &[Bound<'_, PyAny>], d: DType) -> PyResult<Option<Vec<u8>>> {
+    let mut out = Vec::with_capacity(items.len() * d.itemsize());
+    if let Some((lo, hi)) = int_range(d) {
+        for (i, it) in items.iter().enumerate() {
+            let v: i128 = if d == DType::Bool {
+                match it.extract::<bool>() {
+                    Ok(b) => b as i128,
+                    Err(_) => return Ok(None),
+                }
+            } else {
+                match it.extract::<i64>() {
+                    Ok(v) => v as i128,
+                    Err(_) => match it.extract::<u64>() {
+                        Ok(v) => v as i128,
+                        Err(_) => return Ok(None),
+                    },
+                }
+            };
+            if v < lo || v > hi {
+                return Err(value_err(format!(
+                    "value {v} at index {i} does not fit {d} (range {lo}..={hi})"
+                )));
+            }
+            out.extend_from_slice(&v.to_le_bytes()[..d.itemsize()]);
+        }
+        return Ok(Some(out));
+    }
+    match d {
+        DType::F32 | DType::F64 | DType::F16 => {
+            for it in items {
+                if it.is_instance_of::<pyo3::types::PyComplex>() {
+                    return Ok(None);
+                }
+                let Ok(v) = it.extract::<f64>() else { return Ok(None) };
+                match d {
+                    DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+                    DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
+                    _ => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+                }
+            }
+            Ok(Some(out))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Converts `values` to element bytes of `d`, refusing values that do not fit.
+pub(crate) fn to_values<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<Values<'py>> {
+    let py = values.py();
+    if let Ok(arr) = values.cast::<PyUntypedArray>() {
+        let want = super::arrays::descr(py, d)?;
+        if arr.dtype().is_equiv_to(&want) && arr.is_c_contiguous() {
+            // SAFETY: reading the data pointer of a live, C-contiguous numpy array.
+            let ptr = unsafe { (*arr.as_array_ptr()).fields.data as *const u8 };
+            let len = arr.len() * d.itemsize();
+            return Ok(Values::Borrowed { ptr, len, _keep: values.clone() });
+        }
+    } else if let Ok(list) = values.cast::<PyList>() {
+        let items: Vec<_> = list.iter().collect();
+        if let Some(v) = convert_sequence(&items, d)? {
+            return Ok(Values::Owned(v));
+        }
+    } else if let Ok(tuple) = values.cast::<PyTuple>() {
+        let items: Vec<_> = tuple.iter().collect();
+        if let Some(v) = convert_sequence(&items, d)? {
+            return Ok(Values::Owned(v));
+        }
+    }
+    convert_with_numpy(values, d).map(Values::Owned)
+}
+
+fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<Vec<u8>> {
+    let py = values.py();
+    let np = py.import("numpy")?;
+    let want = super::arrays::descr(py, d)?;
+    let arr = np.call_method1("asarray", (values,)).map_err(|e| {
+        type_err(format!("values must be a numpy array or a sequence of numbers ({e})"))
+    })?;
+    let arr = arr.cast_into::<PyUntypedArray>().map_err(|_| type_err("values: not an array"))?;
+    if arr.ndim() == 0 {
+        return Err(type_err(format!(
+            "values must be a sequence or an array, got a scalar of type {}",
+            type_name(values)
+        )));
+    }
+    let kind = arr.dtype().kind();
+    if !matches!(kind, b'b' | b'i' | b'u' | b'f' | b'c' | b'V') {
+        return Err(type_err(format!(
+            "values of numpy kind {:?} cannot be copied as {d}",
+            kind as char
+        )));
+    }
+    if kind == b'c' && !matches!(d, DType::C64 | DType::C128) {
+        return Err(type_err(format!("complex values cannot be copied as {d}")));
+    }
+    let conv = arr.call_method1("astype", (&want,))?;
+    if d.is_integral() {
+        // Refuse values that do not survive the cast (300 into int8, 0.5 into int32, 2 into bool).
+        let same = np.call_method1("array_equal", (&conv, &arr))?.extract::<bool>()?;
+        let bad_bool = d == DType::Bool
+            && !np
+                .call_method1("isin", (&arr, PyList::new(py, [0, 1])?))?
+                .call_method0("all")?
+                .extract::<bool>()?;
+        if !same || bad_bool {
+            return Err(value_err(format!(
+                "values do not fit {d}: {} cannot be represented exactly",
+                arr.repr()?
+            )));
+        }
+    }
+    let conv = np.call_method1("ascontiguousarray", (conv,))?;
+    let bytes = conv.call_method0("tobytes")?;
+    Ok(bytes.cast::<PyBytes>()?.as_bytes().to_vec())
+}
+
+/// One element of `d` from a Python scalar.
+pub(crate) fn scalar_bytes(v: &Bound<'_, PyAny>, d: DType) -> PyResult<Vec<u8>> {
+    let py = v.py();
+    let list = PyList::new(py, [v])?;
+    let vals = to_values(list.as_any(), d)?;
+    Ok(vals.bytes().to_vec())
+}
+
+fn parse_device(obj: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else { return Ok(0) };
+    if let Ok(i) = obj.extract::<i32>() {
+        return Ok(i);
+    }
+    if let Ok(s) = obj.extract::<String>() {
+        return match s.as_str() {
+            "cuda" => Ok(0),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .ok_or_else(|| value_err(format!("device {s:?}: expected an int or 'cuda:N'"))),
+        };
+    }
+    for attr in ["index", "id"] {
+        if let Ok(v) = obj.getattr(attr) {
+            return Ok(v.extract::<Option<i32>>()?.unwrap_or(0));
+        }
+    }
+    Err(type_err(format!("device must be an int, 'cuda:N' or a device object, got {}", type_name(obj))))
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: crate::stager::StagerStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("copies", s.copies)?;
+    d.set_item("host_copies", s.host_copies)?;
+    d.set_item("skipped", s.skipped)?;
+    d.set_item("bytes", s.bytes)?;
+    d.set_item("waits", s.waits)?;
+    d.set_item("growths", s.growths)?;
+    d.set_item("pinned_bytes", s.pinned_bytes)?;
+    Ok(d)
+}
+
+/// Exact-value memory of what a destination holds; see the Rust `H2DMirror`.
+#[pyclass(frozen, module = "pinstage._native", name = "H2DMirror")]
+pub struct PyMirror {
+    inner: Mutex<CoreMirror>,
+}
+
+fn key_bytes(key: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(b) = key.cast::<PyBytes>() {
+        return Ok(b.as_bytes().to_vec());
+    }
+    if let Ok(i) = key.extract::<i128>() {
+        return Ok(i.to_le_bytes().to_vec());
+    }
+    if let Ok(s) = key.extract::<String>() {
+        return Ok(s.into_bytes());
+    }
+    Err(type_err(format!("mirror key must be bytes, int or str, got {}", type_name(key))))
+}
+
+fn raw_bytes(values: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(b) = values.cast::<PyBytes>() {
+        return Ok(b.as_bytes().to_vec());
+    }
+    let np = values.py().import("numpy")?;
+    let arr = np.call_method1("ascontiguousarray", (values,))?;
+    // dtype identity matters: int32 [1] and int64 [1] are different contents.
+    let mut out = arr.getattr("dtype")?.str()?.to_string().into_bytes();
+    out.push(0);
+    out.extend_from_slice(arr.call_method0("tobytes")?.cast::<PyBytes>()?.as_bytes());
+    Ok(out)
+}
+
+#[pymethods]
+impl PyMirror {
+    #[new]
+    fn new() -> Self {
+        Self { inner: Mutex::new(CoreMirror::new()) }
+    }
+
+    /// Whether `(key, values)` equals the last recorded pair, exactly.
+    fn matches(&self, key: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.inner.lock().matches(&key_bytes(key)?, &raw_bytes(values)?))
+    }
+
+    /// Records `(key, values)`.
+    fn record(&self, key: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (k, v) = (key_bytes(key)?, raw_bytes(values)?);
+        self.inner.lock().record(&k, &v);
+        Ok(())
+    }
+
+    /// Forgets everything (call it when the destination was written some other way).
+    fn invalidate(&self) {
+        self.inner.lock().invalidate();
+    }
+
+    fn __repr__(&self) -> String {
+        format!("H2DMirror(valid={})", self.inner.lock().is_valid())
+    }
+}
+
+/// A ring of pinned buffers for small host-to-device copies.
+#[pyclass(frozen, module = "pinstage._native", name = "PinnedStager")]
+pub struct PyStager {
+    inner: Arc<Stager>,
+    numel: usize,
+}
+
+impl PyStager {
+    fn run_copy(
+        &self,
+        py: Python<'_>,
+        imp: &Imported,
+        values: &[u8],
+        pad: Option<&[u8]>,
+        mirror: Option<&Mutex<CoreMirror>>,
+        stream: StreamHandle,
+    ) -> PyResult<bool> {
+        let stager = &self.inner;
+        let view = &imp.view;
+        let vals = SendBytes(values);
+        let pad = pad.map(SendBytes);
+        let outcome = py
+            .detach(move || {
+                let (vals, pad) = (vals, pad);
+                // Lock the mirror only with the GIL released: a thread blocked on the mirror
+                // while holding the GIL would deadlock with us.
+                let mut guard = mirror.map(|m| m.lock());
+                stager.copy_bytes(view, vals.0, pad.as_ref().map(|p| p.0), guard.as_deref_mut(), stream)
+            })
+            .py_err()?;
+        Ok(matches!(outcome, CopyOutcome::Issued { .. } | CopyOutcome::Host))
+    }
+}
+
+#[pymethods]
+impl PyStager {
+    #[new]
+    #[pyo3(signature = (dtype, numel=256, depth=8, *, device=None))]
+    fn new(
+        py: Python<'_>,
+        dtype: &Bound<'_, PyAny>,
+        numel: usize,
+        depth: usize,
+        device: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let d = parse_dtype(dtype)?;
+        let ordinal = parse_device(device)?;
+        let inner = py.detach(|| Stager::new(d, ordinal, numel, depth)).py_err()?;
+        Ok(Self { inner: Arc::new(inner), numel })
+    }
+
+    /// `dst[:len(values)] = values` and, with `pad_value`, the rest of `dst` = pad, in ONE
+    /// non-blocking host-to-device copy. Returns False when nothing was copied (mirror hit or
+    /// 0 elements).
+    #[pyo3(signature = (dst, values, pad_value=None, mirror=None, *, stream=None))]
+    fn copy_(
+        &self,
+        py: Python<'_>,
+        dst: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+        pad_value: Option<&Bound<'_, PyAny>>,
+        mirror: Option<&Bound<'_, PyMirror>>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let d = self.inner.dtype();
+        let s = parse_stream(stream)?;
+        let imp = import(dst, s)?;
+        let vals = to_values(values, d)?;
+        let pad = pad_value.filter(|p| !p.is_none()).map(|p| scalar_bytes(p, d)).transpose()?;
+        let mirror = mirror.map(|m| &m.get().inner);
+        let stream = s.unwrap_or(imp.stream);
+        self.run_copy(py, &imp, vals.bytes(), pad.as_deref(), mirror, stream)
+    }
+
+    /// Binds `dst` once (imported and kept alive) with its own mirror: `target.copy_(values)`
+    /// then pays only for the copy.
+    #[pyo3(signature = (dst, pad_value=None))]
+    fn target(
+        slf: &Bound<'_, Self>,
+        dst: &Bound<'_, PyAny>,
+        pad_value: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<StagedTarget> {
+        let me = slf.get();
+        let d = me.inner.dtype();
+        let imp = import(dst, None)?;
+        if imp.view.dtype() != d {
+            return Err(super::errors::to_py(crate::Error::DtypeMismatch {
+                expected: d,
+                got: imp.view.dtype(),
+            }));
+        }
+        if imp.view.is_read_only() {
+            return Err(super::errors::to_py(crate::Error::ReadOnly));
+        }
+        let pad = pad_value.filter(|p| !p.is_none()).map(|p| scalar_bytes(p, d)).transpose()?;
+        Ok(StagedTarget {
+            stager: slf.clone().unbind(),
+            imported: imp,
+            pad,
+            mirror: Mutex::new(CoreMirror::new()),
+            _dst: dst.clone().unbind(),
+        })
+    }
+
+    /// Counters: copies, host_copies, skipped, bytes, waits, growths, pinned_bytes.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        stats_dict(py, self.inner.stats())
+    }
+
+    /// The element dtype's numpy name.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.inner.dtype().name()
+    }
+
+    /// Initial slot capacity in elements.
+    #[getter]
+    fn numel(&self) -> usize {
+        self.numel
+    }
+
+    /// Number of ring slots.
+    #[getter]
+    fn depth(&self) -> usize {
+        self.inner.depth()
+    }
+
+    /// The CUDA device ordinal served.
+    #[getter]
+    fn device(&self) -> i32 {
+        self.inner.ordinal()
+    }
+
+    /// Whether CUDA destinations can be served.
+    #[getter]
+    fn cuda(&self) -> bool {
+        self.inner.has_cuda()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "PinnedStager(dtype={}, numel={}, depth={}, device={}, cuda={})",
+            self.inner.dtype(),
+            self.numel,
+            self.inner.depth(),
+            self.inner.ordinal(),
+            self.inner.has_cuda()
+        )
+    }
+}
+
+/// A destination bound to a stager, with its own mirror.
+#[pyclass(frozen, module = "pinstage._native")]
+pub struct StagedTarget {
+    stager: Py<PyStager>,
+    imported: Imported,
+    pad: Option<Vec<u8>>,
+    mirror: Mutex<CoreMirror>,
+    _dst: Py<PyAny>,
+}
+
+#[pymethods]
+impl StagedTarget {
+    /// Copies `values` (and the bound pad) into the bound destination; skipped when it already
+    /// holds them. `stream=None`: the producer's current work stream (torch), else the stream
+    /// negotiated at bind time.
+    #[pyo3(signature = (values, *, stream=None))]
+    fn copy_(
+        &self,
+        py: Python<'_>,
+        values: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let st = self.stager.get();
+        let vals = to_values(values, st.inner.dtype())?;
+        let stream = match parse_stream(stream)? {
+            Some(s) => s,
+            None => match (&self.imported.exchange, self.imported.view.memory()) {
+                (Some(ex), crate::MemoryKind::Cuda(id)) => {
+                    ex.current_stream(py, self.imported.view.device_type(), id)?
+                }
+                _ => self.imported.stream,
+            },
+        };
+        st.run_copy(py, &self.imported, vals.bytes(), self.pad.as_deref(), Some(&self.mirror), stream)
+    }
+
+    /// Forgets what the mirror remembers (call it when dst was written some other way).
+    fn invalidate(&self) {
+        self.mirror.lock().invalidate();
+    }
+
+    /// Number of elements in the destination.
+    #[getter]
+    fn numel(&self) -> usize {
+        self.imported.view.numel()
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyStager>()?;
+    m.add_class::<PyMirror>()?;
+    m.add_class::<StagedTarget>()?;
+    Ok(())
+}
