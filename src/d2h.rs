@@ -315,5 +315,8 @@ pub fn copy_d2h_async<B: HostRegion>(
     // SAFETY: the region is owned by `dst`, which the PendingCopy keeps (and waits for before
     // handing back or dropping); HostRegion guarantees the address is stable.
     let event = unsafe { start_d2h(device, src, ptr, len, stream) }?;
-    Ok(PendingCopy { buf: Some(dst), event })
+    Ok(PendingCopy {
+        buf: Some(dst),
+        event,
+    })
 }

@@ -49,3 +49,36 @@ pub use mirror::H2DMirror;
 pub use pinned::{PinnedBuffer, PinnedFlags, is_pinned};
 pub use pool::{DEFAULT_BUDGET, PinnedPool, PoolBlock, PoolStats, size_class};
 pub use stager::{CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, PinnedStager, Stager, StagerStats};
+
+/// Internals exposed for the criterion benches only; not a stable API.
+#[doc(hidden)]
+pub mod bench_internals {
+    /// The slot-claim ring.
+    pub struct Ring(crate::ring::Ring);
+
+    impl Ring {
+        /// A ring of `depth` idle slots.
+        pub fn new(depth: usize) -> Self {
+            Self(crate::ring::Ring::new(depth))
+        }
+
+        /// Claims a slot and releases it again (as IN_FLIGHT).
+        pub fn claim_release(&self) -> usize {
+            let c = self.0.claim();
+            self.0.release(c.index, true);
+            c.index
+        }
+    }
+
+    /// Writes values then padding into `dst` (as the stager does into a slot buffer).
+    pub fn write_padded(dst: &mut [u8], values: &[u8], pad: &[u8]) {
+        assert!(values.len() <= dst.len() && (dst.len() - values.len()) % pad.len() == 0);
+        assert!(
+            512 % pad.len() == 0 && !values.as_ptr_range().contains(&(dst.as_ptr() as *const u8))
+        );
+        // SAFETY: checked above: dst holds `dst.len()` bytes, values fit, pad divides the rest.
+        unsafe {
+            crate::stager::write_padded_for_bench(dst.as_mut_ptr(), values, Some(pad), dst.len())
+        }
+    }
+}

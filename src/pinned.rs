@@ -165,7 +165,9 @@ impl std::fmt::Debug for PinnedBuffer {
 /// Whether `ptr` lies in page-locked host memory known to the CUDA driver (allocated or
 /// registered by pinstage, PyTorch, CuPy, JAX...). `false` without a driver.
 pub fn is_pinned(ptr: *const u8) -> bool {
-    let Ok(device) = Device::new(0) else { return false };
+    let Ok(device) = Device::new(0) else {
+        return false;
+    };
     let Ok(_g) = device.enter() else { return false };
     driver::is_pinned_host(ptr.cast())
 }

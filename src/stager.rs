@@ -509,6 +509,20 @@ impl<T: Element> PinnedStager<T> {
     }
 }
 
+/// [`write_padded`] without overlap, for the benches.
+///
+/// # Safety
+/// As [`write_padded`] with `may_overlap = false`.
+pub(crate) unsafe fn write_padded_for_bench(
+    dst: *mut u8,
+    values: &[u8],
+    pad: Option<&[u8]>,
+    total: usize,
+) {
+    // SAFETY: forwarded contract.
+    unsafe { write_padded(dst, values, pad, total, false) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

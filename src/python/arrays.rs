@@ -86,19 +86,31 @@ pub(crate) fn descr<'py>(py: Python<'py>, d: DType) -> PyResult<Bound<'py, PyArr
             )
         })?;
         let np = py.import("numpy")?;
-        return Ok(np.call_method1("dtype", (ml.getattr("bfloat16")?,))?.cast_into()?);
+        return Ok(np
+            .call_method1("dtype", (ml.getattr("bfloat16")?,))?
+            .cast_into()?);
     }
     let table = DESCRS.get_or_try_init(py, || -> PyResult<_> {
         let np = py.import("numpy")?;
         DType::ALL
             .iter()
             .map(|d| {
-                let name = if *d == DType::BF16 { "uint16" } else { d.name() };
-                Ok(np.call_method1("dtype", (name,))?.cast_into::<PyArrayDescr>()?.unbind())
+                let name = if *d == DType::BF16 {
+                    "uint16"
+                } else {
+                    d.name()
+                };
+                Ok(np
+                    .call_method1("dtype", (name,))?
+                    .cast_into::<PyArrayDescr>()?
+                    .unbind())
             })
             .collect()
     })?;
-    let i = DType::ALL.iter().position(|x| *x == d).expect("every dtype is in ALL");
+    let i = DType::ALL
+        .iter()
+        .position(|x| *x == d)
+        .expect("every dtype is in ALL");
     Ok(table[i].bind(py).clone())
 }
 
@@ -153,7 +165,10 @@ pub(crate) fn array_on<'py>(
     let ptr = block.ptr();
     let need = numel(shape)? * dtype.itemsize();
     if need > block.len {
-        return Err(value_err(format!("block of {} bytes cannot hold {need} bytes", block.len)));
+        return Err(value_err(format!(
+            "block of {} bytes cannot hold {need} bytes",
+            block.len
+        )));
     }
     let owner = Bound::new(py, block)?.into_any();
     // SAFETY: the block holds `need` bytes and lives as long as the owner (the array's base).
@@ -177,7 +192,9 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         .extract()
         .map_err(|_| type_err("shape must be an int or a sequence of ints"))?;
     if let Some(d) = shape.iter().find(|&&d| d < 0) {
-        return Err(value_err(format!("shape {shape:?} has a negative dimension {d}")));
+        return Err(value_err(format!(
+            "shape {shape:?} has a negative dimension {d}"
+        )));
     }
     Ok(shape)
 }
@@ -226,7 +243,13 @@ fn empty_pinned<'py>(
     let d = super::import::parse_dtype(&dtype)?;
     let s = parse_shape(shape)?;
     let nbytes = numel(&s)? * d.itemsize();
-    alloc_pinned_numpy(py, nbytes, &dtype, &PyTuple::new(py, &s)?.into_any(), device)
+    alloc_pinned_numpy(
+        py,
+        nbytes,
+        &dtype,
+        &PyTuple::new(py, &s)?.into_any(),
+        device,
+    )
 }
 
 /// Whether an address (or a numpy array's data) lies in page-locked memory.
@@ -254,7 +277,12 @@ pub(crate) fn writable_numpy(obj: &Bound<'_, PyAny>) -> PyResult<(usize, usize)>
         return Err(value_err("dst must be C-contiguous"));
     }
     // SAFETY: reading fields of a live numpy array object.
-    let (data, flags) = unsafe { ((*a.as_array_ptr()).fields.data as usize, (*a.as_array_ptr()).fields.flags) };
+    let (data, flags) = unsafe {
+        (
+            (*a.as_array_ptr()).fields.data as usize,
+            (*a.as_array_ptr()).fields.flags,
+        )
+    };
     if flags & NPY_ARRAY_WRITEABLE == 0 {
         return Err(value_err("dst is read-only"));
     }

@@ -68,7 +68,10 @@ impl Kind {
 
 /// A Python exception of `kind` with `msg`.
 pub(crate) fn new_err(py: Python<'_>, kind: Kind, msg: impl Into<String>) -> PyErr {
-    match module(py).getattr(kind.name()).and_then(|c| Ok(c.cast_into::<PyType>()?)) {
+    match module(py)
+        .getattr(kind.name())
+        .and_then(|c| Ok(c.cast_into::<PyType>()?))
+    {
         Ok(cls) => PyErr::from_type(cls, msg.into()),
         Err(e) => e,
     }

@@ -43,14 +43,19 @@ unsafe impl Sync for Exchange {}
 impl Exchange {
     fn of(obj: &Bound<'_, PyAny>) -> PyResult<Option<Self>> {
         let py = obj.py();
-        let cap = match obj.get_type().getattr(pyo3::intern!(py, "__dlpack_c_exchange_api__")) {
+        let cap = match obj
+            .get_type()
+            .getattr(pyo3::intern!(py, "__dlpack_c_exchange_api__"))
+        {
             Ok(c) => c,
             Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => {
                 return Ok(None);
             }
             Err(e) => return Err(e),
         };
-        let Ok(cap) = cap.cast_into::<PyCapsule>() else { return Ok(None) };
+        let Ok(cap) = cap.cast_into::<PyCapsule>() else {
+            return Ok(None);
+        };
         // SAFETY: PyCapsule_GetPointer checks the capsule name; null means wrong name.
         let ptr = unsafe {
             pyo3::ffi::PyCapsule_GetPointer(cap.as_ptr(), c"dlpack_exchange_api".as_ptr())
@@ -71,21 +76,28 @@ impl Exchange {
     }
 
     /// The producer's current work stream on `device` (torch: `torch.cuda.current_stream()`).
-    pub(crate) fn current_stream(&self, py: Python<'_>, device_type: u32, id: i32) -> PyResult<StreamHandle> {
+    pub(crate) fn current_stream(
+        &self,
+        py: Python<'_>,
+        device_type: u32,
+        id: i32,
+    ) -> PyResult<StreamHandle> {
         let f = self.0.current_work_stream.expect("checked in `of`");
         let mut out: *mut c_void = std::ptr::null_mut();
         // SAFETY: a valid table function; the out-pointer is valid; GIL held.
         let rc = unsafe { f(DLDeviceType(device_type), id, &mut out) };
         if rc != 0 {
-            return Err(PyErr::take(py).unwrap_or_else(|| {
-                value_err("the producer's DLPack current_work_stream failed")
-            }));
+            return Err(PyErr::take(py)
+                .unwrap_or_else(|| value_err("the producer's DLPack current_work_stream failed")));
         }
         Ok(StreamHandle(out as usize))
     }
 
     fn import(&self, obj: &Bound<'_, PyAny>) -> PyResult<Managed<DLManagedTensorVersioned>> {
-        let f = self.0.managed_tensor_from_py_object_no_sync.expect("checked in `of`");
+        let f = self
+            .0
+            .managed_tensor_from_py_object_no_sync
+            .expect("checked in `of`");
         let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();
         // SAFETY: a valid table function of obj's type; GIL held; valid out-pointer.
         let rc = unsafe { f(obj.as_ptr().cast(), &mut out) };
@@ -170,12 +182,22 @@ pub(crate) fn import(obj: &Bound<'_, PyAny>, stream: Option<StreamHandle>) -> Py
             MemoryKind::Cuda(id) => ex.current_stream(py, view.device_type(), id)?,
             MemoryKind::Host => StreamHandle::LEGACY,
         };
-        return Ok(Imported { view, _owner: owner, stream, exchange });
+        return Ok(Imported {
+            view,
+            _owner: owner,
+            stream,
+            exchange,
+        });
     }
     let consumer = stream.unwrap_or(StreamHandle::LEGACY);
     let owner = import_standard(obj, consumer)?;
     let view = view_of(&owner)?;
-    Ok(Imported { view, _owner: owner, stream: consumer, exchange })
+    Ok(Imported {
+        view,
+        _owner: owner,
+        stream: consumer,
+        exchange,
+    })
 }
 
 fn import_standard(obj: &Bound<'_, PyAny>, stream: StreamHandle) -> PyResult<ImportedDlpack> {
@@ -206,7 +228,13 @@ fn import_standard(obj: &Bound<'_, PyAny>, stream: StreamHandle) -> PyResult<Imp
     }
     kwargs.set_item(
         pyo3::intern!(py, "max_version"),
-        PyTuple::new(py, [dlpark::ffi::DLPACK_MAJOR_VERSION, dlpark::ffi::DLPACK_MINOR_VERSION])?,
+        PyTuple::new(
+            py,
+            [
+                dlpark::ffi::DLPACK_MAJOR_VERSION,
+                dlpark::ffi::DLPACK_MINOR_VERSION,
+            ],
+        )?,
     )?;
     let capsule = match method.call((), Some(&kwargs)) {
         Ok(c) => c,
@@ -254,7 +282,10 @@ fn dlpark_device(imported: &ImportedDlpack) -> DLDevice {
 
 /// The name of an object's type, for messages.
 pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
 }
 
 /// Resolves a dtype argument: numpy dtypes/types/strings, torch dtypes, jax and cupy dtypes.
@@ -263,7 +294,11 @@ pub(crate) fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<crate::DType> {
     let name: String = if let Ok(s) = obj.cast::<PyString>() {
         s.to_string()
     } else {
-        let module = obj.get_type().module().map(|m| m.to_string()).unwrap_or_default();
+        let module = obj
+            .get_type()
+            .module()
+            .map(|m| m.to_string())
+            .unwrap_or_default();
         if module.starts_with("torch") {
             obj.str()?.to_string()
         } else {

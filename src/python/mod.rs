@@ -34,18 +34,26 @@ static POOL_BUDGET: std::sync::atomic::AtomicUsize =
 
 fn device_state(ordinal: i32) -> Result<&'static DeviceState> {
     let probe = crate::driver::probe().map_err(Error::unavailable)?;
-    let table = DEVICES
-        .get_or_init(|| (0..probe.device_count.max(0)).map(|_| OnceLock::new()).collect());
+    let table = DEVICES.get_or_init(|| {
+        (0..probe.device_count.max(0))
+            .map(|_| OnceLock::new())
+            .collect()
+    });
     let slot = usize::try_from(ordinal)
         .ok()
         .and_then(|i| table.get(i))
-        .ok_or(Error::NoSuchDevice { ordinal, count: probe.device_count })?;
+        .ok_or(Error::NoSuchDevice {
+            ordinal,
+            count: probe.device_count,
+        })?;
     if let Some(s) = slot.get() {
         return Ok(s);
     }
     let device = Device::new(ordinal)?;
-    let pool =
-        PinnedPool::new(&device, POOL_BUDGET.load(std::sync::atomic::Ordering::Relaxed));
+    let pool = PinnedPool::new(
+        &device,
+        POOL_BUDGET.load(std::sync::atomic::Ordering::Relaxed),
+    );
     Ok(slot.get_or_init(|| DeviceState { device, pool }))
 }
 

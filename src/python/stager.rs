@@ -16,7 +16,11 @@ use crate::stager::{CopyOutcome, Stager};
 
 /// Element bytes of `values`: borrowed from a matching numpy array, or converted.
 pub(crate) enum Values<'py> {
-    Borrowed { ptr: *const u8, len: usize, _keep: Bound<'py, PyAny> },
+    Borrowed {
+        ptr: *const u8,
+        len: usize,
+        _keep: Bound<'py, PyAny>,
+    },
     Owned(Vec<u8>),
 }
 
@@ -55,19 +59,19 @@ fn convert_sequence(items: &[Bound<'_, PyAny>], d: DType) -> PyResult<Option<Vec
     let mut out = Vec::with_capacity(items.len() * d.itemsize());
     if let Some((lo, hi)) = int_range(d) {
         for (i, it) in items.iter().enumerate() {
-            let v: i128 = if d == DType::Bool {
-                match it.extract::<bool>() {
-                    Ok(b) => b as i128,
-                    Err(_) => return Ok(None),
-                }
+            let v: i128 = if let Ok(b) = it.cast::<pyo3::types::PyBool>() {
+                b.is_true() as i128
+            } else if let Ok(v) = it.extract::<i64>() {
+                v as i128
+            } else if let Ok(v) = it.extract::<u64>() {
+                v as i128
+            } else if it.is_instance_of::<pyo3::types::PyInt>() {
+                return Err(value_err(format!(
+                    "value {} at index {i} does not fit {d} (range {lo}..={hi})",
+                    it.repr()?
+                )));
             } else {
-                match it.extract::<i64>() {
-                    Ok(v) => v as i128,
-                    Err(_) => match it.extract::<u64>() {
-                        Ok(v) => v as i128,
-                        Err(_) => return Ok(None),
-                    },
-                }
+                return Ok(None);
             };
             if v < lo || v > hi {
                 return Err(value_err(format!(
@@ -84,7 +88,9 @@ fn convert_sequence(items: &[Bound<'_, PyAny>], d: DType) -> PyResult<Option<Vec
                 if it.is_instance_of::<pyo3::types::PyComplex>() {
                     return Ok(None);
                 }
-                let Ok(v) = it.extract::<f64>() else { return Ok(None) };
+                let Ok(v) = it.extract::<f64>() else {
+                    return Ok(None);
+                };
                 match d {
                     DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
                     DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
@@ -106,7 +112,11 @@ pub(crate) fn to_values<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<V
             // SAFETY: reading the data pointer of a live, C-contiguous numpy array.
             let ptr = unsafe { (*arr.as_array_ptr()).fields.data as *const u8 };
             let len = arr.len() * d.itemsize();
-            return Ok(Values::Borrowed { ptr, len, _keep: values.clone() });
+            return Ok(Values::Borrowed {
+                ptr,
+                len,
+                _keep: values.clone(),
+            });
         }
     } else if let Ok(list) = values.cast::<PyList>() {
         let items: Vec<_> = list.iter().collect();
@@ -127,9 +137,13 @@ fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<Vec<u8>> 
     let np = py.import("numpy")?;
     let want = super::arrays::descr(py, d)?;
     let arr = np.call_method1("asarray", (values,)).map_err(|e| {
-        type_err(format!("values must be a numpy array or a sequence of numbers ({e})"))
+        type_err(format!(
+            "values must be a numpy array or a sequence of numbers ({e})"
+        ))
     })?;
-    let arr = arr.cast_into::<PyUntypedArray>().map_err(|_| type_err("values: not an array"))?;
+    let arr = arr
+        .cast_into::<PyUntypedArray>()
+        .map_err(|_| type_err("values: not an array"))?;
     if arr.ndim() == 0 {
         return Err(type_err(format!(
             "values must be a sequence or an array, got a scalar of type {}",
@@ -149,7 +163,9 @@ fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<Vec<u8>> 
     let conv = arr.call_method1("astype", (&want,))?;
     if d.is_integral() {
         // Refuse values that do not survive the cast (300 into int8, 0.5 into int32, 2 into bool).
-        let same = np.call_method1("array_equal", (&conv, &arr))?.extract::<bool>()?;
+        let same = np
+            .call_method1("array_equal", (&conv, &arr))?
+            .extract::<bool>()?;
         let bad_bool = d == DType::Bool
             && !np
                 .call_method1("isin", (&arr, PyList::new(py, [0, 1])?))?
@@ -176,7 +192,9 @@ pub(crate) fn scalar_bytes(v: &Bound<'_, PyAny>, d: DType) -> PyResult<Vec<u8>> 
 }
 
 fn parse_device(obj: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else { return Ok(0) };
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(0);
+    };
     if let Ok(i) = obj.extract::<i32>() {
         return Ok(i);
     }
@@ -194,7 +212,10 @@ fn parse_device(obj: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
             return Ok(v.extract::<Option<i32>>()?.unwrap_or(0));
         }
     }
-    Err(type_err(format!("device must be an int, 'cuda:N' or a device object, got {}", type_name(obj))))
+    Err(type_err(format!(
+        "device must be an int, 'cuda:N' or a device object, got {}",
+        type_name(obj)
+    )))
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: crate::stager::StagerStats) -> PyResult<Bound<'py, PyDict>> {
@@ -225,7 +246,10 @@ fn key_bytes(key: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     if let Ok(s) = key.extract::<String>() {
         return Ok(s.into_bytes());
     }
-    Err(type_err(format!("mirror key must be bytes, int or str, got {}", type_name(key))))
+    Err(type_err(format!(
+        "mirror key must be bytes, int or str, got {}",
+        type_name(key)
+    )))
 }
 
 fn raw_bytes(values: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
@@ -245,12 +269,17 @@ fn raw_bytes(values: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
 impl PyMirror {
     #[new]
     fn new() -> Self {
-        Self { inner: Mutex::new(CoreMirror::new()) }
+        Self {
+            inner: Mutex::new(CoreMirror::new()),
+        }
     }
 
     /// Whether `(key, values)` equals the last recorded pair, exactly.
     fn matches(&self, key: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self.inner.lock().matches(&key_bytes(key)?, &raw_bytes(values)?))
+        Ok(self
+            .inner
+            .lock()
+            .matches(&key_bytes(key)?, &raw_bytes(values)?))
     }
 
     /// Records `(key, values)`.
@@ -297,10 +326,19 @@ impl PyStager {
                 // Lock the mirror only with the GIL released: a thread blocked on the mirror
                 // while holding the GIL would deadlock with us.
                 let mut guard = mirror.map(|m| m.lock());
-                stager.copy_bytes(view, vals.0, pad.as_ref().map(|p| p.0), guard.as_deref_mut(), stream)
+                stager.copy_bytes(
+                    view,
+                    vals.0,
+                    pad.as_ref().map(|p| p.0),
+                    guard.as_deref_mut(),
+                    stream,
+                )
             })
             .py_err()?;
-        Ok(matches!(outcome, CopyOutcome::Issued { .. } | CopyOutcome::Host))
+        Ok(matches!(
+            outcome,
+            CopyOutcome::Issued { .. } | CopyOutcome::Host
+        ))
     }
 }
 
@@ -317,8 +355,13 @@ impl PyStager {
     ) -> PyResult<Self> {
         let d = parse_dtype(dtype)?;
         let ordinal = parse_device(device)?;
-        let inner = py.detach(|| Stager::new(d, ordinal, numel, depth)).py_err()?;
-        Ok(Self { inner: Arc::new(inner), numel })
+        let inner = py
+            .detach(|| Stager::new(d, ordinal, numel, depth))
+            .py_err()?;
+        Ok(Self {
+            inner: Arc::new(inner),
+            numel,
+        })
     }
 
     /// `dst[:len(values)] = values` and, with `pad_value`, the rest of `dst` = pad, in ONE
@@ -338,7 +381,10 @@ impl PyStager {
         let s = parse_stream(stream)?;
         let imp = import(dst, s)?;
         let vals = to_values(values, d)?;
-        let pad = pad_value.filter(|p| !p.is_none()).map(|p| scalar_bytes(p, d)).transpose()?;
+        let pad = pad_value
+            .filter(|p| !p.is_none())
+            .map(|p| scalar_bytes(p, d))
+            .transpose()?;
         let mirror = mirror.map(|m| &m.get().inner);
         let stream = s.unwrap_or(imp.stream);
         self.run_copy(py, &imp, vals.bytes(), pad.as_deref(), mirror, stream)
@@ -364,7 +410,10 @@ impl PyStager {
         if imp.view.is_read_only() {
             return Err(super::errors::to_py(crate::Error::ReadOnly));
         }
-        let pad = pad_value.filter(|p| !p.is_none()).map(|p| scalar_bytes(p, d)).transpose()?;
+        let pad = pad_value
+            .filter(|p| !p.is_none())
+            .map(|p| scalar_bytes(p, d))
+            .transpose()?;
         Ok(StagedTarget {
             stager: slf.clone().unbind(),
             imported: imp,
@@ -454,7 +503,14 @@ impl StagedTarget {
                 _ => self.imported.stream,
             },
         };
-        st.run_copy(py, &self.imported, vals.bytes(), self.pad.as_deref(), Some(&self.mirror), stream)
+        st.run_copy(
+            py,
+            &self.imported,
+            vals.bytes(),
+            self.pad.as_deref(),
+            Some(&self.mirror),
+            stream,
+        )
     }
 
     /// Forgets what the mirror remembers (call it when dst was written some other way).

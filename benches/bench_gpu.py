@@ -1,0 +1,425 @@
+"""pinstage against its peers, in one run, on one GPU.
+
+Run by scripts/gpu-run (``python3 benches/bench_gpu.py --out DIR``). Prints a table of absolute
+figures and ratios, writes bench.json and bench.png (bandwidth vs size, both directions).
+Timing: warm-up, then the median of many runs; device work is synchronized before the host clock
+is read; data is fresh random values, and every implementation's result is checked.
+"""
+
+import argparse
+import json
+import statistics
+import threading
+import time
+
+import numpy as np
+
+import pinstage
+
+GB = 1e9
+RESULTS = {"d2h": {}, "h2d": {}, "small": {}, "graph": {}, "threads": {}, "memory": {}}
+
+
+def median_time(fn, reps, warmup=2, sync=None):
+    for _ in range(warmup):
+        fn()
+    if sync:
+        sync()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def bench_d2h(torch, cp, jax, cuda_drv, sizes):
+    sync = torch.cuda.synchronize
+    for nbytes in sizes:
+        n = nbytes // 4
+        src = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device="cuda")
+        ref = src.cpu().numpy()
+        reps = 30 if nbytes <= (16 << 20) else (10 if nbytes <= (256 << 20) else 5)
+        row = {}
+        pinned = pinstage.empty_pinned(n, np.int32)
+        pageable = np.empty(n, np.int32)
+        tpin = torch.empty(n, dtype=torch.int32, pin_memory=True)
+        tpage = torch.empty(n, dtype=torch.int32)
+
+        def check(name, arr):
+            if not np.array_equal(np.asarray(arr), ref):
+                raise AssertionError(f"{name} at {nbytes} bytes returned wrong data")
+
+        impls = {
+            "pinstage copy_d2h(dst=pinned)": lambda: pinstage.copy_d2h(src, pinned),
+            "pinstage copy_d2h() pool": lambda: pinstage.copy_d2h(src),
+            "pinstage copy_d2h(dst=pageable)": lambda: pinstage.copy_d2h(src, pageable),
+            "torch .cpu()": lambda: src.cpu(),
+            "torch copy_ pinned": lambda: (tpin.copy_(src), sync(), tpin)[2],
+            "torch copy_ pageable": lambda: tpage.copy_(src),
+        }
+        if cp is not None:
+            csrc = cp.from_dlpack(src)
+            cpin = cp.cuda.alloc_pinned_memory(nbytes)
+            cout = np.frombuffer(cpin, np.int32, n)
+            impls["cupy .get()"] = lambda: csrc.get()
+            impls["cupy .get(out=pinned)"] = lambda: csrc.get(out=cout)
+        if jax is not None:
+            jsrc = jax.numpy.asarray(ref)  # on the default (GPU) device
+            fresh = []
+
+            def jax_asarray():
+                return np.asarray(fresh.pop())
+
+            def jax_prep():
+                y = jsrc + 0  # a fresh array each time: jax caches host copies
+                y.block_until_ready()
+                fresh.append(y)
+
+            impls["jax np.asarray"] = (jax_prep, jax_asarray)
+            try:
+                pin_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+                impls["jax device_put pinned_host"] = lambda: jax.device_put(jsrc, pin_sharding).block_until_ready()
+            except Exception as e:  # noqa: BLE001
+                print("jax pinned_host unavailable:", e)
+        if cuda_drv is not None:
+            drv, ptr_of = cuda_drv
+            hpin = pinstage.empty_pinned(n, np.int32)
+            hpage = np.empty(n, np.int32)
+            dptr = src.data_ptr()
+            impls["driver cuMemcpyDtoH pinned"] = lambda: (drv.cuMemcpyDtoH(hpin.ctypes.data, dptr, nbytes), hpin)[1]
+            impls["driver cuMemcpyDtoH pageable"] = lambda: (drv.cuMemcpyDtoH(hpage.ctypes.data, dptr, nbytes), hpage)[1]
+        for name, fn in impls.items():
+            try:
+                if isinstance(fn, tuple):
+                    prep, run = fn
+                    ts = []
+                    for i in range(reps + 2):
+                        prep()
+                        sync()
+                        t0 = time.perf_counter()
+                        out = run()
+                        ts.append(time.perf_counter() - t0)
+                    t = statistics.median(ts[2:])
+                else:
+                    t = median_time(fn, reps, sync=sync)
+                    out = fn()
+                    sync()
+                if "device_put" not in name:
+                    check(name, out if not hasattr(out, "numpy") else out.numpy())
+                row[name] = nbytes / t / GB
+            except AssertionError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name}: failed: {e}")
+        RESULTS["d2h"][nbytes] = row
+        print(f"D2H {nbytes:>11,d} B: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
+        del src, pinned, pageable, tpin, tpage
+        pinstage.empty_cache()
+        torch.cuda.empty_cache()
+
+
+def bench_h2d_large(torch, sizes):
+    for nbytes in sizes:
+        n = nbytes // 4
+        vals = np.random.default_rng(nbytes).integers(-(2**31), 2**31 - 1, n, dtype=np.int32)
+        dst = torch.empty(n, dtype=torch.int32, device="cuda")
+        st = pinstage.PinnedStager(torch.int32, n, 2)
+        reps = 10
+        row = {}
+        row["pinstage stager copy_"] = nbytes / median_time(lambda: st.copy_(dst, vals), reps, sync=torch.cuda.synchronize) / GB
+        assert np.array_equal(dst.cpu().numpy(), vals)
+        tpin = torch.from_numpy(vals).pin_memory()
+        row["torch copy_ from pinned"] = nbytes / median_time(lambda: dst.copy_(tpin, non_blocking=True), reps, sync=torch.cuda.synchronize) / GB
+        tpage = torch.from_numpy(vals)
+        row["torch copy_ from pageable"] = nbytes / median_time(lambda: dst.copy_(tpage), reps, sync=torch.cuda.synchronize) / GB
+        assert np.array_equal(dst.cpu().numpy(), vals)
+        RESULTS["h2d"][nbytes] = row
+        print(f"H2D {nbytes:>11,d} B: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
+        del st
+
+
+def bench_small(torch, cuda_drv, calls=20000):
+    """256 of 4096 int32, padded: host microseconds per call."""
+    n, total, pad = 256, 4096, -1
+    rng = np.random.default_rng(1)
+    value_sets = [rng.integers(1, 1 << 30, n, dtype=np.int32) for _ in range(64)]
+    dst = torch.empty(total, dtype=torch.int32, device="cuda")
+    sync = torch.cuda.synchronize
+    row = {}
+
+    def run(name, fn):
+        for i in range(200):
+            fn(value_sets[i % 64])
+        sync()
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(value_sets[i % 64])
+        t = (time.perf_counter() - t0) / calls
+        sync()
+        got = dst.cpu().numpy()
+        last = value_sets[(calls - 1) % 64]
+        if not (np.array_equal(got[:n], last) and (got[n:] == pad).all()):
+            raise AssertionError(f"{name}: wrong result")
+        row[name] = t * 1e6
+
+    st = pinstage.PinnedStager(torch.int32, 256, 8)
+    target = st.target(dst, pad_value=pad)
+    run("pinstage bound target", lambda v: target.copy_(v))
+    run("pinstage copy_(dst, ...)", lambda v: st.copy_(dst, v, pad))
+    head, tail = dst[:n], dst[n:]
+    run("torch copy_ pageable + fill_", lambda v: (head.copy_(torch.from_numpy(v), non_blocking=True), tail.fill_(pad)))
+    run("torch pin_memory() per call", lambda v: (head.copy_(torch.from_numpy(v).pin_memory(), non_blocking=True), tail.fill_(pad)))
+    ring = [(torch.empty(total, dtype=torch.int32, pin_memory=True), torch.cuda.Event()) for _ in range(8)]
+    k = [0]
+
+    def py_ring(v):
+        buf, ev = ring[k[0] % 8]
+        k[0] += 1
+        ev.synchronize()
+        b = buf.numpy()
+        b[:n] = v
+        b[n:] = pad
+        dst.copy_(buf, non_blocking=True)
+        ev.record()
+
+    run("python ring of pinned torch buffers", py_ring)
+    if cuda_drv is not None:
+        drv, _ = cuda_drv
+        bufs = [pinstage.empty_pinned(total, np.int32) for _ in range(8)]
+        evs = [drv.cuEventCreate(2)[1] for _ in range(8)]
+        stream = torch.cuda.current_stream().cuda_stream
+        dptr = dst.data_ptr()
+        j = [0]
+
+        def drv_ring(v):
+            i = j[0] % 8
+            j[0] += 1
+            drv.cuEventSynchronize(evs[i])
+            b = bufs[i]
+            b[:n] = v
+            b[n:] = pad
+            drv.cuMemcpyHtoDAsync(dptr, b.ctypes.data, total * 4, stream)
+            drv.cuEventRecord(evs[i], stream)
+
+        run("cuda.bindings ring", drv_ring)
+    RESULTS["small"] = row
+    RESULTS["memory"]["stager pinned bytes"] = st.stats()["pinned_bytes"]
+    print("small padded H2D (256 of 4096 int32), host us/call: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
+
+
+def bench_graph(torch, seconds=2.0):
+    """A ~3 ms CUDA graph replayed while copies run at full rate on another stream."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    gs = torch.cuda.Stream()
+    with torch.cuda.stream(gs):
+        for _ in range(3):
+            c = a @ b
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=gs):
+        for _ in range(20):
+            c = a @ b  # noqa: F841
+    reps = 60
+
+    def time_graph():
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        with torch.cuda.stream(gs):
+            for _ in range(reps):
+                s.record()
+                g.replay()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e))
+        return statistics.median(times)
+
+    base = time_graph()
+    side = torch.cuda.Stream()
+    dst = torch.empty(4096, dtype=torch.int32, device="cuda")
+    big = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
+    st = pinstage.PinnedStager(torch.int32, 256, 8)
+    vals = np.arange(256, dtype=np.int32)
+
+    def with_load(work):
+        stop = threading.Event()
+        count = [0]
+
+        def loop():
+            with torch.cuda.stream(side):
+                while not stop.is_set():
+                    work()
+                    count[0] += 1
+
+        th = threading.Thread(target=loop)
+        th.start()
+        time.sleep(0.05)
+        t = time_graph()
+        stop.set()
+        th.join()
+        torch.cuda.synchronize()
+        return t, count[0]
+
+    t_stager, n1 = with_load(lambda: st.copy_(dst, vals + 1, -1, stream=side.cuda_stream))
+    t_fill_small, _ = with_load(lambda: dst.fill_(3))
+    t_fill_big, _ = with_load(lambda: big.fill_(3))
+    RESULTS["graph"] = {
+        "graph ms": base,
+        "beside pinstage copies": t_stager / base - 1,
+        "beside fill_ 16 KiB": t_fill_small / base - 1,
+        "beside fill_ 4 MiB": t_fill_big / base - 1,
+        "pinstage copies issued": n1,
+    }
+    print(
+        f"graph {base:.3f} ms; slowdown beside pinstage copies {100*(t_stager/base-1):+.2f}% ({n1} copies), "
+        f"fill_ 16 KiB {100*(t_fill_small/base-1):+.2f}%, fill_ 4 MiB {100*(t_fill_big/base-1):+.2f}%"
+    )
+
+
+def bench_threads(torch, calls=20000):
+    st = pinstage.PinnedStager(torch.int32, 256, 8)
+    dsts = [torch.empty(4096, dtype=torch.int32, device="cuda") for _ in range(4)]
+    rates = {}
+    for nthreads in (1, 4):
+        last = {}
+
+        def work(k):
+            v = np.full(256, k, np.int32)
+            for i in range(calls):
+                v[0] = i
+                st.copy_(dsts[k], v, -k)
+            last[k] = v.copy()
+
+        ths = [threading.Thread(target=work, args=(k,)) for k in range(nthreads)]
+        t0 = time.perf_counter()
+        [t.start() for t in ths]
+        [t.join() for t in ths]
+        dt = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        for k in range(nthreads):
+            got = dsts[k].cpu().numpy()
+            assert np.array_equal(got[:256], last[k]) and (got[256:] == -k).all()
+        rates[nthreads] = nthreads * calls / dt
+    RESULTS["threads"] = {"1 thread calls/s": rates[1], "4 threads calls/s": rates[4]}
+    print(f"one stager: 1 thread {rates[1]:,.0f} calls/s, 4 threads {rates[4]:,.0f} calls/s ({rates[4]/rates[1]:.2f}x)")
+
+
+def report(out):
+    d2h = RESULTS["d2h"]
+    lines = []
+    big = max(d2h) if d2h else None
+    if big:
+        r = d2h[big]
+        drv = r.get("driver cuMemcpyDtoH pinned")
+        lines.append(f"D2H {big >> 20} MiB GB/s: " + ", ".join(f"{k}={v:.2f}" for k, v in r.items()))
+        if drv:
+            lines.append(f"  with-dst / driver pinned = {r['pinstage copy_d2h(dst=pinned)'] / drv:.3f} (goal >= 0.98)")
+            lines.append(f"  pool / with-dst = {r['pinstage copy_d2h() pool'] / r['pinstage copy_d2h(dst=pinned)']:.3f} (goal >= 0.95)")
+            if "jax np.asarray" in r:
+                lines.append(f"  pool / jax np.asarray = {r['pinstage copy_d2h() pool'] / r['jax np.asarray']:.1f}x (goal >= 25)")
+            if "driver cuMemcpyDtoH pageable" in r:
+                lines.append(
+                    f"  pageable dst / driver pageable = {r['pinstage copy_d2h(dst=pageable)'] / r['driver cuMemcpyDtoH pageable']:.2f}x (goal >= 1.5)"
+                )
+    for nb in sorted(d2h):
+        if nb <= (1 << 20) and "torch copy_ pinned" in d2h[nb]:
+            lines.append(
+                f"  {nb >> 10} KiB: pinstage with-dst / torch into pinned = "
+                f"{d2h[nb]['pinstage copy_d2h(dst=pinned)'] / d2h[nb]['torch copy_ pinned']:.2f} (goal >= 1)"
+            )
+    s = RESULTS["small"]
+    if s:
+        best_peer = min(v for k, v in s.items() if not k.startswith("pinstage"))
+        lines.append(
+            f"small H2D us/call: bound target {s['pinstage bound target']:.2f} (goal <= 2.5), copy_ {s['pinstage copy_(dst, ...)']:.2f} "
+            f"(goal <= 5), best peer {best_peer:.2f} ({best_peer / s['pinstage bound target']:.1f}x slower)"
+        )
+    print("\n=== pinstage bench summary")
+    print("\n".join(lines))
+    with open(f"{out}/bench.json", "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+        for ax, key, title in ((axes[0], "d2h", "device -> host"), (axes[1], "h2d", "host -> device")):
+            table = RESULTS[key]
+            names = sorted({k for r in table.values() for k in r})
+            for name in names:
+                xs = [nb for nb in sorted(table) if name in table[nb]]
+                ax.plot(xs, [table[nb][name] for nb in xs], marker="o", label=name, lw=2.5 if name.startswith("pinstage") else 1)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("bytes")
+            ax.set_ylabel("GB/s")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(f"{out}/bench.png", dpi=110)
+    except Exception as e:  # noqa: BLE001
+        print("plot failed:", e)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args()
+    import torch
+
+    try:
+        import cupy as cp
+    except Exception:  # noqa: BLE001
+        cp = None
+    try:
+        import jax
+
+        jax.config.update("jax_platforms", "cuda")
+    except Exception:  # noqa: BLE001
+        jax = None
+    try:
+        from cuda.bindings import driver as drv
+
+        def call(fn):
+            def wrapped(*args):
+                r = fn(*args)
+                err = r[0] if isinstance(r, tuple) else r
+                if int(err) != 0:
+                    raise RuntimeError(f"{fn.__name__}: {err}")
+                return r
+
+            return wrapped
+
+        class D:
+            cuMemcpyDtoH = staticmethod(call(drv.cuMemcpyDtoH))
+            cuMemcpyHtoDAsync = staticmethod(call(drv.cuMemcpyHtoDAsync))
+            cuEventCreate = staticmethod(call(drv.cuEventCreate))
+            cuEventRecord = staticmethod(call(drv.cuEventRecord))
+            cuEventSynchronize = staticmethod(call(drv.cuEventSynchronize))
+
+        cuda_drv = (D, None)
+    except Exception as e:  # noqa: BLE001
+        print("cuda.bindings unavailable:", e)
+        cuda_drv = None
+    torch.cuda.init()
+    print("device:", torch.cuda.get_device_name(0), "| pinstage", pinstage.__version__, "| torch", torch.__version__)
+    sizes = [64 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30]
+    if a.quick:
+        sizes = [64 << 10, 1 << 20, 16 << 20]
+    bench_small(torch, cuda_drv)
+    bench_threads(torch)
+    bench_graph(torch)
+    bench_d2h(torch, cp, jax, cuda_drv, sizes)
+    bench_h2d_large(torch, sizes[:4])
+    RESULTS["memory"]["pool"] = pinstage.pool_stats()
+    report(a.out)
+
+
+if __name__ == "__main__":
+    main()

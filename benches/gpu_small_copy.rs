@@ -1,0 +1,59 @@
+//! The small padded copy on the GPU through the Rust API (256 of 4096 int32): host time per
+//! `copy_`, with and without a mirror. Prints a skip line without a GPU.
+
+use std::hint::black_box;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use pinstage::{DType, Device, DeviceBuffer, H2DMirror, PinnedStager, Stream};
+
+fn small_copy(c: &mut Criterion) {
+    let Ok(dev) = Device::new(0) else {
+        eprintln!("SKIP gpu_small_copy: no GPU");
+        return;
+    };
+    let stream = Stream::new(&dev).unwrap();
+    let buf = DeviceBuffer::new(&dev, 4096 * 4).unwrap();
+    let dst = buf.view(DType::I32);
+    let st = PinnedStager::<i32>::new(0, 256, 8).unwrap();
+    let sets: Vec<Vec<i32>> = (0..64)
+        .map(|k| (0..256).map(|i| k * 1000 + i + 1).collect())
+        .collect();
+    let mut k = 0;
+    c.bench_function("rust copy_ 256 of 4096 int32 (padded)", |b| {
+        b.iter(|| {
+            k = (k + 1) % 64;
+            black_box(
+                st.copy_(&dst, &sets[k], Some(-1), None, stream.handle())
+                    .unwrap(),
+            )
+        })
+    });
+    let mut m = H2DMirror::new();
+    c.bench_function("rust copy_ with mirror, changing values", |b| {
+        b.iter(|| {
+            k = (k + 1) % 64;
+            black_box(
+                st.copy_(&dst, &sets[k], Some(-1), Some(&mut m), stream.handle())
+                    .unwrap(),
+            )
+        })
+    });
+    c.bench_function("rust copy_ with mirror hit (skipped)", |b| {
+        b.iter(|| {
+            black_box(
+                st.copy_(&dst, &sets[0], Some(-1), Some(&mut m), stream.handle())
+                    .unwrap(),
+            )
+        })
+    });
+    stream.synchronize().unwrap();
+    let mut out = vec![0u8; 4096 * 4];
+    buf.download(0, &mut out).unwrap();
+    let got: &[i32] = bytemuck::cast_slice(&out);
+    assert_eq!(&got[..256], &sets[0][..]);
+    assert!(got[256..].iter().all(|&x| x == -1));
+    println!("stats: {:?}", st.stats());
+}
+
+criterion_group! { name = benches; config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(2)); targets = small_copy }
+criterion_main!(benches);

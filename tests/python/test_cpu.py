@@ -1,0 +1,333 @@
+"""Tests that run everywhere (CI has no GPU): host destinations, numpy/jax producers, fallbacks,
+fake producers and every bad argument."""
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import pinstage
+from conftest import DTYPES, SIZES, CapsuleProducer, make_capsule, np_dtype, pad_for, rand_values
+
+POISON = 0xA5
+
+
+def poisoned(name, n, extra=3):
+    dt = np_dtype(name)
+    raw = np.full((n + extra) * dt.itemsize, POISON, dtype=np.uint8)
+    return raw, raw.view(dt)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("name", DTYPES)
+def test_stager_host_destination_matrix(name, size):
+    if name == "bfloat16":
+        pytest.skip("numpy cannot export bfloat16 through DLPack (covered on the GPU with torch)")
+    st = pinstage.PinnedStager(np_dtype(name), numel=256, depth=2)
+    for nvals, pad in [(size, None), (size // 2, pad_for(name)), (size // 2, None)]:
+        raw, full = poisoned(name, size)
+        dst = full[:size]
+        vals = rand_values(name, nvals, seed=size + nvals)
+        copied = st.copy_(dst, vals, pad_value=pad)
+        touched = size if pad is not None else nvals
+        assert copied == (touched > 0)
+        np.testing.assert_array_equal(dst[:nvals], vals)
+        if pad is not None:
+            np.testing.assert_array_equal(dst[nvals:], np.full(size - nvals, pad, dtype=np_dtype(name)))
+        tail = raw[touched * np_dtype(name).itemsize :]
+        assert (tail == POISON).all(), "bytes past the copy were touched"
+
+
+def test_values_from_sequences_and_other_dtypes():
+    st = pinstage.PinnedStager(np.int16, 8, 2)
+    d = np.full(6, -1, np.int16)
+    assert st.copy_(d, [1, 2, 3])
+    assert st.copy_(d, (4, 5), pad_value=0)
+    assert d.tolist() == [4, 5, 0, 0, 0, 0]
+    assert st.copy_(d, np.array([7, 8], dtype=np.int64))  # converted, fits
+    assert d.tolist()[:2] == [7, 8]
+    f = pinstage.PinnedStager("float32")
+    x = np.zeros(3, np.float32) + 9
+    f.copy_(x, [0.5, 1.5, -2.25])
+    assert x.tolist() == [0.5, 1.5, -2.25]
+    b = pinstage.PinnedStager(bool)
+    y = np.zeros(4, bool)
+    b.copy_(y, [True, False, True], pad_value=True)
+    assert y.tolist() == [True, False, True, True]
+
+
+@pytest.mark.parametrize(
+    "values,dtype,match",
+    [
+        ([300], np.int8, "does not fit int8"),
+        ([-1], np.uint32, "does not fit uint32"),
+        ([2**64], np.int64, "does not fit"),
+        ([2], bool, "does not fit bool"),
+        (np.array([1.5]), np.int32, "do not fit int32"),
+        (np.array([1 + 2j]), np.float32, "complex"),
+        (5, np.int32, "scalar"),
+        (["a", "b"], np.int32, "cannot be copied"),
+    ],
+)
+def test_values_that_do_not_fit_are_refused_untouched(values, dtype, match):
+    st = pinstage.PinnedStager(dtype, 8, 2)
+    d = np.full(4, 1, dtype=dtype)
+    before = d.copy()
+    with pytest.raises((ValueError, TypeError, OverflowError), match=match):
+        st.copy_(d, values)
+    np.testing.assert_array_equal(d, before)
+
+
+def test_bad_destinations_and_arguments():
+    st = pinstage.PinnedStager("int32", 8, 2)
+    d = np.full(8, 3, np.int32)
+    cases = [
+        (lambda: st.copy_(d, np.arange(9, dtype=np.int32)), ValueError, "9 values do not fit a destination of 8"),
+        (lambda: st.copy_(np.zeros(4, np.float32), [1]), TypeError, "expected int32, got float32"),
+        (lambda: st.copy_(d[::2], [1]), ValueError, "not contiguous"),
+        (lambda: st.copy_(d[::-1], [1]), ValueError, "not contiguous"),
+        (lambda: st.copy_(object(), [1]), TypeError, "expected a DLPack producer"),
+        (lambda: st.copy_(d, [1], stream="s"), TypeError, "stream must be"),
+        (lambda: pinstage.PinnedStager("object"), TypeError, "unsupported dtype"),
+        (lambda: pinstage.PinnedStager("int32", 8, 0), ValueError, "depth must be at least 1"),
+        (lambda: pinstage.PinnedStager("int32", device="gpu7"), ValueError, "cuda:N"),
+        (lambda: st.copy_(d, [1], mirror="m"), TypeError, "H2DMirror"),
+    ]
+    for fn, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            fn()
+    assert (d == 3).all()
+    ro = np.arange(4, dtype=np.int32)
+    ro.flags.writeable = False
+    with pytest.raises((ValueError, BufferError), match="read"):
+        st.copy_(ro, [1])
+    assert ro.tolist() == [0, 1, 2, 3]
+
+
+def test_errors_are_typed():
+    assert issubclass(pinstage.CudaUnavailableError, pinstage.PinstageError)
+    assert issubclass(pinstage.CudaUnavailableError, RuntimeError)
+    assert issubclass(pinstage.PinstageValueError, ValueError)
+    assert issubclass(pinstage.PinstageTypeError, TypeError)
+    assert issubclass(pinstage.StreamCaptureError, RuntimeError)
+
+
+def test_mirror_and_bound_target_on_host():
+    st = pinstage.PinnedStager("int64", 8, 2)
+    d = np.full(6, 5, np.int64)
+    m = pinstage.H2DMirror()
+    assert st.copy_(d, [1, 2], pad_value=-1, mirror=m)
+    assert not st.copy_(d, [1, 2], pad_value=-1, mirror=m)
+    assert st.stats()["skipped"] == 1
+    other = np.zeros(6, np.int64)
+    with pytest.raises(ValueError, match="mirrors another destination"):
+        st.copy_(other, [1, 2], mirror=m)
+    m.invalidate()
+    assert st.copy_(other, [1, 2], mirror=m)
+    t = st.target(d, pad_value=0)
+    assert t.numel == 6
+    assert t.copy_([9])
+    assert not t.copy_([9])
+    d[:] = 77  # written some other way: invalidate
+    t.invalidate()
+    assert t.copy_([9])
+    assert d.tolist() == [9, 0, 0, 0, 0, 0]
+    # user-level mirror API
+    m2 = pinstage.H2DMirror()
+    assert not m2.matches(1, np.arange(3))
+    m2.record(1, np.arange(3))
+    assert m2.matches(1, np.arange(3))
+    assert not m2.matches(1, np.arange(3, dtype=np.int32)), "dtype is part of the content"
+    assert not m2.matches(b"k", np.arange(3))
+
+
+def test_copy_d2h_numpy_fallback_and_dst():
+    src = rand_values("float32", 1000, 1).reshape(10, 100)
+    out = pinstage.copy_d2h(src)
+    assert out.shape == src.shape and out.dtype == src.dtype and out.flags.writeable
+    np.testing.assert_array_equal(out, src)
+    assert out.ctypes.data != src.ctypes.data
+    out[0, 0] = -1
+    assert src[0, 0] != -1
+    dst = np.full(4000, POISON, np.uint8)
+    r = pinstage.copy_d2h(src, dst)
+    assert r.base is dst or r.base.base is dst
+    np.testing.assert_array_equal(r, src)
+    with pytest.raises(ValueError, match="dst holds 10 bytes"):
+        pinstage.copy_d2h(src, np.zeros(10, np.uint8))
+    with pytest.raises(TypeError, match="dst must be a numpy array"):
+        pinstage.copy_d2h(src, [0] * 4000)
+    p = pinstage.copy_d2h_async(src)
+    assert p.done()
+    np.testing.assert_array_equal(p.wait(timeout=1.0), src)
+    z = pinstage.copy_d2h(np.zeros((0, 3), np.int16))
+    assert z.shape == (0, 3)
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_copy_d2h_every_dtype_from_numpy(name):
+    if name == "bfloat16":
+        pytest.skip("numpy cannot export bfloat16 through DLPack (covered on the GPU with torch)")
+    src = rand_values(name, 257, 3)
+    out = pinstage.copy_d2h(src)
+    assert out.dtype == src.dtype
+    np.testing.assert_array_equal(out.view(np.uint8), src.view(np.uint8))
+
+
+def test_copy_d2h_from_jax_cpu():
+    jnp = pytest.importorskip("jax.numpy")
+    x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) * 1.5 + 1
+    out = pinstage.copy_d2h(x)
+    np.testing.assert_array_equal(out, np.asarray(x))
+    assert out.flags.writeable
+
+
+def test_fake_producers():
+    buf = np.arange(1, 5, dtype=np.int32)
+    # legacy-only producer (no kwargs, no __dlpack_device__)
+    out = pinstage.copy_d2h(CapsuleProducer(make_capsule(buf)))
+    assert out.tolist() == [1, 2, 3, 4]
+
+    class NoMaxVersion:  # numpy < 2.1 style: rejects max_version
+        def __init__(self, a):
+            self.a = a
+            self.calls = []
+
+        def __dlpack__(self, stream=None):
+            self.calls.append(stream)
+            return self.a.__dlpack__()
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    p = NoMaxVersion(buf)
+    assert pinstage.copy_d2h(p).tolist() == [1, 2, 3, 4]
+    assert p.calls == [None]
+
+    class Versioned:
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+            assert max_version is not None
+            return self.a.__dlpack__(max_version=max_version)
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 1):
+        assert pinstage.copy_d2h(Versioned(buf)).tolist() == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(dtype=(0, 32, 4)), TypeError, "lanes 4"),
+        (dict(dtype=(3, 64, 1)), TypeError, "unsupported DLPack dtype"),
+        (dict(dtype=(2, 8, 1)), TypeError, "unsupported DLPack dtype"),
+        (dict(shape=(2, 2), strides=(1, 2)), ValueError, "not contiguous"),
+        (dict(shape=(4,), strides=(-1,)), ValueError, "not contiguous"),
+        (dict(shape=(-4,)), ValueError, "negative"),
+        (dict(data=0), ValueError, "null"),
+        (dict(device=(10, 0)), ValueError, "unsupported DLPack device type 10"),
+        (dict(ndim=-1), ValueError, "ndim"),
+    ],
+)
+def test_lying_producers_get_typed_errors(kwargs, exc, match):
+    buf = np.arange(1, 5, dtype=np.int32)
+    before = buf.copy()
+    cap = make_capsule(buf, **kwargs)
+    with pytest.raises(exc, match=match):
+        pinstage.copy_d2h(CapsuleProducer(cap))
+    st = pinstage.PinnedStager("int32", 8, 2)
+    with pytest.raises((ValueError, TypeError)):
+        st.copy_(CapsuleProducer(make_capsule(buf, **kwargs)), [9])
+    np.testing.assert_array_equal(buf, before)
+
+
+def test_producer_that_raises_or_returns_garbage():
+    class Raises:
+        def __dlpack__(self, **kw):
+            raise RuntimeError("producer exploded")
+
+    class Garbage:
+        def __dlpack__(self, **kw):
+            return 42
+
+    class WrongDevice:
+        def __init__(self):
+            self.a = np.arange(4, dtype=np.int32)
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__()
+
+        def __dlpack_device__(self):
+            return (2, 0)  # claims CUDA, the capsule is CPU
+
+    with pytest.raises(RuntimeError, match="producer exploded"):
+        pinstage.copy_d2h(Raises())
+    with pytest.raises(TypeError, match="returned int"):
+        pinstage.copy_d2h(Garbage())
+    with pytest.raises(ValueError, match="__dlpack_device__"):
+        pinstage.copy_d2h(WrongDevice())
+
+
+def test_cuda_entries_without_driver_raise_clear_errors():
+    if pinstage.cuda_available():
+        pytest.skip("a driver is present")
+    assert pinstage.device_count() == 0
+    for fn in (
+        lambda: pinstage.empty_pinned((4,), "int32"),
+        lambda: pinstage.alloc_pinned_numpy(16, "int32", 4),
+        lambda: pinstage.pool_stats(),
+        lambda: pinstage.copy_d2h(CapsuleProducer(make_capsule(np.arange(4, dtype=np.int32), device=(2, 0)))),
+        lambda: pinstage.PinnedStager("int32").copy_(
+            CapsuleProducer(make_capsule(np.arange(4, dtype=np.int32), device=(2, 0))), [1]
+        ),
+    ):
+        with pytest.raises(pinstage.CudaUnavailableError, match="CUDA is unavailable"):
+            fn()
+
+
+def test_alloc_pinned_numpy_validation():
+    with pytest.raises(ValueError, match="smaller than prod"):
+        pinstage.alloc_pinned_numpy(8, "int32", (3,))
+    with pytest.raises(ValueError, match="negative"):
+        pinstage.alloc_pinned_numpy(8, "int32", (-1,))
+
+
+def test_threads_share_a_stager_on_host_destinations():
+    st = pinstage.PinnedStager("int32", 16, 2)
+    dsts = [np.zeros(64, np.int32) for _ in range(8)]
+    errors = []
+
+    def work(k):
+        try:
+            for i in range(200):
+                st.copy_(dsts[k], np.full(32, k * 1000 + i, np.int32), pad_value=-k)
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert not errors
+    for k, d in enumerate(dsts):
+        assert (d[:32] == k * 1000 + 199).all() and (d[32:] == -k).all()
+
+
+def test_stub_matches_module():
+    import inspect
+    import pathlib
+
+    stub = (pathlib.Path(pinstage.__file__).parent / "_native.pyi").read_text()
+    native = pinstage._native
+    public = {n for n in dir(native) if not n.startswith("_")}
+    for name in public:
+        assert f"def {name}(" in stub or f"class {name}(" in stub or f"class {name}:" in stub, name
+    for cls in ("PinnedStager", "H2DMirror", "StagedTarget", "PendingCopy", "PinnedBlock"):
+        for meth in (m for m in dir(getattr(native, cls)) if not m.startswith("_")):
+            assert f"def {meth}(" in stub, f"{cls}.{meth} missing from the stub"
+    assert set(pinstage.__all__) - {"__version__"} == public
+    gc.collect()

@@ -1,0 +1,264 @@
+"""GPU tests (marker `gpu`), run on the H200 by scripts/gpu-run with PINSTAGE_REQUIRE_GPU=1.
+Elsewhere they are skipped with the reason."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import pinstage
+from conftest import DTYPES, SIZES, np_dtype, pad_for, rand_values
+
+pytestmark = pytest.mark.gpu
+POISON = 0xA5
+
+TORCH_DT = {
+    "bool": "bool", "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
+    "uint8": "uint8", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64",
+    "float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
+    "complex64": "complex64", "complex128": "complex128",
+}
+
+
+def torch_poisoned(torch, name, n, extra=3):
+    dt = getattr(torch, TORCH_DT[name])
+    item = np_dtype(name).itemsize
+    raw = torch.full(((n + extra) * item,), POISON, dtype=torch.uint8, device="cuda")
+    return raw, raw.view(dt)
+
+
+def host_bytes(t):
+    return t.cpu().contiguous().view(-1).view(__import__("torch").uint8).numpy()
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("name", DTYPES)
+def test_torch_stager_matrix(gpu, name, size):
+    torch = pytest.importorskip("torch")
+    st = pinstage.PinnedStager(name if name != "bfloat16" else torch.bfloat16, 256, 2)
+    item = np_dtype(name).itemsize
+    for nvals, pad in [(size, None), (size // 2, pad_for(name)), (size // 2, None)]:
+        raw, full = torch_poisoned(torch, name, size)
+        dst = full[:size]
+        vals = rand_values(name, nvals, seed=size * 3 + nvals)
+        st.copy_(dst, vals, pad_value=pad)
+        torch.cuda.synchronize()
+        got = raw.cpu().numpy()
+        assert (got[: nvals * item] == vals.view(np.uint8)).all(), "values differ"
+        touched = size if pad is not None else nvals
+        if pad is not None:
+            expect = np.full(size - nvals, pad, dtype=np_dtype(name)).view(np.uint8)
+            assert (got[nvals * item : size * item] == expect).all(), "padding differs"
+        assert (got[touched * item :] == POISON).all(), "bytes past the copy were touched"
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("name", DTYPES)
+def test_torch_copy_d2h_matrix(gpu, name, size):
+    torch = pytest.importorskip("torch")
+    vals = rand_values(name, size, seed=size + 11)
+    src = torch.from_numpy(vals.view(np.uint8).copy()).cuda().view(getattr(torch, TORCH_DT[name]))
+    out = pinstage.copy_d2h(src)
+    assert out.shape == tuple(src.shape) and out.flags.writeable
+    assert out.dtype == np_dtype(name)
+    assert (out.view(np.uint8) == vals.view(np.uint8)).all()
+    if size:
+        assert pinstage.is_pinned(out)
+    dst = pinstage.empty_pinned(size * np_dtype(name).itemsize + 5, np.uint8)
+    dst[:] = POISON
+    out2 = pinstage.copy_d2h(src, dst)
+    assert (out2.view(np.uint8) == vals.view(np.uint8)).all()
+    assert (dst[size * np_dtype(name).itemsize :] == POISON).all()
+
+
+@pytest.mark.parametrize("name", ["int32", "float64", "uint8", "complex64", "bool"])
+def test_cupy_stager_and_d2h(gpu, name):
+    cp = pytest.importorskip("cupy")
+    n = 4096
+    raw = cp.full(((n + 3) * np_dtype(name).itemsize,), POISON, dtype=cp.uint8)
+    dst = raw.view(np_dtype(name))[:n]
+    st = pinstage.PinnedStager(cp.dtype(name), 256, 4)
+    vals = rand_values(name, 300, 5)
+    s = cp.cuda.Stream(non_blocking=True)
+    st.copy_(dst, vals, pad_value=pad_for(name), stream=s)
+    s.synchronize()
+    got = cp.asnumpy(dst)
+    np.testing.assert_array_equal(got[:300], vals)
+    np.testing.assert_array_equal(got[300:], np.full(n - 300, pad_for(name), np_dtype(name)))
+    assert (cp.asnumpy(raw)[n * np_dtype(name).itemsize :] == POISON).all()
+    out = pinstage.copy_d2h(dst)
+    np.testing.assert_array_equal(out, got)
+
+
+@pytest.mark.parametrize("name", ["int32", "float32", "bfloat16", "int8", "complex64"])
+def test_jax_copy_d2h(gpu, name):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    vals = rand_values(name, 100_003, 9)
+    x = jax.device_put(jnp.asarray(vals), jax.devices("gpu")[0])
+    out = pinstage.copy_d2h(x)
+    assert out.dtype == np_dtype(name)
+    np.testing.assert_array_equal(out.view(np.uint8), vals.view(np.uint8))
+    p = pinstage.copy_d2h_async(x * 1 if name != "bool" else x)
+    np.testing.assert_array_equal(p.wait().view(np.uint8), np.asarray(x).view(np.uint8))
+
+
+def test_default_stream_is_torchs_current_stream(gpu):
+    torch = pytest.importorskip("torch")
+    side = torch.cuda.Stream()
+    n = 1 << 20
+    dst = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    st = pinstage.PinnedStager(torch.int32, 256, 2)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keep the side stream busy (~25 ms)
+        src = torch.arange(n, dtype=torch.int32, device="cuda") * 3  # made on the side stream
+        out = pinstage.copy_d2h(src)  # stream=None: torch's current stream, no manual sync
+        np.testing.assert_array_equal(out, np.arange(n, dtype=np.int32) * 3)
+        torch.cuda._sleep(50_000_000)
+        st.copy_(dst, [7, 8, 9], pad_value=5)  # ordered after the sleep on `side`
+        dst.add_(1)  # a later kernel on `side` must see our copy
+    side.synchronize()
+    got = dst.cpu().numpy()
+    assert got[:3].tolist() == [8, 9, 10] and (got[3:] == 6).all()
+
+
+def test_bound_target_mirror_and_plan_thread(gpu):
+    torch = pytest.importorskip("torch")
+    dst = torch.full((4096,), -9, dtype=torch.int32, device="cuda")
+    st = pinstage.PinnedStager(torch.int32, 256, 8)
+    t = st.target(dst, pad_value=0)
+    vals = np.arange(1, 257, dtype=np.int32)
+    assert t.copy_(vals)
+    assert not t.copy_(vals)
+    assert st.stats()["skipped"] == 1
+    errors = []
+
+    def plan():  # a plan thread that never touched CUDA: no current context
+        try:
+            for i in range(100):
+                t.copy_(vals + i)
+        except Exception as e:
+            errors.append(e)
+
+    th = threading.Thread(target=plan)
+    th.start()
+    th.join()
+    assert not errors
+    torch.cuda.synchronize()
+    got = dst.cpu().numpy()
+    np.testing.assert_array_equal(got[:256], vals + 99)
+    assert (got[256:] == 0).all()
+
+
+def test_capture_is_refused(gpu):
+    torch = pytest.importorskip("torch")
+    dst = torch.zeros(16, dtype=torch.int32, device="cuda")
+    st = pinstage.PinnedStager(torch.int32, 16, 2)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        dst.add_(1)  # warm up on the side stream
+    torch.cuda.synchronize()
+    with pytest.raises(pinstage.StreamCaptureError, match="capturing a CUDA graph"):
+        with torch.cuda.graph(g, stream=s):
+            dst.add_(1)
+            st.copy_(dst, [5])
+    assert st.stats()["copies"] == 0
+
+
+def test_pool_reuse_and_budget(gpu):
+    torch = pytest.importorskip("torch")
+    pinstage.empty_cache()
+    src = torch.arange(1 << 20, dtype=torch.float32, device="cuda") + 0.5
+    a = pinstage.copy_d2h(src)
+    s1 = pinstage.pool_stats()
+    del a
+    b = pinstage.copy_d2h(src)
+    s2 = pinstage.pool_stats()
+    assert s2["hits"] == s1["hits"] + 1 and s2["misses"] == s1["misses"]
+    np.testing.assert_array_equal(b, src.cpu().numpy())
+    view = b[10:20]
+    del b
+    assert pinstage.pool_stats()["in_use_bytes"] > 0, "a view keeps the block"
+    del view
+    assert pinstage.pool_stats()["in_use_bytes"] == 0
+    pinstage.set_pool_budget(2 << 20)
+    try:
+        big = pinstage.copy_d2h(torch.ones(1 << 20, dtype=torch.float64, device="cuda"))
+        assert (big == 1).all()
+        s = pinstage.pool_stats()
+        assert s["pageable_fallbacks"] >= 1
+        assert s["in_use_bytes"] + s["cached_bytes"] <= 2 << 20
+    finally:
+        pinstage.set_pool_budget(4 << 30)
+
+
+def test_async_d2h_overlaps_and_releases_gil(gpu):
+    torch = pytest.importorskip("torch")
+    src = torch.randn(64 << 20, device="cuda")  # 256 MiB
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    p = pinstage.copy_d2h_async(src)
+    issue = time.perf_counter() - t0
+    ticks = []
+    th = threading.Thread(target=lambda: [ticks.append(time.perf_counter()) or time.sleep(0.0005) for _ in range(20)])
+    th.start()
+    out = p.wait()
+    th.join()
+    total = time.perf_counter() - t0
+    assert issue < total / 2, f"issue {issue*1e3:.2f} ms vs total {total*1e3:.2f} ms"
+    assert len(ticks) == 20
+    np.testing.assert_array_equal(out, src.cpu().numpy())
+    with pytest.raises(TimeoutError):
+        torch.cuda._sleep(200_000_000)
+        pinstage.copy_d2h_async(src).wait(timeout=0.001)
+    torch.cuda.synchronize()
+
+
+def test_wrong_device_and_pageable_dst(gpu):
+    torch = pytest.importorskip("torch")
+    src = torch.arange(10_000_000, dtype=torch.int64, device="cuda")
+    dst = np.full(10_000_000, -1, np.int64)  # pageable: bounce ring
+    out = pinstage.copy_d2h(src, dst)
+    np.testing.assert_array_equal(dst, np.arange(10_000_000))
+    assert out.base is dst or out.base.base is dst
+    st = pinstage.PinnedStager(torch.int64, 16, 2, device=0)
+    if torch.cuda.device_count() > 1:
+        other = torch.zeros(4, dtype=torch.int64, device="cuda:1")
+        with pytest.raises(ValueError, match="device 1"):
+            st.copy_(other, [1])
+
+
+def test_many_python_threads_one_stager(gpu):
+    torch = pytest.importorskip("torch")
+    cp = pytest.importorskip("cupy")
+    st = pinstage.PinnedStager(np.int32, 64, 4)
+    tdst = [torch.zeros(512, dtype=torch.int32, device="cuda") for _ in range(4)]
+    cdst = [cp.zeros(512, dtype=cp.int32) for _ in range(4)]
+    last = {}
+    errors = []
+
+    def work(k, dst):
+        try:
+            rng = np.random.default_rng(k)
+            for i in range(500):
+                n = int(rng.integers(1, 512))
+                v = rng.integers(-1000, 1000, n, dtype=np.int32)
+                st.copy_(dst, v, pad_value=-k)
+                last[k] = (v, n)
+        except Exception as e:
+            errors.append(e)
+
+    ths = [threading.Thread(target=work, args=(k, d)) for k, d in enumerate(tdst + cdst)]
+    [t.start() for t in ths]
+    [t.join() for t in ths]
+    assert not errors
+    torch.cuda.synchronize()
+    cp.cuda.runtime.deviceSynchronize()
+    for k, d in enumerate(tdst + cdst):
+        got = d.cpu().numpy() if hasattr(d, "cpu") else cp.asnumpy(d)
+        v, n = last[k]
+        np.testing.assert_array_equal(got[:n], v)
+        assert (got[n:] == -k).all()
