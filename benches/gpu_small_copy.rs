@@ -11,6 +11,15 @@ fn small_copy(c: &mut Criterion) {
         eprintln!("SKIP gpu_small_copy: no GPU");
         return;
     };
+    match pinstage::driver_costs(20_000) {
+        Ok(costs) => {
+            println!("host cost per driver call (ns):");
+            for (name, ns) in costs {
+                println!("  {name:<50} {ns:>9.0}");
+            }
+        }
+        Err(e) => println!("driver_costs failed: {e}"),
+    }
     let stream = Stream::new(&dev).unwrap();
     let buf = DeviceBuffer::new(&dev, 4096 * 4).unwrap();
     let dst = buf.view(DType::I32);

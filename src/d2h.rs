@@ -174,7 +174,7 @@ fn bounce(device: &Device, src: u64, dst: &mut [u8], stream: StreamHandle) -> Re
             break;
         }
         let (off, len) = chunks[drained];
-        dst[off..off + len].copy_from_slice(&bufs[k].as_slice()[..len]);
+        parallel_copy(&mut dst[off..off + len], &bufs[k].as_slice()[..len]);
         drained += 1;
         if issued < chunks.len() {
             let (off, len) = chunks[issued];
@@ -202,6 +202,20 @@ fn bounce(device: &Device, src: u64, dst: &mut [u8], stream: StreamHandle) -> Re
         .lock()
         .extend(bufs.into_iter().map(|b| (device.ordinal(), b)));
     result
+}
+
+/// Copies `src` into `dst` with several threads: one core cannot keep up with the copy engine
+/// (about 55 GB/s on PCIe Gen5), several can.
+fn parallel_copy(dst: &mut [u8], src: &[u8]) {
+    use rayon::prelude::*;
+    const PIECE: usize = 512 << 10;
+    if dst.len() <= PIECE {
+        dst.copy_from_slice(src);
+        return;
+    }
+    dst.par_chunks_mut(PIECE)
+        .zip(src.par_chunks(PIECE))
+        .for_each(|(d, s)| d.copy_from_slice(s));
 }
 
 /// Frees the cached bounce buffers.

@@ -82,3 +82,71 @@ pub mod bench_internals {
         }
     }
 }
+
+/// Measures the host cost of each driver call on the small-copy path (ns per call), on device 0.
+#[doc(hidden)]
+pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
+    use std::time::Instant;
+    let dev = Device::new(0)?;
+    let stream = Stream::new(&dev)?;
+    let s = stream.handle();
+    let mut wc = PinnedBuffer::new(&dev, 16384, PinnedFlags::WRITE_COMBINED)?;
+    let mut plain = PinnedBuffer::new(&dev, 16384, PinnedFlags::PORTABLE)?;
+    let dbuf = DeviceBuffer::new(&dev, 16384)?;
+    let ev = Event::new(&dev)?;
+    let _g = dev.enter()?;
+    let values = vec![7u8; 1024];
+    let mut out = Vec::new();
+    let mut time = |name: &'static str, f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
+        for _ in 0..100 {
+            f()?;
+        }
+        stream.synchronize()?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            f()?;
+        }
+        let ns = t0.elapsed().as_nanos() as f64 / iters as f64;
+        stream.synchronize()?;
+        out.push((name, ns));
+        Ok(())
+    };
+    time("cuCtxGetCurrent", &mut || {
+        Ok(driver::ctx_get_current().map(|_| ())?)
+    })?;
+    // SAFETY (all closures below): our live stream, event and buffers, context current; copies
+    // read pinned buffers that outlive the final synchronize.
+    time("cuStreamIsCapturing", &mut || {
+        Ok(unsafe { driver::stream_is_capturing(s.raw()) }.map(|_| ())?)
+    })?;
+    time("cuEventQuery (complete)", &mut || ev.query().map(|_| ()))?;
+    time("cuEventRecord", &mut || ev.record_entered(s))?;
+    let (wp, pp) = (wc.as_mut_ptr() as usize, plain.as_mut_ptr() as usize);
+    time("cuMemcpyHtoDAsync 1 KiB pinned WC", &mut || {
+        Ok(unsafe { driver::memcpy_htod_async(dbuf.ptr(), wp as *const _, 1024, s.raw()) }?)
+    })?;
+    time("cuMemcpyHtoDAsync 16 KiB pinned WC", &mut || {
+        Ok(unsafe { driver::memcpy_htod_async(dbuf.ptr(), wp as *const _, 16384, s.raw()) }?)
+    })?;
+    time("cuMemcpyHtoDAsync 16 KiB pinned", &mut || {
+        Ok(unsafe { driver::memcpy_htod_async(dbuf.ptr(), pp as *const _, 16384, s.raw()) }?)
+    })?;
+    time("write 1 KiB values + 15 KiB pad into WC", &mut || {
+        bench_internals::write_padded(wc.as_mut_slice(), &values, &[0xFF; 4]);
+        Ok(())
+    })?;
+    time(
+        "write 1 KiB values + 15 KiB pad into plain pinned",
+        &mut || {
+            bench_internals::write_padded(plain.as_mut_slice(), &values, &[0xFF; 4]);
+            Ok(())
+        },
+    )?;
+    let st = PinnedStager::<i32>::new(0, 256, 8)?;
+    let view = dbuf.view(DType::I32);
+    let v: Vec<i32> = (0..256).collect();
+    time("PinnedStager::copy_ 256 of 4096 int32 padded", &mut || {
+        st.copy_(&view, &v, Some(-1), None, s).map(|_| ())
+    })?;
+    Ok(out)
+}

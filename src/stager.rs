@@ -63,6 +63,9 @@ struct Slot {
 
 struct SlotBuf {
     buf: PinnedBuffer,
+    /// What the buffer holds after its last write: `values_len` value bytes, then the pad
+    /// element up to `total` bytes. Lets the next write skip padding that is already there.
+    layout: Option<Layout>,
     /// Buffers outgrown by `buf`. They are freed with the stager, not at growth time:
     /// `cuMemFreeHost` may synchronize the whole device, which would stall a live graph.
     retired: Vec<PinnedBuffer>,
@@ -147,6 +150,7 @@ impl Stager {
                                     PinnedFlags::WRITE_COMBINED,
                                 )?,
                                 retired: Vec::new(),
+                                layout: None,
                             }),
                             event: Event::new(&device)?,
                         })
@@ -216,6 +220,21 @@ impl Stager {
         pad: Option<&[u8]>,
         mirror: Option<&mut H2DMirror>,
         stream: StreamHandle,
+    ) -> Result<CopyOutcome> {
+        self.copy_bytes_waiting(dst, values, pad, mirror, stream, &mut |e| e.synchronize())
+    }
+
+    /// [`Stager::copy_bytes`] with a caller-supplied wait: when the claimed slot's last copy is
+    /// still running, `wait(event)` must block until the event completed. The Python layer
+    /// releases the GIL there, and only there.
+    pub fn copy_bytes_waiting(
+        &self,
+        dst: &DeviceView,
+        values: &[u8],
+        pad: Option<&[u8]>,
+        mirror: Option<&mut H2DMirror>,
+        stream: StreamHandle,
+        wait: &mut dyn FnMut(&Event) -> Result<()>,
     ) -> Result<CopyOutcome> {
         // Validate everything before any side effect.
         if dst.dtype() != self.dtype {
@@ -298,7 +317,7 @@ impl Stager {
             }
             Some(device) => {
                 let _g = self.enter_for_copy(device, stream)?;
-                let slot = self.issue(device, dst.ptr(), values, pad, total, stream)?;
+                let slot = self.issue(device, dst.ptr(), values, pad, total, stream, wait)?;
                 Counters::add(&self.stats.copies, 1);
                 CopyOutcome::Issued { slot }
             }
@@ -329,6 +348,7 @@ impl Stager {
         pad: Option<&[u8]>,
         total: usize,
         stream: StreamHandle,
+        wait: &mut dyn FnMut(&Event) -> Result<()>,
     ) -> Result<usize> {
         let claim = self.ring.claim();
         let slot = &self.slots[claim.index];
@@ -339,7 +359,7 @@ impl Stager {
             if pending {
                 if !slot.event.query()? {
                     Counters::add(&self.stats.waits, 1);
-                    slot.event.synchronize()?;
+                    wait(&slot.event)?;
                 }
                 pending = false;
             }
@@ -347,17 +367,32 @@ impl Stager {
             // else reads or writes the buffer until we release it.
             let src = unsafe {
                 slot.buf.with_mut(|b| -> Result<*const u8> {
-                    let SlotBuf { buf, retired } = &mut *b;
+                    let SlotBuf {
+                        buf,
+                        retired,
+                        layout,
+                    } = &mut *b;
                     if buf.len() < total {
                         let cap = total.max(buf.len().saturating_mul(2));
                         let grown = PinnedBuffer::new(device, cap, PinnedFlags::WRITE_COMBINED)?;
                         retired.push(std::mem::replace(buf, grown));
+                        *layout = None;
                         self.stats
                             .pinned_bytes
                             .fetch_add(cap as u64, StatOrdering::Relaxed);
                         Counters::add(&self.stats.growths, 1);
                     }
-                    write_padded(buf.as_mut_ptr(), values, pad, total, false);
+                    // Padding already in the buffer from the last write (same pad, same total)
+                    // need not be written again: only [values.len(), old values_len) is.
+                    let new_layout = Layout::new(values.len(), total, pad);
+                    let fresh_pad_end = match (layout.as_ref(), pad) {
+                        (Some(old), Some(_)) if old.same_padding(&new_layout) => {
+                            old.values_len.max(values.len())
+                        }
+                        _ => total,
+                    };
+                    write_padded(buf.as_mut_ptr(), values, pad, fresh_pad_end, false);
+                    *layout = Some(new_layout);
                     Ok(buf.as_ptr())
                 })
             }?;
@@ -392,6 +427,38 @@ impl Drop for Stager {
                 let _ = self.slots[i].event.synchronize();
             }
         }
+    }
+}
+
+/// The content of a slot buffer after a write.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Layout {
+    values_len: usize,
+    total: usize,
+    pad: [u8; 16],
+    pad_len: usize,
+}
+
+impl Layout {
+    fn new(values_len: usize, total: usize, pad: Option<&[u8]>) -> Self {
+        let mut p = [0u8; 16];
+        let pad_len = pad.map_or(0, |x| {
+            p[..x.len()].copy_from_slice(x);
+            x.len()
+        });
+        Self {
+            values_len,
+            total,
+            pad: p,
+            pad_len,
+        }
+    }
+
+    fn same_padding(&self, other: &Layout) -> bool {
+        self.pad_len > 0
+            && self.total == other.total
+            && self.pad == other.pad
+            && self.pad_len == other.pad_len
     }
 }
 

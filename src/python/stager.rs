@@ -34,11 +34,6 @@ impl Values<'_> {
     }
 }
 
-/// A `&[u8]` that may cross `py.detach` (the owner stays alive in the caller's frame).
-struct SendBytes<'a>(&'a [u8]);
-// SAFETY: a shared byte slice; the Python owner outlives the detached section.
-unsafe impl Send for SendBytes<'_> {}
-
 fn int_range(d: DType) -> Option<(i128, i128)> {
     Some(match d {
         DType::I8 => (i8::MIN as i128, i8::MAX as i128),
@@ -307,6 +302,8 @@ pub struct PyStager {
 }
 
 impl PyStager {
+    /// Runs one copy holding the GIL (a copy costs a few microseconds of driver calls); the
+    /// GIL is released only to wait for a slot's event or for a mirror another thread holds.
     fn run_copy(
         &self,
         py: Python<'_>,
@@ -316,24 +313,19 @@ impl PyStager {
         mirror: Option<&Mutex<CoreMirror>>,
         stream: StreamHandle,
     ) -> PyResult<bool> {
-        let stager = &self.inner;
-        let view = &imp.view;
-        let vals = SendBytes(values);
-        let pad = pad.map(SendBytes);
-        let outcome = py
-            .detach(move || {
-                let (vals, pad) = (vals, pad);
-                // Lock the mirror only with the GIL released: a thread blocked on the mirror
-                // while holding the GIL would deadlock with us.
-                let mut guard = mirror.map(|m| m.lock());
-                stager.copy_bytes(
-                    view,
-                    vals.0,
-                    pad.as_ref().map(|p| p.0),
-                    guard.as_deref_mut(),
-                    stream,
-                )
-            })
+        // A thread waiting for the mirror while holding the GIL would deadlock with the holder
+        // (which may be waiting for the GIL): lock it with the GIL released when contended.
+        let mut guard = mirror.map(|m| m.try_lock().unwrap_or_else(|| py.detach(|| m.lock())));
+        let outcome = self
+            .inner
+            .copy_bytes_waiting(
+                &imp.view,
+                values,
+                pad,
+                guard.as_deref_mut(),
+                stream,
+                &mut |ev| py.detach(|| ev.synchronize()),
+            )
             .py_err()?;
         Ok(matches!(
             outcome,
