@@ -202,7 +202,7 @@ def test_pool_reuse_and_budget(gpu):
 def test_async_d2h_overlaps_and_releases_gil(gpu):
     torch = pytest.importorskip("torch")
     src = torch.randn(64 << 20, device="cuda")  # 256 MiB
-    del pinstage.copy_d2h(src)  # warm the pool: the timed call must not pay cuMemHostAlloc
+    pinstage.copy_d2h(src)  # warm the pool: the timed call must not pay cuMemHostAlloc
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     p = pinstage.copy_d2h_async(src)
