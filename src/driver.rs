@@ -319,20 +319,19 @@ pub(crate) unsafe fn memcpy_dtoh_async(
     })
 }
 
-/// [cuPointerGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__UNIFIED.html)
+/// [cuPointerGetAttributes](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__UNIFIED.html)
 /// with `CU_POINTER_ATTRIBUTE_MEMORY_TYPE`: `true` when `ptr` lies in page-locked host memory
-/// known to the driver (pinned by any framework), `false` for pageable memory.
+/// known to the driver (pinned by any framework), `false` for pageable memory. Unlike the
+/// singular `cuPointerGetAttribute`, this call succeeds (memory type 0) for memory the driver
+/// does not know, so probing pageable memory raises no API error (compute-sanitizer stays quiet).
 pub(crate) fn is_pinned_host(ptr: *const c_void) -> bool {
     let mut mem_type: u32 = 0;
-    // SAFETY: the out-pointer points to a u32, the size of CUmemorytype; the driver only
-    // inspects the address value of `ptr` and fails cleanly for memory it does not know.
-    let code = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut mem_type as *mut u32).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-            ptr as CUdeviceptr,
-        )
-    };
+    let mut attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
+    let mut data: [*mut c_void; 1] = [(&mut mem_type as *mut u32).cast()];
+    // SAFETY: one attribute, one out-pointer to a u32 (the size of CUmemorytype); the driver only
+    // inspects the address value of `ptr`.
+    let code =
+        unsafe { sys::cuPointerGetAttributes(1, &mut attr, data.as_mut_ptr(), ptr as CUdeviceptr) };
     code == sys::CUresult::CUDA_SUCCESS && mem_type == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
 }
 

@@ -118,7 +118,8 @@ fn gpu_event_guarded_reuse_under_a_stalled_stream(#[values(1, 2, 8)] depth: usiz
     );
     worker.join().unwrap();
     stream.synchronize().unwrap();
-    assert!(st.stats().waits >= 4, "stats: {:?}", st.stats());
+    // At least the claim that found its slot still stalled waited for the event.
+    assert!(st.stats().waits >= 1, "stats: {:?}", st.stats());
     for (k, buf) in bufs.iter().enumerate() {
         let out = read(buf);
         let got: &[i64] = bytemuck::cast_slice(&out[..64 * 8]);

@@ -17,12 +17,20 @@ use super::errors::{type_err, value_err};
 use crate::device::StreamHandle;
 use crate::dlpack::{DL_CUDA, DL_CUDA_MANAGED, DeviceView, MemoryKind};
 
-/// An imported tensor: the validated view and the DLPack owner that keeps its memory alive.
+/// What keeps an imported tensor's memory alive.
+pub(crate) enum Owner {
+    /// A DLPack managed tensor; dropping it calls the producer's deleter.
+    Dlpack(#[allow(dead_code)] ImportedDlpack),
+    /// The producer object itself (borrowed-view imports through the exchange API).
+    Object(#[allow(dead_code)] Py<PyAny>),
+}
+
+/// An imported tensor: the validated view and the owner that keeps its memory alive.
 /// The owner must be dropped with the GIL held (some producers' deleters need it).
 pub(crate) struct Imported {
     pub view: DeviceView,
-    /// Keeps the producer's memory alive; dropping it calls the DLPack deleter.
-    pub _owner: ImportedDlpack,
+    /// Keeps the producer's memory alive.
+    pub _owner: Owner,
     /// The stream the data is ready on: the producer's current work stream (exchange API) or the
     /// stream negotiated through `__dlpack__`.
     pub stream: StreamHandle,
@@ -91,6 +99,24 @@ impl Exchange {
                 .unwrap_or_else(|| value_err("the producer's DLPack current_work_stream failed")));
         }
         Ok(StreamHandle(out as usize))
+    }
+
+    /// A borrowed view through `dltensor_from_py_object_no_sync` (no allocation, no deleter),
+    /// when the producer offers it. Valid while `obj` lives and is not resized.
+    fn view(&self, obj: &Bound<'_, PyAny>) -> PyResult<Option<DeviceView>> {
+        let Some(f) = self.0.dltensor_from_py_object_no_sync else { return Ok(None) };
+        let mut t = dlpark::ffi::DLTensor::default();
+        // SAFETY: a valid table function of obj's type; GIL held; `t` is a valid out-pointer.
+        let rc = unsafe { f(obj.as_ptr().cast(), &mut t) };
+        if rc != 0 {
+            return Err(PyErr::take(obj.py())
+                .unwrap_or_else(|| value_err("the producer's DLPack exchange view failed")));
+        }
+        // SAFETY: the producer keeps shape/strides and data valid while `obj` lives; the view
+        // copies the shape and is used only while the caller holds `obj`.
+        unsafe { DeviceView::from_dltensor(&t, false) }
+            .map(Some)
+            .map_err(|e| super::errors::to_py(e.into()))
     }
 
     fn import(&self, obj: &Bound<'_, PyAny>) -> PyResult<Managed<DLManagedTensorVersioned>> {
@@ -176,8 +202,13 @@ pub(crate) fn import(obj: &Bound<'_, PyAny>, stream: Option<StreamHandle>) -> Py
     if let Some(ex) = exchange
         && stream.is_none()
     {
-        let owner = ImportedDlpack::Versioned(ex.import(obj)?);
-        let view = view_of(&owner)?;
+        let (view, owner) = match ex.view(obj)? {
+            Some(view) => (view, Owner::Object(obj.clone().unbind())),
+            None => {
+                let owner = ImportedDlpack::Versioned(ex.import(obj)?);
+                (view_of(&owner)?, Owner::Dlpack(owner))
+            }
+        };
         let stream = match view.memory() {
             MemoryKind::Cuda(id) => ex.current_stream(py, view.device_type(), id)?,
             MemoryKind::Host => StreamHandle::LEGACY,
@@ -194,7 +225,7 @@ pub(crate) fn import(obj: &Bound<'_, PyAny>, stream: Option<StreamHandle>) -> Py
     let view = view_of(&owner)?;
     Ok(Imported {
         view,
-        _owner: owner,
+        _owner: Owner::Dlpack(owner),
         stream: consumer,
         exchange,
     })
