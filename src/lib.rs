@@ -46,7 +46,7 @@ pub use driver::{DISABLE_ENV, DriverError, Probe, probe};
 pub use dtype::{Bool8, DType, Element};
 pub use error::{Error, Result};
 pub use mirror::H2DMirror;
-pub use pinned::{PinnedBuffer, PinnedFlags, is_pinned};
+pub use pinned::{PinnedBuffer, PinnedFlags, is_pinned, live_pinned_bytes};
 pub use pool::{DEFAULT_BUDGET, PinnedPool, PoolBlock, PoolStats, size_class};
 pub use stager::{CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, PinnedStager, Stager, StagerStats};
 

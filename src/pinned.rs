@@ -6,6 +6,14 @@ use crate::device::Device;
 use crate::driver;
 use crate::error::{Error, Result};
 
+static LIVE_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Pinned bytes currently allocated by pinstage in this process (every [`PinnedBuffer`]:
+/// stager slots, pool blocks, pinned arrays, bounce buffers). For leak checks and reports.
+pub fn live_pinned_bytes() -> usize {
+    LIVE_BYTES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Allocation flags for [`PinnedBuffer`]. `PORTABLE` is always set: the memory is pinned for
 /// every context, so buffers work with any framework's context on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,6 +150,7 @@ impl Drop for PinnedBuffer {
         if self.len == 0 {
             return;
         }
+        LIVE_BYTES.fetch_sub(self.len, std::sync::atomic::Ordering::Relaxed);
         // cuMemFreeHost needs no particular current context for PORTABLE memory, but enter ours
         // so the call works from any thread; errors are ignored: drop never panics.
         if let Ok(_g) = self.device.enter() {

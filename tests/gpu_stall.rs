@@ -66,6 +66,8 @@ fn stall(stream: &Stream) -> Stall {
 /// Serialises the tests that stall a stream.
 static STALL_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// 64 copies to 64 destinations through a ring of `depth` slots while the stream is stalled;
+/// the caller's values are overwritten right after each `copy_` returns.
 #[rstest]
 fn gpu_event_guarded_reuse_under_a_stalled_stream(#[values(1, 2, 8)] depth: usize) {
     let Some(dev) = gpu_or_skip("gpu_event_guarded_reuse") else {
@@ -73,7 +75,7 @@ fn gpu_event_guarded_reuse_under_a_stalled_stream(#[values(1, 2, 8)] depth: usiz
     };
     let st = Arc::new(PinnedStager::<i64>::new(0, 64, depth).unwrap());
     let stream = Arc::new(Stream::new(&dev).unwrap());
-    let copies = depth + 4;
+    let copies = 64;
     let bufs: Arc<Vec<DeviceBuffer>> = Arc::new(
         (0..copies)
             .map(|_| poisoned(&dev, DType::I64, 64))
@@ -160,4 +162,132 @@ fn gpu_drop_waits_for_in_flight_copies() {
     stream.synchronize().unwrap();
     let out = read(&buf);
     assert_eq!(bytemuck::cast_slice::<u8, u32>(&out[..4096]), &v[..]);
+}
+
+/// 8 threads share one stager and issue many copies each (50,000 by default, or
+/// `PINSTAGE_STRESS_COPIES`) with random lengths, pads, destinations and streams, while a
+/// background thread stalls streams for random short times. Each destination is written through
+/// one stream (stream order is the user's contract), so afterwards every destination must hold
+/// exactly its last values and padding: 0 mismatches.
+#[test]
+fn gpu_stress_eight_threads_random_copies() {
+    let Some(dev) = gpu_or_skip("gpu_stress_eight_threads_random_copies") else {
+        return;
+    };
+    let copies: usize = std::env::var("PINSTAGE_STRESS_COPIES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50_000);
+    const THREADS: usize = 8;
+    const DSTS: usize = 8;
+    const CAP: usize = 512;
+    let st = Arc::new(PinnedStager::<u32>::new(0, 128, 8).unwrap());
+    let streams: Arc<Vec<Stream>> = Arc::new((0..4).map(|_| Stream::new(&dev).unwrap()).collect());
+    let bufs: Arc<Vec<DeviceBuffer>> = Arc::new(
+        (0..THREADS * DSTS)
+            .map(|_| poisoned(&dev, DType::U32, CAP))
+            .collect(),
+    );
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let stop = Arc::new(AtomicBool::new(false));
+    let staller = {
+        let (streams, stop) = (streams.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut x = 12345u64;
+            while !stop.load(Ordering::Relaxed) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let s = &streams[(x % 4) as usize];
+                let go = stall(s);
+                std::thread::sleep(Duration::from_micros(200 + x % 1500));
+                drop(go);
+                std::thread::sleep(Duration::from_micros(x % 3000));
+            }
+        })
+    };
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (st, streams, bufs) = (st.clone(), streams.clone(), bufs.clone());
+            std::thread::spawn(move || {
+                let mut x = 0x9E37_79B9u64 + t as u64;
+                let mut next = || {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x
+                };
+                let mut last: Vec<(Vec<u32>, Option<u32>)> = vec![(Vec::new(), None); DSTS];
+                let mut written = [false; DSTS];
+                let mut vals = Vec::with_capacity(CAP);
+                let mut issued = 0usize;
+                for i in 0..copies {
+                    let d = (next() % DSTS as u64) as usize;
+                    let len = (next() % (CAP as u64 + 1)) as usize;
+                    let pad = (next() % 3 != 0).then(|| 0xFF00_0000 | (i as u32 & 0xFFFF));
+                    vals.clear();
+                    vals.extend((0..len).map(|k| (t as u32) << 28 | (i as u32) << 9 | k as u32));
+                    let buf = &bufs[t * DSTS + d];
+                    let stream = &streams[(t * DSTS + d) % 4];
+                    st.copy_(
+                        &view(buf, DType::U32, CAP),
+                        &vals,
+                        pad,
+                        None,
+                        stream.handle(),
+                    )
+                    .unwrap();
+                    // What the destination must hold now: values, then pad (or older bytes).
+                    let (prev, _) = &last[d];
+                    let mut expect: Vec<u32> = vals.clone();
+                    if let Some(p) = pad {
+                        expect.resize(CAP, p);
+                    } else if prev.len() > len {
+                        expect.extend_from_slice(&prev[len..]);
+                    }
+                    last[d] = (expect, pad);
+                    written[d] = true;
+                    issued += usize::from(len > 0 || pad.is_some());
+                    vals.iter_mut().for_each(|v| *v = 0xBAD); // caller reuses its buffer at once
+                }
+                (t, last, written, issued)
+            })
+        })
+        .collect();
+    let results: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    stop.store(true, Ordering::Relaxed);
+    staller.join().unwrap();
+    streams.iter().for_each(|s| s.synchronize().unwrap());
+    let mut mismatches = 0usize;
+    let issued: usize = results.iter().map(|r| r.3).sum();
+    for (t, last, written, _) in results {
+        for d in 0..DSTS {
+            let out = read(&bufs[t * DSTS + d]);
+            let got: &[u32] = bytemuck::cast_slice(&out[..CAP * 4]);
+            let (expect, _) = &last[d];
+            if !written[d] {
+                continue;
+            }
+            mismatches += got[..expect.len()]
+                .iter()
+                .zip(expect)
+                .filter(|(a, b)| a != b)
+                .count();
+            // Past what was ever written, the poison must be intact.
+            mismatches += out[expect.len() * 4..]
+                .iter()
+                .filter(|&&b| b != POISON)
+                .count();
+        }
+    }
+    let s = st.stats();
+    eprintln!(
+        "stress: {} threads x {copies} copies, stats {s:?}, mismatches {mismatches}",
+        THREADS
+    );
+    assert_eq!(mismatches, 0);
+    assert_eq!(
+        s.copies as usize, issued,
+        "every non-empty copy issued exactly one DMA"
+    );
 }

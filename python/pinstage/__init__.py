@@ -29,6 +29,7 @@ from ._native import (
     empty_cache,
     empty_pinned,
     is_pinned,
+    pinned_bytes,
     pool_stats,
     set_pool_budget,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "empty_cache",
     "empty_pinned",
     "is_pinned",
+    "pinned_bytes",
     "pool_stats",
     "set_pool_budget",
 ]

@@ -104,7 +104,9 @@ impl Exchange {
     /// A borrowed view through `dltensor_from_py_object_no_sync` (no allocation, no deleter),
     /// when the producer offers it. Valid while `obj` lives and is not resized.
     fn view(&self, obj: &Bound<'_, PyAny>) -> PyResult<Option<DeviceView>> {
-        let Some(f) = self.0.dltensor_from_py_object_no_sync else { return Ok(None) };
+        let Some(f) = self.0.dltensor_from_py_object_no_sync else {
+            return Ok(None);
+        };
         let mut t = dlpark::ffi::DLTensor::default();
         // SAFETY: a valid table function of obj's type; GIL held; `t` is a valid out-pointer.
         let rc = unsafe { f(obj.as_ptr().cast(), &mut t) };

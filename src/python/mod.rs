@@ -69,6 +69,12 @@ fn device_count() -> i32 {
     crate::device::device_count().unwrap_or(0)
 }
 
+/// Pinned bytes pinstage holds in this process (stager rings, pools, pinned arrays).
+#[pyfunction]
+fn pinned_bytes() -> usize {
+    crate::pinned::live_pinned_bytes()
+}
+
 /// Driver facts: `{"available", "reason", "device_count", "driver_version"}`.
 #[pyfunction]
 fn driver_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
@@ -97,6 +103,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(driver_info, m)?)?;
+    m.add_function(wrap_pyfunction!(pinned_bytes, m)?)?;
     arrays::register(m)?;
     stager::register(m)?;
     d2h::register(m)?;

@@ -297,13 +297,25 @@ impl PyMirror {
 /// A ring of pinned buffers for small host-to-device copies.
 #[pyclass(frozen, module = "pinstage._native", name = "PinnedStager")]
 pub struct PyStager {
-    inner: Arc<Stager>,
+    /// `None` after `close()`. Copies clone the Arc, so closing while another thread copies
+    /// frees the ring only when that copy is done.
+    inner: parking_lot::RwLock<Option<Arc<Stager>>>,
     numel: usize,
+    dtype: DType,
+    depth: usize,
+    device: i32,
 }
 
 impl PyStager {
     /// Runs one copy holding the GIL (a copy costs a few microseconds of driver calls); the
     /// GIL is released only to wait for a slot's event or for a mirror another thread holds.
+    fn stager(&self) -> PyResult<Arc<Stager>> {
+        self.inner
+            .read()
+            .clone()
+            .ok_or_else(|| value_err("this PinnedStager is closed; create a new one"))
+    }
+
     fn run_copy(
         &self,
         py: Python<'_>,
@@ -316,8 +328,8 @@ impl PyStager {
         // A thread waiting for the mirror while holding the GIL would deadlock with the holder
         // (which may be waiting for the GIL): lock it with the GIL released when contended.
         let mut guard = mirror.map(|m| m.try_lock().unwrap_or_else(|| py.detach(|| m.lock())));
-        let outcome = self
-            .inner
+        let stager = self.stager()?;
+        let outcome = stager
             .copy_bytes_waiting(
                 &imp.view,
                 values,
@@ -351,8 +363,11 @@ impl PyStager {
             .detach(|| Stager::new(d, ordinal, numel, depth))
             .py_err()?;
         Ok(Self {
-            inner: Arc::new(inner),
+            inner: parking_lot::RwLock::new(Some(Arc::new(inner))),
             numel,
+            dtype: d,
+            depth,
+            device: ordinal,
         })
     }
 
@@ -369,7 +384,7 @@ impl PyStager {
         mirror: Option<&Bound<'_, PyMirror>>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let d = self.inner.dtype();
+        let d = self.dtype;
         let s = parse_stream(stream)?;
         let imp = import(dst, s)?;
         let vals = to_values(values, d)?;
@@ -391,7 +406,8 @@ impl PyStager {
         pad_value: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<StagedTarget> {
         let me = slf.get();
-        let d = me.inner.dtype();
+        me.stager()?;
+        let d = me.dtype;
         let imp = import(dst, None)?;
         if imp.view.dtype() != d {
             return Err(super::errors::to_py(crate::Error::DtypeMismatch {
@@ -417,13 +433,36 @@ impl PyStager {
 
     /// Counters: copies, host_copies, skipped, bytes, waits, growths, pinned_bytes.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, self.inner.stats())
+        stats_dict(py, self.stager()?.stats())
+    }
+
+    /// Waits for every copy in flight and frees the ring; later copies raise.
+    fn close(&self, py: Python<'_>) {
+        let taken = self.inner.write().take();
+        // Dropping the last Arc waits for in-flight slots: do it with the GIL released.
+        py.detach(move || drop(taken));
+    }
+
+    /// Whether `close()` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.read().is_none()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) -> bool {
+        self.close(py);
+        false
     }
 
     /// The element dtype's numpy name.
     #[getter]
     fn dtype(&self) -> &'static str {
-        self.inner.dtype().name()
+        self.dtype.name()
     }
 
     /// Initial slot capacity in elements.
@@ -435,29 +474,30 @@ impl PyStager {
     /// Number of ring slots.
     #[getter]
     fn depth(&self) -> usize {
-        self.inner.depth()
+        self.depth
     }
 
     /// The CUDA device ordinal served.
     #[getter]
     fn device(&self) -> i32 {
-        self.inner.ordinal()
+        self.device
     }
 
     /// Whether CUDA destinations can be served.
     #[getter]
     fn cuda(&self) -> bool {
-        self.inner.has_cuda()
+        self.inner.read().as_ref().is_some_and(|s| s.has_cuda())
     }
 
     fn __repr__(&self) -> String {
         format!(
-            "PinnedStager(dtype={}, numel={}, depth={}, device={}, cuda={})",
-            self.inner.dtype(),
+            "PinnedStager(dtype={}, numel={}, depth={}, device={}, cuda={}, closed={})",
+            self.dtype.name(),
             self.numel,
-            self.inner.depth(),
-            self.inner.ordinal(),
-            self.inner.has_cuda()
+            self.depth,
+            self.device,
+            if self.cuda() { "True" } else { "False" },
+            if self.closed() { "True" } else { "False" },
         )
     }
 }
@@ -485,7 +525,7 @@ impl StagedTarget {
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
         let st = self.stager.get();
-        let vals = to_values(values, st.inner.dtype())?;
+        let vals = to_values(values, st.dtype)?;
         let stream = match parse_stream(stream)? {
             Some(s) => s,
             None => match (&self.imported.exchange, self.imported.view.memory()) {

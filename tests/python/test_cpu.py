@@ -331,3 +331,23 @@ def test_stub_matches_module():
             assert f"def {meth}(" in stub, f"{cls}.{meth} missing from the stub"
     assert set(pinstage.__all__) - {"__version__"} == public
     gc.collect()
+
+
+def test_close_and_context_manager():
+    with pinstage.PinnedStager("int32", 8, 2) as st:
+        d = np.zeros(4, np.int32)
+        st.copy_(d, [1, 2])
+        assert not st.closed
+    assert st.closed
+    with pytest.raises(ValueError, match="closed"):
+        st.copy_(d, [3])
+    with pytest.raises(ValueError, match="closed"):
+        st.stats()
+    assert d.tolist() == [1, 2, 0, 0]
+    st.close()  # idempotent
+
+
+def test_pinned_bytes_is_zero_without_driver():
+    if pinstage.cuda_available():
+        pytest.skip("a driver is present")
+    assert pinstage.pinned_bytes() == 0

@@ -267,3 +267,122 @@ def test_many_python_threads_one_stager(gpu):
         v, n = last[k]
         np.testing.assert_array_equal(got[:n], v)
         assert (got[n:] == -k).all()
+
+
+def test_fork_child_gets_a_clear_error(gpu):
+    import os
+
+    pinstage.empty_pinned(16, np.uint8)  # CUDA initialised in the parent
+    pid = os.fork()
+    if pid == 0:  # child: every CUDA entry must raise, nothing may hang
+        code = 1
+        try:
+            pinstage.empty_pinned(16, np.uint8)
+        except pinstage.CudaUnavailableError as e:
+            code = 0 if "fork" in str(e) else 2
+        except BaseException:
+            code = 3
+        os._exit(code)
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.01)
+    else:
+        os.kill(pid, 9)
+        pytest.fail("forked child hung")
+    assert os.WEXITSTATUS(status) == 0, f"child exit {os.WEXITSTATUS(status)}"
+
+
+def test_leaks_pinned_arrays_pool_blocks_and_stagers(gpu):
+    torch = pytest.importorskip("torch")
+    import gc
+
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) * 1024
+
+    pinstage.empty_cache()
+    gc.collect()
+    base_pinned, base_rss = pinstage.pinned_bytes(), rss()
+    for i in range(100_000):
+        a = pinstage.empty_pinned(64, np.int32)
+        a[0] = i
+    src = torch.arange(1024, dtype=torch.int32, device="cuda")
+    budget = pinstage.pool_stats()["budget_bytes"]
+    for i in range(100_000):
+        b = pinstage.copy_d2h(src)
+        assert b[5] == 5
+        s = pinstage.pool_stats()
+        assert s["in_use_bytes"] + s["cached_bytes"] <= budget
+    del a, b
+    for i in range(1000):
+        st = pinstage.PinnedStager(np.int32, 256, 8)
+        st.copy_(src, np.full(16, i, np.int32))
+        del st
+    torch.cuda.synchronize()
+    pinstage.empty_cache()
+    gc.collect()
+    assert pinstage.pinned_bytes() == base_pinned, (pinstage.pinned_bytes(), base_pinned)
+    assert rss() - base_rss < 64 << 20, f"RSS grew by {(rss() - base_rss) >> 20} MiB"
+
+
+def test_lifetimes_drop_while_in_flight(gpu):
+    torch = pytest.importorskip("torch")
+    import gc
+
+    big = torch.randn(32 << 20, device="cuda")
+    for _ in range(3):
+        torch.cuda._sleep(20_000_000)
+        p = pinstage.copy_d2h_async(big)
+        del p  # waits for the copy before releasing the block and the source
+        torch.cuda._sleep(20_000_000)
+        dst = pinstage.empty_pinned(big.numel(), np.float32)
+        p = pinstage.copy_d2h_async(big, dst)
+        del dst  # the PendingCopy's array keeps dst alive
+        out = p.wait()
+        np.testing.assert_array_equal(out, big.cpu().numpy())
+        d = torch.zeros(4096, dtype=torch.int32, device="cuda")
+        st = pinstage.PinnedStager(torch.int32, 256, 2)
+        t = st.target(d, pad_value=1)
+        torch.cuda._sleep(20_000_000)
+        t.copy_(np.arange(256, dtype=np.int32))
+        del st, t  # the target keeps the stager; dropping both waits for the ring
+        gc.collect()
+        torch.cuda.synchronize()
+        got = d.cpu().numpy()
+        assert (got[:256] == np.arange(256)).all() and (got[256:] == 1).all()
+
+
+def test_two_gpus(gpu):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    stagers = [pinstage.PinnedStager(torch.int64, 64, 4, device=i) for i in range(2)]
+    dsts = [[torch.zeros(1024, dtype=torch.int64, device=f"cuda:{i}") for _ in range(4)] for i in range(2)]
+    last, errors = {}, []
+
+    def work(dev, k):
+        try:
+            for i in range(2000):
+                v = np.arange(100, dtype=np.int64) + i * 1000 + dev * 10**9 + k * 10**6
+                stagers[dev].copy_(dsts[dev][k], v, pad_value=-dev - 1)
+                last[(dev, k)] = v
+            out = pinstage.copy_d2h(dsts[dev][k])
+            assert out.shape == (1024,)
+        except Exception as e:
+            errors.append(e)
+
+    ths = [threading.Thread(target=work, args=(d, k)) for d in range(2) for k in range(4)]
+    [t.start() for t in ths]
+    [t.join() for t in ths]
+    assert not errors, errors
+    for d in range(2):
+        torch.cuda.synchronize(d)
+        for k in range(4):
+            got = dsts[d][k].cpu().numpy()
+            np.testing.assert_array_equal(got[:100], last[(d, k)])
+            assert (got[100:] == -d - 1).all()
+    with pytest.raises(ValueError, match="device 1, but this stager serves device 0"):
+        stagers[0].copy_(dsts[1][0], [1])

@@ -1,0 +1,98 @@
+//! Two GPUs: stagers on devices 0 and 1 used concurrently from several threads, D2H from both,
+//! a destination on the wrong device refused. Skipped (with the reason) on fewer than two GPUs;
+//! fails when `PINSTAGE_REQUIRE_GPUS=2` finds fewer.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::POISON;
+use pinstage::{
+    DType, Device, DeviceBuffer, DeviceView, Error, PinnedStager, Stream, StreamHandle, copy_d2h,
+};
+
+fn two_devices() -> Option<(Device, Device)> {
+    let count = pinstage::device_count().unwrap_or(0);
+    if count < 2 {
+        if std::env::var("PINSTAGE_REQUIRE_GPUS").is_ok_and(|v| v == "2") {
+            panic!("PINSTAGE_REQUIRE_GPUS=2 but {count} GPU(s) found");
+        }
+        eprintln!("SKIP gpu_multi: {count} GPU(s), need 2");
+        return None;
+    }
+    Some((Device::new(0).unwrap(), Device::new(1).unwrap()))
+}
+
+#[test]
+fn gpu_two_devices_concurrently() {
+    let Some((d0, d1)) = two_devices() else {
+        return;
+    };
+    let devs = [d0, d1];
+    let stagers: Vec<Arc<PinnedStager<u32>>> = (0..2)
+        .map(|i| Arc::new(PinnedStager::<u32>::new(i, 128, 4).unwrap()))
+        .collect();
+    let n = 1000;
+    let mut handles = Vec::new();
+    for (di, dev) in devs.iter().enumerate() {
+        for t in 0..4u32 {
+            let st = stagers[di].clone();
+            let dev = dev.clone();
+            handles.push(std::thread::spawn(move || {
+                let buf = DeviceBuffer::new(&dev, (n + 3) * 4).unwrap();
+                buf.upload(0, &vec![POISON; (n + 3) * 4]).unwrap();
+                let stream = Stream::new(&dev).unwrap();
+                let dst = DeviceView::contiguous_device(dev.ordinal(), buf.ptr(), DType::U32, n);
+                let mut last = Vec::new();
+                for i in 0..3000u32 {
+                    let len = (i as usize * 7 + t as usize) % n;
+                    last = (0..len as u32)
+                        .map(|k| k ^ (i << 8) ^ (t << 24) ^ (di as u32) << 30)
+                        .collect();
+                    st.copy_(&dst, &last, Some(0xDEAD_0000 + t), None, stream.handle())
+                        .unwrap();
+                }
+                stream.synchronize().unwrap();
+                let mut out = vec![0u8; n * 4];
+                let path = copy_d2h(&dev, &dst, &mut out, StreamHandle::LEGACY).unwrap();
+                assert_eq!(path, pinstage::D2HPath::Bounced);
+                let got: &[u32] = bytemuck::cast_slice(&out);
+                assert_eq!(&got[..last.len()], &last[..]);
+                assert!(got[last.len()..].iter().all(|&x| x == 0xDEAD_0000 + t));
+            }));
+        }
+    }
+    for h in handles {
+        h.join().unwrap();
+    }
+    let buf1 = DeviceBuffer::new(&devs[1], 64).unwrap();
+    let err = stagers[0]
+        .copy_(
+            &buf1.view(DType::U32),
+            &[1],
+            None,
+            None,
+            StreamHandle::LEGACY,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::WrongDevice {
+                expected: 0,
+                got: 1,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let mut out = vec![0u8; 64];
+    let err = copy_d2h(
+        &devs[0],
+        &buf1.view(DType::U8),
+        &mut out,
+        StreamHandle::LEGACY,
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::WrongDevice { .. }));
+}
