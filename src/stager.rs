@@ -598,6 +598,9 @@ mod tests {
     fn write_padded_layout() {
         for itemsize in [1usize, 2, 4, 8, 16] {
             for total_elems in [0usize, 1, 3, 255, 256, 257, 1000] {
+                if cfg!(miri) && total_elems > 257 {
+                    continue;
+                }
                 for n in [0usize, 1, total_elems / 2, total_elems] {
                     if n > total_elems {
                         continue;
