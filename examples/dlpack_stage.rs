@@ -12,7 +12,11 @@ fn describe(data: *mut std::ffi::c_void, device: DLDevice, shape: &mut [i64]) ->
         data,
         device,
         ndim: shape.len() as i32,
-        dtype: DLDataType { code: DLDataTypeCode::INT, bits: 32, lanes: 1 },
+        dtype: DLDataType {
+            code: DLDataTypeCode::INT,
+            bits: 32,
+            lanes: 1,
+        },
         shape: shape.as_mut_ptr(),
         strides: std::ptr::null_mut(),
         byte_offset: 0,
@@ -31,15 +35,36 @@ fn main() -> pinstage::Result<()> {
             let t = describe(buf.ptr() as *mut _, DLDevice::cuda(0), &mut shape);
             // SAFETY: `t` describes `buf`, which outlives the view.
             let view = unsafe { DeviceView::from_dltensor(&t, false) }?;
-            let outcome = stager.copy_(&view, &values, Some(-1), Some(&mut mirror), StreamHandle::LEGACY)?;
-            let again = stager.copy_(&view, &values, Some(-1), Some(&mut mirror), StreamHandle::LEGACY)?;
+            let outcome = stager.copy_(
+                &view,
+                &values,
+                Some(-1),
+                Some(&mut mirror),
+                StreamHandle::LEGACY,
+            )?;
+            let again = stager.copy_(
+                &view,
+                &values,
+                Some(-1),
+                Some(&mut mirror),
+                StreamHandle::LEGACY,
+            )?;
             println!("first copy: {outcome:?}; same values again: {again:?}");
-            let mut pinned = pinstage::PinnedBuffer::new(&device, view.nbytes(), pinstage::PinnedFlags::PORTABLE)?;
-            let path = pinstage::copy_d2h(&device, &view, pinned.as_mut_slice(), StreamHandle::LEGACY)?;
+            let mut pinned = pinstage::PinnedBuffer::new(
+                &device,
+                view.nbytes(),
+                pinstage::PinnedFlags::PORTABLE,
+            )?;
+            let path =
+                pinstage::copy_d2h(&device, &view, pinned.as_mut_slice(), StreamHandle::LEGACY)?;
             let got: &[i32] = pinned.typed()?;
             assert_eq!(&got[..100], &values[..]);
             assert!(got[100..].iter().all(|&x| x == -1));
-            println!("copy_d2h via {path:?}: all {} elements checked; stats {:?}", got.len(), stager.stats());
+            println!(
+                "copy_d2h via {path:?}: all {} elements checked; stats {:?}",
+                got.len(),
+                stager.stats()
+            );
         }
         Err(e) => {
             println!("no GPU ({e}); the same calls on a host tensor:");
@@ -47,10 +72,19 @@ fn main() -> pinstage::Result<()> {
             let t = describe(host.as_mut_ptr().cast(), DLDevice::CPU, &mut shape);
             // SAFETY: `t` describes `host`, which outlives the view.
             let view = unsafe { DeviceView::from_dltensor(&t, false) }?;
-            stager.copy_(&view, &values, Some(-1), Some(&mut mirror), StreamHandle::LEGACY)?;
+            stager.copy_(
+                &view,
+                &values,
+                Some(-1),
+                Some(&mut mirror),
+                StreamHandle::LEGACY,
+            )?;
             assert_eq!(&host[..100], &values[..]);
             assert!(host[100..].iter().all(|&x| x == -1));
-            println!("host tensor written directly: all {} elements checked", host.len());
+            println!(
+                "host tensor written directly: all {} elements checked",
+                host.len()
+            );
         }
     }
     Ok(())

@@ -317,7 +317,14 @@ impl Stager {
             }
             Some(device) => {
                 let _g = self.enter_for_copy(device, stream)?;
-                let slot = self.issue(device, dst.ptr(), values, pad, total, stream, wait)?;
+                let job = Job {
+                    dst: dst.ptr(),
+                    values,
+                    pad,
+                    total,
+                    stream,
+                };
+                let slot = self.issue(device, job, wait)?;
                 Counters::add(&self.stats.copies, 1);
                 CopyOutcome::Issued { slot }
             }
@@ -343,13 +350,16 @@ impl Stager {
     fn issue(
         &self,
         device: &Device,
-        dst: u64,
-        values: &[u8],
-        pad: Option<&[u8]>,
-        total: usize,
-        stream: StreamHandle,
+        job: Job<'_>,
         wait: &mut dyn FnMut(&Event) -> Result<()>,
     ) -> Result<usize> {
+        let Job {
+            dst,
+            values,
+            pad,
+            total,
+            stream,
+        } = job;
         let claim = self.ring.claim();
         let slot = &self.slots[claim.index];
         // Whether a copy may still be reading the slot's buffer; decides how the slot is
@@ -428,6 +438,15 @@ impl Drop for Stager {
             }
         }
     }
+}
+
+/// One device copy: destination address, values, pad, bytes in all, stream.
+struct Job<'a> {
+    dst: u64,
+    values: &'a [u8],
+    pad: Option<&'a [u8]>,
+    total: usize,
+    stream: StreamHandle,
 }
 
 /// The content of a slot buffer after a write.

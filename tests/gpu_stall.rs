@@ -224,7 +224,7 @@ fn gpu_stress_eight_threads_random_copies() {
                 for i in 0..copies {
                     let d = (next() % DSTS as u64) as usize;
                     let len = (next() % (CAP as u64 + 1)) as usize;
-                    let pad = (next() % 3 != 0).then(|| 0xFF00_0000 | (i as u32 & 0xFFFF));
+                    let pad = (next() % 3 != 0).then_some(0xFF00_0000 | (i as u32 & 0xFFFF));
                     vals.clear();
                     vals.extend((0..len).map(|k| (t as u32) << 28 | (i as u32) << 9 | k as u32));
                     let buf = &bufs[t * DSTS + d];
