@@ -5,30 +5,11 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{POISON, check_layout, gpu_or_skip, pad, values};
+use common::{POISON, check_layout, gpu_or_skip, pad, poisoned, read, values, view};
 use pinstage::{
-    CopyOutcome, DType, DeviceBuffer, DeviceView, Error, H2DMirror, PinnedStager, Stager, Stream,
-    StreamHandle,
+    CopyOutcome, DType, DeviceView, Error, H2DMirror, PinnedStager, Stager, Stream, StreamHandle,
 };
 use rstest::rstest;
-
-/// A device buffer of `numel` elements plus a 3-element guard band, poisoned.
-fn poisoned(dev: &pinstage::Device, dtype: DType, numel: usize) -> DeviceBuffer {
-    let bytes = (numel + 3) * dtype.itemsize();
-    let buf = DeviceBuffer::new(dev, bytes).unwrap();
-    buf.upload(0, &vec![POISON; bytes]).unwrap();
-    buf
-}
-
-fn read(buf: &DeviceBuffer) -> Vec<u8> {
-    let mut out = vec![0u8; buf.len()];
-    buf.download(0, &mut out).unwrap();
-    out
-}
-
-fn view(buf: &DeviceBuffer, dtype: DType, numel: usize) -> DeviceView {
-    DeviceView::contiguous_device(buf.device().ordinal(), buf.ptr(), dtype, numel)
-}
 
 #[rstest]
 fn gpu_every_dtype_and_size(

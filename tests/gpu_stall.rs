@@ -8,26 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{POISON, gpu_or_skip};
-use pinstage::{DType, DeviceBuffer, DeviceView, PinnedStager, Stream};
+use common::{POISON, gpu_or_skip, poisoned, read, view};
+use pinstage::{DType, DeviceBuffer, PinnedStager, Stream};
 use rstest::rstest;
-
-fn poisoned(dev: &pinstage::Device, dtype: DType, numel: usize) -> DeviceBuffer {
-    let bytes = (numel + 3) * dtype.itemsize();
-    let buf = DeviceBuffer::new(dev, bytes).unwrap();
-    buf.upload(0, &vec![POISON; bytes]).unwrap();
-    buf
-}
-
-fn read(buf: &DeviceBuffer) -> Vec<u8> {
-    let mut out = vec![0u8; buf.len()];
-    buf.download(0, &mut out).unwrap();
-    out
-}
-
-fn view(buf: &DeviceBuffer, dtype: DType, numel: usize) -> DeviceView {
-    DeviceView::contiguous_device(buf.device().ordinal(), buf.ptr(), dtype, numel)
-}
 
 /// Releases a stalled stream when dropped, so a failing assertion cannot leave the stream (and
 /// every allocation that synchronizes the device) blocked forever.

@@ -101,3 +101,23 @@ pub fn gpu_or_skip(test: &str) -> Option<pinstage::Device> {
         }
     }
 }
+
+/// A device buffer of `numel` elements of `dtype` plus a 3-element guard band, poisoned.
+pub fn poisoned(dev: &pinstage::Device, dtype: DType, numel: usize) -> pinstage::DeviceBuffer {
+    let bytes = (numel + 3) * dtype.itemsize();
+    let buf = pinstage::DeviceBuffer::new(dev, bytes).unwrap();
+    buf.upload(0, &vec![POISON; bytes]).unwrap();
+    buf
+}
+
+/// The whole buffer, downloaded.
+pub fn read(buf: &pinstage::DeviceBuffer) -> Vec<u8> {
+    let mut out = vec![0u8; buf.len()];
+    buf.download(0, &mut out).unwrap();
+    out
+}
+
+/// A view of the first `numel` elements of `buf`.
+pub fn view(buf: &pinstage::DeviceBuffer, dtype: DType, numel: usize) -> pinstage::DeviceView {
+    pinstage::DeviceView::contiguous_device(buf.device().ordinal(), buf.ptr(), dtype, numel)
+}
