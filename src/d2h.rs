@@ -145,14 +145,14 @@ fn bounce(device: &Device, src: u64, dst: &mut [u8], stream: StreamHandle) -> Re
         .step_by(BOUNCE_CHUNK)
         .map(|off| (off, BOUNCE_CHUNK.min(dst.len() - off)))
         .collect();
-    let mut issued = 0usize;
-    let mut result = Ok(());
-    // Prime the ring.
-    while issued < chunks.len().min(BOUNCE_DEPTH) {
-        let (off, len) = chunks[issued];
-        let k = issued % BOUNCE_DEPTH;
-        // SAFETY: bounce buffer k is ours and idle; src + off is within the source.
-        if let Err(e) = unsafe {
+    // Chunk i goes through bounce buffer i % BOUNCE_DEPTH. Chunk i + BOUNCE_DEPTH is issued as
+    // soon as chunk i was drained, so the copy engine fills buffers while the CPU drains others.
+    let issue = |i: usize, bufs: &mut [PinnedBuffer]| -> Result<()> {
+        let (off, len) = chunks[i];
+        let k = i % BOUNCE_DEPTH;
+        // SAFETY: buffer k is idle (never used, or chunk i - BOUNCE_DEPTH was drained after its
+        // event completed); src + off..+len lies within the source.
+        unsafe {
             issue_d2h(
                 &events[k],
                 src + off as u64,
@@ -160,39 +160,21 @@ fn bounce(device: &Device, src: u64, dst: &mut [u8], stream: StreamHandle) -> Re
                 len,
                 stream,
             )
-        } {
-            result = Err(e);
+        }
+    };
+    let mut result = (0..chunks.len().min(BOUNCE_DEPTH)).try_for_each(|i| issue(i, &mut bufs));
+    for (i, &(off, len)) in chunks.iter().enumerate() {
+        if result.is_err() {
             break;
         }
-        issued += 1;
-    }
-    let mut drained = 0usize;
-    while result.is_ok() && drained < chunks.len() {
-        let k = drained % BOUNCE_DEPTH;
-        if let Err(e) = events[k].synchronize() {
-            result = Err(e);
-            break;
-        }
-        let (off, len) = chunks[drained];
-        parallel_copy(&mut dst[off..off + len], &bufs[k].as_slice()[..len]);
-        drained += 1;
-        if issued < chunks.len() {
-            let (off, len) = chunks[issued];
-            // SAFETY: buffer k was just drained and its copy completed.
-            if let Err(e) = unsafe {
-                issue_d2h(
-                    &events[k],
-                    src + off as u64,
-                    bufs[k].as_mut_ptr(),
-                    len,
-                    stream,
-                )
-            } {
-                result = Err(e);
-                break;
+        let k = i % BOUNCE_DEPTH;
+        result = events[k].synchronize().and_then(|()| {
+            parallel_copy(&mut dst[off..off + len], &bufs[k].as_slice()[..len]);
+            match i + BOUNCE_DEPTH {
+                next if next < chunks.len() => issue(next, &mut bufs),
+                _ => Ok(()),
             }
-            issued += 1;
-        }
+        });
     }
     // Whatever happened, no copy may still write a buffer that goes back to the cache.
     for ev in &events {

@@ -99,7 +99,7 @@ impl PinnedPool {
     /// A block of at least `len` bytes: cached, newly pinned, or pageable past the budget.
     pub fn acquire(&self, len: usize) -> Result<PoolBlock> {
         let class = size_class(len);
-        let mut evicted = Vec::new();
+        let evicted;
         {
             let mut st = self.inner.state.lock();
             if let Some(buf) = st.free.get_mut(&class).and_then(Vec::pop) {
@@ -109,19 +109,7 @@ impl PinnedPool {
                 return Ok(self.block(buf, len));
             }
             // Make room within the budget by evicting cached blocks, largest first.
-            while st.stats.in_use_bytes + st.stats.cached_bytes + class > st.stats.budget_bytes
-                && st.stats.cached_bytes > 0
-            {
-                let (&c, list) = st.free.iter_mut().next_back().expect("cached bytes > 0");
-                if let Some(b) = list.pop() {
-                    st.stats.cached_bytes -= c;
-                    st.stats.evictions += 1;
-                    evicted.push(b);
-                }
-                if st.free.get(&c).is_some_and(Vec::is_empty) {
-                    st.free.remove(&c);
-                }
-            }
+            evicted = Self::evict_until(&mut st, class);
             if st.stats.in_use_bytes + st.stats.cached_bytes + class > st.stats.budget_bytes {
                 st.stats.pageable_fallbacks += 1;
                 drop(st);
@@ -188,8 +176,14 @@ impl PinnedPool {
     }
 
     fn trim(st: &mut State) -> Vec<PinnedBuffer> {
+        Self::evict_until(st, 0)
+    }
+
+    /// Frees cached blocks, largest first, until `extra` more bytes fit the budget or nothing is
+    /// cached. Returns them, to be dropped outside the lock.
+    fn evict_until(st: &mut State, extra: usize) -> Vec<PinnedBuffer> {
         let mut evicted = Vec::new();
-        while st.stats.in_use_bytes + st.stats.cached_bytes > st.stats.budget_bytes
+        while st.stats.in_use_bytes + st.stats.cached_bytes + extra > st.stats.budget_bytes
             && st.stats.cached_bytes > 0
         {
             let (&c, list) = st.free.iter_mut().next_back().expect("cached bytes > 0");
