@@ -259,7 +259,14 @@ mod loom_tests {
     }
 
     fn run(depth: usize, threads: u32, copies_each: u32, grow: bool) {
-        loom::model(move || {
+        let mut builder = loom::model::Builder::new();
+        // Spinning waits (a full ring, a pending event) add a branch per turn; bound the
+        // preemptions (LOOM_MAX_PREEMPTIONS, default 2 here) and allow long spins.
+        builder.max_branches = 50_000;
+        if builder.preemption_bound.is_none() {
+            builder.preemption_bound = Some(2);
+        }
+        builder.check(move || {
             let m = Arc::new(Model {
                 ring: Ring::new(depth),
                 bufs: (0..depth).map(|_| UnsafeCell::new(vec![0u32; 2])).collect(),
