@@ -81,6 +81,7 @@ impl PinnedBuffer {
         let raw = unsafe { driver::mem_host_alloc(len, flags.raw()) }?;
         let ptr = NonNull::new(raw.cast::<u8>())
             .ok_or_else(|| Error::InvalidArgument("cuMemHostAlloc returned null".into()))?;
+        LIVE_BYTES.fetch_add(len, std::sync::atomic::Ordering::Relaxed);
         Ok(Self {
             ptr,
             len,
