@@ -351,3 +351,42 @@ def test_pinned_bytes_is_zero_without_driver():
     if pinstage.cuda_available():
         pytest.skip("a driver is present")
     assert pinstage.pinned_bytes() == 0
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("name", DTYPES)
+def test_copy_d2h_jax_cpu_matrix(name, size):
+    jax = pytest.importorskip("jax")
+    vals = rand_values(name, size, seed=size + 5)
+    with jax.enable_x64(True):
+        x = jax.device_put(jax.numpy.asarray(vals), jax.devices("cpu")[0])
+        out = pinstage.copy_d2h(x)
+    assert out.dtype == vals.dtype and out.shape == vals.shape and out.flags.writeable
+    assert (out.view(np.uint8) == vals.view(np.uint8)).all()
+
+
+def test_stream_arguments_are_parsed():
+    st = pinstage.PinnedStager("int32", 8, 2)
+    d = np.zeros(4, np.int32)
+
+    class CudaStreamProtocol:
+        def __cuda_stream__(self):
+            return (0, 0)
+
+    class TorchLike:
+        cuda_stream = 0
+
+    class CupyLike:
+        ptr = 0
+
+    class BadProtocol:
+        def __cuda_stream__(self):
+            return "nope"
+
+    for i, s in enumerate([None, 0, CudaStreamProtocol(), TorchLike(), CupyLike()]):
+        assert st.copy_(d, [i + 1], stream=s)  # host destination: the stream is parsed, unused
+    assert d[0] == 5
+    with pytest.raises(TypeError, match="__cuda_stream__"):
+        st.copy_(d, [1], stream=BadProtocol())
+    with pytest.raises(TypeError, match="stream must be"):
+        st.copy_(d, [1], stream=1.5)

@@ -386,3 +386,65 @@ def test_two_gpus(gpu):
             assert (got[100:] == -d - 1).all()
     with pytest.raises(ValueError, match="device 1, but this stager serves device 0"):
         stagers[0].copy_(dsts[1][0], [1])
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("name", [d for d in DTYPES if d != "bfloat16"])
+def test_cupy_matrix(gpu, name, size):
+    cp = pytest.importorskip("cupy")
+    item = np_dtype(name).itemsize
+    raw = cp.full(((size + 3) * item,), POISON, dtype=cp.uint8)
+    dst = raw.view(np_dtype(name))[:size]
+    st = pinstage.PinnedStager(cp.dtype(name), 256, 2)
+    nvals = size // 2
+    vals = rand_values(name, nvals, seed=size + 17)
+    st.copy_(dst, vals, pad_value=pad_for(name))
+    cp.cuda.runtime.deviceSynchronize()
+    got = cp.asnumpy(raw)
+    assert (got[: nvals * item] == vals.view(np.uint8)).all()
+    expect = np.full(size - nvals, pad_for(name), dtype=np_dtype(name)).view(np.uint8)
+    assert (got[nvals * item : size * item] == expect).all()
+    assert (got[size * item :] == POISON).all()
+    out = pinstage.copy_d2h(dst)
+    assert (out.view(np.uint8) == got[: size * item]).all()
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("name", DTYPES)
+def test_jax_gpu_matrix(gpu, name, size):
+    jax = pytest.importorskip("jax")
+    vals = rand_values(name, size, seed=size + 23)
+    with jax.enable_x64(True):
+        x = jax.device_put(jax.numpy.asarray(vals), jax.devices("gpu")[0])
+        out = pinstage.copy_d2h(x)
+    assert out.dtype == vals.dtype and out.shape == vals.shape
+    assert (out.view(np.uint8) == vals.view(np.uint8)).all()
+
+
+def test_invalid_and_closed_stream_handles_raise(gpu):
+    """Run in a subprocess: a driver that crashed on a bad handle must fail the test, not pytest."""
+    import subprocess
+    import sys
+
+    code = r'''
+import numpy as np, cupy as cp, pinstage
+dst = cp.zeros(16, dtype=cp.int32)
+st = pinstage.PinnedStager(cp.int32, 16, 2)
+s = cp.cuda.Stream(non_blocking=True)
+closed = s.ptr
+del s  # cupy destroys the stream
+import gc; gc.collect()
+for name, h in (("closed", closed), ("garbage", 0xDEAD0000)):
+    try:
+        st.copy_(dst, [1, 2], stream=h)
+        print(name, "accepted")
+    except pinstage.PinstageError as e:
+        print(name, "raised", type(e).__name__, str(e)[:120])
+cp.cuda.runtime.deviceSynchronize()
+print("alive")
+'''
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    print(r.stdout, r.stderr[-2000:])
+    assert r.returncode == 0, f"the process died (rc {r.returncode}): {r.stderr[-500:]}"
+    assert "alive" in r.stdout
+    assert "garbage raised CudaDriverError" in r.stdout, r.stdout
