@@ -427,7 +427,9 @@ def test_invalid_and_closed_stream_handles_raise(gpu):
     import sys
 
     code = r'''
-import numpy as np, cupy as cp, pinstage
+import sys, numpy as np, cupy as cp, pinstage
+sys.path.insert(0, "tests/python")
+from conftest import CapsuleProducer, make_capsule
 dst = cp.zeros(16, dtype=cp.int32)
 st = pinstage.PinnedStager(cp.int32, 16, 2)
 s = cp.cuda.Stream(non_blocking=True)
@@ -435,15 +437,18 @@ closed = s.ptr
 del s  # cupy destroys the stream
 import gc; gc.collect()
 for name, h in (("closed", closed), ("garbage", 0xDEAD0000)):
+    # A legacy producer (no stream negotiation), so pinstage is the first to use the handle.
+    target = CapsuleProducer(make_capsule(np.zeros(1), data=dst.data.ptr, device=(2, 0), shape=(16,)))
     try:
-        st.copy_(dst, [1, 2], stream=h)
+        st.copy_(target, [1, 2], stream=h)
         print(name, "accepted")
     except pinstage.PinstageError as e:
         print(name, "raised", type(e).__name__, str(e)[:120])
 cp.cuda.runtime.deviceSynchronize()
 print("alive")
 '''
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    root = __import__("pathlib").Path(__file__).parents[2]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root)
     print(r.stdout, r.stderr[-2000:])
     assert r.returncode == 0, f"the process died (rc {r.returncode}): {r.stderr[-500:]}"
     assert "alive" in r.stdout
