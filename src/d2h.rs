@@ -53,8 +53,10 @@ fn check_src(device: &Device, src: &DeviceView, dst_len: usize) -> Result<()> {
 }
 
 fn enter_for_copy(device: &Device, stream: StreamHandle) -> Result<ContextGuard> {
+    stream.check()?;
     let g = device.enter()?;
-    // SAFETY: context current; a bad stream handle is reported by the driver.
+    // SAFETY: context current; the stream handle passed `check` and is the caller's live stream
+    // (the driver does not validate handles).
     if unsafe { driver::stream_is_capturing(stream.raw()) }? {
         return Err(Error::StreamCapturing);
     }

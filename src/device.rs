@@ -209,6 +209,23 @@ impl StreamHandle {
     pub(crate) fn raw(self) -> CUstream {
         self.0 as CUstream
     }
+
+    /// Refuses handles that cannot be streams: the CUDA driver dereferences a handle without
+    /// validating it, so a bad one would crash the process. 0, 1 (`CU_STREAM_LEGACY`) and 2
+    /// (`CU_STREAM_PER_THREAD`) are the special handles; any other is a heap pointer, so it is
+    /// 8-byte aligned and above the first 64 KiB. A destroyed stream's handle passes this check
+    /// and cannot be detected: keep streams alive while copies use them.
+    #[inline]
+    pub fn check(self) -> Result<Self> {
+        if self.0 > 2 && (self.0 < 0x1_0000 || self.0 % 8 != 0) {
+            return Err(Error::InvalidArgument(format!(
+                "stream handle 0x{:x} is not a CUDA stream (expected 0, 1, 2 or a live stream's \
+                 handle)",
+                self.0
+            )));
+        }
+        Ok(self)
+    }
 }
 
 /// An owned non-blocking CUDA stream.

@@ -337,9 +337,10 @@ impl Stager {
     }
 
     fn enter_for_copy(&self, device: &Device, stream: StreamHandle) -> Result<ContextGuard> {
+        stream.check()?;
         let g = device.enter()?;
-        // SAFETY: context current; the stream handle is the caller's (a bad handle is reported
-        // by the driver as an error).
+        // SAFETY: context current; the stream handle passed `check` and is the caller's live
+        // stream (the driver does not validate handles).
         if unsafe { driver::stream_is_capturing(stream.raw()) }? {
             return Err(Error::StreamCapturing);
         }

@@ -156,3 +156,15 @@ fn values_may_alias_a_host_destination() {
         .unwrap();
     assert_eq!(&buf[..8], &[5, 6, 7, 8, 9, 10, 11, 12]);
 }
+
+#[test]
+fn impossible_stream_handles_are_refused() {
+    use pinstage::StreamHandle;
+    for ok in [0usize, 1, 2, 0x7f00_1234_5670] {
+        assert_eq!(StreamHandle(ok).check().unwrap(), StreamHandle(ok));
+    }
+    for bad in [3usize, 4095, 0xFFFF, 0x7f00_1234_5671] {
+        let err = StreamHandle(bad).check().unwrap_err();
+        assert!(err.to_string().contains("is not a CUDA stream"), "{err}");
+    }
+}

@@ -145,6 +145,13 @@ pub(crate) fn parse_stream(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<St
     if obj.is_none() {
         return Ok(None);
     }
+    parse_stream_object(obj).and_then(|s| match s {
+        Some(h) => h.check().map(Some).map_err(super::errors::to_py),
+        None => Ok(None),
+    })
+}
+
+fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<Option<StreamHandle>> {
     let py = obj.py();
     if let Ok(h) = obj.extract::<usize>() {
         return Ok(Some(StreamHandle(h)));

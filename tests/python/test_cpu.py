@@ -390,3 +390,9 @@ def test_stream_arguments_are_parsed():
         st.copy_(d, [1], stream=BadProtocol())
     with pytest.raises(TypeError, match="stream must be"):
         st.copy_(d, [1], stream=1.5)
+    for bad in (5, 4095, 0x7F00_0000_0001):  # null page, unaligned: never a stream
+        with pytest.raises(ValueError, match="is not a CUDA stream"):
+            st.copy_(d, [9], stream=bad)
+        with pytest.raises(ValueError, match="is not a CUDA stream"):
+            pinstage.copy_d2h(d, stream=bad)
+    assert d[0] == 5

