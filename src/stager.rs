@@ -2,7 +2,7 @@
 //!
 //! Each device copy writes values and padding into one slot's pinned buffer on the host and
 //! issues exactly ONE `cuMemcpyHtoDAsync` from it, then records the slot's event. A slot is not
-//! rewritten until that event completed. Slots are claimed through [`crate::ring`]'s atomics:
+//! rewritten until that event completed. Slots are claimed through `src/ring.rs`'s atomics:
 //! no lock is held while waiting, and a waiting thread blocks no other slot.
 
 use std::marker::PhantomData;
@@ -91,7 +91,7 @@ pub enum CopyOutcome {
 /// [`PinnedStager`] is the typed facade.
 ///
 /// `Sync`: the slot protocol gives each slot's buffer a single owner at a time (see
-/// [`crate::ring`]); events are driver handles safe to use from any thread.
+/// `src/ring.rs`); events are driver handles safe to use from any thread.
 pub struct Stager {
     dtype: DType,
     ordinal: i32,

@@ -396,3 +396,19 @@ def test_stream_arguments_are_parsed():
         with pytest.raises(ValueError, match="is not a CUDA stream"):
             pinstage.copy_d2h(d, stream=bad)
     assert d[0] == 5
+
+
+def test_dtype_arguments_from_every_framework():
+    names = {
+        np.int32: "int32",
+        np.dtype("float16"): "float16",
+        "uint8": "uint8",
+        "torch.int64": "int64",
+        bool: "bool",
+    }
+    jnp = pytest.importorskip("jax.numpy")
+    names[jnp.int32] = "int32"
+    names[jnp.bfloat16] = "bfloat16"
+    names[jnp.complex64] = "complex64"
+    for arg, want in names.items():
+        assert pinstage.PinnedStager(arg, 4, 1).dtype == want, arg
