@@ -6,7 +6,7 @@
 
 use parking_lot::Mutex;
 
-use crate::device::{ContextGuard, Device, PooledEvent, StreamHandle};
+use crate::device::{Device, PooledEvent, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
 use crate::error::{Error, Result};
@@ -52,17 +52,6 @@ fn check_src(device: &Device, src: &DeviceView, dst_len: usize) -> Result<()> {
     Ok(())
 }
 
-fn enter_for_copy(device: &Device, stream: StreamHandle) -> Result<ContextGuard> {
-    stream.check()?;
-    let g = device.enter()?;
-    // SAFETY: context current; the stream handle passed `check` and is the caller's live stream
-    // (the driver does not validate handles).
-    if unsafe { driver::stream_is_capturing(stream.raw()) }? {
-        return Err(Error::StreamCapturing);
-    }
-    Ok(g)
-}
-
 /// Copies `src` into `dst[..src.nbytes()]` and waits. `dst` may be pinned (one DMA) or pageable
 /// (bounce ring); a host `src` is a plain memcpy. `stream` orders the copy after the producer's
 /// work.
@@ -72,28 +61,12 @@ pub fn copy_d2h(
     dst: &mut [u8],
     stream: StreamHandle,
 ) -> Result<D2HPath> {
-    check_src(device, src, dst.len())?;
-    let n = src.nbytes();
-    if n == 0 {
-        return Ok(D2HPath::Empty);
-    }
-    if src.memory() == MemoryKind::Host {
-        // SAFETY: the view's contract: `src` is readable host memory of n bytes; `dst` is a
-        // distinct &mut slice of at least n bytes.
-        unsafe { std::ptr::copy(src.ptr() as *const u8, dst.as_mut_ptr(), n) };
-        return Ok(D2HPath::Host);
-    }
-    let _g = enter_for_copy(device, stream)?;
-    if driver::is_pinned_host(dst.as_ptr().cast()) {
-        let ev = device.pooled_event()?;
-        // SAFETY: dst is pinned and exclusively borrowed until we wait below; src is device
-        // memory of this device of n bytes (view contract, device checked).
-        unsafe { issue_d2h(&ev, src.ptr(), dst.as_mut_ptr(), n, stream) }?;
+    // SAFETY: `dst` is exclusively borrowed until we return, and we wait for the copy first.
+    let (path, event) = unsafe { start_d2h(device, src, dst.as_mut_ptr(), dst.len(), stream) }?;
+    if let Some(ev) = event {
         ev.synchronize()?;
-        return Ok(D2HPath::Pinned);
     }
-    bounce(device, src.ptr(), &mut dst[..n], stream)?;
-    Ok(D2HPath::Bounced)
+    Ok(path)
 }
 
 /// Issues one D2H copy and records `ev` after it.
@@ -279,25 +252,31 @@ pub(crate) unsafe fn start_d2h(
     dst_ptr: *mut u8,
     len: usize,
     stream: StreamHandle,
-) -> Result<Option<PooledEvent>> {
+) -> Result<(D2HPath, Option<PooledEvent>)> {
     check_src(device, src, len)?;
     let n = src.nbytes();
-    let pinned = n > 0 && src.memory() != MemoryKind::Host && {
-        let _g = device.enter()?;
-        driver::is_pinned_host(dst_ptr.cast())
-    };
-    if !pinned {
-        // SAFETY: caller's contract: `len` writable bytes, exclusively ours until return.
-        let slice = unsafe { std::slice::from_raw_parts_mut(dst_ptr, len) };
-        copy_d2h(device, src, slice, stream)?;
-        return Ok(None);
+    if n == 0 {
+        return Ok((D2HPath::Empty, None));
     }
-    let _g = enter_for_copy(device, stream)?;
-    let ev = device.pooled_event()?;
-    // SAFETY: the destination is pinned and reserved for this copy until the event completed
-    // (caller); src is device memory of this device of n bytes (view contract, device checked).
-    unsafe { issue_d2h(&ev, src.ptr(), dst_ptr, n, stream) }?;
-    Ok(Some(ev))
+    if src.memory() == MemoryKind::Host {
+        // SAFETY: the view's contract: `src` is readable host memory of n bytes; the caller's
+        // destination holds `len >= n` bytes (memmove tolerates overlap).
+        unsafe { std::ptr::copy(src.ptr() as *const u8, dst_ptr, n) };
+        return Ok((D2HPath::Host, None));
+    }
+    let _g = device.enter_for_copy(stream)?;
+    if driver::is_pinned_host(dst_ptr.cast()) {
+        let ev = device.pooled_event()?;
+        // SAFETY: the destination is pinned and reserved for this copy until the event
+        // completed (caller); src is device memory of this device of n bytes (view contract,
+        // device checked).
+        unsafe { issue_d2h(&ev, src.ptr(), dst_ptr, n, stream) }?;
+        return Ok((D2HPath::Pinned, Some(ev)));
+    }
+    // SAFETY: caller's contract: `len >= n` writable bytes, exclusively ours until return.
+    let dst = unsafe { std::slice::from_raw_parts_mut(dst_ptr, n) };
+    bounce(device, src.ptr(), dst, stream)?;
+    Ok((D2HPath::Bounced, None))
 }
 
 /// Starts copying `src` into `dst` and returns at once. A pinned `dst` gets a truly
@@ -312,7 +291,7 @@ pub fn copy_d2h_async<B: HostRegion>(
     let (ptr, len) = dst.region();
     // SAFETY: the region is owned by `dst`, which the PendingCopy keeps (and waits for before
     // handing back or dropping); HostRegion guarantees the address is stable.
-    let event = unsafe { start_d2h(device, src, ptr, len, stream) }?;
+    let (_, event) = unsafe { start_d2h(device, src, ptr, len, stream) }?;
     Ok(PendingCopy {
         buf: Some(dst),
         event,

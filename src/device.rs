@@ -105,6 +105,19 @@ impl Device {
         self.inner.ordinal
     }
 
+    /// [`Device::enter`] for a copy on `stream`: refuses impossible stream handles and a stream
+    /// that is capturing a CUDA graph (a captured copy would replay a buffer rewritten since).
+    pub(crate) fn enter_for_copy(&self, stream: StreamHandle) -> Result<ContextGuard> {
+        stream.check()?;
+        let g = self.enter()?;
+        // SAFETY: context current; the stream handle passed `check` and is the caller's live
+        // stream (the driver does not validate handles).
+        if unsafe { driver::stream_is_capturing(stream.raw()) }? {
+            return Err(Error::StreamCapturing);
+        }
+        Ok(g)
+    }
+
     /// Makes this device's primary context current for the guard's lifetime, unless it already
     /// is; the thread's previous context is current again when the guard drops.
     #[inline]

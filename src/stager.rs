@@ -8,7 +8,7 @@
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering as StatOrdering};
 
-use crate::device::{ContextGuard, Device, Event, StreamHandle};
+use crate::device::{Device, Event, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
 use crate::dtype::{DType, Element};
@@ -316,7 +316,7 @@ impl Stager {
                 CopyOutcome::Host
             }
             Some(device) => {
-                let _g = self.enter_for_copy(device, stream)?;
+                let _g = device.enter_for_copy(stream)?;
                 let job = Job {
                     dst: dst.ptr(),
                     values,
@@ -334,17 +334,6 @@ impl Stager {
             m.record(key.as_bytes(), values);
         }
         Ok(outcome)
-    }
-
-    fn enter_for_copy(&self, device: &Device, stream: StreamHandle) -> Result<ContextGuard> {
-        stream.check()?;
-        let g = device.enter()?;
-        // SAFETY: context current; the stream handle passed `check` and is the caller's live
-        // stream (the driver does not validate handles).
-        if unsafe { driver::stream_is_capturing(stream.raw()) }? {
-            return Err(Error::StreamCapturing);
-        }
-        Ok(g)
     }
 
     /// Claims a slot, writes it and issues the one copy. Context is current.

@@ -29,6 +29,13 @@ fn start<'py>(
     let view = &imp.view;
     let (dtype, shape, nbytes) = (view.dtype(), view.shape().to_vec(), view.nbytes());
     descr(py, dtype)?; // fail early (bfloat16 without ml_dtypes) before any copy
+    let state = match view.memory() {
+        MemoryKind::Cuda(id) => Some(super::device_state(id).py_err()?),
+        MemoryKind::Host if crate::device::cuda_available() => {
+            Some(super::device_state(0).py_err()?)
+        }
+        MemoryKind::Host => None,
+    };
     let (array, ptr, len) = match dst.filter(|d| !d.is_none()) {
         Some(d) => {
             let (ptr, len) = writable_numpy(d)?;
@@ -44,16 +51,9 @@ fn start<'py>(
             (array, ptr as *mut u8, len)
         }
         None => {
-            let mem = match view.memory() {
-                MemoryKind::Cuda(id) => {
-                    let state = super::device_state(id).py_err()?;
-                    Memory::Pool(py.detach(|| state.pool.acquire(nbytes)).py_err()?)
-                }
-                MemoryKind::Host if crate::device::cuda_available() => {
-                    let state = super::device_state(0).py_err()?;
-                    Memory::Pool(py.detach(|| state.pool.acquire(nbytes)).py_err()?)
-                }
-                MemoryKind::Host => Memory::Vec(vec![0u8; nbytes]),
+            let mem = match state {
+                Some(state) => Memory::Pool(py.detach(|| state.pool.acquire(nbytes)).py_err()?),
+                None => Memory::Vec(vec![0u8; nbytes]),
             };
             let block = PinnedBlock::new(mem);
             let ptr = block.ptr();
@@ -72,8 +72,8 @@ fn start<'py>(
             unsafe { std::ptr::copy(view.ptr() as *const u8, ptr, nbytes) };
             None
         }
-        MemoryKind::Cuda(id) => {
-            let state = super::device_state(id).py_err()?;
+        MemoryKind::Cuda(_) => {
+            let state = state.expect("a CUDA source has a device state");
             let stream = s.unwrap_or(imp.stream);
             let p = SendPtr(ptr);
             py.detach(move || {
@@ -83,6 +83,7 @@ fn start<'py>(
                 unsafe { crate::d2h::start_d2h(&state.device, view, p.0, len, stream) }
             })
             .py_err()?
+            .1
         }
     };
     Ok((array, event, imp))
