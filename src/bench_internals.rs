@@ -2,7 +2,7 @@
 
 use crate::{
     DType, Device, DeviceBuffer, Event, PinnedBuffer, PinnedFlags, PinnedStager, Result, Stream,
-    driver,
+    StreamHandle, driver,
 };
 
 /// The slot-claim ring.
@@ -93,6 +93,99 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     let v: Vec<i32> = (0..256).collect();
     time("PinnedStager::copy_ 256 of 4096 int32 padded", &mut || {
         st.copy_(&view, &v, Some(-1), None, s).map(|_| ())
+    })?;
+    // The loops above issue back to back, so once the stream's queue is full each call also
+    // waits for the copy engine: they measure max(host cost, GPU time per copy). A burst of a
+    // few calls after a synchronize measures the host cost alone (the queue never fills).
+    let mut burst = |name: &'static str,
+                     stream_raw: StreamHandle,
+                     f: &mut dyn FnMut(StreamHandle) -> Result<()>|
+     -> Result<()> {
+        const BURST: usize = 8;
+        let reps = (iters / BURST).max(10);
+        let mut per_call = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            // SAFETY: our stream or the legacy stream; context current.
+            unsafe { driver::stream_synchronize(stream_raw.raw()) }?;
+            let t0 = Instant::now();
+            for _ in 0..BURST {
+                f(stream_raw)?;
+            }
+            per_call.push(t0.elapsed().as_nanos() as f64 / BURST as f64);
+        }
+        // SAFETY: as above.
+        unsafe { driver::stream_synchronize(stream_raw.raw()) }?;
+        per_call.sort_by(f64::total_cmp);
+        out.push((name, per_call[per_call.len() / 2]));
+        Ok(())
+    };
+    // Eight separate 16 KiB buffers (as the stager's slots were) and one 128 KiB buffer carved
+    // into eight: does the driver's lookup of the source allocation cost more when consecutive
+    // copies come from different allocations?
+    let separate = (0..8)
+        .map(|_| PinnedBuffer::new(&dev, 16384, PinnedFlags::WRITE_COMBINED))
+        .collect::<Result<Vec<_>>>()?;
+    let arena = PinnedBuffer::new(&dev, 8 * 16384, PinnedFlags::WRITE_COMBINED)?;
+    let sep: Vec<usize> = separate.iter().map(|b| b.as_ptr() as usize).collect();
+    let slices: Vec<usize> = (0..8).map(|i| arena.as_ptr() as usize + i * 16384).collect();
+    let events = (0..8).map(|_| Event::new(&dev)).collect::<Result<Vec<_>>>()?;
+    let copy = |src: usize, h: StreamHandle| -> Result<()> {
+        // SAFETY: `src` is 16 KiB of one of our pinned buffers and `dbuf` holds 16 KiB; both
+        // outlive the synchronize that ends each burst; `h` is ours or the legacy stream.
+        Ok(unsafe { driver::memcpy_htod_async(dbuf.ptr(), src as *const _, 16384, h.raw()) }?)
+    };
+    let generic = |src: usize, h: StreamHandle| -> Result<()> {
+        // SAFETY: as `copy`.
+        Ok(unsafe { driver::memcpy_async(dbuf.ptr(), src as u64, 16384, h.raw()) }?)
+    };
+    let mut i = 0usize;
+    let mut next = move || {
+        i = (i + 1) % 8;
+        i
+    };
+    let leg = StreamHandle::LEGACY;
+    burst("burst of 8: cuMemcpyHtoDAsync 16 KiB, one buffer", s, &mut |h| copy(wp, h))?;
+    burst("burst of 8: ... one buffer, legacy stream", leg, &mut |h| copy(wp, h))?;
+    burst("burst of 8: ... 8 separate buffers in turn", s, &mut |h| copy(sep[next()], h))?;
+    burst("burst of 8: ... 8 slices of one buffer in turn", s, &mut |h| {
+        copy(slices[next()], h)
+    })?;
+    burst("burst of 8: cuMemcpyAsync (generic) 16 KiB, one buffer", s, &mut |h| {
+        generic(wp, h)
+    })?;
+    burst("burst of 8: cuEventRecord", s, &mut |h| ev.record_entered(h))?;
+    burst("burst of 8: cuEventRecord, legacy stream", leg, &mut |h| ev.record_entered(h))?;
+    burst("burst of 8: cuStreamIsCapturing, legacy stream", leg, &mut |h| {
+        // SAFETY: the legacy stream; context current.
+        Ok(unsafe { driver::stream_is_capturing(h.raw()) }.map(|_| ())?)
+    })?;
+    burst("burst of 8: copy + cuEventRecord (8 events), one buffer", s, &mut |h| {
+        let k = next();
+        copy(wp, h)?;
+        events[k].record_entered(h)
+    })?;
+    burst("burst of 8: copy + record, one buffer, legacy stream", leg, &mut |h| {
+        let k = next();
+        copy(wp, h)?;
+        events[k].record_entered(h)
+    })?;
+    burst("burst of 8: query + copy + record, 8 slices", s, &mut |h| {
+        let k = next();
+        events[k].query()?;
+        copy(slices[k], h)?;
+        events[k].record_entered(h)
+    })?;
+    burst("burst of 8: query + copy + record, 8 separate", s, &mut |h| {
+        let k = next();
+        events[k].query()?;
+        copy(sep[k], h)?;
+        events[k].record_entered(h)
+    })?;
+    burst("burst of 8: PinnedStager::copy_", s, &mut |h| {
+        st.copy_(&view, &v, Some(-1), None, h).map(|_| ())
+    })?;
+    burst("burst of 8: PinnedStager::copy_, legacy stream", leg, &mut |h| {
+        st.copy_(&view, &v, Some(-1), None, h).map(|_| ())
     })?;
     Ok(out)
 }

@@ -33,7 +33,8 @@ pub struct StagerStats {
     pub waits: u64,
     /// Slot buffers grown because a copy exceeded their capacity.
     pub growths: u64,
-    /// Pinned bytes held by the ring now.
+    /// Pinned bytes held by the ring now: `depth` slots of `numel * itemsize` bytes, each
+    /// rounded up to 64, plus every buffer a growth allocated.
     pub pinned_bytes: u64,
 }
 
@@ -62,11 +63,15 @@ struct Slot {
 }
 
 struct SlotBuf {
-    buf: PinnedBuffer,
+    /// The slot's bytes: its slice of the stager's arena, or `grown` once it outgrew that.
+    ptr: *mut u8,
+    cap: usize,
+    /// The slot's own buffer after a copy exceeded its arena slice.
+    grown: Option<PinnedBuffer>,
     /// What the buffer holds after its last write: `values_len` value bytes, then the pad
     /// element up to `total` bytes. Lets the next write skip padding that is already there.
     layout: Option<Layout>,
-    /// Buffers outgrown by `buf`. They are freed with the stager, not at growth time:
+    /// Buffers outgrown by `grown`. They are freed with the stager, not at growth time:
     /// `cuMemFreeHost` may synchronize the whole device, which would stall a live graph.
     retired: Vec<PinnedBuffer>,
 }
@@ -99,6 +104,12 @@ pub struct Stager {
     unavailable: Option<String>,
     ring: Ring,
     slots: Box<[Slot]>,
+    /// One pinned allocation holding every slot's initial buffer. One allocation, not one per
+    /// slot: the driver looks up the pinned allocation of each copy's source, and consecutive
+    /// copies from different allocations cost it more host time (measured in
+    /// `driver_costs`). Declared after `slots`, and freed only after `Drop` waited for every
+    /// copy in flight.
+    _arena: Option<PinnedBuffer>,
     stats: Counters,
 }
 
@@ -137,18 +148,26 @@ impl Stager {
         let slot_bytes = numel
             .checked_mul(dtype.itemsize())
             .ok_or_else(|| Error::InvalidArgument(format!("numel {numel} overflows")))?;
+        // Slots start on 64-byte boundaries (a cache line, and a whole write-combining buffer).
+        let stride = slot_bytes
+            .checked_next_multiple_of(64)
+            .and_then(|b| b.checked_mul(depth).map(|_| b))
+            .ok_or_else(|| Error::InvalidArgument(format!("numel {numel} overflows")))?;
         let stats = Counters::default();
-        let (device, unavailable, slots) = match Device::new(ordinal) {
+        let (device, unavailable, slots, arena) = match Device::new(ordinal) {
             Ok(device) => {
+                let mut arena =
+                    PinnedBuffer::new(&device, stride * depth, PinnedFlags::WRITE_COMBINED)?;
+                let base = arena.as_mut_ptr();
                 let slots = (0..depth)
-                    .map(|_| {
+                    .map(|i| {
                         Ok(Slot {
                             buf: UnsafeCell::new(SlotBuf {
-                                buf: PinnedBuffer::new(
-                                    &device,
-                                    slot_bytes,
-                                    PinnedFlags::WRITE_COMBINED,
-                                )?,
+                                // SAFETY: i * stride + slot_bytes <= stride * depth: in bounds
+                                // (a 0-byte arena is only ever offset by 0).
+                                ptr: unsafe { base.add(i * stride) },
+                                cap: slot_bytes,
+                                grown: None,
                                 retired: Vec::new(),
                                 layout: None,
                             }),
@@ -158,10 +177,10 @@ impl Stager {
                     .collect::<Result<Vec<_>>>()?;
                 stats
                     .pinned_bytes
-                    .store((slot_bytes * depth) as u64, StatOrdering::Relaxed);
-                (Some(device), None, slots)
+                    .store(arena.len() as u64, StatOrdering::Relaxed);
+                (Some(device), None, slots, Some(arena))
             }
-            Err(Error::CudaUnavailable { reason }) => (None, Some(reason), Vec::new()),
+            Err(Error::CudaUnavailable { reason }) => (None, Some(reason), Vec::new(), None),
             Err(e) => return Err(e),
         };
         Ok(Self {
@@ -171,6 +190,7 @@ impl Stager {
             unavailable,
             ring: Ring::new(depth),
             slots: slots.into_boxed_slice(),
+            _arena: arena,
             stats,
         })
     }
@@ -368,14 +388,20 @@ impl Stager {
             let src = unsafe {
                 slot.buf.with_mut(|b| -> Result<*const u8> {
                     let SlotBuf {
-                        buf,
+                        ptr,
+                        cap: slot_cap,
+                        grown,
                         retired,
                         layout,
                     } = &mut *b;
-                    if buf.len() < total {
-                        let cap = total.max(buf.len().saturating_mul(2));
-                        let grown = PinnedBuffer::new(device, cap, PinnedFlags::WRITE_COMBINED)?;
-                        retired.push(std::mem::replace(buf, grown));
+                    if *slot_cap < total {
+                        let cap = total.max(slot_cap.saturating_mul(2));
+                        let mut new = PinnedBuffer::new(device, cap, PinnedFlags::WRITE_COMBINED)?;
+                        *ptr = new.as_mut_ptr();
+                        *slot_cap = cap;
+                        if let Some(old) = grown.replace(new) {
+                            retired.push(old);
+                        }
                         *layout = None;
                         self.stats
                             .pinned_bytes
@@ -391,9 +417,11 @@ impl Stager {
                         }
                         _ => total,
                     };
-                    write_padded(buf.as_mut_ptr(), values, pad, fresh_pad_end, false);
+                    // SAFETY: `ptr` is valid for `slot_cap >= total` bytes (arena slice or own
+                    // buffer), owned by this slot; `values` is the caller's memory, not ours.
+                    write_padded(*ptr, values, pad, fresh_pad_end, false);
                     *layout = Some(new_layout);
-                    Ok(buf.as_ptr())
+                    Ok(*ptr as *const u8)
                 })
             }?;
             // The buffer is write-combined: drain the CPU's write-combining buffers before the

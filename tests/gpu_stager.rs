@@ -77,7 +77,7 @@ fn gpu_growth_then_correct_copy() {
     };
     let st = PinnedStager::<f32>::new(0, 4, 2).unwrap();
     let before = st.stats().pinned_bytes;
-    assert_eq!(before, 4 * 4 * 2);
+    assert_eq!(before, 64 * 2, "two 16-byte slots, each rounded up to 64 bytes");
     let n = 1 << 20;
     let buf = poisoned(&dev, DType::F32, n);
     let v: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 + 1.0).collect();

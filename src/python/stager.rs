@@ -180,6 +180,10 @@ fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<Vec<u8>> 
 
 /// One element of `d` from a Python scalar.
 pub(crate) fn scalar_bytes(v: &Bound<'_, PyAny>, d: DType) -> PyResult<Vec<u8>> {
+    // A Python int or float (the common pad): converted directly, no list built.
+    if let Some(b) = convert_sequence(std::slice::from_ref(v), d)? {
+        return Ok(b);
+    }
     let py = v.py();
     let list = PyList::new(py, [v])?;
     let vals = to_values(list.as_any(), d)?;
@@ -336,7 +340,7 @@ impl PyStager {
                 pad,
                 guard.as_deref_mut(),
                 stream,
-                &mut |ev| py.detach(|| ev.synchronize()),
+                &mut |ev| wait_for_slot(py, ev),
             )
             .py_err()?;
         Ok(matches!(
@@ -344,6 +348,22 @@ impl PyStager {
             CopyOutcome::Issued { .. } | CopyOutcome::Host
         ))
     }
+}
+
+/// How long a claimer polls a busy slot's event with the GIL held before it releases the GIL
+/// and blocks. A slot's small copy completes within microseconds; giving the GIL away for that
+/// (and queueing to get it back behind other threads) costs more than the wait itself.
+const SPIN_BEFORE_DETACH: std::time::Duration = std::time::Duration::from_micros(20);
+
+fn wait_for_slot(py: Python<'_>, ev: &crate::Event) -> crate::Result<()> {
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < SPIN_BEFORE_DETACH {
+        if ev.query()? {
+            return Ok(());
+        }
+        std::hint::spin_loop();
+    }
+    py.detach(|| ev.synchronize())
 }
 
 #[pymethods]
@@ -557,7 +577,45 @@ impl StagedTarget {
     }
 }
 
+/// Bench internals (not API): host ns per call of each step of `PinnedStager.copy_(dst,
+/// values, pad)` before the copy itself: argument parsing helpers and the DLPack import.
+#[pyfunction]
+#[pyo3(name = "_profile_copy_path", signature = (dst, values, pad, dtype, n=10000))]
+fn profile_copy_path<'py>(
+    py: Python<'py>,
+    dst: &Bound<'py, PyAny>,
+    values: &Bound<'py, PyAny>,
+    pad: &Bound<'py, PyAny>,
+    dtype: &Bound<'py, PyAny>,
+    n: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    use std::time::Instant;
+    let d = parse_dtype(dtype)?;
+    let out = PyDict::new(py);
+    for (k, v) in super::import::profile_import(dst, n)? {
+        out.set_item(k, v)?;
+    }
+    let n = n.max(1);
+    let t0 = Instant::now();
+    for _ in 0..n {
+        drop(to_values(values, d)?);
+    }
+    out.set_item("values", t0.elapsed().as_nanos() as f64 / n as f64)?;
+    let t0 = Instant::now();
+    for _ in 0..n {
+        drop(scalar_bytes(pad, d)?);
+    }
+    out.set_item("pad scalar", t0.elapsed().as_nanos() as f64 / n as f64)?;
+    let t0 = Instant::now();
+    for _ in 0..n {
+        parse_stream(None)?;
+    }
+    out.set_item("parse_stream(None)", t0.elapsed().as_nanos() as f64 / n as f64)?;
+    Ok(out)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(profile_copy_path, m)?)?;
     m.add_class::<PyStager>()?;
     m.add_class::<PyMirror>()?;
     m.add_class::<StagedTarget>()?;
