@@ -181,11 +181,35 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         copy(sep[k], h)?;
         events[k].record_entered(h)
     })?;
+    burst("burst of 8: query after query (complete)", s, &mut |_| {
+        let k = next();
+        events[k].query().map(|_| ())
+    })?;
+    // Does a copy run without a query or a synchronize submitting it? Issue one, leave the
+    // driver alone for 30 us (ample for a 16 KiB copy), then ask: the share ready, in percent.
+    let mut ready = 0usize;
+    let trials = 200;
+    for _ in 0..trials {
+        stream.synchronize()?;
+        copy(wp, s)?;
+        ev.record_entered(s)?;
+        let t0 = Instant::now();
+        while t0.elapsed() < std::time::Duration::from_micros(30) {
+            std::hint::spin_loop();
+        }
+        ready += usize::from(ev.query()?);
+    }
+    stream.synchronize()?;
+    let done_share = 100.0 * ready as f64 / trials as f64;
     burst("burst of 8: PinnedStager::copy_", s, &mut |h| {
         st.copy_(&view, &v, Some(-1), None, h).map(|_| ())
     })?;
     burst("burst of 8: PinnedStager::copy_, legacy stream", leg, &mut |h| {
         st.copy_(&view, &v, Some(-1), None, h).map(|_| ())
     })?;
+    out.push((
+        "copies done 30 us after issue, no query between (%)",
+        done_share,
+    ));
     Ok(out)
 }
