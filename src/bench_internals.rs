@@ -95,33 +95,42 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         st.copy_(&view, &v, Some(-1), None, s).map(|_| ())
     })?;
     // The loops above issue back to back, so once the stream's queue is full each call also
-    // waits for the copy engine: they measure max(host cost, GPU time per copy). A burst of a
-    // few calls after a synchronize measures the host cost alone (the queue never fills).
-    let mut burst = |name: &'static str,
-                     stream_raw: StreamHandle,
+    // waits for the copy engine: they measure max(host cost, GPU time per copy). "Paced" calls
+    // are issued 10 us apart (the GPU finishes each copy in between), as an engine issues a
+    // step's few copies among other work; only the calls are timed. Reported: the median over
+    // groups of 8 consecutive calls of the group's mean, so that work done once per ring cycle
+    // is counted, shared among the calls it serves.
+    let mut paced = |name: &'static str,
+                     h: StreamHandle,
                      f: &mut dyn FnMut(StreamHandle) -> Result<()>|
      -> Result<()> {
-        const BURST: usize = 8;
-        let reps = (iters / BURST).max(10);
-        let mut per_call = Vec::with_capacity(reps);
-        for _ in 0..reps {
-            // SAFETY: our stream or the legacy stream; context current.
-            unsafe { driver::stream_synchronize(stream_raw.raw()) }?;
-            let t0 = Instant::now();
-            for _ in 0..BURST {
-                f(stream_raw)?;
-            }
-            per_call.push(t0.elapsed().as_nanos() as f64 / BURST as f64);
+        const GROUP: usize = 8;
+        let groups = (iters / GROUP).clamp(10, 2000);
+        let mut per_call = Vec::with_capacity(groups);
+        for _ in 0..GROUP {
+            f(h)?;
         }
-        // SAFETY: as above.
-        unsafe { driver::stream_synchronize(stream_raw.raw()) }?;
+        for _ in 0..groups {
+            let mut ns = 0u128;
+            for _ in 0..GROUP {
+                let t = Instant::now();
+                while t.elapsed() < std::time::Duration::from_micros(10) {
+                    std::hint::spin_loop();
+                }
+                let t0 = Instant::now();
+                f(h)?;
+                ns += t0.elapsed().as_nanos();
+            }
+            per_call.push(ns as f64 / GROUP as f64);
+        }
+        // SAFETY: our stream or the legacy stream; context current.
+        unsafe { driver::stream_synchronize(h.raw()) }?;
         per_call.sort_by(f64::total_cmp);
         out.push((name, per_call[per_call.len() / 2]));
         Ok(())
     };
-    // Eight separate 16 KiB buffers (as the stager's slots were) and one 128 KiB buffer carved
-    // into eight: does the driver's lookup of the source allocation cost more when consecutive
-    // copies come from different allocations?
+    // Eight separate 16 KiB buffers (as the stager's slots once were) and one 128 KiB buffer
+    // carved into eight (as they are now).
     let separate = (0..8)
         .map(|_| PinnedBuffer::new(&dev, 16384, PinnedFlags::WRITE_COMBINED))
         .collect::<Result<Vec<_>>>()?;
@@ -131,12 +140,21 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     let events = (0..8).map(|_| Event::new(&dev)).collect::<Result<Vec<_>>>()?;
     let copy = |src: usize, h: StreamHandle| -> Result<()> {
         // SAFETY: `src` is 16 KiB of one of our pinned buffers and `dbuf` holds 16 KiB; both
-        // outlive the synchronize that ends each burst; `h` is ours or the legacy stream.
+        // outlive the synchronize that ends each measurement; `h` is ours or the legacy stream.
         Ok(unsafe { driver::memcpy_htod_async(dbuf.ptr(), src as *const _, 16384, h.raw()) }?)
     };
-    let generic = |src: usize, h: StreamHandle| -> Result<()> {
-        // SAFETY: as `copy`.
-        Ok(unsafe { driver::memcpy_async(dbuf.ptr(), src as u64, 16384, h.raw()) }?)
+    let capturing = |h: StreamHandle| -> Result<()> {
+        // SAFETY: ours or the legacy stream; context current.
+        Ok(unsafe { driver::stream_is_capturing(h.raw()) }.map(|_| ())?)
+    };
+    let write_values = |dst: usize| {
+        // SAFETY: `dst` is the start of one of our 16 KiB slices and 1 KiB is written; the
+        // values are not in the arena. (A copy issued from the slice 8 calls earlier may in
+        // principle still read it: that could only change what lands in `dbuf`, never checked.)
+        unsafe {
+            std::ptr::copy_nonoverlapping(values.as_ptr(), dst as *mut u8, values.len());
+        }
+        crate::stager::store_fence_for_bench();
     };
     let mut i = 0usize;
     let mut next = move || {
@@ -144,46 +162,58 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         i
     };
     let leg = StreamHandle::LEGACY;
-    burst("burst of 8: cuMemcpyHtoDAsync 16 KiB, one buffer", s, &mut |h| copy(wp, h))?;
-    burst("burst of 8: ... one buffer, legacy stream", leg, &mut |h| copy(wp, h))?;
-    burst("burst of 8: ... 8 separate buffers in turn", s, &mut |h| copy(sep[next()], h))?;
-    burst("burst of 8: ... 8 slices of one buffer in turn", s, &mut |h| {
+    paced("paced: cuMemcpyHtoDAsync 16 KiB, one buffer", s, &mut |h| copy(wp, h))?;
+    paced("paced: ... one buffer, legacy stream", leg, &mut |h| copy(wp, h))?;
+    paced("paced: ... 8 separate buffers in turn", s, &mut |h| copy(sep[next()], h))?;
+    paced("paced: ... 8 slices of one buffer in turn", s, &mut |h| {
         copy(slices[next()], h)
     })?;
-    burst("burst of 8: cuMemcpyAsync (generic) 16 KiB, one buffer", s, &mut |h| {
-        generic(wp, h)
+    paced("paced: cuEventRecord", s, &mut |h| ev.record_entered(h))?;
+    paced("paced: cuEventRecord, legacy stream", leg, &mut |h| {
+        ev.record_entered(h)
     })?;
-    burst("burst of 8: cuEventRecord", s, &mut |h| ev.record_entered(h))?;
-    burst("burst of 8: cuEventRecord, legacy stream", leg, &mut |h| ev.record_entered(h))?;
-    burst("burst of 8: cuStreamIsCapturing, legacy stream", leg, &mut |h| {
-        // SAFETY: the legacy stream; context current.
-        Ok(unsafe { driver::stream_is_capturing(h.raw()) }.map(|_| ())?)
-    })?;
-    burst("burst of 8: copy + cuEventRecord (8 events), one buffer", s, &mut |h| {
+    paced("paced: cuEventQuery (complete)", s, &mut |_| ev.query().map(|_| ()))?;
+    paced("paced: A copy + record (8 slices, 8 events)", s, &mut |h| {
         let k = next();
-        copy(wp, h)?;
+        copy(slices[k], h)?;
         events[k].record_entered(h)
     })?;
-    burst("burst of 8: copy + record, one buffer, legacy stream", leg, &mut |h| {
+    paced("paced: A on the legacy stream", leg, &mut |h| {
         let k = next();
-        copy(wp, h)?;
+        copy(slices[k], h)?;
         events[k].record_entered(h)
     })?;
-    burst("burst of 8: query + copy + record, 8 slices", s, &mut |h| {
+    paced("paced: B = A + cuStreamIsCapturing", s, &mut |h| {
+        let k = next();
+        capturing(h)?;
+        copy(slices[k], h)?;
+        events[k].record_entered(h)
+    })?;
+    paced("paced: C = A + write 1 KiB into WC + sfence", s, &mut |h| {
+        let k = next();
+        write_values(slices[k]);
+        copy(slices[k], h)?;
+        events[k].record_entered(h)
+    })?;
+    paced("paced: D = A + query own event first", s, &mut |h| {
         let k = next();
         events[k].query()?;
         copy(slices[k], h)?;
         events[k].record_entered(h)
     })?;
-    burst("burst of 8: query + copy + record, 8 separate", s, &mut |h| {
+    paced("paced: E = D + B + C (the stager, no sweep)", s, &mut |h| {
         let k = next();
+        capturing(h)?;
         events[k].query()?;
-        copy(sep[k], h)?;
+        write_values(slices[k]);
+        copy(slices[k], h)?;
         events[k].record_entered(h)
     })?;
-    burst("burst of 8: query after query (complete)", s, &mut |_| {
-        let k = next();
-        events[k].query().map(|_| ())
+    paced("paced: PinnedStager::copy_", s, &mut |h| {
+        st.copy_(&view, &v, Some(-1), None, h).map(|_| ())
+    })?;
+    paced("paced: PinnedStager::copy_, legacy stream", leg, &mut |h| {
+        st.copy_(&view, &v, Some(-1), None, h).map(|_| ())
     })?;
     // Does a copy run without a query or a synchronize submitting it? Issue one, leave the
     // driver alone for 30 us (ample for a 16 KiB copy), then ask: the share ready, in percent.
@@ -200,16 +230,9 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         ready += usize::from(ev.query()?);
     }
     stream.synchronize()?;
-    let done_share = 100.0 * ready as f64 / trials as f64;
-    burst("burst of 8: PinnedStager::copy_", s, &mut |h| {
-        st.copy_(&view, &v, Some(-1), None, h).map(|_| ())
-    })?;
-    burst("burst of 8: PinnedStager::copy_, legacy stream", leg, &mut |h| {
-        st.copy_(&view, &v, Some(-1), None, h).map(|_| ())
-    })?;
     out.push((
         "copies done 30 us after issue, no query between (%)",
-        done_share,
+        100.0 * ready as f64 / trials as f64,
     ));
     Ok(out)
 }

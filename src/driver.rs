@@ -301,23 +301,6 @@ pub(crate) unsafe fn memcpy_htod_async(
     })
 }
 
-/// [cuMemcpyAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html):
-/// a copy between unified addresses, direction inferred by the driver.
-///
-/// # Safety
-/// As [`memcpy_htod_async`], with `src` a host address as an integer.
-pub(crate) unsafe fn memcpy_async(
-    dst: CUdeviceptr,
-    src: CUdeviceptr,
-    bytes: usize,
-    stream: CUstream,
-) -> DResult<()> {
-    // SAFETY: caller's contract.
-    check("cuMemcpyAsync", unsafe {
-        sys::cuMemcpyAsync(dst, src, bytes, stream)
-    })
-}
-
 /// [cuMemcpyDtoHAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
 ///
 /// # Safety

@@ -662,6 +662,11 @@ impl<T: Element> PinnedStager<T> {
     }
 }
 
+/// [`store_fence`], for the benches.
+pub(crate) fn store_fence_for_bench() {
+    store_fence();
+}
+
 /// [`write_padded`] without overlap, for the benches.
 ///
 /// # Safety
