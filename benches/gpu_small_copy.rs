@@ -55,6 +55,7 @@ fn small_copy(c: &mut Criterion) {
             )
         })
     });
+    threads(&dev, &st);
     stream.synchronize().unwrap();
     let mut out = vec![0u8; 4096 * 4];
     buf.download(0, &mut out).unwrap();
@@ -62,6 +63,53 @@ fn small_copy(c: &mut Criterion) {
     assert_eq!(&got[..256], &sets[0][..]);
     assert!(got[256..].iter().all(|&x| x == -1));
     println!("stats: {:?}", st.stats());
+}
+
+/// One stager shared by 1 and by 4 threads, each on its own stream and destination: calls/s
+/// in all, every destination checked afterwards.
+fn threads(dev: &Device, st: &PinnedStager<i32>) {
+    const CALLS: usize = 50_000;
+    let mut rates = Vec::new();
+    for n in [1usize, 4] {
+        let work: Vec<(Stream, DeviceBuffer)> = (0..n)
+            .map(|_| {
+                (
+                    Stream::new(dev).unwrap(),
+                    DeviceBuffer::new(dev, 4096 * 4).unwrap(),
+                )
+            })
+            .collect();
+        let t0 = std::time::Instant::now();
+        std::thread::scope(|s| {
+            for (k, (stream, buf)) in work.iter().enumerate() {
+                s.spawn(move || {
+                    let dst = buf.view(DType::I32);
+                    let mut v: Vec<i32> = (0..256).map(|i| (k as i32 + 1) * 1000 + i).collect();
+                    for i in 0..CALLS {
+                        v[0] = i as i32;
+                        st.copy_(&dst, &v, Some(-(k as i32) - 1), None, stream.handle())
+                            .unwrap();
+                    }
+                });
+            }
+        });
+        let rate = (n * CALLS) as f64 / t0.elapsed().as_secs_f64();
+        for (k, (stream, buf)) in work.iter().enumerate() {
+            stream.synchronize().unwrap();
+            let mut out = vec![0u8; 4096 * 4];
+            buf.download(0, &mut out).unwrap();
+            let got: &[i32] = bytemuck::cast_slice(&out);
+            assert_eq!(got[0], CALLS as i32 - 1);
+            assert!((1..256).all(|i| got[i] == (k as i32 + 1) * 1000 + i as i32));
+            assert!(got[256..].iter().all(|&x| x == -(k as i32) - 1));
+        }
+        rates.push(rate);
+        println!("rust, one stager, {n} thread(s), own streams: {rate:.0} calls/s");
+    }
+    println!(
+        "rust, one stager: 4 threads / 1 thread = {:.2} (every destination checked)",
+        rates[1] / rates[0]
+    );
 }
 
 criterion_group! { name = benches; config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(2)); targets = small_copy }

@@ -6,7 +6,7 @@
 //! no lock is held while waiting, and a waiting thread blocks no other slot.
 
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, Ordering, Ordering as StatOrdering};
+use std::sync::atomic::{AtomicU64, Ordering as StatOrdering};
 
 use crate::device::{Device, Event, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
@@ -60,12 +60,6 @@ impl Counters {
 struct Slot {
     buf: UnsafeCell<SlotBuf>,
     event: Event,
-    /// Generation of the event's last recording: written by the slot's owner after each
-    /// `cuEventRecord`, before it releases the slot.
-    issued: AtomicU64,
-    /// Highest generation seen complete by any thread's `cuEventQuery`. A claimer whose slot has
-    /// `completed >= issued` skips its query (see [`Stager::sweep`]).
-    completed: AtomicU64,
 }
 
 struct SlotBuf {
@@ -110,11 +104,9 @@ pub struct Stager {
     unavailable: Option<String>,
     ring: Ring,
     slots: Box<[Slot]>,
-    /// One pinned allocation holding every slot's initial buffer. One allocation, not one per
-    /// slot: the driver looks up the pinned allocation of each copy's source, and consecutive
-    /// copies from different allocations cost it more host time (measured in
-    /// `driver_costs`). Declared after `slots`, and freed only after `Drop` waited for every
-    /// copy in flight.
+    /// One pinned allocation holding every slot's initial buffer: one `cuMemHostAlloc` per
+    /// stager instead of one per slot (copies cost the driver the same from either layout,
+    /// measured in `driver_costs`). Freed only after `Drop` waited for every copy in flight.
     _arena: Option<PinnedBuffer>,
     stats: Counters,
 }
@@ -178,8 +170,6 @@ impl Stager {
                                 layout: None,
                             }),
                             event: Event::new(&device)?,
-                            issued: AtomicU64::new(0),
-                            completed: AtomicU64::new(0),
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
@@ -385,14 +375,9 @@ impl Stager {
         let mut pending = claim.was_in_flight;
         let result = (|| -> Result<()> {
             if pending {
-                let gen_ = slot.issued.load(Ordering::Acquire);
-                if slot.completed.load(Ordering::Acquire) < gen_ {
-                    if !slot.event.query()? {
-                        Counters::add(&self.stats.waits, 1);
-                        wait(&slot.event)?;
-                    }
-                    // The query paid the driver's flush: learn about the next slots cheaply.
-                    self.sweep(claim.index);
+                if !slot.event.query()? {
+                    Counters::add(&self.stats.waits, 1);
+                    wait(&slot.event)?;
                 }
                 pending = false;
             }
@@ -453,46 +438,10 @@ impl Stager {
                 }
                 return Err(e);
             }
-            // Only this slot's owner writes `issued`, and only after the record returned.
-            slot.issued
-                .store(slot.issued.load(Ordering::Relaxed) + 1, Ordering::Release);
             Ok(())
         })();
         self.ring.release(claim.index, pending);
         result.map(|()| claim.index)
-    }
-}
-
-impl Stager {
-    /// Marks complete the slots after `from`, in claim order, whose last copy finished, up to
-    /// the first one still running, so that their next claimers skip `cuEventQuery`.
-    ///
-    /// Why: `cuEventQuery` right after copies were issued costs the driver about 1.3 µs (it
-    /// submits the queued work), where a query right after another query costs about 0.14 µs
-    /// (both measured by `driver_costs` on the H200). One claimer pays the first and learns
-    /// about the other slots for the price of the second.
-    ///
-    /// Why this is safe: `completed` only ever takes a generation `g` that was the slot's
-    /// `issued` (loaded with Acquire, so after the matching `cuEventRecord` returned) when a
-    /// later query of its event returned ready. If the owner re-recorded the event between the
-    /// load and the query, the query speaks of generation `g + 1`, and `g` had completed before
-    /// that owner could record again (ring protocol). So `completed >= issued` means the last
-    /// recorded copy finished.
-    fn sweep(&self, from: usize) {
-        let depth = self.slots.len();
-        for d in 1..depth {
-            let s = &self.slots[(from + d) % depth];
-            let g = s.issued.load(Ordering::Acquire);
-            if g == 0 || s.completed.load(Ordering::Acquire) >= g {
-                continue;
-            }
-            match s.event.query() {
-                Ok(true) => {
-                    s.completed.fetch_max(g, Ordering::AcqRel);
-                }
-                _ => break,
-            }
-        }
     }
 }
 

@@ -157,9 +157,24 @@ fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<Option<StreamHandle>>
         return Ok(Some(StreamHandle(h)));
     }
     if obj.hasattr(pyo3::intern!(py, "__cuda_stream__"))? {
-        let r = obj.call_method0(pyo3::intern!(py, "__cuda_stream__"))?;
+        // A closed stream object (cuda.core's Stream.close()) refuses to give its handle or
+        // gives None: a typed error, never a handle the driver would dereference.
+        let r = obj
+            .call_method0(pyo3::intern!(py, "__cuda_stream__"))
+            .map_err(|e| {
+                value_err(format!(
+                    "the stream object's __cuda_stream__() failed (is the stream closed?): {e}"
+                ))
+            })?;
         if let Ok((_, h)) = r.extract::<(i64, usize)>() {
             return Ok(Some(StreamHandle(h)));
+        }
+        if let Ok((_, h)) = r.extract::<(i64, Bound<'_, PyAny>)>()
+            && h.is_none()
+        {
+            return Err(value_err(
+                "the stream object has no handle (__cuda_stream__() gave None): it is closed",
+            ));
         }
         return Err(type_err(format!(
             "__cuda_stream__() returned {}, expected a (version, handle) tuple",
@@ -167,10 +182,15 @@ fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<Option<StreamHandle>>
         )));
     }
     for attr in ["cuda_stream", "ptr"] {
-        if let Ok(v) = obj.getattr(attr)
-            && let Ok(h) = v.extract::<usize>()
-        {
-            return Ok(Some(StreamHandle(h)));
+        if let Ok(v) = obj.getattr(attr) {
+            if let Ok(h) = v.extract::<usize>() {
+                return Ok(Some(StreamHandle(h)));
+            }
+            if v.is_none() {
+                return Err(value_err(format!(
+                    "the stream object's .{attr} is None: the stream is closed"
+                )));
+            }
         }
     }
     Err(type_err(format!(

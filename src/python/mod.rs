@@ -96,6 +96,15 @@ fn driver_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     Ok(d)
 }
 
+/// Bench internals (not API): host ns per call of each driver call on the small-copy path, on
+/// device 0 (see `pinstage::driver_costs`).
+#[pyfunction]
+#[pyo3(name = "_driver_costs", signature = (iters=20000))]
+fn driver_costs(py: Python<'_>, iters: usize) -> PyResult<Vec<(&'static str, f64)>> {
+    py.detach(|| crate::driver_costs(iters))
+        .map_err(errors::to_py)
+}
+
 /// The Python module `pinstage._native`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -104,6 +113,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(driver_info, m)?)?;
     m.add_function(wrap_pyfunction!(pinned_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(driver_costs, m)?)?;
     arrays::register(m)?;
     stager::register(m)?;
     d2h::register(m)?;

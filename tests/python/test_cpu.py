@@ -398,6 +398,43 @@ def test_stream_arguments_are_parsed():
     assert d[0] == 5
 
 
+def test_closed_stream_objects_raise():
+    """Stream objects that say they are closed: cuda.core's Stream after close() refuses
+    __cuda_stream__(); others give None. Each is a typed error, and nothing is written."""
+    st = pinstage.PinnedStager("int32", 8, 2)
+    d = np.full(4, 77, np.int32)
+
+    class ClosedRaises:
+        def __cuda_stream__(self):
+            raise RuntimeError("this Stream has been closed")
+
+    class ClosedNone:
+        def __cuda_stream__(self):
+            return (0, None)
+
+    class TorchLikeClosed:
+        cuda_stream = None
+
+    class CupyLikeClosed:
+        ptr = None
+
+    cases = [
+        (ClosedRaises(), "closed"),
+        (ClosedNone(), "it is closed"),
+        (TorchLikeClosed(), r"\.cuda_stream is None"),
+        (CupyLikeClosed(), r"\.ptr is None"),
+    ]
+    for s, msg in cases:
+        for call in (
+            lambda: st.copy_(d, [1, 2], -1, stream=s),
+            lambda: st.target(d, pad_value=-1).copy_([1, 2], stream=s),
+            lambda: pinstage.copy_d2h(d, stream=s),
+        ):
+            with pytest.raises(pinstage.PinstageValueError, match=msg):
+                call()
+    assert (d == 77).all()
+
+
 def test_dtype_arguments_from_every_framework():
     names = {
         np.int32: "int32",
