@@ -376,10 +376,30 @@ def bench_threads(torch, calls=20000):
             where = "own streams" if own else "one stream"
             out[f"{nthreads} thread{'s' if nthreads > 1 else ''}, {where}, calls/s"] = nthreads * calls / dt
             out[f"{nthreads} thread{'s' if nthreads > 1 else ''}, {where}, slot waits"] = st.stats()["waits"] - waits0
+    # Control: the same threads calling a bound target whose mirror already holds the values
+    # (the Python boundary alone, no driver call). Whatever 4 threads lose here, they lose to
+    # the GIL, not to the stager.
+    targets = [st.target(dsts[k], pad_value=-k) for k in range(4)]
+    for nthreads in (1, 4):
+        hits = [np.full(256, k + 1, np.int32) for k in range(4)]
+        for k in range(4):
+            targets[k].copy_(hits[k])
+
+        def hit_work(k):
+            for _ in range(calls * 4):
+                targets[k].copy_(hits[k])
+
+        ths = [threading.Thread(target=hit_work, args=(k,)) for k in range(nthreads)]
+        t0 = time.perf_counter()
+        [t.start() for t in ths]
+        [t.join() for t in ths]
+        out[f"control {nthreads} thread{'s' if nthreads > 1 else ''}, mirror hits, calls/s"] = nthreads * calls * 4 / (time.perf_counter() - t0)
     RESULTS["threads"] = out
     for where in ("one stream", "own streams"):
         r1, r4 = out[f"1 thread, {where}, calls/s"], out[f"4 threads, {where}, calls/s"]
         print(f"one stager, {where}: 1 thread {r1:,.0f} calls/s, 4 threads {r4:,.0f} calls/s ({r4 / r1:.2f}x)")
+    c1, c4 = out["control 1 thread, mirror hits, calls/s"], out["control 4 threads, mirror hits, calls/s"]
+    print(f"control, the Python boundary alone (mirror hits): 1 thread {c1:,.0f} calls/s, 4 threads {c4:,.0f} ({c4 / c1:.2f}x)")
 
 
 def report(out):
@@ -431,6 +451,8 @@ def report(out):
         for where in ("one stream", "own streams"):
             r1, r4 = th[f"1 thread, {where}, calls/s"], th[f"4 threads, {where}, calls/s"]
             lines.append(f"one stager, {where}: 4 threads / 1 thread = {r4 / r1:.2f} (goal >= 1)")
+        c1, c4 = th["control 1 thread, mirror hits, calls/s"], th["control 4 threads, mirror hits, calls/s"]
+        lines.append(f"  control, Python boundary alone (mirror hits, no driver): 4 threads / 1 thread = {c4 / c1:.2f}")
     print("\n=== pinstage bench summary")
     print("\n".join(lines))
     with open(f"{out}/bench.json", "w") as f:

@@ -417,7 +417,11 @@ impl Stager {
                     };
                     // SAFETY: `ptr` is valid for `slot_cap >= total` bytes (arena slice or own
                     // buffer), owned by this slot; `values` is the caller's memory, not ours.
-                    write_padded(*ptr, values, pad, fresh_pad_end, false);
+                    if fresh_pad_end >= PARALLEL_WRITE_MIN {
+                        write_padded_parallel(*ptr, values, pad, fresh_pad_end);
+                    } else {
+                        write_padded(*ptr, values, pad, fresh_pad_end, false);
+                    }
                     *layout = Some(new_layout);
                     Ok(*ptr as *const u8)
                 })
@@ -554,6 +558,37 @@ unsafe fn write_padded(
     }
 }
 
+/// From this many bytes on, a slot write is split over the rayon pool: one core writes
+/// write-combined memory at about 7 GB/s (a 16 MiB stager copy ran at 6.8 GB/s on the H200
+/// host), several keep up with the copy engine.
+pub(crate) const PARALLEL_WRITE_MIN: usize = 1 << 20;
+
+/// [`write_padded`] (no overlap) by several threads, in pieces of 256 KiB.
+///
+/// # Safety
+/// As [`write_padded`] with `may_overlap = false`.
+unsafe fn write_padded_parallel(dst: *mut u8, values: &[u8], pad: Option<&[u8]>, total: usize) {
+    use rayon::prelude::*;
+    // A multiple of 512, so every pad piece starts on an element boundary.
+    const PIECE: usize = 256 << 10;
+    // SAFETY: contract 1: `dst` is valid for writes of `total` bytes and nothing else uses them;
+    // the slice is only written, never read (the memory may be write-combined).
+    let out = unsafe { std::slice::from_raw_parts_mut(dst, total) };
+    let (head, tail) = out.split_at_mut(values.len());
+    head.par_chunks_mut(PIECE)
+        .zip(values.par_chunks(PIECE))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+    if let Some(p) = pad
+        && !tail.is_empty()
+    {
+        tail.par_chunks_mut(PIECE).for_each(|d| {
+            // SAFETY: `d` is ours, `d.len()` bytes, a whole number of pad elements (contract 2:
+            // the pad length divides 512, so it divides PIECE and the whole tail).
+            unsafe { write_padded(d.as_mut_ptr(), &[], Some(p), d.len(), false) }
+        });
+    }
+}
+
 /// Typed facade over [`Stager`]: `PinnedStager::<i32>::new(0, 256, 8)`.
 pub struct PinnedStager<T: Element> {
     raw: Stager,
@@ -633,6 +668,29 @@ pub(crate) unsafe fn write_padded_for_bench(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parallel_write_matches_serial() {
+        if cfg!(miri) {
+            return;
+        }
+        for itemsize in [1usize, 2, 4, 8, 16] {
+            for (n, total_elems) in [(0usize, 300_000usize), (100_000, 300_000), (300_000, 300_000)]
+            {
+                let total = total_elems * itemsize;
+                let values: Vec<u8> = (0..n * itemsize).map(|i| (i % 253) as u8 + 1).collect();
+                let pad: Vec<u8> = (0..itemsize).map(|i| 0xC0 + i as u8).collect();
+                let mut a = vec![0xEEu8; total];
+                let mut b = vec![0x11u8; total];
+                // SAFETY: both hold `total` bytes; values do not overlap them.
+                unsafe {
+                    write_padded(a.as_mut_ptr(), &values, Some(&pad), total, false);
+                    write_padded_parallel(b.as_mut_ptr(), &values, Some(&pad), total);
+                }
+                assert!(a == b, "itemsize {itemsize}, {n} of {total_elems}");
+            }
+        }
+    }
 
     #[test]
     fn write_padded_layout() {

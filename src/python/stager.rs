@@ -333,22 +333,40 @@ impl PyStager {
         // (which may be waiting for the GIL): lock it with the GIL released when contended.
         let mut guard = mirror.map(|m| m.try_lock().unwrap_or_else(|| py.detach(|| m.lock())));
         let stager = self.stager()?;
-        let outcome = stager
-            .copy_bytes_waiting(
-                &imp.view,
+        let view = &imp.view;
+        let large = values.len() >= LARGE_COPY || (pad.is_some() && view.nbytes() >= LARGE_COPY);
+        let outcome = if large {
+            // Writing megabytes into the slot takes a while: let other Python threads run.
+            py.detach(|| {
+                stager.copy_bytes_waiting(
+                    view,
+                    values,
+                    pad,
+                    guard.as_deref_mut(),
+                    stream,
+                    &mut |ev| ev.synchronize(),
+                )
+            })
+        } else {
+            stager.copy_bytes_waiting(
+                view,
                 values,
                 pad,
                 guard.as_deref_mut(),
                 stream,
                 &mut |ev| wait_for_slot(py, ev),
             )
-            .py_err()?;
+        }
+        .py_err()?;
         Ok(matches!(
             outcome,
             CopyOutcome::Issued { .. } | CopyOutcome::Host
         ))
     }
 }
+
+/// Copies of at least this many bytes run with the GIL released (see `run_copy`).
+const LARGE_COPY: usize = 1 << 20;
 
 /// How long a claimer polls a busy slot's event with the GIL held before it releases the GIL
 /// and blocks. A slot's small copy completes within microseconds; giving the GIL away for that
