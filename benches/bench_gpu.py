@@ -141,16 +141,17 @@ def bench_h2d_large(torch, sizes):
         del st
 
 
-def bench_small(torch, cuda_drv, calls=20000):
-    """256 of 4096 int32, padded: host microseconds per call."""
+def bench_small(torch, cuda_drv, calls=20000, rounds=3):
+    """256 of 4096 int32, padded: host microseconds per call. Every implementation is measured
+    in each of `rounds` rounds (the same order each round); the table gives the median round."""
+    import os
+
     n, total, pad = 256, 4096, -1
     rng = np.random.default_rng(1)
     value_sets = [rng.integers(1, 1 << 30, n, dtype=np.int32) for _ in range(64)]
     dst = torch.empty(total, dtype=torch.int32, device="cuda")
     sync = torch.cuda.synchronize
-    row = {}
-
-    paced = {}
+    loops, paceds = {}, {}
 
     def check(name, last):
         got = dst.cpu().numpy()
@@ -176,8 +177,7 @@ def bench_small(torch, cuda_drv, calls=20000):
         measured): `calls` calls back to back, wall time / calls. Paced: calls 10 us apart, so
         the GPU is idle when each call arrives, as an engine issues a step's few copies among
         other work; each call timed alone (less the clock's own cost), the median over groups
-        of 8 consecutive calls of the group's mean. The driver charges more host time for work
-        submitted to an idle GPU, so paced figures are higher for every implementation."""
+        of 8 consecutive calls of the group's mean."""
         for i in range(200):
             fn(value_sets[i % 64])
         sync()
@@ -187,10 +187,10 @@ def bench_small(torch, cuda_drv, calls=20000):
         t = (time.perf_counter() - t0) / calls
         sync()
         check(name, value_sets[(calls - 1) % 64])
-        row[name] = t * 1e6
+        loops.setdefault(name, []).append(t * 1e6)
         group, per_call = 8, []
-        # About a quarter as many, ending on the same value set as the sustained loop (the
-        # mirror-hit rows always pass that one).
+        # About a quarter as many, ending on the same value set as the loop (the mirror-hit
+        # rows always pass that one).
         paced_calls = (calls // 4) // 64 * 64 + calls % 64
         assert paced_calls % group == 0
         for g in range(paced_calls // group):
@@ -204,29 +204,23 @@ def bench_small(torch, cuda_drv, calls=20000):
             per_call.append(ns / group)
         sync()
         check(name + " (paced)", value_sets[(paced_calls - 1) % 64])
-        paced[name] = statistics.median(per_call) / 1e3
+        paceds.setdefault(name, []).append(statistics.median(per_call) / 1e3)
 
     st = pinstage.PinnedStager(torch.int32, 256, 8)
     target = st.target(dst, pad_value=pad)
-    run("pinstage bound target", lambda v: target.copy_(v))
-    run("pinstage copy_(dst, ...)", lambda v: st.copy_(dst, v, pad))
+    # The same stager design with slots checked by cuEventQuery instead of the completion words
+    # the GPU writes (the diagnostic switch PINSTAGE_SLOT_CHECK=query).
+    os.environ["PINSTAGE_SLOT_CHECK"] = "query"
+    st_query = pinstage.PinnedStager(torch.int32, 256, 8)
+    del os.environ["PINSTAGE_SLOT_CHECK"]
+    target_query = st_query.target(dst, pad_value=pad)
     hit = value_sets[(calls - 1) % 64]
     target2 = st.target(dst, pad_value=pad)
     target2.copy_(hit)
-    run("pinstage bound target, mirror hit (no copy)", lambda v: target2.copy_(hit))
     m = pinstage.H2DMirror()
     st.copy_(dst, hit, pad, m)
-    run("pinstage copy_(dst, ...), mirror hit (no copy)", lambda v: st.copy_(dst, hit, pad, m))
     head, tail = dst[:n], dst[n:]
-    run("torch copy_ pageable + fill_", lambda v: (head.copy_(torch.from_numpy(v), non_blocking=True), tail.fill_(pad)))
-    # The same on a side stream (torch's current stream inside the block; stream=None follows it):
-    # the legacy default stream costs the driver extra work per operation.
     side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        run("pinstage bound target, side stream", lambda v: target.copy_(v))
-        run("pinstage copy_(dst, ...), side stream", lambda v: st.copy_(dst, v, pad))
-        run("torch copy_ pageable + fill_, side stream", lambda v: (head.copy_(torch.from_numpy(v), non_blocking=True), tail.fill_(pad)))
-    run("torch pin_memory() per call", lambda v: (head.copy_(torch.from_numpy(v).pin_memory(), non_blocking=True), tail.fill_(pad)))
     ring = [(torch.empty(total, dtype=torch.int32, pin_memory=True), torch.cuda.Event()) for _ in range(8)]
     k = [0]
 
@@ -240,7 +234,7 @@ def bench_small(torch, cuda_drv, calls=20000):
         dst.copy_(buf, non_blocking=True)
         ev.record()
 
-    run("python ring of pinned torch buffers", py_ring)
+    drv_ring = None
     if cuda_drv is not None:
         drv, _ = cuda_drv
         bufs = [pinstage.empty_pinned(total, np.int32) for _ in range(8)]
@@ -259,7 +253,26 @@ def bench_small(torch, cuda_drv, calls=20000):
             drv.cuMemcpyHtoDAsync(dptr, b.ctypes.data, total * 4, stream)
             drv.cuEventRecord(evs[i], stream)
 
-        run("cuda.bindings ring", drv_ring)
+    for _ in range(rounds):
+        run("pinstage bound target", lambda v: target.copy_(v))
+        run("pinstage copy_(dst, ...)", lambda v: st.copy_(dst, v, pad))
+        run("pinstage bound target, mirror hit (no copy)", lambda v: target2.copy_(hit))
+        run("pinstage copy_(dst, ...), mirror hit (no copy)", lambda v: st.copy_(dst, hit, pad, m))
+        run("pinstage bound target, slots checked by cuEventQuery", lambda v: target_query.copy_(v))
+        run("torch copy_ pageable + fill_", lambda v: (head.copy_(torch.from_numpy(v), non_blocking=True), tail.fill_(pad)))
+        # The same on a side stream (torch's current stream inside the block; stream=None
+        # follows it): the legacy default stream can cost the driver extra work per operation.
+        with torch.cuda.stream(side):
+            run("pinstage bound target, side stream", lambda v: target.copy_(v))
+            run("pinstage copy_(dst, ...), side stream", lambda v: st.copy_(dst, v, pad))
+            run("pinstage bound target, side stream, slots checked by cuEventQuery", lambda v: target_query.copy_(v))
+            run("torch copy_ pageable + fill_, side stream", lambda v: (head.copy_(torch.from_numpy(v), non_blocking=True), tail.fill_(pad)))
+        run("torch pin_memory() per call", lambda v: (head.copy_(torch.from_numpy(v).pin_memory(), non_blocking=True), tail.fill_(pad)))
+        run("python ring of pinned torch buffers", py_ring)
+        if drv_ring is not None:
+            run("cuda.bindings ring", drv_ring)
+    row = {k: statistics.median(v) for k, v in loops.items()}
+    paced = {k: statistics.median(v) for k, v in paceds.items()}
     costs = dict(pinstage._native._driver_costs(20000))
     RESULTS["driver costs ns"] = costs
     print("driver host cost per call, ns (loops of 20,000, then paced): " + ", ".join(f"{k} {v:.0f}" for k, v in costs.items()))
@@ -268,8 +281,9 @@ def bench_small(torch, cuda_drv, calls=20000):
     print("copy_(dst, ...) steps before the copy, ns/call: " + ", ".join(f"{k} {v:.0f}" for k, v in prof.items()))
     RESULTS["small"] = row
     RESULTS["small paced"] = paced
+    RESULTS["small rounds"] = {"loop": loops, "paced": paceds}
     RESULTS["memory"]["stager pinned bytes"] = st.stats()["pinned_bytes"]
-    print("small padded H2D (256 of 4096 int32), host us/call, loop of calls: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
+    print(f"small padded H2D (256 of 4096 int32), host us/call, loop of calls (median of {rounds} rounds): " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
     print("  paced (calls 10 us apart, GPU idle at each call): " + ", ".join(f"{k} {v:.2f}" for k, v in paced.items()))
 
 
@@ -342,45 +356,51 @@ def bench_graph(torch, seconds=2.0):
     )
 
 
-def bench_threads(torch, calls=20000):
+def bench_threads(torch, calls=20000, rounds=3):
     """One stager shared by 1 and by 4 Python threads, every copy verified. Two settings: every
     thread on the legacy default stream (the GPU runs all copies one after another), and every
-    thread on its own stream (how planner threads usually run)."""
+    thread on its own stream (how planner threads usually run). Each figure is the median of
+    `rounds` rounds, the settings alternating within each round."""
     st = pinstage.PinnedStager(torch.int32, 256, 8)
     dsts = [torch.empty(4096, dtype=torch.int32, device="cuda") for _ in range(4)]
     streams = [torch.cuda.Stream() for _ in range(4)]
-    out = {}
-    for own in (False, True):
-        for nthreads in (1, 4):
-            last = {}
-            waits0 = st.stats()["waits"]
-
-            def work(k):
-                v = np.full(256, k + 1, np.int32)
-                s = streams[k] if own else torch.cuda.default_stream()
-                with torch.cuda.stream(s):
-                    for i in range(calls):
-                        v[0] = i
-                        st.copy_(dsts[k], v, -k)
-                last[k] = v.copy()
-
-            ths = [threading.Thread(target=work, args=(k,)) for k in range(nthreads)]
-            t0 = time.perf_counter()
-            [t.start() for t in ths]
-            [t.join() for t in ths]
-            dt = time.perf_counter() - t0
-            torch.cuda.synchronize()
-            for k in range(nthreads):
-                got = dsts[k].cpu().numpy()
-                assert np.array_equal(got[:256], last[k]) and (got[256:] == -k).all()
-            where = "own streams" if own else "one stream"
-            out[f"{nthreads} thread{'s' if nthreads > 1 else ''}, {where}, calls/s"] = nthreads * calls / dt
-            out[f"{nthreads} thread{'s' if nthreads > 1 else ''}, {where}, slot waits"] = st.stats()["waits"] - waits0
-    # Control: the same threads calling a bound target whose mirror already holds the values
-    # (the Python boundary alone, no driver call). Whatever 4 threads lose here, they lose to
-    # the GIL, not to the stager.
     targets = [st.target(dsts[k], pad_value=-k) for k in range(4)]
-    for nthreads in (1, 4):
+    runs = {}
+
+    def timed(nthreads, work):
+        ths = [threading.Thread(target=work, args=(k,)) for k in range(nthreads)]
+        t0 = time.perf_counter()
+        [t.start() for t in ths]
+        [t.join() for t in ths]
+        return time.perf_counter() - t0
+
+    for _ in range(rounds):
+        for own in (False, True):
+            for nthreads in (1, 4):
+                last = {}
+
+                def work(k):
+                    v = np.full(256, k + 1, np.int32)
+                    s = streams[k] if own else torch.cuda.default_stream()
+                    with torch.cuda.stream(s):
+                        for i in range(calls):
+                            v[0] = i
+                            st.copy_(dsts[k], v, -k)
+                    last[k] = v.copy()
+
+                waits0 = st.stats()["waits"]
+                dt = timed(nthreads, work)
+                torch.cuda.synchronize()
+                for k in range(nthreads):
+                    got = dsts[k].cpu().numpy()
+                    assert np.array_equal(got[:256], last[k]) and (got[256:] == -k).all()
+                where = "own streams" if own else "one stream"
+                key = f"{nthreads} thread{'s' if nthreads > 1 else ''}, {where}"
+                runs.setdefault(key + ", calls/s", []).append(nthreads * calls / dt)
+                runs.setdefault(key + ", slot waits", []).append(st.stats()["waits"] - waits0)
+        # Control: the same threads calling a bound target whose mirror already holds the values
+        # (the Python boundary alone, no driver call). Whatever 4 threads lose here, they lose
+        # to the GIL, not to the stager.
         hits = [np.full(256, k + 1, np.int32) for k in range(4)]
         for k in range(4):
             targets[k].copy_(hits[k])
@@ -389,12 +409,13 @@ def bench_threads(torch, calls=20000):
             for _ in range(calls * 4):
                 targets[k].copy_(hits[k])
 
-        ths = [threading.Thread(target=hit_work, args=(k,)) for k in range(nthreads)]
-        t0 = time.perf_counter()
-        [t.start() for t in ths]
-        [t.join() for t in ths]
-        out[f"control {nthreads} thread{'s' if nthreads > 1 else ''}, mirror hits, calls/s"] = nthreads * calls * 4 / (time.perf_counter() - t0)
+        for nthreads in (1, 4):
+            dt = timed(nthreads, hit_work)
+            key = f"control {nthreads} thread{'s' if nthreads > 1 else ''}, mirror hits, calls/s"
+            runs.setdefault(key, []).append(nthreads * calls * 4 / dt)
+    out = {k: statistics.median(v) for k, v in runs.items()}
     RESULTS["threads"] = out
+    RESULTS["threads rounds"] = runs
     for where in ("one stream", "own streams"):
         r1, r4 = out[f"1 thread, {where}, calls/s"], out[f"4 threads, {where}, calls/s"]
         print(f"one stager, {where}: 1 thread {r1:,.0f} calls/s, 4 threads {r4:,.0f} calls/s ({r4 / r1:.2f}x)")
@@ -434,6 +455,12 @@ def report(out):
             f"(goal <= 5), best peer {best_peer:.2f} ({best_peer / s['pinstage bound target']:.1f}x slower)  [loop of calls]"
         )
         lines.append(f"  copy_(dst, ...) with a mirror hit (import + values + compare, no copy): {s['pinstage copy_(dst, ...), mirror hit (no copy)']:.2f} us")
+        if "pinstage bound target, side stream, slots checked by cuEventQuery" in s:
+            lines.append(
+                f"  slots checked by GPU-written words vs by cuEventQuery: bound target {s['pinstage bound target']:.2f} vs "
+                f"{s['pinstage bound target, slots checked by cuEventQuery']:.2f} us; side stream "
+                f"{s['pinstage bound target, side stream']:.2f} vs {s['pinstage bound target, side stream, slots checked by cuEventQuery']:.2f} us"
+            )
         c = RESULTS.get("driver costs ns", {})
         if c:
             floor = (c["cuMemcpyHtoDAsync 16 KiB pinned WC"] + c["cuEventRecord"]) / 1e3

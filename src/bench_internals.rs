@@ -94,6 +94,19 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     time("PinnedStager::copy_ 256 of 4096 int32 padded", &mut || {
         st.copy_(&view, &v, Some(-1), None, s).map(|_| ())
     })?;
+    // The same stager, but claimers ask cuEventQuery instead of reading the GPU-written words.
+    let st_query =
+        crate::Stager::with_check(DType::I32, 0, 256, 8, crate::stager::SlotCheck::Query)?;
+    let vb: &[u8] = bytemuck::cast_slice(&v);
+    let pad = (-1i32).to_le_bytes();
+    time(
+        "PinnedStager::copy_, slots checked by cuEventQuery",
+        &mut || {
+            st_query
+                .copy_bytes(&view, vb, Some(&pad), None, s)
+                .map(|_| ())
+        },
+    )?;
     // The loops above issue back to back, so once the stream's queue is full each call also
     // waits for the copy engine: they measure max(host cost, GPU time per copy). "Paced" calls
     // are issued 10 us apart (the GPU finishes each copy in between), as an engine issues a
@@ -136,8 +149,12 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         .collect::<Result<Vec<_>>>()?;
     let arena = PinnedBuffer::new(&dev, 8 * 16384, PinnedFlags::WRITE_COMBINED)?;
     let sep: Vec<usize> = separate.iter().map(|b| b.as_ptr() as usize).collect();
-    let slices: Vec<usize> = (0..8).map(|i| arena.as_ptr() as usize + i * 16384).collect();
-    let events = (0..8).map(|_| Event::new(&dev)).collect::<Result<Vec<_>>>()?;
+    let slices: Vec<usize> = (0..8)
+        .map(|i| arena.as_ptr() as usize + i * 16384)
+        .collect();
+    let events = (0..8)
+        .map(|_| Event::new(&dev))
+        .collect::<Result<Vec<_>>>()?;
     let copy = |src: usize, h: StreamHandle| -> Result<()> {
         // SAFETY: `src` is 16 KiB of one of our pinned buffers and `dbuf` holds 16 KiB; both
         // outlive the synchronize that ends each measurement; `h` is ours or the legacy stream.
@@ -162,9 +179,15 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         i
     };
     let leg = StreamHandle::LEGACY;
-    paced("paced: cuMemcpyHtoDAsync 16 KiB, one buffer", s, &mut |h| copy(wp, h))?;
-    paced("paced: ... one buffer, legacy stream", leg, &mut |h| copy(wp, h))?;
-    paced("paced: ... 8 separate buffers in turn", s, &mut |h| copy(sep[next()], h))?;
+    paced("paced: cuMemcpyHtoDAsync 16 KiB, one buffer", s, &mut |h| {
+        copy(wp, h)
+    })?;
+    paced("paced: ... one buffer, legacy stream", leg, &mut |h| {
+        copy(wp, h)
+    })?;
+    paced("paced: ... 8 separate buffers in turn", s, &mut |h| {
+        copy(sep[next()], h)
+    })?;
     paced("paced: ... 8 slices of one buffer in turn", s, &mut |h| {
         copy(slices[next()], h)
     })?;
@@ -172,7 +195,9 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     paced("paced: cuEventRecord, legacy stream", leg, &mut |h| {
         ev.record_entered(h)
     })?;
-    paced("paced: cuEventQuery (complete)", s, &mut |_| ev.query().map(|_| ()))?;
+    paced("paced: cuEventQuery (complete)", s, &mut |_| {
+        ev.query().map(|_| ())
+    })?;
     paced("paced: A copy + record (8 slices, 8 events)", s, &mut |h| {
         let k = next();
         copy(slices[k], h)?;
@@ -209,6 +234,37 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         copy(slices[k], h)?;
         events[k].record_entered(h)
     })?;
+    let words = DeviceBuffer::new(&dev, 64)?;
+    let write_value = |h: StreamHandle, v: u32| -> Result<()> {
+        // SAFETY: a word of our device buffer, alive until the synchronize that ends each
+        // measurement; `h` ours or the legacy stream; context current.
+        Ok(unsafe { driver::stream_write_value32(h.raw(), words.ptr(), v) }?)
+    };
+    let mut val = 0u32;
+    paced("paced: cuStreamWriteValue32", s, &mut |h| {
+        val = val.wrapping_add(1);
+        write_value(h, val)
+    })?;
+    paced(
+        "paced: F = A + cuStreamWriteValue32 (no query)",
+        s,
+        &mut |h| {
+            let k = next();
+            val = val.wrapping_add(1);
+            copy(slices[k], h)?;
+            write_value(h, val)?;
+            events[k].record_entered(h)
+        },
+    )?;
+    paced(
+        "paced: PinnedStager::copy_, slots checked by cuEventQuery",
+        s,
+        &mut |h| {
+            st_query
+                .copy_bytes(&view, vb, Some(&pad), None, h)
+                .map(|_| ())
+        },
+    )?;
     paced("paced: PinnedStager::copy_", s, &mut |h| {
         st.copy_(&view, &v, Some(-1), None, h).map(|_| ())
     })?;

@@ -183,6 +183,21 @@ pub(crate) fn device_get(ordinal: i32) -> DResult<CUdevice> {
     Ok(dev)
 }
 
+/// [cuDeviceGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html):
+/// whether the device runs stream memory operations (`cuStreamWriteValue32`).
+pub(crate) fn device_can_use_stream_mem_ops(dev: CUdevice) -> DResult<bool> {
+    let mut v = 0;
+    // SAFETY: valid out-pointer; `dev` came from cuDeviceGet.
+    check("cuDeviceGetAttribute", unsafe {
+        sys::cuDeviceGetAttribute(
+            &mut v,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1,
+            dev,
+        )
+    })?;
+    Ok(v != 0)
+}
+
 /// [cuDevicePrimaryCtxRetain](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html)
 pub(crate) fn primary_ctx_retain(dev: CUdevice) -> DResult<CUcontext> {
     let mut ctx = std::ptr::null_mut();
@@ -238,6 +253,22 @@ pub(crate) fn ctx_pop() -> DResult<()> {
 pub(crate) const HOSTALLOC_PORTABLE: u32 = sys::CU_MEMHOSTALLOC_PORTABLE;
 /// `CU_MEMHOSTALLOC_WRITECOMBINED`: fast for the device to read, very slow for the CPU to read.
 pub(crate) const HOSTALLOC_WRITECOMBINED: u32 = sys::CU_MEMHOSTALLOC_WRITECOMBINED;
+/// `CU_MEMHOSTALLOC_DEVICEMAP`: mapped into the device's address space.
+pub(crate) const HOSTALLOC_DEVICEMAP: u32 = sys::CU_MEMHOSTALLOC_DEVICEMAP;
+
+/// [cuMemHostGetDevicePointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html):
+/// the device address of mapped pinned memory.
+///
+/// # Safety
+/// 1. `p` lies in a live allocation made with [`HOSTALLOC_DEVICEMAP`]; a context is current.
+pub(crate) unsafe fn mem_host_get_device_pointer(p: *mut c_void) -> DResult<CUdeviceptr> {
+    let mut d: CUdeviceptr = 0;
+    // SAFETY: caller's contract; valid out-pointer.
+    check("cuMemHostGetDevicePointer", unsafe {
+        sys::cuMemHostGetDevicePointer_v2(&mut d, p, 0)
+    })?;
+    Ok(d)
+}
 
 /// [cuMemHostAlloc](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
 ///
@@ -369,6 +400,29 @@ pub(crate) unsafe fn event_destroy(ev: CUevent) -> DResult<()> {
 pub(crate) unsafe fn event_record(ev: CUevent, stream: CUstream) -> DResult<()> {
     // SAFETY: caller's contract.
     check("cuEventRecord", unsafe { sys::cuEventRecord(ev, stream) })
+}
+
+/// [cuStreamWriteValue32](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEMOP.html):
+/// once the work before it on `stream` completed (default flags: a memory barrier first), the
+/// GPU's front end writes `value` at `addr`. No SM work.
+///
+/// # Safety
+/// 1. `addr` is a device address of 4 writable bytes that stay allocated until the write ran.
+/// 2. `stream` is live; a context is current.
+pub(crate) unsafe fn stream_write_value32(
+    stream: CUstream,
+    addr: CUdeviceptr,
+    value: u32,
+) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuStreamWriteValue32", unsafe {
+        sys::cuStreamWriteValue32_v2(
+            stream,
+            addr,
+            value,
+            sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+        )
+    })
 }
 
 /// [cuEventQuery](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html):

@@ -77,7 +77,11 @@ fn gpu_growth_then_correct_copy() {
     };
     let st = PinnedStager::<f32>::new(0, 4, 2).unwrap();
     let before = st.stats().pinned_bytes;
-    assert_eq!(before, 64 * 2, "two 16-byte slots, each rounded up to 64 bytes");
+    assert_eq!(
+        before,
+        64 * 2,
+        "two 16-byte slots, each rounded up to 64 bytes"
+    );
     let n = 1 << 20;
     let buf = poisoned(&dev, DType::F32, n);
     let v: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 + 1.0).collect();
@@ -229,4 +233,47 @@ fn gpu_padding_reuse_keeps_every_layout_right() {
             "copy {k}: padding"
         );
     }
+}
+
+/// Claimers learn of finished copies from the words the GPU writes, unless told to ask
+/// `cuEventQuery` (`PINSTAGE_SLOT_CHECK=query`, under which `scripts/gpu-run` runs these tests a
+/// second time). Reusing every slot many times, each with new values, must stay exact.
+#[test]
+fn gpu_slot_check_mode_and_many_reuses() {
+    let Some(dev) = gpu_or_skip("gpu_slot_check_mode_and_many_reuses") else {
+        return;
+    };
+    let query = std::env::var("PINSTAGE_SLOT_CHECK").is_ok_and(|v| v == "query");
+    let st = PinnedStager::<i32>::new(0, 64, 2).unwrap();
+    assert_eq!(
+        st.raw().checks_completion_words(),
+        !query,
+        "slot check mode (PINSTAGE_SLOT_CHECK={query:?})"
+    );
+    let stream = Stream::new(&dev).unwrap();
+    let bufs: Vec<_> = (0..3).map(|_| poisoned(&dev, DType::I32, 64)).collect();
+    let mut last = vec![Vec::new(); 3];
+    for i in 0..3000i32 {
+        let k = (i % 3) as usize;
+        let v: Vec<i32> = (0..(1 + i % 64)).map(|j| i * 100 + j + 1).collect();
+        st.copy_(
+            &view(&bufs[k], DType::I32, 64),
+            &v,
+            Some(-7),
+            None,
+            stream.handle(),
+        )
+        .unwrap();
+        last[k] = v;
+    }
+    stream.synchronize().unwrap();
+    for k in 0..3 {
+        check_layout(
+            &read(&bufs[k]),
+            bytemuck::cast_slice(&last[k]),
+            Some(&(-7i32).to_le_bytes()),
+            64 * 4,
+        );
+    }
+    assert_eq!(st.stats().copies, 3000);
 }

@@ -379,7 +379,10 @@ pub(crate) fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<crate::DType> {
 
 /// Host ns per call of each step of importing `obj` (exchange table lookup, borrowed view,
 /// managed export, current stream, the whole import), `n` times each. For the benches.
-pub(crate) fn profile_import(obj: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<(&'static str, f64)>> {
+pub(crate) fn profile_import(
+    obj: &Bound<'_, PyAny>,
+    n: usize,
+) -> PyResult<Vec<(&'static str, f64)>> {
     use std::time::Instant;
     let py = obj.py();
     let n = n.max(1);
@@ -393,7 +396,9 @@ pub(crate) fn profile_import(obj: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<(
         out.push((name, t0.elapsed().as_nanos() as f64 / n as f64));
         Ok(())
     };
-    time("exchange table lookup", &mut || Exchange::of(obj).map(|_| ()))?;
+    time("exchange table lookup", &mut || {
+        Exchange::of(obj).map(|_| ())
+    })?;
     if let Some(ex) = Exchange::of(obj)? {
         time("exchange borrowed view", &mut || ex.view(obj).map(|_| ()))?;
         time("exchange managed export", &mut || ex.import(obj).map(drop))?;

@@ -348,14 +348,9 @@ impl PyStager {
                 )
             })
         } else {
-            stager.copy_bytes_waiting(
-                view,
-                values,
-                pad,
-                guard.as_deref_mut(),
-                stream,
-                &mut |ev| wait_for_slot(py, ev),
-            )
+            stager.copy_bytes_waiting(view, values, pad, guard.as_deref_mut(), stream, &mut |ev| {
+                wait_for_slot(py, ev)
+            })
         }
         .py_err()?;
         Ok(matches!(
@@ -628,7 +623,10 @@ fn profile_copy_path<'py>(
     for _ in 0..n {
         parse_stream(None)?;
     }
-    out.set_item("parse_stream(None)", t0.elapsed().as_nanos() as f64 / n as f64)?;
+    out.set_item(
+        "parse_stream(None)",
+        t0.elapsed().as_nanos() as f64 / n as f64,
+    )?;
     Ok(out)
 }
 
