@@ -66,6 +66,14 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     })?;
     time("cuEventQuery (complete)", &mut || ev.query().map(|_| ()))?;
     time("cuEventRecord", &mut || ev.record_entered(s))?;
+    let word = DeviceBuffer::new(&dev, 64)?;
+    let mut wv = 0u32;
+    time("cuStreamWriteValue32", &mut || {
+        wv = wv.wrapping_add(1);
+        // SAFETY: a word of our device buffer, alive past the synchronize ending the loop; our
+        // stream; context current.
+        Ok(unsafe { driver::stream_write_value32(s.raw(), word.ptr(), wv) }?)
+    })?;
     let (wp, pp) = (wc.as_mut_ptr() as usize, plain.as_mut_ptr() as usize);
     let htod = |src: usize, n: usize| -> Result<()> {
         // SAFETY: `src` is one of our 16 KiB pinned buffers and `dbuf` holds 16 KiB; both outlive

@@ -118,11 +118,6 @@ impl Device {
         Ok(g)
     }
 
-    /// Whether the device runs stream memory operations (`cuStreamWriteValue32`).
-    pub(crate) fn can_use_stream_mem_ops(&self) -> bool {
-        driver::device_can_use_stream_mem_ops(self.inner.dev).unwrap_or(false)
-    }
-
     /// Makes this device's primary context current for the guard's lifetime, unless it already
     /// is; the thread's previous context is current again when the guard drops.
     #[inline]

@@ -183,21 +183,6 @@ pub(crate) fn device_get(ordinal: i32) -> DResult<CUdevice> {
     Ok(dev)
 }
 
-/// [cuDeviceGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html):
-/// whether the device runs stream memory operations (`cuStreamWriteValue32`).
-pub(crate) fn device_can_use_stream_mem_ops(dev: CUdevice) -> DResult<bool> {
-    let mut v = 0;
-    // SAFETY: valid out-pointer; `dev` came from cuDeviceGet.
-    check("cuDeviceGetAttribute", unsafe {
-        sys::cuDeviceGetAttribute(
-            &mut v,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1,
-            dev,
-        )
-    })?;
-    Ok(v != 0)
-}
-
 /// [cuDevicePrimaryCtxRetain](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html)
 pub(crate) fn primary_ctx_retain(dev: CUdevice) -> DResult<CUcontext> {
     let mut ctx = std::ptr::null_mut();

@@ -254,7 +254,10 @@ impl Stager {
             Err(e) => return Err(e),
         };
         let done = match &device {
-            Some(d) if check == SlotCheck::Flag && d.can_use_stream_mem_ops() => {
+            // CUDA 12 drivers run the v2 stream memory operations without an opt-in (the old
+            // attribute, now `..._V1`, reads 0 on the H200's driver 580 though the write works);
+            // should a write fail, `DoneWords::ok` turns the words off and events decide.
+            Some(d) if check == SlotCheck::Flag => {
                 Some(DoneWords::new(d, depth)?)
             }
             _ => None,
