@@ -144,8 +144,6 @@ def bench_h2d_large(torch, sizes):
 def bench_small(torch, cuda_drv, calls=20000, rounds=3):
     """256 of 4096 int32, padded: host microseconds per call. Every implementation is measured
     in each of `rounds` rounds (the same order each round); the table gives the median round."""
-    import os
-
     n, total, pad = 256, 4096, -1
     rng = np.random.default_rng(1)
     value_sets = [rng.integers(1, 1 << 30, n, dtype=np.int32) for _ in range(64)]
@@ -208,12 +206,6 @@ def bench_small(torch, cuda_drv, calls=20000, rounds=3):
 
     st = pinstage.PinnedStager(torch.int32, 256, 8)
     target = st.target(dst, pad_value=pad)
-    # The same stager design with slots checked by cuEventQuery instead of the completion words
-    # the GPU writes (the diagnostic switch PINSTAGE_SLOT_CHECK=query).
-    os.environ["PINSTAGE_SLOT_CHECK"] = "query"
-    st_query = pinstage.PinnedStager(torch.int32, 256, 8)
-    del os.environ["PINSTAGE_SLOT_CHECK"]
-    target_query = st_query.target(dst, pad_value=pad)
     hit = value_sets[(calls - 1) % 64]
     target2 = st.target(dst, pad_value=pad)
     target2.copy_(hit)
@@ -258,14 +250,12 @@ def bench_small(torch, cuda_drv, calls=20000, rounds=3):
         run("pinstage copy_(dst, ...)", lambda v: st.copy_(dst, v, pad))
         run("pinstage bound target, mirror hit (no copy)", lambda v: target2.copy_(hit))
         run("pinstage copy_(dst, ...), mirror hit (no copy)", lambda v: st.copy_(dst, hit, pad, m))
-        run("pinstage bound target, slots checked by cuEventQuery", lambda v: target_query.copy_(v))
         run("torch copy_ pageable + fill_", lambda v: (head.copy_(torch.from_numpy(v), non_blocking=True), tail.fill_(pad)))
         # The same on a side stream (torch's current stream inside the block; stream=None
         # follows it): the legacy default stream can cost the driver extra work per operation.
         with torch.cuda.stream(side):
             run("pinstage bound target, side stream", lambda v: target.copy_(v))
             run("pinstage copy_(dst, ...), side stream", lambda v: st.copy_(dst, v, pad))
-            run("pinstage bound target, side stream, slots checked by cuEventQuery", lambda v: target_query.copy_(v))
             run("torch copy_ pageable + fill_, side stream", lambda v: (head.copy_(torch.from_numpy(v), non_blocking=True), tail.fill_(pad)))
         run("torch pin_memory() per call", lambda v: (head.copy_(torch.from_numpy(v).pin_memory(), non_blocking=True), tail.fill_(pad)))
         run("python ring of pinned torch buffers", py_ring)
@@ -455,12 +445,6 @@ def report(out):
             f"(goal <= 5), best peer {best_peer:.2f} ({best_peer / s['pinstage bound target']:.1f}x slower)  [loop of calls]"
         )
         lines.append(f"  copy_(dst, ...) with a mirror hit (import + values + compare, no copy): {s['pinstage copy_(dst, ...), mirror hit (no copy)']:.2f} us")
-        if "pinstage bound target, side stream, slots checked by cuEventQuery" in s:
-            lines.append(
-                f"  slots checked by GPU-written words vs by cuEventQuery: bound target {s['pinstage bound target']:.2f} vs "
-                f"{s['pinstage bound target, slots checked by cuEventQuery']:.2f} us; side stream "
-                f"{s['pinstage bound target, side stream']:.2f} vs {s['pinstage bound target, side stream, slots checked by cuEventQuery']:.2f} us"
-            )
         c = RESULTS.get("driver costs ns", {})
         if c:
             floor = (c["cuMemcpyHtoDAsync 16 KiB pinned WC"] + c["cuEventRecord"]) / 1e3

@@ -102,19 +102,6 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     time("PinnedStager::copy_ 256 of 4096 int32 padded", &mut || {
         st.copy_(&view, &v, Some(-1), None, s).map(|_| ())
     })?;
-    // The same stager, but claimers ask cuEventQuery instead of reading the GPU-written words.
-    let st_query =
-        crate::Stager::with_check(DType::I32, 0, 256, 8, crate::stager::SlotCheck::Query)?;
-    let vb: &[u8] = bytemuck::cast_slice(&v);
-    let pad = (-1i32).to_le_bytes();
-    time(
-        "PinnedStager::copy_, slots checked by cuEventQuery",
-        &mut || {
-            st_query
-                .copy_bytes(&view, vb, Some(&pad), None, s)
-                .map(|_| ())
-        },
-    )?;
     // The loops above issue back to back, so once the stream's queue is full each call also
     // waits for the copy engine: they measure max(host cost, GPU time per copy). "Paced" calls
     // are issued 10 us apart (the GPU finishes each copy in between), as an engine issues a
@@ -262,15 +249,6 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
             copy(slices[k], h)?;
             write_value(h, val)?;
             events[k].record_entered(h)
-        },
-    )?;
-    paced(
-        "paced: PinnedStager::copy_, slots checked by cuEventQuery",
-        s,
-        &mut |h| {
-            st_query
-                .copy_bytes(&view, vb, Some(&pad), None, h)
-                .map(|_| ())
         },
     )?;
     paced("paced: PinnedStager::copy_", s, &mut |h| {

@@ -238,22 +238,6 @@ pub(crate) fn ctx_pop() -> DResult<()> {
 pub(crate) const HOSTALLOC_PORTABLE: u32 = sys::CU_MEMHOSTALLOC_PORTABLE;
 /// `CU_MEMHOSTALLOC_WRITECOMBINED`: fast for the device to read, very slow for the CPU to read.
 pub(crate) const HOSTALLOC_WRITECOMBINED: u32 = sys::CU_MEMHOSTALLOC_WRITECOMBINED;
-/// `CU_MEMHOSTALLOC_DEVICEMAP`: mapped into the device's address space.
-pub(crate) const HOSTALLOC_DEVICEMAP: u32 = sys::CU_MEMHOSTALLOC_DEVICEMAP;
-
-/// [cuMemHostGetDevicePointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html):
-/// the device address of mapped pinned memory.
-///
-/// # Safety
-/// 1. `p` lies in a live allocation made with [`HOSTALLOC_DEVICEMAP`]; a context is current.
-pub(crate) unsafe fn mem_host_get_device_pointer(p: *mut c_void) -> DResult<CUdeviceptr> {
-    let mut d: CUdeviceptr = 0;
-    // SAFETY: caller's contract; valid out-pointer.
-    check("cuMemHostGetDevicePointer", unsafe {
-        sys::cuMemHostGetDevicePointer_v2(&mut d, p, 0)
-    })?;
-    Ok(d)
-}
 
 /// [cuMemHostAlloc](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
 ///

@@ -19,26 +19,17 @@ pub fn live_pinned_bytes() -> usize {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PinnedFlags {
     write_combined: bool,
-    mapped: bool,
 }
 
 impl PinnedFlags {
     /// `CU_MEMHOSTALLOC_PORTABLE`: for buffers the CPU reads (D2H destinations, pools).
     pub const PORTABLE: Self = Self {
         write_combined: false,
-        mapped: false,
     };
     /// `PORTABLE | CU_MEMHOSTALLOC_WRITECOMBINED`: only for H2D staging buffers the CPU writes
     /// and never reads (CPU reads of write-combined memory are very slow).
     pub const WRITE_COMBINED: Self = Self {
         write_combined: true,
-        mapped: false,
-    };
-    /// `PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP`: also addressed by the device (the stager's
-    /// completion words, written by the GPU).
-    pub const MAPPED: Self = Self {
-        write_combined: false,
-        mapped: true,
     };
 
     /// Whether the memory is write-combined.
@@ -50,11 +41,6 @@ impl PinnedFlags {
         driver::HOSTALLOC_PORTABLE
             | if self.write_combined {
                 driver::HOSTALLOC_WRITECOMBINED
-            } else {
-                0
-            }
-            | if self.mapped {
-                driver::HOSTALLOC_DEVICEMAP
             } else {
                 0
             }

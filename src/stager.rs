@@ -34,8 +34,7 @@ pub struct StagerStats {
     /// Slot buffers grown because a copy exceeded their capacity.
     pub growths: u64,
     /// Pinned bytes held by the ring now: `depth` slots of `numel * itemsize` bytes, each
-    /// rounded up to 64, plus every buffer a growth allocated (not counted: one 4-byte
-    /// completion word per slot).
+    /// rounded up to 64, plus every buffer a growth allocated.
     pub pinned_bytes: u64,
 }
 
@@ -61,52 +60,6 @@ impl Counters {
 struct Slot {
     buf: UnsafeCell<SlotBuf>,
     event: Event,
-    /// Number of copies issued from this slot (wrapping). Only the slot's owner (state
-    /// WRITING) touches it; the ring's claim/release orders the accesses.
-    issued: std::sync::atomic::AtomicU32,
-}
-
-/// How a claimer learns that a slot's last copy completed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum SlotCheck {
-    /// `cuEventQuery` on the slot's event.
-    Query,
-    /// A word of mapped pinned memory the GPU writes (`cuStreamWriteValue32`) after each copy:
-    /// a plain load, no driver call. The event stays the fallback and what waits block on.
-    Flag,
-}
-
-/// One u32 per slot in mapped pinned memory, written by the GPU after each copy.
-struct DoneWords {
-    buf: PinnedBuffer,
-    dev: u64,
-    /// Cleared if the driver refuses a write; later copies then skip them.
-    ok: std::sync::atomic::AtomicBool,
-}
-
-impl DoneWords {
-    fn new(device: &Device, depth: usize) -> Result<Self> {
-        let mut buf = PinnedBuffer::new(device, 4 * depth.max(1), PinnedFlags::MAPPED)?;
-        buf.as_mut_slice().fill(0);
-        let _g = device.enter()?;
-        // SAFETY: a live DEVICEMAP allocation; context current (guard).
-        let dev = unsafe { driver::mem_host_get_device_pointer(buf.as_mut_ptr().cast()) }?;
-        Ok(Self {
-            buf,
-            dev,
-            ok: std::sync::atomic::AtomicBool::new(true),
-        })
-    }
-
-    /// What the GPU last wrote for slot `i`.
-    fn read(&self, i: usize) -> u32 {
-        // SAFETY: word i of our buffer (depth words); the GPU writes it whole (4-byte aligned),
-        // a volatile load sees the latest write. Acquire fence: the slot buffer is written only
-        // after this load saw the copy done.
-        let v = unsafe { std::ptr::read_volatile(self.buf.as_ptr().cast::<u32>().add(i)) };
-        std::sync::atomic::fence(StatOrdering::Acquire);
-        v
-    }
 }
 
 struct SlotBuf {
@@ -155,10 +108,6 @@ pub struct Stager {
     /// stager instead of one per slot (copies cost the driver the same from either layout,
     /// measured in `driver_costs`). Freed only after `Drop` waited for every copy in flight.
     _arena: Option<PinnedBuffer>,
-    /// With [`SlotCheck::Flag`]: the words the GPU writes after each copy. Declared after
-    /// `slots`; the GPU's last write to them precedes each slot's event (see `issue`), and
-    /// `Drop` waits for every event before they are freed.
-    done: Option<DoneWords>,
     stats: Counters,
 }
 
@@ -180,15 +129,6 @@ impl std::fmt::Debug for Stager {
     }
 }
 
-/// The slot check for new stagers: [`SlotCheck::Flag`] unless `PINSTAGE_SLOT_CHECK=query`
-/// (a diagnostic switch, read at each `Stager::new`, that the benches use to compare both).
-fn slot_check() -> SlotCheck {
-    match std::env::var("PINSTAGE_SLOT_CHECK").as_deref() {
-        Ok("query") => SlotCheck::Query,
-        _ => SlotCheck::Flag,
-    }
-}
-
 /// Default slot capacity in elements.
 pub const DEFAULT_NUMEL: usize = 256;
 /// Default ring depth.
@@ -200,17 +140,6 @@ impl Stager {
     /// Without a driver this succeeds and serves host destinations only; a device destination
     /// then gets [`Error::CudaUnavailable`]. A bad ordinal with a driver present is an error.
     pub fn new(dtype: DType, ordinal: i32, numel: usize, depth: usize) -> Result<Self> {
-        Self::with_check(dtype, ordinal, numel, depth, slot_check())
-    }
-
-    /// [`Stager::new`] with the slot check chosen (the benches compare both).
-    pub(crate) fn with_check(
-        dtype: DType,
-        ordinal: i32,
-        numel: usize,
-        depth: usize,
-        check: SlotCheck,
-    ) -> Result<Self> {
         if depth == 0 {
             return Err(Error::InvalidArgument("depth must be at least 1".into()));
         }
@@ -241,7 +170,6 @@ impl Stager {
                                 layout: None,
                             }),
                             event: Event::new(&device)?,
-                            issued: std::sync::atomic::AtomicU32::new(0),
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
@@ -253,15 +181,6 @@ impl Stager {
             Err(Error::CudaUnavailable { reason }) => (None, Some(reason), Vec::new(), None),
             Err(e) => return Err(e),
         };
-        let done = match &device {
-            // CUDA 12 drivers run the v2 stream memory operations without an opt-in (the old
-            // attribute, now `..._V1`, reads 0 on the H200's driver 580 though the write works);
-            // should a write fail, `DoneWords::ok` turns the words off and events decide.
-            Some(d) if check == SlotCheck::Flag => {
-                Some(DoneWords::new(d, depth)?)
-            }
-            _ => None,
-        };
         Ok(Self {
             dtype,
             ordinal,
@@ -270,7 +189,6 @@ impl Stager {
             ring: Ring::new(depth),
             slots: slots.into_boxed_slice(),
             _arena: arena,
-            done,
             stats,
         })
     }
@@ -288,12 +206,6 @@ impl Stager {
     /// Number of slots.
     pub fn depth(&self) -> usize {
         self.ring.depth()
-    }
-
-    /// Whether claimers learn of finished copies from words the GPU writes (no driver call),
-    /// rather than from `cuEventQuery`.
-    pub fn checks_completion_words(&self) -> bool {
-        self.done.is_some()
     }
 
     /// Whether device destinations can be served (a driver and the device were found).
@@ -463,11 +375,7 @@ impl Stager {
         let mut pending = claim.was_in_flight;
         let result = (|| -> Result<()> {
             if pending {
-                let issued = slot.issued.load(StatOrdering::Relaxed);
-                let flagged = self.done.as_ref().is_some_and(|d| {
-                    d.ok.load(StatOrdering::Relaxed) && d.read(claim.index) == issued
-                });
-                if !flagged && !slot.event.query()? {
+                if !slot.event.query()? {
                     Counters::add(&self.stats.waits, 1);
                     wait(&slot.event)?;
                 }
@@ -526,22 +434,6 @@ impl Stager {
             // the caller: the view's contract covers its size); the stream is the caller's.
             unsafe { driver::memcpy_htod_async(dst, src.cast(), total, stream.raw()) }?;
             pending = true;
-            let issued = slot.issued.load(StatOrdering::Relaxed).wrapping_add(1);
-            slot.issued.store(issued, StatOrdering::Relaxed);
-            if let Some(d) = &self.done
-                && d.ok.load(StatOrdering::Relaxed)
-            {
-                // Before the event record, so that the event's completion covers this write
-                // too (Drop frees the words after waiting for the events). On failure the word
-                // keeps an older count and the next claimer falls back to the event.
-                let addr = d.dev + 4 * claim.index as u64;
-                // SAFETY: word `claim.index` of our mapped buffer, alive until the event
-                // recorded below completed; the caller's stream; context current.
-                let wrote = unsafe { driver::stream_write_value32(stream.raw(), addr, issued) };
-                if wrote.is_err() {
-                    d.ok.store(false, StatOrdering::Relaxed);
-                }
-            }
             if let Err(e) = slot.event.record_entered(stream) {
                 // The copy cannot be tracked: wait for it before the slot is reused.
                 // SAFETY: the caller's stream, context current.

@@ -235,21 +235,14 @@ fn gpu_padding_reuse_keeps_every_layout_right() {
     }
 }
 
-/// Claimers learn of finished copies from the words the GPU writes, unless told to ask
-/// `cuEventQuery` (`PINSTAGE_SLOT_CHECK=query`, under which `scripts/gpu-run` runs these tests a
-/// second time). Reusing every slot many times, each with new values, must stay exact.
+/// Every slot of a depth-2 ring reused 1,500 times, each copy with new values and lengths, to
+/// three destinations in turn: each destination ends with exactly its last copy.
 #[test]
-fn gpu_slot_check_mode_and_many_reuses() {
-    let Some(dev) = gpu_or_skip("gpu_slot_check_mode_and_many_reuses") else {
+fn gpu_many_reuses_of_a_small_ring() {
+    let Some(dev) = gpu_or_skip("gpu_many_reuses_of_a_small_ring") else {
         return;
     };
-    let query = std::env::var("PINSTAGE_SLOT_CHECK").is_ok_and(|v| v == "query");
     let st = PinnedStager::<i32>::new(0, 64, 2).unwrap();
-    assert_eq!(
-        st.raw().checks_completion_words(),
-        !query,
-        "slot check mode (PINSTAGE_SLOT_CHECK={query:?})"
-    );
     let stream = Stream::new(&dev).unwrap();
     let bufs: Vec<_> = (0..3).map(|_| poisoned(&dev, DType::I32, 64)).collect();
     let mut last = vec![Vec::new(); 3];
