@@ -244,7 +244,8 @@ impl Stager {
 
     /// [`Stager::copy_bytes`] with a caller-supplied wait: when the claimed slot's last copy is
     /// still running, `wait(event)` must block until the event completed. The Python layer
-    /// releases the GIL there, and only there.
+    /// polls the event briefly and then releases the GIL there; it runs whole copies of 1 MiB or
+    /// more without the GIL.
     pub fn copy_bytes_waiting(
         &self,
         dst: &DeviceView,
