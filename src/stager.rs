@@ -147,21 +147,21 @@ impl Stager {
             .checked_mul(dtype.itemsize())
             .ok_or_else(|| Error::InvalidArgument(format!("numel {numel} overflows")))?;
         // Slots start on 64-byte boundaries (a cache line, and a whole write-combining buffer).
-        let stride = slot_bytes
+        let (stride, arena_bytes) = slot_bytes
             .checked_next_multiple_of(64)
-            .and_then(|b| b.checked_mul(depth).map(|_| b))
+            .and_then(|s| Some((s, s.checked_mul(depth)?)))
             .ok_or_else(|| Error::InvalidArgument(format!("numel {numel} overflows")))?;
         let stats = Counters::default();
         let (device, unavailable, slots, arena) = match Device::new(ordinal) {
             Ok(device) => {
                 let mut arena =
-                    PinnedBuffer::new(&device, stride * depth, PinnedFlags::WRITE_COMBINED)?;
+                    PinnedBuffer::new(&device, arena_bytes, PinnedFlags::WRITE_COMBINED)?;
                 let base = arena.as_mut_ptr();
                 let slots = (0..depth)
                     .map(|i| {
                         Ok(Slot {
                             buf: UnsafeCell::new(SlotBuf {
-                                // SAFETY: i * stride + slot_bytes <= stride * depth: in bounds
+                                // SAFETY: i * stride + slot_bytes <= arena_bytes: in bounds
                                 // (a 0-byte arena is only ever offset by 0).
                                 ptr: unsafe { base.add(i * stride) },
                                 cap: slot_bytes,

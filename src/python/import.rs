@@ -377,23 +377,27 @@ pub(crate) fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<crate::DType> {
     })
 }
 
+/// Host ns per call of `f`: one warm-up call, then the mean of `n` calls. For the benches.
+pub(crate) fn ns_per_call(n: usize, f: &mut dyn FnMut() -> PyResult<()>) -> PyResult<f64> {
+    let n = n.max(1);
+    f()?;
+    let t0 = std::time::Instant::now();
+    for _ in 0..n {
+        f()?;
+    }
+    Ok(t0.elapsed().as_nanos() as f64 / n as f64)
+}
+
 /// Host ns per call of each step of importing `obj` (exchange table lookup, borrowed view,
 /// managed export, current stream, the whole import), `n` times each. For the benches.
 pub(crate) fn profile_import(
     obj: &Bound<'_, PyAny>,
     n: usize,
 ) -> PyResult<Vec<(&'static str, f64)>> {
-    use std::time::Instant;
     let py = obj.py();
-    let n = n.max(1);
     let mut out = Vec::new();
     let mut time = |name: &'static str, f: &mut dyn FnMut() -> PyResult<()>| -> PyResult<()> {
-        f()?;
-        let t0 = Instant::now();
-        for _ in 0..n {
-            f()?;
-        }
-        out.push((name, t0.elapsed().as_nanos() as f64 / n as f64));
+        out.push((name, ns_per_call(n, f)?));
         Ok(())
     };
     time("exchange table lookup", &mut || {

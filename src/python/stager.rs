@@ -334,9 +334,11 @@ impl PyStager {
         let mut guard = mirror.map(|m| m.try_lock().unwrap_or_else(|| py.detach(|| m.lock())));
         let stager = self.stager()?;
         let view = &imp.view;
-        let large = values.len() >= LARGE_COPY || (pad.is_some() && view.nbytes() >= LARGE_COPY);
+        // The core splits slot writes of this size over several threads: such a copy takes a
+        // while, so it runs without the GIL.
+        let large_at = crate::stager::PARALLEL_WRITE_MIN;
+        let large = values.len() >= large_at || (pad.is_some() && view.nbytes() >= large_at);
         let outcome = if large {
-            // Writing megabytes into the slot takes a while: let other Python threads run.
             py.detach(|| {
                 stager.copy_bytes_waiting(
                     view,
@@ -359,9 +361,6 @@ impl PyStager {
         ))
     }
 }
-
-/// Copies of at least this many bytes run with the GIL released (see `run_copy`).
-const LARGE_COPY: usize = 1 << 20;
 
 /// How long a claimer polls a busy slot's event with the GIL held before it releases the GIL
 /// and blocks. A slot's small copy completes within microseconds; giving the GIL away for that
@@ -602,31 +601,20 @@ fn profile_copy_path<'py>(
     dtype: &Bound<'py, PyAny>,
     n: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
-    use std::time::Instant;
+    use super::import::ns_per_call;
     let d = parse_dtype(dtype)?;
     let out = PyDict::new(py);
     for (k, v) in super::import::profile_import(dst, n)? {
         out.set_item(k, v)?;
     }
-    let n = n.max(1);
-    let t0 = Instant::now();
-    for _ in 0..n {
-        drop(to_values(values, d)?);
-    }
-    out.set_item("values", t0.elapsed().as_nanos() as f64 / n as f64)?;
-    let t0 = Instant::now();
-    for _ in 0..n {
-        drop(scalar_bytes(pad, d)?);
-    }
-    out.set_item("pad scalar", t0.elapsed().as_nanos() as f64 / n as f64)?;
-    let t0 = Instant::now();
-    for _ in 0..n {
-        parse_stream(None)?;
-    }
+    let values_ns = ns_per_call(n, &mut || to_values(values, d).map(drop))?;
+    out.set_item("values", values_ns)?;
     out.set_item(
-        "parse_stream(None)",
-        t0.elapsed().as_nanos() as f64 / n as f64,
+        "pad scalar",
+        ns_per_call(n, &mut || scalar_bytes(pad, d).map(drop))?,
     )?;
+    let stream_ns = ns_per_call(n, &mut || parse_stream(None).map(drop))?;
+    out.set_item("parse_stream(None)", stream_ns)?;
     Ok(out)
 }
 
