@@ -11,6 +11,20 @@ fn small_copy(c: &mut Criterion) {
         eprintln!("SKIP gpu_small_copy: no GPU");
         return;
     };
+    if std::env::var_os("PINSTAGE_SLOT_CHECK_COSTS").is_some() {
+        // Only the experiment (scripts/gpu-run costs and the first step of its benches).
+        match pinstage::bench_internals::slot_check_costs(20_000, 3) {
+            Ok(rows) => {
+                println!("slot check and copy entry points, ns per call, 3 rounds:");
+                for (name, ns) in rows {
+                    let cols: Vec<String> = ns.iter().map(|x| format!("{x:>7.0}")).collect();
+                    println!("  {name:<52} {}", cols.join(" "));
+                }
+            }
+            Err(e) => println!("slot_check_costs failed: {e}"),
+        }
+        return;
+    }
     match pinstage::driver_costs(20_000) {
         Ok(costs) => {
             println!("host cost per driver call (ns):");
@@ -37,6 +51,23 @@ fn small_copy(c: &mut Criterion) {
             )
         })
     });
+    let per_claim = PinnedStager::<i32>::new(0, 256, 8).unwrap();
+    per_claim.raw().set_amortized_checks(false);
+    c.bench_function("rust copy_ 256 of 4096 int32, a query per claim", |b| {
+        b.iter(|| {
+            k = (k + 1) % 64;
+            black_box(
+                per_claim
+                    .copy_(&dst, &sets[k], Some(-1), None, stream.handle())
+                    .unwrap(),
+            )
+        })
+    });
+    println!(
+        "queries per copy: watermark {:.3}, a query per claim {:.3}",
+        st.stats().queries as f64 / st.stats().copies.max(1) as f64,
+        per_claim.stats().queries as f64 / per_claim.stats().copies.max(1) as f64
+    );
     let mut m = H2DMirror::new();
     c.bench_function("rust copy_ with mirror, changing values", |b| {
         b.iter(|| {

@@ -17,7 +17,14 @@ impl Ring {
     /// Claims a slot and releases it again (as IN_FLIGHT).
     pub fn claim_release(&self) -> usize {
         let c = self.0.claim();
-        self.0.release(c.index, true);
+        self.0.release(
+            c.index,
+            crate::ring::Release::InFlight {
+                mark: crate::ring::NO_MARK,
+                begin: 0,
+                done: 0,
+            },
+        );
         c.index
     }
 }
@@ -276,5 +283,203 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         "copies done 30 us after issue, no query between (%)",
         100.0 * ready as f64 / trials as f64,
     ));
+    Ok(out)
+}
+
+/// Loop and paced timings that decide how the stager checks its slots and what one copy can
+/// cost at all, on device 0: `(name, ns per call in each of `rounds` rounds)`. Every variant
+/// runs once per round, in turn, so machine drift hits all of them alike.
+///
+/// - copy entry points: `cuMemcpyHtoDAsync` from 4 B to 64 KiB, `cuMemcpyAsync`,
+///   `cuMemcpyBatchAsync` with one copy (16 KiB);
+/// - slot checks: A = copy + record over 8 slices and 8 events (no check), D = A + a query of
+///   the slot's own event before each copy (what the stager did before the watermark), Qk = A + one query
+///   every k calls (of the event recorded k calls before: what an amortized check costs).
+pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<f64>)>> {
+    use std::time::{Duration, Instant};
+    let dev = Device::new(0)?;
+    let stream = Stream::new(&dev)?;
+    let s = stream.handle();
+    let leg = StreamHandle::LEGACY;
+    const SLOT: usize = 64 << 10;
+    let arena = PinnedBuffer::new(&dev, 8 * SLOT, PinnedFlags::WRITE_COMBINED)?;
+    let dbuf = DeviceBuffer::new(&dev, SLOT)?;
+    let events = (0..8)
+        .map(|_| Event::new(&dev))
+        .collect::<Result<Vec<_>>>()?;
+    let _g = dev.enter()?;
+    let base = arena.as_ptr() as usize;
+    let copy = |k: usize, n: usize, h: StreamHandle| -> Result<()> {
+        // SAFETY: slice k of our 8 x 64 KiB pinned arena and our 64 KiB device buffer, n <= 64
+        // KiB; both outlive the synchronize ending each measurement; `h` ours or legacy.
+        Ok(unsafe {
+            driver::memcpy_htod_async(dbuf.ptr(), (base + k * SLOT) as *const _, n, h.raw())
+        }?)
+    };
+    // The stager itself, 256 of 4096 int32 padded, with the completion watermark (default) and
+    // with a query of the own slot's event on every claim (the stager before the watermark).
+    let amortized = PinnedStager::<i32>::new(0, 256, 8)?;
+    let per_claim = PinnedStager::<i32>::new(0, 256, 8)?;
+    per_claim.raw().set_amortized_checks(false);
+    let view = dbuf.view(DType::I32);
+    let sets: Vec<Vec<i32>> = (0..8)
+        .map(|k| (0..256).map(|i| k * 1000 + i + 1).collect())
+        .collect();
+    type Body<'a> = Box<dyn FnMut(usize, StreamHandle) -> Result<()> + 'a>;
+    let mut variants: Vec<(String, StreamHandle, bool, Body<'_>)> = Vec::new();
+    for n in [4usize, 64, 1024, 4096, 16384, 65536] {
+        variants.push((
+            format!("loop: cuMemcpyHtoDAsync {n} B"),
+            s,
+            false,
+            Box::new(move |k, h| copy(k % 8, n, h)),
+        ));
+    }
+    variants.push((
+        "loop: cuMemcpyAsync 16 KiB".into(),
+        s,
+        false,
+        Box::new(|k, h| {
+            // SAFETY: as `copy`; the host slice's unified address is its pointer.
+            Ok(unsafe {
+                driver::memcpy_async(dbuf.ptr(), (base + (k % 8) * SLOT) as u64, 16384, h.raw())
+            }?)
+        }),
+    ));
+    variants.push((
+        "loop: cuMemcpyBatchAsync 1 x 16 KiB".into(),
+        s,
+        false,
+        Box::new(|k, h| {
+            // SAFETY: as `copy`; `h` is our created stream.
+            Ok(unsafe {
+                driver::memcpy_batch_async_one(
+                    dbuf.ptr(),
+                    (base + (k % 8) * SLOT) as *const _,
+                    16384,
+                    h.raw(),
+                )
+            }?)
+        }),
+    ));
+    for (name, h) in [("", s), (", legacy", leg)] {
+        variants.push((
+            format!("loop: cuStreamGetId{name}"),
+            h,
+            false,
+            Box::new(|_, h| {
+                // SAFETY: ours or the legacy stream; context current.
+                Ok(unsafe { driver::stream_get_id(h.raw()) }.map(|_| ())?)
+            }),
+        ));
+    }
+    let ev = &events;
+    let check = move |every: usize| {
+        move |k: usize, h: StreamHandle| -> Result<()> {
+            let slot = k % 8;
+            if every == 1 {
+                ev[slot].query()?;
+            } else if every > 1 && k % every == 0 {
+                ev[(k + 8 - every) % 8].query()?;
+            }
+            copy(slot, 16384, h)?;
+            ev[slot].record_entered(h)
+        }
+    };
+    for paced in [false, true] {
+        for (hn, h) in [("", s), (", legacy", leg)] {
+            if paced && h == leg {
+                continue;
+            }
+            let kind = if paced { "paced" } else { "loop" };
+            for (label, every) in [
+                ("A copy+record", 0usize),
+                ("D = A + query own", 1),
+                ("Q4", 4),
+                ("Q8", 8),
+            ] {
+                variants.push((
+                    format!("{kind}: {label}{hn}"),
+                    h,
+                    paced,
+                    Box::new(check(every)),
+                ));
+            }
+        }
+    }
+    for paced in [false, true] {
+        for (hn, h) in [("", s), (", legacy", leg)] {
+            let kind = if paced { "paced" } else { "loop" };
+            // The stager itself.
+            for (label, st) in [("watermark", &amortized), ("a query per claim", &per_claim)] {
+                let (view, sets) = (&view, &sets);
+                variants.push((
+                    format!("{kind}: PinnedStager::copy_, {label}{hn}"),
+                    h,
+                    paced,
+                    Box::new(move |k, h| {
+                        st.copy_(view, &sets[k % 8], Some(-1), None, h).map(|_| ())
+                    }),
+                ));
+            }
+        }
+    }
+    let mut out: Vec<(String, Vec<f64>)> =
+        variants.iter().map(|v| (v.0.clone(), Vec::new())).collect();
+    for _ in 0..rounds {
+        for (i, (_, h, paced, f)) in variants.iter_mut().enumerate() {
+            let h = *h;
+            for k in 0..200 {
+                f(k, h)?;
+            }
+            // SAFETY: ours or the legacy stream; context current.
+            unsafe { driver::stream_synchronize(h.raw()) }?;
+            let ns = if *paced {
+                let mut total = 0u128;
+                let n = iters.min(4000);
+                for k in 0..n {
+                    let t = Instant::now();
+                    while t.elapsed() < Duration::from_micros(10) {
+                        std::hint::spin_loop();
+                    }
+                    let t0 = Instant::now();
+                    f(k, h)?;
+                    total += t0.elapsed().as_nanos();
+                }
+                total as f64 / n as f64
+            } else {
+                let t0 = Instant::now();
+                for k in 0..iters {
+                    f(k, h)?;
+                }
+                t0.elapsed().as_nanos() as f64 / iters as f64
+            };
+            // SAFETY: as above.
+            unsafe { driver::stream_synchronize(h.raw()) }?;
+            out[i].1.push(ns);
+        }
+    }
+    drop(variants);
+    // Every stager copy wrote the same destination; the last one wins: check it.
+    let mut got = vec![0u8; 4096 * 4];
+    dbuf.download(0, &mut got)?;
+    let got: &[i32] = bytemuck::cast_slice(&got);
+    let last = &sets[(if iters.min(4000) > 0 {
+        iters.min(4000) - 1
+    } else {
+        0
+    }) % 8];
+    if got[..256] != last[..] || got[256..].iter().any(|&x| x != -1) {
+        return Err(crate::Error::InvalidArgument(
+            "slot_check_costs: the destination does not hold the last copy".into(),
+        ));
+    }
+    for (name, st) in [("watermark", &amortized), ("a query per claim", &per_claim)] {
+        let st = st.stats();
+        out.push((
+            format!("stager {name}: queries per copy (x1000)"),
+            vec![1000.0 * st.queries as f64 / st.copies.max(1) as f64],
+        ));
+    }
     Ok(out)
 }

@@ -223,6 +223,20 @@ impl StreamHandle {
         self.0 as CUstream
     }
 
+    /// The driver's ID of this stream, unique for the life of the context (handles may be
+    /// reused by a new stream; IDs are not). `None` for the per-thread default stream (one handle
+    /// for a different stream on every thread) and if the driver cannot tell: the stager then
+    /// tracks the stream's copies slot by slot. Context current.
+    #[inline]
+    pub(crate) fn tracking_id(self) -> Option<u64> {
+        if self.0 == 2 {
+            return None;
+        }
+        // SAFETY: context current (callers enter the device first); the handle passed `check`
+        // and is the caller's live stream or a default-stream handle.
+        unsafe { driver::stream_get_id(self.raw()) }.ok()
+    }
+
     /// Refuses handles that cannot be streams: the CUDA driver dereferences a handle without
     /// validating it, so a bad one would crash the process. 0, 1 (`CU_STREAM_LEGACY`) and 2
     /// (`CU_STREAM_PER_THREAD`) are the special handles; any other is a heap pointer, so it is

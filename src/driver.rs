@@ -301,6 +301,62 @@ pub(crate) unsafe fn memcpy_htod_async(
     })
 }
 
+/// [cuMemcpyAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html): the
+/// unified-addressing copy (direction inferred from the pointers). For the benches' comparison of
+/// copy entry points.
+///
+/// # Safety
+/// As [`memcpy_htod_async`], with `src` given as its unified address.
+pub(crate) unsafe fn memcpy_async(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    bytes: usize,
+    stream: CUstream,
+) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuMemcpyAsync", unsafe {
+        sys::cuMemcpyAsync(dst, src, bytes, stream)
+    })
+}
+
+/// [cuMemcpyBatchAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+/// (CUDA 12.8) with one copy, source read in stream order. For the benches' comparison of copy
+/// entry points.
+///
+/// # Safety
+/// As [`memcpy_htod_async`]; `stream` must not be the legacy default stream (the call refuses
+/// it).
+pub(crate) unsafe fn memcpy_batch_async_one(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    bytes: usize,
+    stream: CUstream,
+) -> DResult<()> {
+    let mut dsts = [dst];
+    let mut srcs = [src as CUdeviceptr];
+    let mut sizes = [bytes];
+    // SAFETY: a plain C struct of enums and integers; all-zero is a valid value for each field
+    // (location type INVALID: no hint).
+    let mut attr: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+    attr.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+    let mut idx = [0usize];
+    let mut fail = usize::MAX;
+    // SAFETY: caller's contract; every array holds `count` = 1 entries and outlives the call.
+    check("cuMemcpyBatchAsync", unsafe {
+        sys::cuMemcpyBatchAsync(
+            dsts.as_mut_ptr(),
+            srcs.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            1,
+            &mut attr,
+            idx.as_mut_ptr(),
+            1,
+            &mut fail,
+            stream,
+        )
+    })
+}
+
 /// [cuMemcpyDtoHAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
 ///
 /// # Safety
@@ -369,6 +425,22 @@ pub(crate) unsafe fn event_destroy(ev: CUevent) -> DResult<()> {
 pub(crate) unsafe fn event_record(ev: CUevent, stream: CUstream) -> DResult<()> {
     // SAFETY: caller's contract.
     check("cuEventRecord", unsafe { sys::cuEventRecord(ev, stream) })
+}
+
+/// [cuStreamGetId](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html):
+/// the stream's ID, unique for the life of its context (a destroyed stream's handle may be
+/// reused by a new stream; its ID is not). For the legacy and per-thread default streams it is
+/// the ID of the stream the handle means for the calling thread.
+///
+/// # Safety
+/// 1. `stream` is a live stream of the current context, or null, or a default-stream handle.
+pub(crate) unsafe fn stream_get_id(stream: CUstream) -> DResult<u64> {
+    let mut id: std::ffi::c_ulonglong = 0;
+    // SAFETY: caller's contract; `id` outlives the call.
+    check("cuStreamGetId", unsafe {
+        sys::cuStreamGetId(stream, &mut id)
+    })?;
+    Ok(id as u64)
 }
 
 /// [cuStreamWriteValue32](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEMOP.html):

@@ -15,7 +15,7 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::mirror::{CopyKey, H2DMirror};
 use crate::pinned::{PinnedBuffer, PinnedFlags};
-use crate::ring::Ring;
+use crate::ring::{Release, Ring};
 use crate::sync::UnsafeCell;
 
 /// Counters of a stager; every field is monotonic except `pinned_bytes`.
@@ -31,6 +31,10 @@ pub struct StagerStats {
     pub bytes: u64,
     /// Claims that found the slot's last copy still running and waited for its event.
     pub waits: u64,
+    /// `cuEventQuery` calls made to learn that a claimed slot's last copy completed. One query
+    /// usually covers several slots (a stream's copies complete in order), so on one stream
+    /// this stays well below `copies`.
+    pub queries: u64,
     /// Slot buffers grown because a copy exceeded their capacity.
     pub growths: u64,
     /// Pinned bytes held by the ring now: `depth` slots of `numel * itemsize` bytes, each
@@ -45,6 +49,7 @@ struct Counters {
     skipped: AtomicU64,
     bytes: AtomicU64,
     waits: AtomicU64,
+    queries: AtomicU64,
     growths: AtomicU64,
     pinned_bytes: AtomicU64,
 }
@@ -213,6 +218,15 @@ impl Stager {
         self.device.is_some()
     }
 
+    /// Chooses how a claim learns that its slot's last copy completed: through the stream's
+    /// completion watermark and one query for several slots (`true`, the default), or by
+    /// querying the slot's own event on every claim (`false`, as before the watermark). Both are correct;
+    /// the switch exists so the benches can compare them in one process.
+    #[doc(hidden)]
+    pub fn set_amortized_checks(&self, on: bool) {
+        self.ring.set_amortize(on);
+    }
+
     /// A snapshot of the counters.
     pub fn stats(&self) -> StagerStats {
         let s = &self.stats;
@@ -223,6 +237,7 @@ impl Stager {
             skipped: l(&s.skipped),
             bytes: l(&s.bytes),
             waits: l(&s.waits),
+            queries: l(&s.queries),
             growths: l(&s.growths),
             pinned_bytes: l(&s.pinned_bytes),
         }
@@ -371,16 +386,24 @@ impl Stager {
         } = job;
         let claim = self.ring.claim();
         let slot = &self.slots[claim.index];
-        // Whether a copy may still be reading the slot's buffer; decides how the slot is
-        // released on every path, errors included.
-        let mut pending = claim.was_in_flight;
-        let result = (|| -> Result<()> {
-            if pending {
-                if !slot.event.query()? {
+        // How the slot is released if an error ends this copy early.
+        let mut on_error = if claim.was_in_flight() {
+            OnError::Restore
+        } else {
+            OnError::Idle
+        };
+        let result = (|| -> Result<Release> {
+            if claim.was_in_flight() {
+                // Known complete through the stream's watermark or one query (src/ring.rs).
+                let known = self.ring.check(&claim, &mut |j| {
+                    Counters::add(&self.stats.queries, 1);
+                    self.slots[j].event.query()
+                })?;
+                if !known {
                     Counters::add(&self.stats.waits, 1);
                     wait(&slot.event)?;
                 }
-                pending = false;
+                on_error = OnError::Idle;
             }
             // SAFETY: we own the slot (state WRITING) and its last copy completed, so nobody
             // else reads or writes the buffer until we release it.
@@ -430,23 +453,42 @@ impl Stager {
             // The buffer is write-combined: drain the CPU's write-combining buffers before the
             // copy engine may read it.
             store_fence();
+            let mark = self.ring.mark(stream.tracking_id());
+            let begin = self.ring.begin();
             // SAFETY: `src` holds `total` bytes and stays untouched until the event recorded
             // below completed (ring protocol); `dst` is device memory of this device (checked by
             // the caller: the view's contract covers its size); the stream is the caller's.
             unsafe { driver::memcpy_htod_async(dst, src.cast(), total, stream.raw()) }?;
-            pending = true;
             if let Err(e) = slot.event.record_entered(stream) {
                 // The copy cannot be tracked: wait for it before the slot is reused.
                 // SAFETY: the caller's stream, context current.
-                if unsafe { driver::stream_synchronize(stream.raw()) }.is_ok() {
-                    pending = false;
-                }
+                on_error = match unsafe { driver::stream_synchronize(stream.raw()) } {
+                    Ok(()) => OnError::Idle,
+                    Err(_) => OnError::Untracked,
+                };
                 return Err(e);
             }
-            Ok(())
+            let done = self.ring.done();
+            Ok(Release::InFlight { mark, begin, done })
         })();
-        self.ring.release(claim.index, pending);
-        result.map(|()| claim.index)
+        match (&result, on_error) {
+            (Ok(how), _) => self.ring.release(claim.index, *how),
+            (Err(_), OnError::Idle) => self.ring.release(claim.index, Release::Idle),
+            (Err(_), OnError::Restore) => {
+                self.ring.release(claim.index, Release::Restore(claim.prev))
+            }
+            // A copy may still run and no event describes it (the context is failing: every
+            // later call errs too): release it in flight, unmarked, so a claimer asks the driver.
+            (Err(_), OnError::Untracked) => self.ring.release(
+                claim.index,
+                Release::InFlight {
+                    mark: crate::ring::NO_MARK,
+                    begin: 0,
+                    done: 0,
+                },
+            ),
+        }
+        result.map(|_| claim.index)
     }
 }
 
@@ -459,6 +501,17 @@ impl Drop for Stager {
             }
         }
     }
+}
+
+/// How [`Stager::issue`] gives its slot back when an error ends the copy early.
+#[derive(Clone, Copy)]
+enum OnError {
+    /// Nothing from the buffer is pending.
+    Idle,
+    /// The slot's previous copy may still run: its old word still describes it.
+    Restore,
+    /// A copy was issued but its event could not be recorded nor the stream synchronized.
+    Untracked,
 }
 
 /// One device copy: destination address, values, pad, bytes in all, stream.

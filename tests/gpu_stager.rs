@@ -270,3 +270,58 @@ fn gpu_many_reuses_of_a_small_ring() {
     }
     assert_eq!(st.stats().copies, 3000);
 }
+
+/// On one stream whose copies complete (synchronized every 4 copies), one query serves several
+/// claims: far fewer queries than copies with the watermark, one per claim without it. Every
+/// one of the 800 destinations is checked.
+#[rstest]
+fn gpu_one_query_serves_several_claims(#[values(true, false)] amortized: bool) {
+    let Some(dev) = gpu_or_skip("gpu_one_query_serves_several_claims") else {
+        return;
+    };
+    let depth = 8;
+    let st = PinnedStager::<i32>::new(0, 32, depth).unwrap();
+    st.raw().set_amortized_checks(amortized);
+    let stream = Stream::new(&dev).unwrap();
+    let copies = 800usize;
+    let buf = poisoned(&dev, DType::I32, 64 * copies);
+    for k in 0..copies {
+        let dst = DeviceView::contiguous_device(0, buf.ptr() + (k * 64 * 4) as u64, DType::I32, 64);
+        let v: Vec<i32> = (0..32).map(|i| (k as i32 + 1) * 100 + i).collect();
+        st.copy_(&dst, &v, Some(-(k as i32) - 1), None, stream.handle())
+            .unwrap();
+        if k % 4 == 3 {
+            stream.synchronize().unwrap();
+        }
+    }
+    stream.synchronize().unwrap();
+    let out = read(&buf);
+    let got: &[i32] = bytemuck::cast_slice(&out[..copies * 64 * 4]);
+    for k in 0..copies {
+        let d = &got[k * 64..(k + 1) * 64];
+        for (i, &g) in d.iter().enumerate() {
+            let want = if i < 32 {
+                (k as i32 + 1) * 100 + i as i32
+            } else {
+                -(k as i32) - 1
+            };
+            assert_eq!(g, want, "destination {k} element {i}");
+        }
+    }
+    let s = st.stats();
+    assert_eq!(s.copies, copies as u64);
+    assert_eq!(
+        s.waits, 0,
+        "every copy was complete before its slot came round"
+    );
+    let checks = (copies - depth) as u64;
+    if amortized {
+        assert!(
+            s.queries <= checks / 3,
+            "{} queries for {checks} checks",
+            s.queries
+        );
+    } else {
+        assert_eq!(s.queries, checks, "one query per claim of a used slot");
+    }
+}

@@ -274,3 +274,85 @@ fn gpu_stress_eight_threads_random_copies() {
         "every non-empty copy issued exactly one DMA"
     );
 }
+
+/// One ring of 8 shared by a stalled stream and a free one: each turn of the ring sends slots 0-3
+/// to the stalled stream and 4-7 to the free one (synchronized). Claiming slot 0 again asks about
+/// slot 4, half a ring ahead, whose copy completed: that must not free slot 0, whose copy waits
+/// on the other, stalled stream. Every destination ends with exactly its copy's values.
+#[test]
+fn gpu_a_free_stream_never_frees_a_stalled_streams_slots() {
+    let Some(dev) = gpu_or_skip("gpu_a_free_stream_never_frees_a_stalled_streams_slots") else {
+        return;
+    };
+    let depth = 8;
+    let st = Arc::new(PinnedStager::<i64>::new(0, 64, depth).unwrap());
+    let stalled = Arc::new(Stream::new(&dev).unwrap());
+    let free = Arc::new(Stream::new(&dev).unwrap());
+    let copies = 64;
+    let bufs: Arc<Vec<DeviceBuffer>> = Arc::new(
+        (0..copies)
+            .map(|_| poisoned(&dev, DType::I64, 64))
+            .collect(),
+    );
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let go = stall(&stalled);
+    let issued = Arc::new(AtomicUsize::new(0));
+    let worker = {
+        let (st, stalled, free, bufs, issued) = (
+            st.clone(),
+            stalled.clone(),
+            free.clone(),
+            bufs.clone(),
+            issued.clone(),
+        );
+        std::thread::spawn(move || {
+            let mut vals = vec![0i64; 64];
+            for (k, buf) in bufs.iter().enumerate() {
+                for (i, v) in vals.iter_mut().enumerate() {
+                    *v = (k as i64 + 1) * 1000 + i as i64;
+                }
+                let on_stalled = k % depth < depth / 2;
+                let s = if on_stalled { &stalled } else { &free };
+                st.copy_(&view(buf, DType::I64, 64), &vals, None, None, s.handle())
+                    .unwrap();
+                vals.iter_mut().for_each(|v| *v = -7);
+                if !on_stalled {
+                    free.synchronize().unwrap();
+                }
+                issued.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    };
+    let t0 = std::time::Instant::now();
+    while issued.load(Ordering::SeqCst) < depth && t0.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let staged = issued.load(Ordering::SeqCst);
+    go.release();
+    worker.join().unwrap();
+    stalled.synchronize().unwrap();
+    free.synchronize().unwrap();
+    // The ninth copy claims slot 0, whose copy is still stalled: it must wait there.
+    assert_eq!(
+        staged, depth,
+        "copies staged while slot 0's copy was stalled"
+    );
+    assert!(st.stats().waits >= 1, "stats: {:?}", st.stats());
+    for (k, buf) in bufs.iter().enumerate() {
+        let out = read(buf);
+        let got: &[i64] = bytemuck::cast_slice(&out[..64 * 8]);
+        for (i, &g) in got.iter().enumerate() {
+            assert_eq!(
+                g,
+                (k as i64 + 1) * 1000 + i as i64,
+                "destination {k} (stream {}) element {i}",
+                if k % depth < depth / 2 {
+                    "stalled"
+                } else {
+                    "free"
+                }
+            );
+        }
+    }
+}

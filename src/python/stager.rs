@@ -224,6 +224,7 @@ fn stats_dict<'py>(py: Python<'py>, s: crate::stager::StagerStats) -> PyResult<B
     d.set_item("skipped", s.skipped)?;
     d.set_item("bytes", s.bytes)?;
     d.set_item("waits", s.waits)?;
+    d.set_item("queries", s.queries)?;
     d.set_item("growths", s.growths)?;
     d.set_item("pinned_bytes", s.pinned_bytes)?;
     Ok(d)
@@ -463,9 +464,16 @@ impl PyStager {
         })
     }
 
-    /// Counters: copies, host_copies, skipped, bytes, waits, growths, pinned_bytes.
+    /// Counters: copies, host_copies, skipped, bytes, waits, queries, growths, pinned_bytes.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         stats_dict(py, self.stager()?.stats())
+    }
+
+    /// Benches only: `False` makes every claim query its slot's own event (the behaviour before the watermark),
+    /// `True` (the default) uses the stream's completion watermark.
+    fn _set_amortized_checks(&self, on: bool) -> PyResult<()> {
+        self.stager()?.set_amortized_checks(on);
+        Ok(())
     }
 
     /// Waits for every copy in flight and frees the ring; later copies raise.

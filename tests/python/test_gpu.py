@@ -157,6 +157,31 @@ def test_bound_target_mirror_and_plan_thread(gpu):
     assert (got[256:] == 0).all()
 
 
+@pytest.mark.parametrize("stream_kind", ["legacy", "side"])
+def test_one_query_serves_several_claims(gpu, stream_kind):
+    """400 padded copies through a ring of 8 to 400 slices, synchronized every 4 copies: every
+    slice holds its own values, and the stager asked the driver about far fewer slots than it
+    reused (the stream's completion watermark)."""
+    torch = pytest.importorskip("torch")
+    n, width, copies = 24, 64, 400
+    big = torch.full((copies * width,), -12345, dtype=torch.int32, device="cuda")
+    st = pinstage.PinnedStager(torch.int32, width, 8)
+    side = torch.cuda.Stream() if stream_kind == "side" else None
+    with torch.cuda.stream(side) if side is not None else torch.cuda.stream(torch.cuda.default_stream()):
+        for k in range(copies):
+            st.copy_(big[k * width : (k + 1) * width], np.arange(n, dtype=np.int32) + 1000 * k + 1, pad_value=-k - 1)
+            if k % 4 == 3:
+                torch.cuda.current_stream().synchronize()
+    torch.cuda.synchronize()
+    got = big.cpu().numpy().reshape(copies, width)
+    for k in range(copies):
+        np.testing.assert_array_equal(got[k, :n], np.arange(n, dtype=np.int32) + 1000 * k + 1)
+        assert (got[k, n:] == -k - 1).all(), k
+    s = st.stats()
+    assert s["copies"] == copies and s["waits"] == 0
+    assert s["queries"] <= (copies - 8) // 3, s
+
+
 def test_capture_is_refused(gpu):
     torch = pytest.importorskip("torch")
     dst = torch.zeros(16, dtype=torch.int32, device="cuda")
