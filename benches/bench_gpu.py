@@ -9,6 +9,7 @@ is read; data is fresh random values, and every implementation's result is check
 import argparse
 import json
 import statistics
+import sys
 import threading
 import time
 
@@ -204,11 +205,11 @@ def bench_small(torch, cuda_drv, calls=20000, rounds=3):
         check(name + " (paced)", value_sets[(paced_calls - 1) % 64])
         paceds.setdefault(name, []).append(statistics.median(per_call) / 1e3)
 
-    st = pinstage.PinnedStager(torch.int32, 256, 8)
+    st = pinstage.PinnedStager(torch.int32, 256)  # the default depth (16)
     target = st.target(dst, pad_value=pad)
     # The same stager path with every claim querying its own slot's event (the stager before the watermark):
     # what the completion watermark saves, in the same run.
-    st_q = pinstage.PinnedStager(torch.int32, 256, 8)
+    st_q = pinstage.PinnedStager(torch.int32, 256)
     st_q._set_amortized_checks(False)
     target_q = st_q.target(dst, pad_value=pad)
     hit = value_sets[(calls - 1) % 64]
@@ -317,7 +318,7 @@ def bench_graph(torch, seconds=2.0):
     side = torch.cuda.Stream()
     dst = torch.empty(4096, dtype=torch.int32, device="cuda")
     big = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
-    st = pinstage.PinnedStager(torch.int32, 256, 8)
+    st = pinstage.PinnedStager(torch.int32, 256)
     vals = np.arange(256, dtype=np.int32)
 
     def with_load(work):
@@ -360,7 +361,7 @@ def bench_threads(torch, calls=20000, rounds=3):
     thread on the legacy default stream (the GPU runs all copies one after another), and every
     thread on its own stream (how planner threads usually run). Each figure is the median of
     `rounds` rounds, the settings alternating within each round."""
-    st = pinstage.PinnedStager(torch.int32, 256, 8)
+    st = pinstage.PinnedStager(torch.int32, 256)
     dsts = [torch.empty(4096, dtype=torch.int32, device="cuda") for _ in range(4)]
     streams = [torch.cuda.Stream() for _ in range(4)]
     targets = [st.target(dsts[k], pad_value=-k) for k in range(4)]
@@ -373,30 +374,44 @@ def bench_threads(torch, calls=20000, rounds=3):
         [t.join() for t in ths]
         return time.perf_counter() - t0
 
+    default_interval = sys.getswitchinterval()
     for _ in range(rounds):
-        for own in (False, True):
-            for nthreads in (1, 4):
-                last = {}
+        # (own streams, threads, GIL switch interval): the last setting tests whether the
+        # interpreter handing the GIL between threads is what 4 threads lose.
+        for own, nthreads, interval in ((False, 1, None), (False, 4, None), (True, 1, None), (True, 4, None), (False, 4, 0.05)):
+            last = {}
+            owner, handovers = [None], [0]
 
-                def work(k):
-                    v = np.full(256, k + 1, np.int32)
-                    s = streams[k] if own else torch.cuda.default_stream()
-                    with torch.cuda.stream(s):
-                        for i in range(calls):
-                            v[0] = i
-                            st.copy_(dsts[k], v, -k)
-                    last[k] = v.copy()
+            def work(k):
+                v = np.full(256, k + 1, np.int32)
+                s = streams[k] if own else torch.cuda.default_stream()
+                with torch.cuda.stream(s):
+                    for i in range(calls):
+                        v[0] = i
+                        st.copy_(dsts[k], v, -k)
+                        if owner[0] != k:  # the GIL makes this check-and-set atomic
+                            owner[0] = k
+                            handovers[0] += 1
+                last[k] = v.copy()
 
-                waits0 = st.stats()["waits"]
+            waits0 = st.stats()["waits"]
+            if interval is not None:
+                sys.setswitchinterval(interval)
+            try:
                 dt = timed(nthreads, work)
-                torch.cuda.synchronize()
-                for k in range(nthreads):
-                    got = dsts[k].cpu().numpy()
-                    assert np.array_equal(got[:256], last[k]) and (got[256:] == -k).all()
-                where = "own streams" if own else "one stream"
-                key = f"{nthreads} thread{'s' if nthreads > 1 else ''}, {where}"
-                runs.setdefault(key + ", calls/s", []).append(nthreads * calls / dt)
-                runs.setdefault(key + ", slot waits", []).append(st.stats()["waits"] - waits0)
+            finally:
+                sys.setswitchinterval(default_interval)
+            torch.cuda.synchronize()
+            for k in range(nthreads):
+                got = dsts[k].cpu().numpy()
+                assert np.array_equal(got[:256], last[k]) and (got[256:] == -k).all()
+            where = "own streams" if own else "one stream"
+            if interval is not None:
+                where += f", switch interval {interval * 1e3:.0f} ms"
+            key = f"{nthreads} thread{'s' if nthreads > 1 else ''}, {where}"
+            runs.setdefault(key + ", calls/s", []).append(nthreads * calls / dt)
+            runs.setdefault(key + ", GIL hand-overs/s", []).append(handovers[0] / dt)
+            runs.setdefault(key + ", slot waits", []).append(st.stats()["waits"] - waits0)
         # Control: the same threads calling a bound target whose mirror already holds the values
         # (the Python boundary alone, no driver call). Whatever 4 threads lose here, they lose
         # to the GIL, not to the stager.
@@ -417,7 +432,15 @@ def bench_threads(torch, calls=20000, rounds=3):
     RESULTS["threads rounds"] = runs
     for where in ("one stream", "own streams"):
         r1, r4 = out[f"1 thread, {where}, calls/s"], out[f"4 threads, {where}, calls/s"]
-        print(f"one stager, {where}: 1 thread {r1:,.0f} calls/s, 4 threads {r4:,.0f} calls/s ({r4 / r1:.2f}x)")
+        print(
+            f"one stager, {where}: 1 thread {r1:,.0f} calls/s, 4 threads {r4:,.0f} calls/s ({r4 / r1:.2f}x), "
+            f"GIL hand-overs {out[f'4 threads, {where}, GIL hand-overs/s']:,.0f}/s"
+        )
+    r50 = out["4 threads, one stream, switch interval 50 ms, calls/s"]
+    print(
+        f"  4 threads, one stream, GIL switch interval 50 ms: {r50:,.0f} calls/s ({r50 / out['1 thread, one stream, calls/s']:.2f}x), "
+        f"GIL hand-overs {out['4 threads, one stream, switch interval 50 ms, GIL hand-overs/s']:,.0f}/s"
+    )
     c1, c4 = out["control 1 thread, mirror hits, calls/s"], out["control 4 threads, mirror hits, calls/s"]
     print(f"control, the Python boundary alone (mirror hits): 1 thread {c1:,.0f} calls/s, 4 threads {c4:,.0f} ({c4 / c1:.2f}x)")
 

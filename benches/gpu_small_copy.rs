@@ -37,7 +37,7 @@ fn small_copy(c: &mut Criterion) {
     let stream = Stream::new(&dev).unwrap();
     let buf = DeviceBuffer::new(&dev, 4096 * 4).unwrap();
     let dst = buf.view(DType::I32);
-    let st = PinnedStager::<i32>::new(0, 256, 8).unwrap();
+    let st = PinnedStager::<i32>::new(0, 256, pinstage::DEFAULT_DEPTH).unwrap();
     let sets: Vec<Vec<i32>> = (0..64)
         .map(|k| (0..256).map(|i| k * 1000 + i + 1).collect())
         .collect();
@@ -51,7 +51,7 @@ fn small_copy(c: &mut Criterion) {
             )
         })
     });
-    let per_claim = PinnedStager::<i32>::new(0, 256, 8).unwrap();
+    let per_claim = PinnedStager::<i32>::new(0, 256, pinstage::DEFAULT_DEPTH).unwrap();
     per_claim.raw().set_amortized_checks(false);
     c.bench_function("rust copy_ 256 of 4096 int32, a query per claim", |b| {
         b.iter(|| {

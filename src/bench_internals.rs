@@ -103,7 +103,7 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
             Ok(())
         },
     )?;
-    let st = PinnedStager::<i32>::new(0, 256, 8)?;
+    let st = PinnedStager::<i32>::new(0, 256, crate::DEFAULT_DEPTH)?;
     let view = dbuf.view(DType::I32);
     let v: Vec<i32> = (0..256).collect();
     time("PinnedStager::copy_ 256 of 4096 int32 padded", &mut || {
@@ -318,8 +318,9 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
     };
     // The stager itself, 256 of 4096 int32 padded, with the completion watermark (default) and
     // with a query of the own slot's event on every claim (the stager before the watermark).
-    let amortized = PinnedStager::<i32>::new(0, 256, 8)?;
-    let per_claim = PinnedStager::<i32>::new(0, 256, 8)?;
+    let amortized = PinnedStager::<i32>::new(0, 256, crate::DEFAULT_DEPTH)?;
+    let per_claim = PinnedStager::<i32>::new(0, 256, crate::DEFAULT_DEPTH)?;
+    let shallow = PinnedStager::<i32>::new(0, 256, 8)?;
     per_claim.raw().set_amortized_checks(false);
     let view = dbuf.view(DType::I32);
     let sets: Vec<Vec<i32>> = (0..8)
@@ -411,7 +412,11 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
         for (hn, h) in [("", s), (", legacy", leg)] {
             let kind = if paced { "paced" } else { "loop" };
             // The stager itself.
-            for (label, st) in [("watermark", &amortized), ("a query per claim", &per_claim)] {
+            for (label, st) in [
+                ("watermark", &amortized),
+                ("a query per claim", &per_claim),
+                ("watermark, depth 8", &shallow),
+            ] {
                 let (view, sets) = (&view, &sets);
                 variants.push((
                     format!("{kind}: PinnedStager::copy_, {label}{hn}"),
@@ -474,7 +479,11 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
             "slot_check_costs: the destination does not hold the last copy".into(),
         ));
     }
-    for (name, st) in [("watermark", &amortized), ("a query per claim", &per_claim)] {
+    for (name, st) in [
+        ("watermark", &amortized),
+        ("a query per claim", &per_claim),
+        ("watermark, depth 8", &shallow),
+    ] {
         let st = st.stats();
         out.push((
             format!("stager {name}: queries per copy (x1000)"),

@@ -23,8 +23,9 @@
 //! copy and event come before y's in the stream's order: y's event complete implies x's copy
 //! complete. A stream's watermark `wm` is the largest `begin` of an event on it known complete;
 //! a slot with `done <= wm` on that stream needs no query. A claimer whose slot is not covered
-//! queries the event of the slot half a ring ahead (issued about `depth/2` copies later, so
-//! usually complete and covering this slot and the ones claimed next), then its own.
+//! queries the event of a slot `reach` slots ahead (issued that many copies later, so it covers
+//! this slot and the ones claimed next; `reach` adapts to the copy engine's lag, starting at
+//! half the ring), then, if that copy is not complete yet, its own.
 //!
 //! Streams are told apart by the driver's stream ID (unique for the context's life, unlike a
 //! handle, which a new stream may reuse): the table assigns an entry per ID, for good; streams
@@ -145,6 +146,11 @@ pub(crate) struct Ring {
     /// Whether claims use the watermarks and a query half a ring ahead (the default), or query
     /// their own slot's event every time (for comparison in the benches).
     amortize: AtomicBool,
+    /// How many slots ahead of its own a claimer asks about: the newest copy likely complete.
+    /// Grows by one after a complete answer, halves after an incomplete one, so it settles just
+    /// behind the copy engine's lag (a ring deeper than that lag lets one query serve several
+    /// claims).
+    reach: CachePadded<AtomicUsize>,
 }
 
 /// A slot owned by the calling thread (state `WRITING`).
@@ -176,6 +182,7 @@ impl Ring {
             ids: std::array::from_fn(|_| AtomicU64::new(0)),
             wms: std::array::from_fn(|_| CachePadded::new(AtomicU64::new(0))),
             amortize: AtomicBool::new(true),
+            reach: CachePadded::new(AtomicUsize::new(depth / 2)),
         }
     }
 
@@ -313,7 +320,9 @@ impl Ring {
                 return Ok(true);
             }
             if depth >= 4 {
-                let j = (claim.index + depth / 2) % depth;
+                // Relaxed: a hint; any slot is a correct choice (the word decides).
+                let reach = self.reach.load(Ordering::Relaxed).clamp(1, depth - 1);
+                let j = (claim.index + reach) % depth;
                 // Acquire: the word's record happened before this read (its owner's Release).
                 let word = self.states[j].load(Ordering::Acquire);
                 let other = SlotState(word);
@@ -321,10 +330,16 @@ impl Ring {
                     && other.mark() == me.mark()
                     && let Some(begin) = other.begin()
                     && begin >= me.done()
-                    && query(j)?
-                    // Unchanged: the query saw this record, not a newer one (module docs).
-                    && self.states[j].load(Ordering::Acquire) == word
                 {
+                    let complete = query(j)?;
+                    // Reach further after a hit, back off by half after a miss.
+                    let next = if complete { reach + 1 } else { reach / 2 };
+                    self.reach
+                        .store(next.clamp(1, depth - 1), Ordering::Relaxed);
+                    // Unchanged: the query saw this record, not a newer one (module docs).
+                    if !complete || self.states[j].load(Ordering::Acquire) != word {
+                        return self.check_own(claim, query, true);
+                    }
                     self.advance(me.mark(), begin);
                     // Its own copy completed too: spare its next claimer the check. Failure
                     // (claimed meanwhile) is fine.
@@ -338,6 +353,17 @@ impl Ring {
                 }
             }
         }
+        self.check_own(claim, query, tracked)
+    }
+
+    /// The last step of [`Ring::check`]: the claimed slot's own event.
+    fn check_own<E>(
+        &self,
+        claim: &Claim,
+        query: &mut dyn FnMut(usize) -> Result<bool, E>,
+        tracked: bool,
+    ) -> Result<bool, E> {
+        let me = claim.prev;
         let complete = query(claim.index)?;
         if complete
             && tracked

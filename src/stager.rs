@@ -136,8 +136,10 @@ impl std::fmt::Debug for Stager {
 
 /// Default slot capacity in elements.
 pub const DEFAULT_NUMEL: usize = 256;
-/// Default ring depth.
-pub const DEFAULT_DEPTH: usize = 8;
+/// Default ring depth. Deeper than the copy engine's lag behind a host issuing copies back to
+/// back (about 5 copies of 16 KiB on the H200), so one event query usually serves several
+/// claims; 16 slots of 256 int32 hold 16 KiB of pinned memory.
+pub const DEFAULT_DEPTH: usize = 16;
 
 impl Stager {
     /// A stager of `depth` slots of `numel` elements of `dtype` on device `ordinal`.

@@ -50,7 +50,7 @@ class StagedTarget:
 
 class PinnedStager:
     def __init__(
-        self, dtype: DTypeLike, numel: int = 256, depth: int = 8, *, device: Any = None
+        self, dtype: DTypeLike, numel: int = 256, depth: int = 16, *, device: Any = None
     ) -> None: ...
     def copy_(
         self,

@@ -382,7 +382,7 @@ fn wait_for_slot(py: Python<'_>, ev: &crate::Event) -> crate::Result<()> {
 #[pymethods]
 impl PyStager {
     #[new]
-    #[pyo3(signature = (dtype, numel=256, depth=8, *, device=None))]
+    #[pyo3(signature = (dtype, numel=256, depth=16, *, device=None))]
     fn new(
         py: Python<'_>,
         dtype: &Bound<'_, PyAny>,
