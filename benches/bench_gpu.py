@@ -7,6 +7,7 @@ is read; data is fresh random values, and every implementation's result is check
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -376,16 +377,22 @@ def bench_threads(torch, calls=20000, rounds=3):
 
     default_interval = sys.getswitchinterval()
     for _ in range(rounds):
-        # (own streams, threads, GIL switch interval): the last setting tests whether the
-        # interpreter handing the GIL between threads is what 4 threads lose.
-        for own, nthreads, interval in ((False, 1, None), (False, 4, None), (True, 1, None), (True, 4, None), (False, 4, 0.05)):
+        # (own streams, threads, GIL switch interval): the last two settings test where 4
+        # threads lose against 1: the interpreter handing the GIL between them (a 50 ms switch
+        # interval), or calling from 4 OS threads at all ("one after another": each thread runs
+        # its whole loop alone).
+        for own, nthreads, interval in (
+            (False, 1, None), (False, 4, None), (True, 1, None), (True, 4, None),
+            (False, 4, 0.05), (False, 4, "one after another"),
+        ):
             last = {}
             owner, handovers = [None], [0]
+            alone = threading.Lock()
 
             def work(k):
                 v = np.full(256, k + 1, np.int32)
                 s = streams[k] if own else torch.cuda.default_stream()
-                with torch.cuda.stream(s):
+                with torch.cuda.stream(s), (alone if interval == "one after another" else contextlib.nullcontext()):
                     for i in range(calls):
                         v[0] = i
                         st.copy_(dsts[k], v, -k)
@@ -395,7 +402,7 @@ def bench_threads(torch, calls=20000, rounds=3):
                 last[k] = v.copy()
 
             waits0 = st.stats()["waits"]
-            if interval is not None:
+            if isinstance(interval, float):
                 sys.setswitchinterval(interval)
             try:
                 dt = timed(nthreads, work)
@@ -406,8 +413,10 @@ def bench_threads(torch, calls=20000, rounds=3):
                 got = dsts[k].cpu().numpy()
                 assert np.array_equal(got[:256], last[k]) and (got[256:] == -k).all()
             where = "own streams" if own else "one stream"
-            if interval is not None:
+            if isinstance(interval, float):
                 where += f", switch interval {interval * 1e3:.0f} ms"
+            elif interval is not None:
+                where += f", {interval}"
             key = f"{nthreads} thread{'s' if nthreads > 1 else ''}, {where}"
             runs.setdefault(key + ", calls/s", []).append(nthreads * calls / dt)
             runs.setdefault(key + ", GIL hand-overs/s", []).append(handovers[0] / dt)
@@ -441,6 +450,8 @@ def bench_threads(torch, calls=20000, rounds=3):
         f"  4 threads, one stream, GIL switch interval 50 ms: {r50:,.0f} calls/s ({r50 / out['1 thread, one stream, calls/s']:.2f}x), "
         f"GIL hand-overs {out['4 threads, one stream, switch interval 50 ms, GIL hand-overs/s']:,.0f}/s"
     )
+    seq = out["4 threads, one stream, one after another, calls/s"]
+    print(f"  4 threads, one stream, one after another: {seq:,.0f} calls/s ({seq / out['1 thread, one stream, calls/s']:.2f}x)")
     c1, c4 = out["control 1 thread, mirror hits, calls/s"], out["control 4 threads, mirror hits, calls/s"]
     print(f"control, the Python boundary alone (mirror hits): 1 thread {c1:,.0f} calls/s, 4 threads {c4:,.0f} ({c4 / c1:.2f}x)")
 
@@ -503,6 +514,12 @@ def report(out):
             lines.append(f"one stager, {where}: 4 threads / 1 thread = {r4 / r1:.2f} (goal >= 1)")
         c1, c4 = th["control 1 thread, mirror hits, calls/s"], th["control 4 threads, mirror hits, calls/s"]
         lines.append(f"  control, Python boundary alone (mirror hits, no driver): 4 threads / 1 thread = {c4 / c1:.2f}")
+        r1 = th["1 thread, one stream, calls/s"]
+        lines.append(
+            f"  one stream: GIL hand-overs {th['4 threads, one stream, GIL hand-overs/s']:,.0f}/s; 50 ms switch interval "
+            f"{th['4 threads, one stream, switch interval 50 ms, calls/s'] / r1:.2f}x; the 4 threads one after another "
+            f"{th['4 threads, one stream, one after another, calls/s'] / r1:.2f}x"
+        )
     print("\n=== pinstage bench summary")
     print("\n".join(lines))
     with open(f"{out}/bench.json", "w") as f:

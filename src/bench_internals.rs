@@ -326,6 +326,16 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
     let sets: Vec<Vec<i32>> = (0..8)
         .map(|k| (0..256).map(|i| k * 1000 + i + 1).collect())
         .collect();
+    // Sixteen separate 16 KiB buffers and events, as a default-depth stager's grown slots.
+    let sep16 = (0..16)
+        .map(|_| PinnedBuffer::new(&dev, 16384, PinnedFlags::WRITE_COMBINED))
+        .collect::<Result<Vec<_>>>()?;
+    let ev16 = (0..16)
+        .map(|_| Event::new(&dev))
+        .collect::<Result<Vec<_>>>()?;
+    let ones = vec![7u8; 1024];
+    let sep16p: Vec<usize> = sep16.iter().map(|b| b.as_ptr() as usize).collect();
+    let dptr = dbuf.ptr();
     type Body<'a> = Box<dyn FnMut(usize, StreamHandle) -> Result<()> + 'a>;
     let mut variants: Vec<(String, StreamHandle, bool, Body<'_>)> = Vec::new();
     for n in [4usize, 64, 1024, 4096, 16384, 65536] {
@@ -407,6 +417,68 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
                 ));
             }
         }
+    }
+    // What the stager does besides copy + record, added one at a time (paced).
+    for (label, getid, ctx, write, sixteen) in [
+        ("A + cuStreamGetId", true, false, false, false),
+        (
+            "A + cuCtxGetCurrent + cuStreamIsCapturing",
+            false,
+            true,
+            false,
+            false,
+        ),
+        ("A + write 1 KiB + sfence", false, false, true, false),
+        (
+            "A from 16 separate buffers, 16 events",
+            false,
+            false,
+            false,
+            true,
+        ),
+        (
+            "all four (the stager without queries)",
+            true,
+            true,
+            true,
+            true,
+        ),
+    ] {
+        let (ev, ev16, sep16p, ones) = (&events, &ev16, &sep16p, &ones);
+        variants.push((
+            format!("paced: {label}"),
+            s,
+            true,
+            Box::new(move |k, h| {
+                if ctx {
+                    driver::ctx_get_current()?;
+                    // SAFETY: our stream; context current.
+                    unsafe { driver::stream_is_capturing(h.raw()) }?;
+                }
+                if getid {
+                    // SAFETY: as above.
+                    unsafe { driver::stream_get_id(h.raw()) }?;
+                }
+                let (src, event) = if sixteen {
+                    (sep16p[k % 16], &ev16[k % 16])
+                } else {
+                    (base + (k % 8) * SLOT, &ev[k % 8])
+                };
+                if write {
+                    // SAFETY: `src` starts one of our pinned buffers of >= 16 KiB; 1 KiB is
+                    // written. A copy issued from it earlier may still read it: that could only
+                    // change what lands in `dbuf`, which these rows never check.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(ones.as_ptr(), src as *mut u8, ones.len())
+                    };
+                    crate::stager::store_fence_for_bench();
+                }
+                // SAFETY: `src` holds 16 KiB of pinned memory and `dbuf` 64 KiB; both outlive
+                // the synchronize ending each measurement.
+                unsafe { driver::memcpy_htod_async(dptr, src as *const _, 16384, h.raw()) }?;
+                event.record_entered(h)
+            }),
+        ));
     }
     for paced in [false, true] {
         for (hn, h) in [("", s), (", legacy", leg)] {
