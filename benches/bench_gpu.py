@@ -213,6 +213,10 @@ def bench_small(torch, cuda_drv, calls=20000, rounds=3):
     st_q = pinstage.PinnedStager(torch.int32, 256)
     st_q._set_amortized_checks(False)
     target_q = st_q.target(dst, pad_value=pad)
+    # ... and with every copy sent as one cuMemcpyHtoDAsync instead of 16 rows of 1 KiB.
+    st_1d = pinstage.PinnedStager(torch.int32, 256)
+    st_1d._set_row_copies(False)
+    target_1d = st_1d.target(dst, pad_value=pad)
     hit = value_sets[(calls - 1) % 64]
     target2 = st.target(dst, pad_value=pad)
     target2.copy_(hit)
@@ -256,6 +260,7 @@ def bench_small(torch, cuda_drv, calls=20000, rounds=3):
         run("pinstage bound target", lambda v: target.copy_(v))
         run("pinstage copy_(dst, ...)", lambda v: st.copy_(dst, v, pad))
         run("pinstage bound target, a query per claim", lambda v: target_q.copy_(v))
+        run("pinstage bound target, one 1-D copy", lambda v: target_1d.copy_(v))
         run("pinstage copy_(dst, ...), a query per claim", lambda v: st_q.copy_(dst, v, pad))
         run("pinstage bound target, mirror hit (no copy)", lambda v: target2.copy_(hit))
         run("pinstage copy_(dst, ...), mirror hit (no copy)", lambda v: st.copy_(dst, hit, pad, m))
@@ -488,6 +493,12 @@ def report(out):
             f"(goal <= 5), best peer {best_peer:.2f} ({best_peer / s['pinstage bound target']:.1f}x slower)  [loop of calls]"
         )
         lines.append(f"  copy_(dst, ...) with a mirror hit (import + values + compare, no copy): {s['pinstage copy_(dst, ...), mirror hit (no copy)']:.2f} us")
+        if "pinstage bound target, one 1-D copy" in s:
+            b1 = s["pinstage bound target, one 1-D copy"]
+            lines.append(f"  one 1-D cuMemcpyHtoDAsync instead of 16 rows: bound target {b1:.2f} ({b1 - s['pinstage bound target']:+.2f} us)")
+            p1 = RESULTS.get("small paced", {}).get("pinstage bound target, one 1-D copy")
+            if p1 is not None:
+                lines.append(f"    paced: {p1:.2f} vs {RESULTS['small paced']['pinstage bound target']:.2f} us")
         q = "pinstage bound target, a query per claim"
         if q in s:
             lines.append(

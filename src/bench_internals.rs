@@ -321,8 +321,11 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
     let amortized = PinnedStager::<i32>::new(0, 256, crate::DEFAULT_DEPTH)?;
     let per_claim = PinnedStager::<i32>::new(0, 256, crate::DEFAULT_DEPTH)?;
     let shallow = PinnedStager::<i32>::new(0, 256, 8)?;
+    let one_d = PinnedStager::<i32>::new(0, 256, crate::DEFAULT_DEPTH)?;
+    one_d.raw().set_row_copies(false);
     per_claim.raw().set_amortized_checks(false);
     let view = dbuf.view(DType::I32);
+    let view16 = crate::DeviceView::contiguous_device(0, dbuf.ptr(), DType::I32, 4096);
     let sets: Vec<Vec<i32>> = (0..8)
         .map(|k| (0..256).map(|i| k * 1000 + i + 1).collect())
         .collect();
@@ -418,6 +421,85 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
             }
         }
     }
+    // Copy + record by size, paced: what one copy costs the host with the GPU idle.
+    for n in [4usize, 1024, 4096, 16384, 32768, 49152, 65536] {
+        let ev = &events;
+        variants.push((
+            format!("paced: cuMemcpyHtoDAsync {n} B + record"),
+            s,
+            true,
+            Box::new(move |k, h| {
+                copy(k % 8, n, h)?;
+                ev[k % 8].record_entered(h)
+            }),
+        ));
+    }
+    {
+        let ev = &events;
+        variants.push((
+            "paced: cuMemcpyBatchAsync 1 x 16 KiB + record".into(),
+            s,
+            true,
+            Box::new(move |k, h| {
+                // SAFETY: as `copy`; `h` is our created stream.
+                unsafe {
+                    driver::memcpy_batch_async_one(
+                        dptr,
+                        (base + (k % 8) * SLOT) as *const _,
+                        16384,
+                        h.raw(),
+                    )
+                }?;
+                ev[k % 8].record_entered(h)
+            }),
+        ));
+    }
+    // Other entry points for the same 16 KiB, paced: is any spared the small-copy cost?
+    let plain = PinnedBuffer::new(&dev, 16384, PinnedFlags::PORTABLE)?;
+    let plain_p = plain.as_ptr() as usize;
+    for (paced, label, how) in [
+        (true, "cuMemcpyAsync (unified) 16 KiB + record", 0u8),
+        (true, "cuMemcpy2DAsync 1 x 16 KiB + record", 1),
+        (true, "cuMemcpy2DAsync 2 x 8 KiB + record", 4),
+        (true, "cuMemcpy2DAsync 4 x 4 KiB + record", 5),
+        (true, "cuMemcpy2DAsync 16 x 1 KiB + record", 2),
+        (true, "cuMemcpy2DAsync 64 x 256 B + record", 6),
+        (true, "cuMemcpy2DAsync 4 x 1 KiB + record", 7),
+        (
+            true,
+            "cuMemcpyHtoDAsync 16 KiB from plain pinned + record",
+            3,
+        ),
+        (false, "cuMemcpyHtoDAsync 16 KiB + record", 8),
+        (false, "cuMemcpy2DAsync 16 x 1 KiB + record", 2),
+    ] {
+        let ev = &events;
+        let kind = if paced { "paced" } else { "loop" };
+        variants.push((
+            format!("{kind}: {label}"),
+            s,
+            paced,
+            Box::new(move |k, h| {
+                let src = base + (k % 8) * SLOT;
+                // SAFETY: 16 KiB of our pinned arena (or of `plain`) into our 64 KiB device
+                // buffer; both outlive the synchronize ending each measurement.
+                unsafe {
+                    match how {
+                        0 => driver::memcpy_async(dptr, src as u64, 16384, h.raw()),
+                        1 => driver::memcpy_2d_htod_async(dptr, src as *const _, 16384, 1, h.raw()),
+                        2 => driver::memcpy_2d_htod_async(dptr, src as *const _, 1024, 16, h.raw()),
+                        4 => driver::memcpy_2d_htod_async(dptr, src as *const _, 8192, 2, h.raw()),
+                        5 => driver::memcpy_2d_htod_async(dptr, src as *const _, 4096, 4, h.raw()),
+                        6 => driver::memcpy_2d_htod_async(dptr, src as *const _, 256, 64, h.raw()),
+                        7 => driver::memcpy_2d_htod_async(dptr, src as *const _, 1024, 4, h.raw()),
+                        8 => driver::memcpy_htod_async(dptr, src as *const _, 16384, h.raw()),
+                        _ => driver::memcpy_htod_async(dptr, plain_p as *const _, 16384, h.raw()),
+                    }
+                }?;
+                ev[k % 8].record_entered(h)
+            }),
+        ));
+    }
     // What the stager does besides copy + record, added one at a time (paced).
     for (label, getid, ctx, write, sixteen) in [
         ("A + cuStreamGetId", true, false, false, false),
@@ -484,19 +566,20 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
         for (hn, h) in [("", s), (", legacy", leg)] {
             let kind = if paced { "paced" } else { "loop" };
             // The stager itself.
-            for (label, st) in [
-                ("watermark", &amortized),
-                ("a query per claim", &per_claim),
-                ("watermark, depth 8", &shallow),
+            for (label, st, v) in [
+                ("watermark", &amortized, &view),
+                ("a query per claim", &per_claim, &view),
+                ("watermark, depth 8", &shallow, &view),
+                ("watermark, 16 KiB dst", &amortized, &view16),
+                ("a query per claim, 16 KiB dst", &per_claim, &view16),
+                ("watermark, one 1-D copy, 16 KiB dst", &one_d, &view16),
             ] {
-                let (view, sets) = (&view, &sets);
+                let sets = &sets;
                 variants.push((
-                    format!("{kind}: PinnedStager::copy_, {label}{hn}"),
+                    format!("{kind}: PinnedStager::copy_ (64 KiB dst unless said), {label}{hn}"),
                     h,
                     paced,
-                    Box::new(move |k, h| {
-                        st.copy_(view, &sets[k % 8], Some(-1), None, h).map(|_| ())
-                    }),
+                    Box::new(move |k, h| st.copy_(v, &sets[k % 8], Some(-1), None, h).map(|_| ())),
                 ));
             }
         }

@@ -357,6 +357,43 @@ pub(crate) unsafe fn memcpy_batch_async_one(
     })
 }
 
+/// [cuMemcpy2DAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) from
+/// host to device, `height` rows of `width` bytes, both packed. For the benches' comparison of
+/// copy entry points.
+///
+/// # Safety
+/// As [`memcpy_htod_async`] for `width * height` bytes.
+pub(crate) unsafe fn memcpy_2d_htod_async(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    width: usize,
+    height: usize,
+    stream: CUstream,
+) -> DResult<()> {
+    let c = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+        srcHost: src,
+        srcDevice: 0,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: width,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: width,
+        WidthInBytes: width,
+        Height: height,
+    };
+    // SAFETY: caller's contract; `c` outlives the call (the driver reads it during the call).
+    check("cuMemcpy2DAsync", unsafe {
+        sys::cuMemcpy2DAsync_v2(&c, stream)
+    })
+}
+
 /// [cuMemcpyDtoHAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
 ///
 /// # Safety

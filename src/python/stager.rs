@@ -476,6 +476,13 @@ impl PyStager {
         Ok(())
     }
 
+    /// Benches only: `False` sends every copy as one `cuMemcpyHtoDAsync`, `True` (the default)
+    /// sends copies of 2-32 KiB as one 2-D copy of packed rows.
+    fn _set_row_copies(&self, on: bool) -> PyResult<()> {
+        self.stager()?.set_row_copies(on);
+        Ok(())
+    }
+
     /// Waits for every copy in flight and frees the ring; later copies raise.
     fn close(&self, py: Python<'_>) {
         let taken = self.inner.write().take();
