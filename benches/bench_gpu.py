@@ -362,7 +362,7 @@ def bench_graph(torch, seconds=2.0):
     )
 
 
-def bench_threads(torch, calls=20000, rounds=3):
+def bench_threads(torch, calls=20000, rounds=5):
     """One stager shared by 1 and by 4 Python threads, every copy verified. Two settings: every
     thread on the legacy default stream (the GPU runs all copies one after another), and every
     thread on its own stream (how planner threads usually run). Each figure is the median of

@@ -100,7 +100,7 @@ fn small_copy(c: &mut Criterion) {
 /// in all, every destination checked afterwards.
 fn threads(dev: &Device, st: &PinnedStager<i32>) {
     const CALLS: usize = 50_000;
-    const ROUNDS: usize = 3;
+    const ROUNDS: usize = 5;
     let mut rates = [Vec::new(), Vec::new()];
     for (slot, n) in (0..ROUNDS).flat_map(|_| [(0usize, 1usize), (1, 4)]) {
         let work: Vec<(Stream, DeviceBuffer)> = (0..n)

@@ -11,15 +11,18 @@
 //! | `WRITING`   | exactly one thread owns the slot: it may wait on the slot's event, grow and write the buffer, issue the copy and record the event | only the owner: store `IN_FLIGHT` or `IDLE` |
 //! | `IN_FLIGHT` | a copy reading the buffer was issued and the slot's event recorded after it; the copy may still run | any thread: CAS to `WRITING` (then it must learn the copy completed before touching the buffer), or CAS to `IDLE` with the same other bits once it knows the copy completed |
 //!
-//! The other fields describe the slot's last record: `done` is its completion ticket (unique,
-//! so the word of a recorded slot never repeats: no ABA), `mark` the stream's entry in the
-//! ring's stream table (`NO_MARK`: untracked), `gap` = `done - begin` (`NO_GAP`: too large).
+//! The other fields describe the slot's last record: `done` is its completion ticket, `mark`
+//! the stream's entry in the ring's stream table (`NO_MARK`: untracked), `gap` = `done - begin`
+//! (`NO_GAP`: too large). A ticket is unique within its stream and the word carries the mark, so
+//! the word of a tracked record never repeats (no ABA); untracked records carry ticket 0 and are
+//! never used as evidence.
 //!
 //! # Completion tickets and watermarks: one query serves many slots
 //!
-//! Each copy reads `begin = tickets` before it issues its copy and, once its event is recorded,
-//! takes `done = ++tickets`. If `done_x <= begin_y` for two records on one stream, x's record
-//! call returned before y's copy was issued (y's Acquire load saw x's AcqRel increment), so x's
+//! Each copy reads `begin = tickets` (its stream's counter, on the stream's own cache line)
+//! before it issues its copy and, once its event is recorded, takes `done = ++tickets`. If
+//! `done_x <= begin_y` for two records on one stream, x's record call returned before y's copy
+//! was issued (y's Acquire load saw x's AcqRel increment), so x's
 //! copy and event come before y's in the stream's order: y's event complete implies x's copy
 //! complete. A stream's watermark `wm` is the largest `begin` of an event on it known complete;
 //! a slot with `done <= wm` on that stream needs no query. A claimer whose slot is not covered
@@ -138,19 +141,27 @@ pub(crate) enum Release {
 pub(crate) struct Ring {
     ticket: CachePadded<AtomicUsize>,
     states: Box<[CachePadded<AtomicU64>]>,
-    tickets: CachePadded<AtomicU64>,
-    /// Stream IDs + 1 of the table's entries (0: free).
+    /// Stream IDs + 1 of the table's entries (0: free); read on every copy, written once each.
     ids: [AtomicU64; MARKS],
-    /// Each entry's watermark: records on that stream with `done <= wm` completed.
-    wms: [CachePadded<AtomicU64>; MARKS],
-    /// Whether claims use the watermarks and a query half a ring ahead (the default), or query
+    /// Each entry's tickets, watermark and reach, on its own cache line: threads on different
+    /// streams share none of them.
+    marks: [CachePadded<MarkState>; MARKS],
+    /// Whether claims use the watermarks and a query of a slot ahead (the default), or query
     /// their own slot's event every time (for comparison in the benches).
     amortize: AtomicBool,
+}
+
+/// What the ring knows of one tracked stream.
+struct MarkState {
+    /// Completion tickets of the records on this stream (only compared within one stream).
+    tickets: AtomicU64,
+    /// Records on this stream with `done <= wm` completed.
+    wm: AtomicU64,
     /// How many slots ahead of its own a claimer asks about: the newest copy likely complete.
     /// Grows by one after a complete answer, halves after an incomplete one, so it settles just
     /// behind the copy engine's lag (a ring deeper than that lag lets one query serve several
     /// claims).
-    reach: CachePadded<AtomicUsize>,
+    reach: AtomicUsize,
 }
 
 /// A slot owned by the calling thread (state `WRITING`).
@@ -178,11 +189,15 @@ impl Ring {
             states: (0..depth)
                 .map(|_| CachePadded::new(AtomicU64::new(IDLE)))
                 .collect(),
-            tickets: CachePadded::new(AtomicU64::new(0)),
             ids: std::array::from_fn(|_| AtomicU64::new(0)),
-            wms: std::array::from_fn(|_| CachePadded::new(AtomicU64::new(0))),
+            marks: std::array::from_fn(|_| {
+                CachePadded::new(MarkState {
+                    tickets: AtomicU64::new(0),
+                    wm: AtomicU64::new(0),
+                    reach: AtomicUsize::new(depth / 2),
+                })
+            }),
             amortize: AtomicBool::new(true),
-            reach: CachePadded::new(AtomicUsize::new(depth / 2)),
         }
     }
 
@@ -265,16 +280,23 @@ impl Ring {
         NO_MARK
     }
 
-    /// The completion ticket to read before issuing a copy.
-    pub(crate) fn begin(&self) -> u64 {
-        // Acquire: pairs with the AcqRel increments of records that returned before (module docs).
-        self.tickets.load(Ordering::Acquire)
+    /// The completion ticket to read before issuing a copy on the stream of `mark` (0 when
+    /// untracked).
+    pub(crate) fn begin(&self, mark: u8) -> u64 {
+        self.marks.get(usize::from(mark)).map_or(0, |m| {
+            // Acquire: pairs with the AcqRel increments of records that returned before (module
+            // docs).
+            m.tickets.load(Ordering::Acquire)
+        })
     }
 
-    /// The completion ticket of a record that just returned.
-    pub(crate) fn done(&self) -> u64 {
-        // AcqRel: publishes this record's return to every later `begin` that sees it.
-        self.tickets.fetch_add(1, Ordering::AcqRel) + 1
+    /// The completion ticket of a record that just returned on the stream of `mark` (0 when
+    /// untracked).
+    pub(crate) fn done(&self, mark: u8) -> u64 {
+        self.marks.get(usize::from(mark)).map_or(0, |m| {
+            // AcqRel: publishes this record's return to every later `begin` that sees it.
+            m.tickets.fetch_add(1, Ordering::AcqRel) + 1
+        })
     }
 
     /// Chooses between amortized checks (default) and a query of the own event on every claim.
@@ -289,17 +311,17 @@ impl Ring {
     }
 
     fn advance(&self, mark: u8, begin: u64) {
-        if let Some(wm) = self.wms.get(usize::from(mark)) {
-            // Release: pairs with the Acquire load in `check` (module docs).
-            wm.fetch_max(begin, Ordering::Release);
+        if let Some(m) = self.marks.get(usize::from(mark)) {
+            // Release: pairs with the Acquire load in `covered` (module docs).
+            m.wm.fetch_max(begin, Ordering::Release);
         }
     }
 
     fn covered(&self, s: SlotState) -> bool {
-        self.wms
+        self.marks
             .get(usize::from(s.mark()))
             // Acquire: see `advance`.
-            .is_some_and(|wm| wm.load(Ordering::Acquire) >= s.done())
+            .is_some_and(|m| m.wm.load(Ordering::Acquire) >= s.done())
     }
 
     /// For the owner of `claim` (a slot that was `IN_FLIGHT`): whether its last copy is known
@@ -320,8 +342,9 @@ impl Ring {
                 return Ok(true);
             }
             if depth >= 4 {
+                let hint = &self.marks[usize::from(me.mark())].reach;
                 // Relaxed: a hint; any slot is a correct choice (the word decides).
-                let reach = self.reach.load(Ordering::Relaxed).clamp(1, depth - 1);
+                let reach = hint.load(Ordering::Relaxed).clamp(1, depth - 1);
                 let j = (claim.index + reach) % depth;
                 // Acquire: the word's record happened before this read (its owner's Release).
                 let word = self.states[j].load(Ordering::Acquire);
@@ -333,9 +356,12 @@ impl Ring {
                 {
                     let complete = query(j)?;
                     // Reach further after a hit, back off by half after a miss.
-                    let next = if complete { reach + 1 } else { reach / 2 };
-                    self.reach
-                        .store(next.clamp(1, depth - 1), Ordering::Relaxed);
+                    let next = (if complete { reach + 1 } else { reach / 2 }).clamp(1, depth - 1);
+                    if next != reach {
+                        // Relaxed: see above. Written only when it changes: the line stays
+                        // shared among the stream's claimers while the lag is steady.
+                        hint.store(next, Ordering::Relaxed);
+                    }
                     // Unchanged: the query saw this record, not a newer one (module docs).
                     if !complete || self.states[j].load(Ordering::Acquire) != word {
                         return self.check_own(claim, query, true);
@@ -486,8 +512,8 @@ mod tests {
             index,
             Release::InFlight {
                 mark: NO_MARK,
-                begin: ring.begin(),
-                done: ring.done(),
+                begin: ring.begin(NO_MARK),
+                done: ring.done(NO_MARK),
             },
         );
     }
@@ -583,10 +609,10 @@ mod tests {
                 }
             }
             bufs[c.index].store(v, std::sync::atomic::Ordering::Relaxed);
-            let begin = ring.begin();
+            let begin = ring.begin(mark);
             sim.copy(0, c.index, v);
             sim.record(0, c.index);
-            let done = ring.done();
+            let done = ring.done(mark);
             ring.release(c.index, Release::InFlight { mark, begin, done });
         }
         assert_eq!(sim.drain(&read), copies as usize);
@@ -608,7 +634,7 @@ mod tests {
                 })
                 .unwrap();
             }
-            let (begin, done) = (ring.begin(), ring.done());
+            let (begin, done) = (ring.begin(mark), ring.done(mark));
             ring.release(c.index, Release::InFlight { mark, begin, done });
         }
         assert!(checks >= depth);
@@ -626,8 +652,8 @@ mod tests {
         for (i, m) in [(0usize, m0), (1, m0), (2, m1), (3, m1)] {
             let c = ring.claim();
             assert_eq!(c.index, i);
-            let begin = ring.begin();
-            let done = ring.done();
+            let begin = ring.begin(m);
+            let done = ring.done(m);
             ring.release(
                 i,
                 Release::InFlight {
@@ -658,8 +684,8 @@ mod tests {
         let m = ring.mark(Some(1));
         for i in 0..4 {
             let c = ring.claim();
-            let begin = ring.begin();
-            let done = ring.done();
+            let begin = ring.begin(m);
+            let done = ring.done(m);
             ring.release(
                 c.index,
                 Release::InFlight {
@@ -678,7 +704,7 @@ mod tests {
                     // Another thread claims slot 2 and records it again meanwhile.
                     let word = r.states[2].load(Ordering::Relaxed);
                     r.states[2].store(SlotState(word).with_kind(WRITING).0, Ordering::Relaxed);
-                    let (begin, done) = (r.begin(), r.done());
+                    let (begin, done) = (r.begin(m), r.done(m));
                     r.states[2].store(SlotState::recorded(m, begin, done).0, Ordering::Relaxed);
                     Ok::<_, ()>(true)
                 } else {
@@ -703,7 +729,7 @@ mod tests {
         let issue = |i: usize| {
             let c = ring.claim();
             assert_eq!(c.index, i);
-            let (begin, done) = (ring.begin(), ring.done());
+            let (begin, done) = (ring.begin(m), ring.done(m));
             ring.release(
                 i,
                 Release::InFlight {
@@ -718,9 +744,9 @@ mod tests {
         // Thread A issues j = slot 2 and records it; before A takes its done ticket, thread B
         // issues y = slot 3 whole: stream order x0, x1, j, y.
         let j = ring.claim();
-        let begin_j = ring.begin();
+        let begin_j = ring.begin(m);
         let y = ring.claim();
-        let (begin_y, done_y) = (ring.begin(), ring.done());
+        let (begin_y, done_y) = (ring.begin(m), ring.done(m));
         ring.release(
             y.index,
             Release::InFlight {
@@ -729,7 +755,7 @@ mod tests {
                 done: done_y,
             },
         );
-        let done_j = ring.done();
+        let done_j = ring.done(m);
         ring.release(
             j.index,
             Release::InFlight {
@@ -817,10 +843,10 @@ mod tests {
                             while !sim.query(c.index, &read) {}
                         }
                         bufs[c.index].store(v, std::sync::atomic::Ordering::Relaxed);
-                        let begin = ring.begin();
+                        let begin = ring.begin(mark);
                         sim.copy(stream, c.index, v);
                         sim.record(stream, c.index);
-                        let done = ring.done();
+                        let done = ring.done(mark);
                         ring.release(c.index, Release::InFlight { mark, begin, done });
                     }
                 })
@@ -895,10 +921,10 @@ mod loom_tests {
             })
         };
         let mark = m.ring.mark(Some(7 + stream as u64));
-        let begin = m.ring.begin();
+        let begin = m.ring.begin(mark);
         m.sim.copy(stream, c.index, value);
         m.sim.record(stream, c.index);
-        let done = m.ring.done();
+        let done = m.ring.done(mark);
         m.ring
             .release(c.index, Release::InFlight { mark, begin, done });
     }

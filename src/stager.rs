@@ -471,7 +471,7 @@ impl Stager {
             // copy engine may read it.
             store_fence();
             let mark = self.ring.mark(stream.tracking_id());
-            let begin = self.ring.begin();
+            let begin = self.ring.begin(mark);
             // SAFETY: `src` holds `total` bytes and stays untouched until the event recorded
             // below completed (ring protocol); `dst` is device memory of this device (checked by
             // the caller: the view's contract covers its size); the stream is the caller's.
@@ -492,7 +492,7 @@ impl Stager {
                 };
                 return Err(e);
             }
-            let done = self.ring.done();
+            let done = self.ring.done(mark);
             Ok(Release::InFlight { mark, begin, done })
         })();
         match (&result, on_error) {
