@@ -476,7 +476,8 @@ impl Stager {
             // below completed (ring protocol); `dst` is device memory of this device (checked by
             // the caller: the view's contract covers its size); the stream is the caller's.
             unsafe {
-                match row_shape(total).filter(|_| self.rows.load(StatOrdering::Relaxed)) {
+                let rows = self.rows.load(StatOrdering::Relaxed) && dst % ROW_DST_ALIGN == 0;
+                match row_shape(total).filter(|_| rows) {
                     Some((width, height)) => {
                         driver::memcpy_2d_htod_async(dst, src.cast(), width, height, stream.raw())
                     }
@@ -527,6 +528,9 @@ impl Drop for Stager {
     }
 }
 
+/// Destinations whose address is a multiple of this take the 2-D path ([`row_shape`]).
+pub(crate) const ROW_DST_ALIGN: u64 = 256;
+
 /// Copies from 2 KiB up to 32 KiB go as one 2-D copy of packed 1 KiB rows (or 512- or 256-byte
 /// rows when the size is not a multiple of 1 KiB): `Some((row bytes, rows))`. The driver stages a
 /// small `cuMemcpyHtoDAsync` through its own command buffer, copying the bytes on the host, which
@@ -534,6 +538,10 @@ impl Drop for Stager {
 /// copy engine as is (paced on the H200: 16 KiB as 16 rows 2.0-3.0 µs with its event record, as
 /// one `cuMemcpyHtoDAsync` 3.5-4.6 µs; from 32 KiB up the driver already does so for 1-D copies).
 /// Either way it is ONE copy of the same contiguous bytes.
+///
+/// Only for destinations aligned to [`ROW_DST_ALIGN`]: the 2-D path has been run on the H200 for
+/// those (allocations and slices at multiples of 256 bytes); other destinations keep the 1-D copy
+/// until it has been run on them too.
 pub(crate) fn row_shape(total: usize) -> Option<(usize, usize)> {
     if !(2048..=32768).contains(&total) {
         return None;

@@ -325,3 +325,42 @@ fn gpu_one_query_serves_several_claims(#[values(true, false)] amortized: bool) {
         assert_eq!(s.queries, checks, "one query per claim of a used slot");
     }
 }
+
+/// Destinations at every kind of offset (odd, 4-, 64- and 256-byte aligned) and of sizes on both
+/// sides of the 2-D path's range, through both copy paths (rows, and one 1-D copy): each byte
+/// of the destination ends as values or pad, every byte around it keeps its poison.
+#[rstest]
+fn gpu_row_and_flat_copies_at_any_offset(
+    #[values(0, 1, 3, 4, 64, 255, 256, 4096)] offset: usize,
+    #[values(1000, 2048, 2560, 4096, 16384, 32768, 40000)] n: usize,
+    #[values(true, false)] rows: bool,
+) {
+    let Some(dev) = gpu_or_skip("gpu_row_and_flat_copies_at_any_offset") else {
+        return;
+    };
+    let st = Stager::new(DType::U8, 0, 64, 4).unwrap();
+    st.set_row_copies(rows);
+    let buf = poisoned(&dev, DType::U8, offset + n + 64);
+    let dst = DeviceView::contiguous_device(0, buf.ptr() + offset as u64, DType::U8, n);
+    let vals: Vec<u8> = (0..n / 3).map(|i| (i % 251) as u8 + 1).collect();
+    let stream = Stream::new(&dev).unwrap();
+    st.copy_bytes(&dst, &vals, Some(&[0xEE]), None, stream.handle())
+        .unwrap();
+    stream.synchronize().unwrap();
+    let out = read(&buf);
+    assert!(
+        out[..offset].iter().all(|&b| b == POISON),
+        "bytes before the destination"
+    );
+    assert_eq!(&out[offset..offset + vals.len()], &vals[..], "values");
+    assert!(
+        out[offset + vals.len()..offset + n]
+            .iter()
+            .all(|&b| b == 0xEE),
+        "padding"
+    );
+    assert!(
+        out[offset + n..].iter().all(|&b| b == POISON),
+        "bytes after the destination"
+    );
+}
