@@ -46,6 +46,33 @@ fn stall(stream: &Stream) -> Stall {
     Stall(go)
 }
 
+/// How many copies the worker staged while its stream was stalled: waits until `depth` were
+/// (or 3 s passed), then 200 ms more in case one too many gets through.
+fn staged_while_stalled(issued: &AtomicUsize, depth: usize) -> usize {
+    let t0 = std::time::Instant::now();
+    while issued.load(Ordering::SeqCst) < depth && t0.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    issued.load(Ordering::SeqCst)
+}
+
+/// Destination `k` of 64 i64 must hold `(k + 1) * 1000 + i` at element `i`.
+fn check_destinations(bufs: &[DeviceBuffer], what: impl Fn(usize) -> String) {
+    for (k, buf) in bufs.iter().enumerate() {
+        let out = read(buf);
+        let got: &[i64] = bytemuck::cast_slice(&out[..64 * 8]);
+        for (i, &g) in got.iter().enumerate() {
+            assert_eq!(
+                g,
+                (k as i64 + 1) * 1000 + i as i64,
+                "{} element {i}",
+                what(k)
+            );
+        }
+    }
+}
+
 /// Serialises the tests that stall a stream.
 static STALL_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -90,12 +117,7 @@ fn gpu_event_guarded_reuse_under_a_stalled_stream(#[values(1, 2, 8)] depth: usiz
         })
     };
     // With the stream stalled, at most `depth` copies can be staged; the next waits on an event.
-    let t0 = std::time::Instant::now();
-    while issued.load(Ordering::SeqCst) < depth && t0.elapsed() < Duration::from_secs(3) {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    std::thread::sleep(Duration::from_millis(200));
-    let staged = issued.load(Ordering::SeqCst);
+    let staged = staged_while_stalled(&issued, depth);
     go.release();
     assert_eq!(
         staged, depth,
@@ -105,17 +127,7 @@ fn gpu_event_guarded_reuse_under_a_stalled_stream(#[values(1, 2, 8)] depth: usiz
     stream.synchronize().unwrap();
     // At least the claim that found its slot still stalled waited for the event.
     assert!(st.stats().waits >= 1, "stats: {:?}", st.stats());
-    for (k, buf) in bufs.iter().enumerate() {
-        let out = read(buf);
-        let got: &[i64] = bytemuck::cast_slice(&out[..64 * 8]);
-        for (i, &g) in got.iter().enumerate() {
-            assert_eq!(
-                g,
-                (k as i64 + 1) * 1000 + i as i64,
-                "destination {k} element {i}"
-            );
-        }
-    }
+    check_destinations(&bufs, |k| format!("destination {k}"));
 }
 
 #[test]
@@ -323,12 +335,7 @@ fn gpu_a_free_stream_never_frees_a_stalled_streams_slots() {
             }
         })
     };
-    let t0 = std::time::Instant::now();
-    while issued.load(Ordering::SeqCst) < depth && t0.elapsed() < Duration::from_secs(3) {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    std::thread::sleep(Duration::from_millis(200));
-    let staged = issued.load(Ordering::SeqCst);
+    let staged = staged_while_stalled(&issued, depth);
     go.release();
     worker.join().unwrap();
     stalled.synchronize().unwrap();
@@ -339,20 +346,12 @@ fn gpu_a_free_stream_never_frees_a_stalled_streams_slots() {
         "copies staged while slot 0's copy was stalled"
     );
     assert!(st.stats().waits >= 1, "stats: {:?}", st.stats());
-    for (k, buf) in bufs.iter().enumerate() {
-        let out = read(buf);
-        let got: &[i64] = bytemuck::cast_slice(&out[..64 * 8]);
-        for (i, &g) in got.iter().enumerate() {
-            assert_eq!(
-                g,
-                (k as i64 + 1) * 1000 + i as i64,
-                "destination {k} (stream {}) element {i}",
-                if k % depth < depth / 2 {
-                    "stalled"
-                } else {
-                    "free"
-                }
-            );
-        }
-    }
+    check_destinations(&bufs, |k| {
+        let which = if k % depth < depth / 2 {
+            "stalled"
+        } else {
+            "free"
+        };
+        format!("destination {k} (stream {which})")
+    });
 }
