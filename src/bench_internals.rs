@@ -293,8 +293,12 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
 /// - copy entry points: `cuMemcpyHtoDAsync` from 4 B to 64 KiB, `cuMemcpyAsync`,
 ///   `cuMemcpyBatchAsync` with one copy (16 KiB);
 /// - slot checks: A = copy + record over 8 slices and 8 events (no check), D = A + a query of
-///   the slot's own event before each copy (what the stager did before the watermark), Qk = A + one query
-///   every k calls (of the event recorded k calls before: what an amortized check costs).
+///   the slot's own event before each copy (what the stager did before the watermark), Qk = A +
+///   one query every k calls (of the event recorded k calls before: what an amortized check
+///   costs);
+/// - paced copy + record by size (4 B to 64 KiB), through `cuMemcpy2DAsync` in several row
+///   shapes, and with the stager's other calls added one at a time;
+/// - the stager itself: watermark and rows (default), a query per claim, depth 8, one 1-D copy.
 pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<f64>)>> {
     use std::time::{Duration, Instant};
     let dev = Device::new(0)?;

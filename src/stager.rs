@@ -1,11 +1,11 @@
 //! The stager: a ring of persistent pinned buffers for small host-to-device copies.
 //!
 //! Each device copy writes values and padding into one slot's pinned buffer on the host and
-//! issues exactly ONE copy from it (`cuMemcpyHtoDAsync`, or for 2-32 KiB one `cuMemcpy2DAsync` of
-//! packed rows, which the driver hands to the copy engine without staging the bytes itself; see
-//! [`row_shape`]), then records the slot's event. A slot is not
-//! rewritten until that event completed. Slots are claimed through `src/ring.rs`'s atomics:
-//! no lock is held while waiting, and a waiting thread blocks no other slot.
+//! issues exactly ONE copy from it (`cuMemcpyHtoDAsync`, or for 2-32 KiB one `cuMemcpy2DAsync`
+//! of packed rows, which the driver hands to the copy engine without staging the bytes itself;
+//! see [`row_shape`]), then records the slot's event. A slot is not rewritten until that event
+//! completed. Slots are claimed through `src/ring.rs`'s atomics: no lock is held while waiting,
+//! and a waiting thread blocks no other slot.
 
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering as StatOrdering};
@@ -227,8 +227,8 @@ impl Stager {
 
     /// Chooses how a claim learns that its slot's last copy completed: through the stream's
     /// completion watermark and one query for several slots (`true`, the default), or by
-    /// querying the slot's own event on every claim (`false`, as before the watermark). Both are correct;
-    /// the switch exists so the benches can compare them in one process.
+    /// querying the slot's own event on every claim (`false`, as before the watermark). Both
+    /// are correct; the switch exists so the benches can compare them in one process.
     #[doc(hidden)]
     pub fn set_amortized_checks(&self, on: bool) {
         self.ring.set_amortize(on);
