@@ -1,5 +1,5 @@
-//! Host-side costs that need no GPU: slot claim (uncontended and 4 threads contended), padding
-//! write, mirror compare at 16/256/4096 elements.
+//! Host-side costs that need no GPU: slot claim (uncontended, with the completion check's
+//! bookkeeping, and 4 threads contended), padding write, mirror compare at 16/256/4096 elements.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -14,6 +14,26 @@ fn slot_claim(c: &mut Criterion) {
     c.bench_function("slot claim+release, uncontended", |b| {
         b.iter(|| black_box(ring.claim_release()))
     });
+    for amortize in [true, false] {
+        let ring = Ring::new(16);
+        let mut queries = 0u64;
+        let mut calls = 0u64;
+        let name = if amortize {
+            "slot claim+check+release, watermark (events answer complete)"
+        } else {
+            "slot claim+check+release, a query per claim (events answer complete)"
+        };
+        c.bench_function(name, |b| {
+            b.iter(|| {
+                calls += 1;
+                black_box(ring.claim_check_release(amortize, &mut queries))
+            })
+        });
+        println!(
+            "  {:.3} queries per claim",
+            queries as f64 / calls.max(1) as f64
+        );
+    }
     let ring = Arc::new(Ring::new(8));
     let stop = Arc::new(AtomicBool::new(false));
     let others: Vec<_> = (0..3)

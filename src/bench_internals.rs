@@ -14,6 +14,30 @@ impl Ring {
         Self(crate::ring::Ring::new(depth))
     }
 
+    /// One copy's ring bookkeeping on a tracked stream, as the stager does it: claim, learn that
+    /// the slot's last copy completed (every "event" answers complete; `queries` counts how many
+    /// were asked), take the tickets, release in flight. `amortize: false` asks the own slot
+    /// every time.
+    pub fn claim_check_release(&self, amortize: bool, queries: &mut u64) -> usize {
+        let r = &self.0;
+        r.set_amortize(amortize);
+        let mark = r.mark(Some(7));
+        let c = r.claim();
+        if c.was_in_flight() {
+            let _ = r.check::<()>(&c, &mut |_| {
+                *queries += 1;
+                Ok(true)
+            });
+        }
+        let begin = r.begin(mark);
+        let done = r.done(mark);
+        r.release(
+            c.index,
+            crate::ring::Release::InFlight { mark, begin, done },
+        );
+        c.index
+    }
+
     /// Claims a slot and releases it again (as IN_FLIGHT).
     pub fn claim_release(&self) -> usize {
         let c = self.0.claim();
