@@ -16,6 +16,7 @@ fn slot_claim(c: &mut Criterion) {
     });
     for amortize in [true, false] {
         let ring = Ring::new(16);
+        ring.set_amortized_checks(amortize);
         let mut queries = 0u64;
         let mut calls = 0u64;
         let name = if amortize {
@@ -26,7 +27,7 @@ fn slot_claim(c: &mut Criterion) {
         c.bench_function(name, |b| {
             b.iter(|| {
                 calls += 1;
-                black_box(ring.claim_check_release(amortize, &mut queries))
+                black_box(ring.claim_check_release(&mut queries))
             })
         });
         println!(

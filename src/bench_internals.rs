@@ -14,13 +14,16 @@ impl Ring {
         Self(crate::ring::Ring::new(depth))
     }
 
-    /// One copy's ring bookkeeping on a tracked stream, as the stager does it: claim, learn that
-    /// the slot's last copy completed (every "event" answers complete; `queries` counts how many
-    /// were asked), take the tickets, release in flight. `amortize: false` asks the own slot
-    /// every time.
-    pub fn claim_check_release(&self, amortize: bool, queries: &mut u64) -> usize {
+    /// Watermark checks (`true`, the default) or a query of the own slot on every claim.
+    pub fn set_amortized_checks(&self, on: bool) {
+        self.0.set_amortize(on);
+    }
+
+    /// One copy's ring bookkeeping on a tracked stream, as the stager does it: find the stream's
+    /// mark, claim, learn that the slot's last copy completed (every "event" answers complete;
+    /// `queries` counts how many were asked), take the tickets, release in flight.
+    pub fn claim_check_release(&self, queries: &mut u64) -> usize {
         let r = &self.0;
-        r.set_amortize(amortize);
         let mark = r.mark(Some(7));
         let c = r.claim();
         if c.was_in_flight() {

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::{POISON, gpu_or_skip, poisoned, read, view};
-use pinstage::{DType, DeviceBuffer, PinnedStager, Stream};
+use pinstage::{DType, Device, DeviceBuffer, PinnedStager, Stream};
 use rstest::rstest;
 
 /// Releases a stalled stream when dropped, so a failing assertion cannot leave the stream (and
@@ -57,6 +57,11 @@ fn staged_while_stalled(issued: &AtomicUsize, depth: usize) -> usize {
     issued.load(Ordering::SeqCst)
 }
 
+/// `n` destinations of 64 i64, poisoned.
+fn destinations(dev: &Device, n: usize) -> Arc<Vec<DeviceBuffer>> {
+    Arc::new((0..n).map(|_| poisoned(dev, DType::I64, 64)).collect())
+}
+
 /// Destination `k` of 64 i64 must hold `(k + 1) * 1000 + i` at element `i`.
 fn check_destinations(bufs: &[DeviceBuffer], what: impl Fn(usize) -> String) {
     for (k, buf) in bufs.iter().enumerate() {
@@ -86,11 +91,7 @@ fn gpu_event_guarded_reuse_under_a_stalled_stream(#[values(1, 2, 8)] depth: usiz
     let st = Arc::new(PinnedStager::<i64>::new(0, 64, depth).unwrap());
     let stream = Arc::new(Stream::new(&dev).unwrap());
     let copies = 64;
-    let bufs: Arc<Vec<DeviceBuffer>> = Arc::new(
-        (0..copies)
-            .map(|_| poisoned(&dev, DType::I64, 64))
-            .collect(),
-    );
+    let bufs = destinations(&dev, copies);
     let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let go = stall(&stream);
     let issued = Arc::new(AtomicUsize::new(0));
@@ -301,11 +302,7 @@ fn gpu_a_free_stream_never_frees_a_stalled_streams_slots() {
     let stalled = Arc::new(Stream::new(&dev).unwrap());
     let free = Arc::new(Stream::new(&dev).unwrap());
     let copies = 64;
-    let bufs: Arc<Vec<DeviceBuffer>> = Arc::new(
-        (0..copies)
-            .map(|_| poisoned(&dev, DType::I64, 64))
-            .collect(),
-    );
+    let bufs = destinations(&dev, copies);
     let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let go = stall(&stalled);
     let issued = Arc::new(AtomicUsize::new(0));
