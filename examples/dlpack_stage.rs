@@ -5,7 +5,8 @@
 //! `cargo run --release --example dlpack_stage`
 
 use dlpark::ffi::{DLDataType, DLDataTypeCode, DLDevice, DLTensor};
-use pinstage::{DeviceBuffer, DeviceView, H2DMirror, PinnedStager, StreamHandle};
+use pinstage::testing::DeviceBuffer;
+use pinstage::{DeviceView, H2DMirror, PinnedStager, StreamHandle};
 
 fn describe(data: *mut std::ffi::c_void, device: DLDevice, shape: &mut [i64]) -> DLTensor {
     DLTensor {
@@ -24,7 +25,7 @@ fn describe(data: *mut std::ffi::c_void, device: DLDevice, shape: &mut [i64]) ->
 }
 
 fn main() -> pinstage::Result<()> {
-    let stager = PinnedStager::<i32>::new(0, 256, 8)?;
+    let stager = PinnedStager::<i32>::builder().numel(256).depth(8).build()?;
     let values: Vec<i32> = (1..=100).collect();
     let mut shape = [8i64, 64];
     let mut mirror = H2DMirror::new();
@@ -35,20 +36,8 @@ fn main() -> pinstage::Result<()> {
             let t = describe(buf.ptr() as *mut _, DLDevice::cuda(0), &mut shape);
             // SAFETY: `t` describes `buf`, which outlives the view.
             let view = unsafe { DeviceView::from_dltensor(&t, false) }?;
-            let outcome = stager.copy_(
-                &view,
-                &values,
-                Some(-1),
-                Some(&mut mirror),
-                StreamHandle::LEGACY,
-            )?;
-            let again = stager.copy_(
-                &view,
-                &values,
-                Some(-1),
-                Some(&mut mirror),
-                StreamHandle::LEGACY,
-            )?;
+            let outcome = stager.to(&view).pad(-1).mirror(&mut mirror).copy(&values)?;
+            let again = stager.to(&view).pad(-1).mirror(&mut mirror).copy(&values)?;
             println!("first copy: {outcome:?}; same values again: {again:?}");
             let mut pinned = pinstage::PinnedBuffer::new(
                 &device,
@@ -72,13 +61,7 @@ fn main() -> pinstage::Result<()> {
             let t = describe(host.as_mut_ptr().cast(), DLDevice::CPU, &mut shape);
             // SAFETY: `t` describes `host`, which outlives the view.
             let view = unsafe { DeviceView::from_dltensor(&t, false) }?;
-            stager.copy_(
-                &view,
-                &values,
-                Some(-1),
-                Some(&mut mirror),
-                StreamHandle::LEGACY,
-            )?;
+            stager.to(&view).pad(-1).mirror(&mut mirror).copy(&values)?;
             assert_eq!(&host[..100], &values[..]);
             assert!(host[100..].iter().all(|&x| x == -1));
             println!(

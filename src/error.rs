@@ -1,7 +1,7 @@
 //! The crate's error type: one enum, every variant documented, lower layers wrapped.
 
 pub use crate::driver::DriverError;
-use crate::dtype::DType;
+use crate::view::DType;
 
 /// Everything that can go wrong in pinstage. Bad input never panics: it returns one of these.
 #[derive(Debug, thiserror::Error)]
@@ -78,7 +78,7 @@ pub enum Error {
     StreamCapturing,
     /// DLPack metadata that pinstage cannot use.
     #[error(transparent)]
-    Dlpack(#[from] crate::dlpack::DlpackError),
+    Dlpack(#[from] crate::view::DlpackError),
     /// A mirror already bound to another destination.
     #[error(
         "this H2DMirror mirrors another destination (0x{bound:x}); use one mirror per destination, \
@@ -88,9 +88,65 @@ pub enum Error {
         /// Address of the destination the mirror is bound to.
         bound: u64,
     },
-    /// A size that overflows, or an argument out of range.
-    #[error("invalid argument: {0}")]
-    InvalidArgument(String),
+    /// An argument outside the range the call accepts.
+    #[error("invalid {param} = {value}: expected {expected}")]
+    InvalidArgument {
+        /// The parameter's name.
+        param: &'static str,
+        /// The value given, as text.
+        value: String,
+        /// What the call accepts.
+        expected: &'static str,
+    },
+    /// A size whose bytes overflow the address space, or host memory that cannot be had.
+    #[error("{what} of {bytes} bytes cannot be allocated")]
+    OutOfMemory {
+        /// What was being allocated.
+        what: &'static str,
+        /// Bytes asked for (saturated at `usize::MAX` when the size itself overflowed).
+        bytes: usize,
+    },
+    /// A pad that is not exactly one element of the destination's dtype.
+    #[error("pad is {got} bytes, expected one {expected}-byte {dtype} element")]
+    PadSize {
+        /// Bytes given.
+        got: usize,
+        /// The element size.
+        expected: usize,
+        /// The dtype.
+        dtype: DType,
+    },
+    /// An integer that cannot be a CUDA stream handle.
+    #[error(
+        "stream handle 0x{handle:x} is not a CUDA stream (expected 0, 1, 2 or a live stream's \
+         handle)"
+    )]
+    BadStreamHandle {
+        /// The handle given.
+        handle: usize,
+    },
+    /// Bytes whose address or length does not fit the requested element type.
+    #[error("{bytes} bytes at 0x{addr:x} cannot be viewed as {type_name} (size or alignment)")]
+    BadCast {
+        /// Address of the bytes.
+        addr: usize,
+        /// Their length.
+        bytes: usize,
+        /// The element type asked for.
+        type_name: &'static str,
+    },
+    /// A wait was interrupted by its caller (the Python layer: Ctrl-C); the copy it waited for
+    /// is still guarded and nothing was written.
+    #[error("interrupted while waiting for a copy to complete")]
+    Interrupted,
+    /// Values of a shape that the destination's shape cannot take under `dst[:n] = values`.
+    #[error("values of shape {values:?} cannot be assigned to a destination of shape {dst:?}")]
+    ShapeMismatch {
+        /// The values' shape.
+        values: Vec<usize>,
+        /// The destination's shape.
+        dst: Vec<i64>,
+    },
 }
 
 impl Error {
@@ -99,6 +155,58 @@ impl Error {
             reason: reason.into(),
         }
     }
+}
+
+impl Error {
+    /// An [`Error::InvalidArgument`].
+    pub(crate) fn arg(
+        param: &'static str,
+        value: impl std::fmt::Display,
+        expected: &'static str,
+    ) -> Self {
+        Error::InvalidArgument {
+            param,
+            value: value.to_string(),
+            expected,
+        }
+    }
+}
+
+/// Driver errors that happened where they could not be returned: in `Drop` of a pinstage
+/// resource (an event, a stream, a pinned block, a context release). Drop never panics and never
+/// discards such an error: it counts it here, and keeps the last one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DropErrors {
+    /// How many driver calls made during drops failed in this process.
+    pub count: u64,
+    /// The last of them.
+    pub last: Option<DriverError>,
+}
+
+static DROP_ERRORS: parking_lot::Mutex<DropErrors> = parking_lot::Mutex::new(DropErrors {
+    count: 0,
+    last: None,
+});
+
+/// Records an error of a driver call made during a drop (see [`DropErrors`]).
+#[cold]
+pub(crate) fn record_drop_error(e: DriverError) {
+    let mut g = DROP_ERRORS.lock();
+    g.count += 1;
+    g.last = Some(e);
+}
+
+/// Records the error of a driver call made during a drop, if it failed.
+#[inline]
+pub(crate) fn on_drop<T>(r: std::result::Result<T, DriverError>) {
+    if let Err(e) = r {
+        record_drop_error(e);
+    }
+}
+
+/// The driver errors that drops of pinstage resources met in this process (see [`DropErrors`]).
+pub fn drop_errors() -> DropErrors {
+    *DROP_ERRORS.lock()
 }
 
 /// Result alias for pinstage.

@@ -1,57 +1,87 @@
 //! # pinstage
 //!
-//! Moves data between host memory and CUDA device memory as fast as the PCIe link allows, through
-//! the CUDA driver API alone (no kernels, fills or device-to-device copies: no SM work).
+//! Moves data between host memory and CUDA device memory as fast as the PCIe link allows,
+//! through the CUDA driver API alone: copies only, no kernels, fills or device-to-device copies.
 //!
-//! - [`PinnedBuffer`] and [`PinnedPool`]: page-locked host memory, pooled.
 //! - [`PinnedStager`] / [`Stager`]: a ring of pinned buffers for small host-to-device copies
-//!   issued beside a live CUDA graph: one non-blocking copy per call, slots guarded by their own
-//!   events, claimed with atomics. [`H2DMirror`] skips a copy whose values the destination holds.
+//!   issued beside a live CUDA graph: one non-blocking copy per call, each slot guarded by its
+//!   own event, claimed with atomics. [`H2DMirror`] skips a copy whose values the destination
+//!   already holds.
 //! - [`copy_d2h`] / [`copy_d2h_async`]: device-to-host into pinned memory at line rate, or into
 //!   pageable memory through a pinned bounce ring.
-//! - [`DeviceView`]: a validated DLPack tensor ([`dlpack::validate`]).
+//! - [`PinnedBuffer`] and [`PinnedPool`]: page-locked host memory, pooled.
+//! - [`DeviceView`]: a tensor the copies read or write, from DLPack metadata ([`validate`]) or
+//!   from a Rust slice.
 //!
 //! libcuda is loaded at run time: the crate builds without a CUDA toolkit and, without a driver,
-//! every CUDA entry returns [`Error::CudaUnavailable`].
+//! every CUDA entry returns [`Error::CudaUnavailable`] while host destinations keep working.
+//!
+//! ```
+//! use pinstage::{DeviceView, H2DMirror, PinnedStager};
+//!
+//! # fn main() -> pinstage::Result<()> {
+//! // Four slots of 8 int32; without a GPU the stager serves host destinations only.
+//! let stager = PinnedStager::<i32>::builder().numel(8).depth(4).build()?;
+//! let mut dst = [0i32; 8];
+//! let view = DeviceView::host_mut(&mut dst);
+//! let mut mirror = H2DMirror::new();
+//! // dst[..3] = [1, 2, 3], the rest = -1.
+//! stager.to(&view).pad(-1).mirror(&mut mirror).copy(&[1, 2, 3])?;
+//! // The same values again: the mirror shows dst holds them, nothing is written.
+//! let again = stager.to(&view).pad(-1).mirror(&mut mirror).copy(&[1, 2, 3])?;
+//! assert_eq!(again, pinstage::CopyOutcome::Skipped);
+//! drop(view);
+//! assert_eq!(dst, [1, 2, 3, -1, -1, -1, -1, -1]);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Where things are: `driver` (the only module that calls the CUDA driver), `cuda` (device,
+//! context guard, streams, events), `host` (pinned memory, pool), `view` (DLPack metadata,
+//! dtypes), `h2d` (ring protocol, stager, mirror), `d2h`, and `python` (the pyo3 skin, feature
+//! `python`).
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+mod cuda;
 mod d2h;
-mod device;
-pub mod dlpack;
 mod driver;
-mod dtype;
 mod error;
-mod mirror;
-mod pinned;
-mod pool;
-mod ring;
-mod stager;
+mod h2d;
+mod host;
 mod sync;
+mod view;
 
+#[cfg(feature = "lab")]
+#[doc(hidden)]
+pub mod lab;
 #[cfg(feature = "python")]
 mod python;
+#[cfg(feature = "testing")]
+pub mod testing;
 
+pub use cuda::{Current, Device, Event, Stream, StreamHandle, cuda_available, device_count};
 pub use d2h::{
     BOUNCE_CHUNK, BOUNCE_DEPTH, D2HPath, HostRegion, PendingCopy, copy_d2h, copy_d2h_async,
     release_bounce_buffers,
 };
-pub use device::{
-    ContextGuard, Device, DeviceBuffer, Event, Stream, StreamHandle, cuda_available,
-    current_context, device_count,
-};
-pub use dlpack::{DeviceView, DlpackError, MemoryKind};
 pub use driver::{DISABLE_ENV, DriverError, Probe, probe};
-pub use dtype::{Bool8, DType, Element};
-pub use error::{Error, Result};
-pub use mirror::H2DMirror;
-pub use pinned::{PinnedBuffer, PinnedFlags, is_pinned, live_pinned_bytes};
-pub use pool::{DEFAULT_BUDGET, PinnedPool, PoolBlock, PoolStats, size_class};
-pub use stager::{CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, PinnedStager, Stager, StagerStats};
+pub use error::{DropErrors, Error, Result, drop_errors};
+pub use h2d::{
+    Copy, CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, H2DMirror, MAX_DEPTH, PinnedStager,
+    PinnedStagerBuilder, RawCopy, Stager, StagerBuilder, StagerStats,
+};
+pub use host::{
+    DEFAULT_BUDGET, PinnedBuffer, PinnedFlags, PinnedPool, PoolBlock, PoolStats, is_pinned,
+    live_pinned_bytes, size_class,
+};
+pub use view::{
+    Bool8, DType, DeviceView, DlpackError, Element, MAX_NDIM, MemoryKind, TensorDesc, TensorMeta,
+    meta_of_dltensor, validate,
+};
 
-/// Internals exposed for the benches only; not a stable API.
-#[doc(hidden)]
-pub mod bench_internals;
-#[doc(hidden)]
-pub use bench_internals::driver_costs;
+/// DLPack device type codes, for [`TensorDesc::device_type`].
+pub mod dlpack {
+    pub use crate::view::{DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED};
+}

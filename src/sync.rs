@@ -2,9 +2,9 @@
 //! ring protocol runs on loom's model-checked atomics and cells.
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+pub(crate) use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 #[cfg(loom)]
 pub(crate) use loom::thread::yield_now;

@@ -2,8 +2,9 @@
 
 mod common;
 
-use pinstage::dlpack::{DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED, TensorDesc, validate};
+use pinstage::dlpack::{DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED};
 use pinstage::{DType, DlpackError, MemoryKind};
+use pinstage::{TensorDesc, validate};
 use rstest::rstest;
 
 fn desc<'a>(dtype: DType, shape: &'a [i64], strides: Option<&'a [i64]>) -> TensorDesc<'a> {
@@ -189,4 +190,60 @@ fn raw_dltensor_checks_ndim_and_shape_pointer() {
         unsafe { pinstage::DeviceView::from_dltensor(&t, false) },
         Err(DlpackError::NullShape(2))
     ));
+}
+
+// Moved from the modules' own test blocks.
+fn desc32<'a>(shape: &'a [i64], strides: Option<&'a [i64]>) -> TensorDesc<'a> {
+    TensorDesc {
+        device_type: DL_CUDA,
+        device_id: 0,
+        data: 0x1000,
+        byte_offset: 16,
+        code: 0,
+        bits: 32,
+        lanes: 1,
+        shape,
+        strides,
+        read_only: false,
+    }
+}
+
+#[test]
+fn compact_and_size_one_strides() {
+    let v = validate(&desc32(&[2, 3], Some(&[3, 1]))).unwrap();
+    assert_eq!((v.numel(), v.nbytes(), v.ptr()), (6, 24, 0x1010));
+    assert!(validate(&desc32(&[2, 1, 3], Some(&[3, 999, 1]))).is_ok());
+    assert!(validate(&desc32(&[2, 3], None)).is_ok());
+    assert!(matches!(
+        validate(&desc32(&[2, 3], Some(&[1, 2]))),
+        Err(DlpackError::NotContiguous { .. })
+    ));
+    assert!(matches!(
+        validate(&desc32(&[4], Some(&[-1]))),
+        Err(DlpackError::NotContiguous { .. })
+    ));
+    // zero elements: any strides, null data allowed
+    let mut d = desc32(&[0, 3], Some(&[7, 7]));
+    d.data = 0;
+    d.byte_offset = 0;
+    assert_eq!(validate(&d).unwrap().numel(), 0);
+}
+
+#[test]
+fn dlpack_codes_round_trip() {
+    for d in DType::ALL {
+        let (code, bits) = d.dlpack();
+        assert_eq!(DType::from_dlpack(code, bits, 1), Some(d));
+        assert_eq!(
+            DType::from_dlpack(code, bits, 2),
+            None,
+            "lanes != 1 refused"
+        );
+        assert_eq!(DType::from_name(d.name()), Some(d));
+        assert_eq!(bits as usize, d.itemsize() * 8);
+    }
+    assert_eq!(DType::from_dlpack(2, 8, 1), None);
+    assert_eq!(DType::from_dlpack(3, 64, 1), None, "opaque handles refused");
+    assert_eq!(DType::from_name("torch.int32"), Some(DType::I32));
+    assert_eq!(DType::from_name("object"), None);
 }

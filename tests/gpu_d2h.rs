@@ -3,9 +3,10 @@
 mod common;
 
 use common::{POISON, gpu_or_skip, values};
+use pinstage::testing::DeviceBuffer;
 use pinstage::{
-    D2HPath, DType, DeviceBuffer, DeviceView, Error, PinnedBuffer, PinnedFlags, PinnedPool,
-    StreamHandle, copy_d2h, copy_d2h_async,
+    D2HPath, DType, DeviceView, Error, PinnedBuffer, PinnedFlags, PinnedPool, StreamHandle,
+    TensorMeta, copy_d2h, copy_d2h_async,
 };
 use rstest::rstest;
 
@@ -16,11 +17,12 @@ fn filled(dev: &pinstage::Device, bytes: usize, seed: u64) -> (DeviceBuffer, Vec
     (buf, data)
 }
 
-fn view(buf: &DeviceBuffer) -> DeviceView {
+fn view(buf: &DeviceBuffer) -> DeviceView<'_> {
     buf.view(DType::U8)
 }
 
 #[rstest]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 #[case::one(1)]
 #[case::odd(4097)]
 #[case::mib(1 << 20)]
@@ -55,6 +57,7 @@ fn gpu_d2h_pinned_and_pageable(#[case] bytes: usize) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_d2h_async_and_pool() {
     let Some(dev) = gpu_or_skip("gpu_d2h_async_and_pool") else {
         return;
@@ -89,6 +92,7 @@ fn gpu_d2h_async_and_pool() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_d2h_refusals() {
     let Some(dev) = gpu_or_skip("gpu_d2h_refusals") else {
         return;
@@ -106,7 +110,8 @@ fn gpu_d2h_refusals() {
         ),
         "{err}"
     );
-    let other = DeviceView::contiguous_device(5, src.ptr(), DType::U8, 64);
+    // SAFETY: the view is refused before anything reads through it.
+    let other = unsafe { DeviceView::from_meta(TensorMeta::cuda_1d(5, src.ptr(), DType::U8, 64)) };
     let mut out = vec![POISON; 64];
     let err = copy_d2h(&dev, &other, &mut out, StreamHandle::LEGACY).unwrap_err();
     assert!(matches!(err, Error::WrongDevice { got: 5, .. }));

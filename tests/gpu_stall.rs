@@ -4,12 +4,16 @@
 
 mod common;
 
+use common::Put;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::{POISON, gpu_or_skip, poisoned, read, view};
-use pinstage::{DType, Device, DeviceBuffer, PinnedStager, Stream};
+use pinstage::testing::DeviceBuffer;
+use pinstage::testing::launch_host_fn;
+use pinstage::{DType, Device, Stream};
 use rstest::rstest;
 
 /// Releases a stalled stream when dropped, so a failing assertion cannot leave the stream (and
@@ -34,15 +38,14 @@ impl Drop for Stall {
 fn stall(stream: &Stream) -> Stall {
     let go = Arc::new(AtomicBool::new(false));
     let g = go.clone();
-    stream
-        .launch_host_fn(move || {
-            let t0 = std::time::Instant::now();
-            // Bounded: never hold a stream longer than 20 s even if the test thread died.
-            while !g.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(20) {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-        })
-        .unwrap();
+    launch_host_fn(stream, move || {
+        let t0 = std::time::Instant::now();
+        // Bounded: never hold a stream longer than 20 s even if the test thread died.
+        while !g.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    })
+    .unwrap();
     Stall(go)
 }
 
@@ -84,11 +87,12 @@ static STALL_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// 64 copies to 64 destinations through a ring of `depth` slots while the stream is stalled;
 /// the caller's values are overwritten right after each `copy_` returns.
 #[rstest]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_event_guarded_reuse_under_a_stalled_stream(#[values(1, 2, 8)] depth: usize) {
     let Some(dev) = gpu_or_skip("gpu_event_guarded_reuse") else {
         return;
     };
-    let st = Arc::new(PinnedStager::<i64>::new(0, 64, depth).unwrap());
+    let st = Arc::new(common::stager::<i64>(0, 64, depth).unwrap());
     let stream = Arc::new(Stream::new(&dev).unwrap());
     let copies = 64;
     let bufs = destinations(&dev, copies);
@@ -103,7 +107,7 @@ fn gpu_event_guarded_reuse_under_a_stalled_stream(#[values(1, 2, 8)] depth: usiz
                 for (i, v) in vals.iter_mut().enumerate() {
                     *v = (k as i64 + 1) * 1000 + i as i64;
                 }
-                st.copy_(
+                st.put(
                     &view(buf, DType::I64, 64),
                     &vals,
                     None,
@@ -132,6 +136,7 @@ fn gpu_event_guarded_reuse_under_a_stalled_stream(#[values(1, 2, 8)] depth: usiz
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_drop_waits_for_in_flight_copies() {
     let Some(dev) = gpu_or_skip("gpu_drop_waits_for_in_flight_copies") else {
         return;
@@ -139,7 +144,7 @@ fn gpu_drop_waits_for_in_flight_copies() {
     let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let stream = Stream::new(&dev).unwrap();
     let buf = poisoned(&dev, DType::U32, 1024);
-    let st = PinnedStager::<u32>::new(0, 1024, 2).unwrap();
+    let st = common::stager::<u32>(0, 1024, 2).unwrap();
     let v: Vec<u32> = (0..1024).map(|i| i * 3 + 1).collect();
     let go = stall(&stream);
     let release = std::thread::spawn(move || {
@@ -147,7 +152,7 @@ fn gpu_drop_waits_for_in_flight_copies() {
         drop(go);
     });
     let dst = view(&buf, DType::U32, 1024);
-    st.copy_(&dst, &v, None, None, stream.handle()).unwrap();
+    st.put(&dst, &v, None, None, stream.handle()).unwrap();
     let t0 = std::time::Instant::now();
     drop(st); // must wait for the stalled copy before freeing its pinned buffer
     assert!(
@@ -166,6 +171,7 @@ fn gpu_drop_waits_for_in_flight_copies() {
 /// one stream (stream order is the user's contract), so afterwards every destination must hold
 /// exactly its last values and padding: 0 mismatches.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_stress_eight_threads_random_copies() {
     let Some(dev) = gpu_or_skip("gpu_stress_eight_threads_random_copies") else {
         return;
@@ -177,7 +183,7 @@ fn gpu_stress_eight_threads_random_copies() {
     const THREADS: usize = 8;
     const DSTS: usize = 8;
     const CAP: usize = 512;
-    let st = Arc::new(PinnedStager::<u32>::new(0, 128, 8).unwrap());
+    let st = Arc::new(common::stager::<u32>(0, 128, 8).unwrap());
     let streams: Arc<Vec<Stream>> = Arc::new((0..4).map(|_| Stream::new(&dev).unwrap()).collect());
     let bufs: Arc<Vec<DeviceBuffer>> = Arc::new(
         (0..THREADS * DSTS)
@@ -225,7 +231,7 @@ fn gpu_stress_eight_threads_random_copies() {
                     vals.extend((0..len).map(|k| (t as u32) << 28 | (i as u32) << 9 | k as u32));
                     let buf = &bufs[t * DSTS + d];
                     let stream = &streams[(t * DSTS + d) % 4];
-                    st.copy_(
+                    st.put(
                         &view(buf, DType::U32, CAP),
                         &vals,
                         pad,
@@ -293,12 +299,13 @@ fn gpu_stress_eight_threads_random_copies() {
 /// slot 4, half a ring ahead, whose copy completed: that must not free slot 0, whose copy waits
 /// on the other, stalled stream. Every destination ends with exactly its copy's values.
 #[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_a_free_stream_never_frees_a_stalled_streams_slots() {
     let Some(dev) = gpu_or_skip("gpu_a_free_stream_never_frees_a_stalled_streams_slots") else {
         return;
     };
     let depth = 8;
-    let st = Arc::new(PinnedStager::<i64>::new(0, 64, depth).unwrap());
+    let st = Arc::new(common::stager::<i64>(0, 64, depth).unwrap());
     let stalled = Arc::new(Stream::new(&dev).unwrap());
     let free = Arc::new(Stream::new(&dev).unwrap());
     let copies = 64;
@@ -322,7 +329,7 @@ fn gpu_a_free_stream_never_frees_a_stalled_streams_slots() {
                 }
                 let on_stalled = k % depth < depth / 2;
                 let s = if on_stalled { &stalled } else { &free };
-                st.copy_(&view(buf, DType::I64, 64), &vals, None, None, s.handle())
+                st.put(&view(buf, DType::I64, 64), &vals, None, None, s.handle())
                     .unwrap();
                 vals.iter_mut().for_each(|v| *v = -7);
                 if !on_stalled {

@@ -2,16 +2,22 @@
 
 mod common;
 
+use common::Put;
+
 use common::{POISON, check_layout, pad, values};
 use pinstage::{
-    CopyOutcome, DType, DeviceView, Error, H2DMirror, PinnedStager, Stager, StreamHandle,
+    CopyOutcome, DType, DeviceView, Error, H2DMirror, Stager, StreamHandle, TensorMeta,
 };
 use rstest::rstest;
 
-fn host_view(buf: &mut [u8], dtype: DType, numel: usize) -> DeviceView {
+/// A view of `buf` as `numel` elements of `dtype`; unlike `DeviceView::host_mut` it does not
+/// borrow `buf`, so a test can look at the bytes between copies.
+fn host_view(buf: &mut [u8], dtype: DType, numel: usize) -> DeviceView<'static> {
     assert!(buf.len() >= numel * dtype.itemsize());
-    // SAFETY: buf outlives the view's uses in each test.
-    unsafe { DeviceView::contiguous_host(buf.as_mut_ptr(), dtype, numel) }
+    let meta = TensorMeta::host_1d(buf.as_mut_ptr() as u64, dtype, numel, false);
+    // SAFETY: each test keeps `buf` alive, and reads it only between copies, while the view is
+    // used.
+    unsafe { DeviceView::from_meta(meta) }
 }
 
 #[rstest]
@@ -22,16 +28,20 @@ fn host_round_trip_every_dtype_and_size(
     let dtype = common::dtypes()[d];
     let n = common::sizes()[s];
     let item = dtype.itemsize();
-    let stager = Stager::new(dtype, 0, 256, 2).expect("a stager is made with or without a driver");
+    let stager = Stager::builder(dtype)
+        .device(0)
+        .numel(256)
+        .depth(2)
+        .build()
+        .expect("a stager is made with or without a driver");
     for (nvals, with_pad) in [(n, false), (n / 2, true), (n / 2, false), (0, true)] {
         let mut out = vec![POISON; n * item + 3 * item];
         let dst = host_view(&mut out, dtype, n);
         let vals = values(dtype, nvals, (n + nvals) as u64);
         let p = pad(dtype);
         let padv = with_pad.then_some(&p[..]);
-        let outcome = stager
-            .copy_bytes(&dst, &vals, padv, None, StreamHandle::LEGACY)
-            .unwrap();
+        let outcome =
+            common::put_bytes(&stager, &dst, &vals, padv, None, StreamHandle::LEGACY).unwrap();
         let touched = if with_pad { n } else { nvals };
         assert_eq!(
             outcome,
@@ -47,11 +57,11 @@ fn host_round_trip_every_dtype_and_size(
 
 #[test]
 fn typed_stager_refusals_leave_destination_untouched() {
-    let st = PinnedStager::<i32>::new(0, 16, 2).unwrap();
+    let st = common::stager::<i32>(0, 16, 2).unwrap();
     let mut out = vec![POISON; 16];
     let dst = host_view(&mut out, DType::I32, 4);
     let err = st
-        .copy_(&dst, &[1, 2, 3, 4, 5], None, None, StreamHandle::LEGACY)
+        .put(&dst, &[1, 2, 3, 4, 5], None, None, StreamHandle::LEGACY)
         .unwrap_err();
     assert!(
         matches!(
@@ -65,7 +75,7 @@ fn typed_stager_refusals_leave_destination_untouched() {
     );
     let wrong = host_view(&mut out, DType::F32, 4);
     let err = st
-        .copy_(&wrong, &[1], None, None, StreamHandle::LEGACY)
+        .put(&wrong, &[1], None, None, StreamHandle::LEGACY)
         .unwrap_err();
     assert_eq!(
         err.to_string(),
@@ -73,39 +83,48 @@ fn typed_stager_refusals_leave_destination_untouched() {
     );
     let ro = host_view(&mut out, DType::I32, 4).into_read_only();
     assert!(matches!(
-        st.copy_(&ro, &[1], None, None, StreamHandle::LEGACY),
+        st.put(&ro, &[1], None, None, StreamHandle::LEGACY),
         Err(Error::ReadOnly)
     ));
     assert!(out.iter().all(|&b| b == POISON));
     let raw = st.raw();
     let dst = host_view(&mut out, DType::I32, 4);
     assert!(matches!(
-        raw.copy_bytes(&dst, &[1, 2, 3], None, None, StreamHandle::LEGACY),
+        common::put_bytes(raw, &dst, &[1, 2, 3], None, None, StreamHandle::LEGACY),
         Err(Error::RaggedBytes {
             bytes: 3,
             itemsize: 4
         })
     ));
     assert!(matches!(
-        raw.copy_bytes(
+        common::put_bytes(
+            raw,
             &dst,
             &[1, 2, 3, 4],
             Some(&[0, 0]),
             None,
             StreamHandle::LEGACY
         ),
-        Err(Error::InvalidArgument(_))
+        Err(Error::PadSize {
+            got: 2,
+            expected: 4,
+            dtype: DType::I32
+        })
     ));
     assert!(out.iter().all(|&b| b == POISON));
     assert!(matches!(
-        Stager::new(DType::I32, 0, 4, 0),
-        Err(Error::InvalidArgument(_))
+        Stager::builder(DType::I32)
+            .device(0)
+            .numel(4)
+            .depth(0)
+            .build(),
+        Err(Error::InvalidArgument { param: "depth", .. })
     ));
 }
 
 #[test]
 fn mirror_skips_repeats_and_binds_to_one_destination() {
-    let st = PinnedStager::<i64>::new(0, 16, 2).unwrap();
+    let st = common::stager::<i64>(0, 16, 2).unwrap();
     let mut a = vec![POISON; 64];
     let mut b = vec![POISON; 64];
     let da = host_view(&mut a, DType::I64, 8);
@@ -113,31 +132,31 @@ fn mirror_skips_repeats_and_binds_to_one_destination() {
     let mut m = H2DMirror::new();
     let v = [7i64, -3, 11];
     assert_eq!(
-        st.copy_(&da, &v, Some(-1), Some(&mut m), StreamHandle::LEGACY)
+        st.put(&da, &v, Some(-1), Some(&mut m), StreamHandle::LEGACY)
             .unwrap(),
         CopyOutcome::Host
     );
     assert_eq!(
-        st.copy_(&da, &v, Some(-1), Some(&mut m), StreamHandle::LEGACY)
+        st.put(&da, &v, Some(-1), Some(&mut m), StreamHandle::LEGACY)
             .unwrap(),
         CopyOutcome::Skipped
     );
     // a different pad is a different content
     assert_eq!(
-        st.copy_(&da, &v, Some(-2), Some(&mut m), StreamHandle::LEGACY)
+        st.put(&da, &v, Some(-2), Some(&mut m), StreamHandle::LEGACY)
             .unwrap(),
         CopyOutcome::Host
     );
     assert_eq!(st.stats().skipped, 1);
     assert_eq!(st.stats().host_copies, 2);
     let err = st
-        .copy_(&db, &v, Some(-1), Some(&mut m), StreamHandle::LEGACY)
+        .put(&db, &v, Some(-1), Some(&mut m), StreamHandle::LEGACY)
         .unwrap_err();
     assert!(matches!(err, Error::MirrorReused { .. }), "{err}");
     assert!(b.iter().all(|&x| x == POISON));
     m.invalidate();
     assert_eq!(
-        st.copy_(&db, &v, None, Some(&mut m), StreamHandle::LEGACY)
+        st.put(&db, &v, None, Some(&mut m), StreamHandle::LEGACY)
             .unwrap(),
         CopyOutcome::Host
     );
@@ -147,24 +166,30 @@ fn mirror_skips_repeats_and_binds_to_one_destination() {
 
 #[test]
 fn values_may_alias_a_host_destination() {
-    let st = Stager::new(DType::U8, 0, 16, 1).unwrap();
+    let st = Stager::builder(DType::U8)
+        .device(0)
+        .numel(16)
+        .depth(1)
+        .build()
+        .unwrap();
     let mut buf: Vec<u8> = (1..=16).collect();
     let dst = host_view(&mut buf, DType::U8, 16);
     // SAFETY: test-only aliasing: values are read from the destination itself (memmove).
     let vals = unsafe { std::slice::from_raw_parts(buf.as_ptr().add(4), 8) };
-    st.copy_bytes(&dst, vals, None, None, StreamHandle::LEGACY)
-        .unwrap();
+    common::put_bytes(&st, &dst, vals, None, None, StreamHandle::LEGACY).unwrap();
     assert_eq!(&buf[..8], &[5, 6, 7, 8, 9, 10, 11, 12]);
 }
 
 #[test]
 fn impossible_stream_handles_are_refused() {
-    use pinstage::StreamHandle;
     for ok in [0usize, 1, 2, 0x7f00_1234_5670] {
-        assert_eq!(StreamHandle(ok).check().unwrap(), StreamHandle(ok));
+        // SAFETY: the handle is only checked and compared, never used.
+        assert_eq!(unsafe { StreamHandle::from_raw(ok) }.unwrap().as_raw(), ok);
     }
     for bad in [3usize, 4095, 0xFFFF, 0x7f00_1234_5671] {
-        let err = StreamHandle(bad).check().unwrap_err();
+        // SAFETY: as above.
+        let err = unsafe { StreamHandle::from_raw(bad) }.unwrap_err();
+        assert!(matches!(err, Error::BadStreamHandle { handle } if handle == bad));
         assert!(err.to_string().contains("is not a CUDA stream"), "{err}");
     }
 }

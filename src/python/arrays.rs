@@ -7,10 +7,9 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyTuple;
 
-use super::errors::{IntoPy, type_err, value_err};
-use crate::dtype::DType;
-use crate::pinned::{PinnedBuffer, PinnedFlags};
-use crate::pool::PoolBlock;
+use super::errors::{type_err, value_err};
+use crate::host::{PinnedBuffer, PinnedFlags, PoolBlock};
+use crate::view::DType;
 
 /// What a [`PinnedBlock`] owns.
 pub(crate) enum Memory {
@@ -185,12 +184,12 @@ pub(crate) fn numel(shape: &[i64]) -> PyResult<usize> {
 }
 
 pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
-    if let Ok(n) = obj.extract::<i64>() {
-        return Ok(vec![n]);
-    }
-    let shape: Vec<i64> = obj
-        .extract()
-        .map_err(|_| type_err("shape must be an int or a sequence of ints"))?;
+    let shape: Vec<i64> = if let Ok(n) = obj.extract::<i64>() {
+        vec![n]
+    } else {
+        obj.extract()
+            .map_err(|_| type_err("shape must be an int or a sequence of ints"))?
+    };
     if let Some(d) = shape.iter().find(|&&d| d < 0) {
         return Err(value_err(format!(
             "shape {shape:?} has a negative dimension {d}"
@@ -201,14 +200,16 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
 
 /// A writable array on pinned memory: `nbytes` bytes viewed as `dtype` with `shape`.
 #[pyfunction]
-#[pyo3(signature = (nbytes, dtype, shape, *, device=0))]
+#[pyo3(signature = (nbytes, dtype, shape, *, device=None))]
 fn alloc_pinned_numpy<'py>(
     py: Python<'py>,
-    nbytes: usize,
+    nbytes: &Bound<'py, PyAny>,
     dtype: &Bound<'py, PyAny>,
     shape: &Bound<'py, PyAny>,
-    device: i32,
+    device: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
+    let nbytes = super::stager::count_arg(nbytes, "nbytes", 0, isize::MAX as usize)?;
+    let device = super::stager::parse_device(device)?;
     let dtype = super::import::parse_dtype(dtype)?;
     let shape = parse_shape(shape)?;
     let need = numel(&shape)?
@@ -220,21 +221,19 @@ fn alloc_pinned_numpy<'py>(
              of {dtype}"
         )));
     }
-    let state = super::device_state(device).py_err()?;
-    let buf = py
-        .detach(|| PinnedBuffer::new(&state.device, nbytes, PinnedFlags::PORTABLE))
-        .py_err()?;
+    let state = super::device_state(device)?;
+    let buf = py.detach(|| PinnedBuffer::new(&state.device, nbytes, PinnedFlags::PORTABLE))?;
     array_on(py, Memory::Pinned(buf), dtype, &shape)
 }
 
 /// `numpy.empty(shape, dtype)` on pinned memory.
 #[pyfunction]
-#[pyo3(signature = (shape, dtype=None, *, device=0))]
+#[pyo3(signature = (shape, dtype=None, *, device=None))]
 fn empty_pinned<'py>(
     py: Python<'py>,
     shape: &Bound<'py, PyAny>,
     dtype: Option<Bound<'py, PyAny>>,
-    device: i32,
+    device: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let dtype = match dtype {
         Some(d) if !d.is_none() => d,
@@ -242,10 +241,12 @@ fn empty_pinned<'py>(
     };
     let d = super::import::parse_dtype(&dtype)?;
     let s = parse_shape(shape)?;
-    let nbytes = numel(&s)? * d.itemsize();
+    let nbytes = numel(&s)?
+        .checked_mul(d.itemsize())
+        .ok_or_else(|| value_err(format!("shape {s:?} overflows")))?;
     alloc_pinned_numpy(
         py,
-        nbytes,
+        &nbytes.into_pyobject(py)?.into_any(),
         &dtype,
         &PyTuple::new(py, &s)?.into_any(),
         device,
@@ -262,7 +263,7 @@ fn is_pinned(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
         obj.extract::<usize>()
             .map_err(|_| type_err("is_pinned() takes a numpy array or an address"))?
     };
-    Ok(crate::pinned::is_pinned(ptr as *const u8))
+    Ok(crate::is_pinned(ptr as *const u8))
 }
 
 /// A writable, C-contiguous numpy array's (address, nbytes), or a clear error.

@@ -7,10 +7,11 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::arrays::{Memory, PinnedBlock, array_over, descr, writable_numpy};
-use super::errors::{IntoPy, value_err};
+use super::errors::value_err;
 use super::import::{Imported, import, parse_stream};
-use crate::device::PooledEvent;
-use crate::dlpack::MemoryKind;
+use super::wait::wait_interruptibly;
+use crate::cuda::Event;
+use crate::view::MemoryKind;
 
 /// A raw destination pointer that may cross `py.detach`.
 struct SendPtr(*mut u8);
@@ -23,17 +24,15 @@ fn start<'py>(
     src: &Bound<'py, PyAny>,
     dst: Option<&Bound<'py, PyAny>>,
     stream: Option<&Bound<'py, PyAny>>,
-) -> PyResult<(Bound<'py, PyAny>, Option<PooledEvent>, Imported)> {
+) -> PyResult<(Bound<'py, PyAny>, Option<Event>, Imported)> {
     let s = parse_stream(stream)?;
     let imp = import(src, s)?;
     let view = &imp.view;
     let (dtype, shape, nbytes) = (view.dtype(), view.shape().to_vec(), view.nbytes());
     descr(py, dtype)?; // fail early (bfloat16 without ml_dtypes) before any copy
     let state = match view.memory() {
-        MemoryKind::Cuda(id) => Some(super::device_state(id).py_err()?),
-        MemoryKind::Host if crate::device::cuda_available() => {
-            Some(super::device_state(0).py_err()?)
-        }
+        MemoryKind::Cuda(id) => Some(super::device_state(id)?),
+        MemoryKind::Host if crate::cuda_available() => Some(super::device_state(0)?),
         MemoryKind::Host => None,
     };
     let (array, ptr, len) = match dst.filter(|d| !d.is_none()) {
@@ -52,8 +51,8 @@ fn start<'py>(
         }
         None => {
             let mem = match state {
-                Some(state) => Memory::Pool(py.detach(|| state.pool.acquire(nbytes)).py_err()?),
-                None => Memory::Vec(vec![0u8; nbytes]),
+                Some(state) => Memory::Pool(py.detach(|| state.pool.acquire(nbytes))?),
+                None => Memory::Vec(crate::host::zeroed_vec(nbytes, "host result")?),
             };
             let block = PinnedBlock::new(mem);
             let ptr = block.ptr();
@@ -81,35 +80,17 @@ fn start<'py>(
                 // SAFETY: the destination (the result array's memory) is kept alive by the
                 // array, which the caller holds until the event completed.
                 unsafe { crate::d2h::start_d2h(&state.device, view, p.0, len, stream) }
-            })
-            .py_err()?
+            })?
             .1
         }
     };
     Ok((array, event, imp))
 }
 
-fn wait_event(py: Python<'_>, ev: &PooledEvent, timeout: Option<f64>) -> PyResult<bool> {
-    py.detach(|| -> crate::Result<bool> {
-        match timeout {
-            None => ev.synchronize().map(|()| true),
-            Some(t) => {
-                let deadline = Instant::now() + Duration::from_secs_f64(t.max(0.0));
-                let mut nap = Duration::from_micros(20);
-                loop {
-                    if ev.query()? {
-                        return Ok(true);
-                    }
-                    if Instant::now() >= deadline {
-                        return Ok(false);
-                    }
-                    std::thread::sleep(nap);
-                    nap = (nap * 2).min(Duration::from_millis(1));
-                }
-            }
-        }
-    })
-    .py_err()
+/// Blocks until the copy completed, GIL released (not interruptible: the result array must not
+/// be handed back, nor its memory recycled, while the copy may still write it).
+fn wait_event(py: Python<'_>, ev: &Event) -> PyResult<()> {
+    Ok(py.detach(|| ev.synchronize())?)
 }
 
 /// Copies any DLPack tensor (torch, jax, cupy, numpy) to host memory and returns a writable numpy
@@ -124,7 +105,7 @@ fn copy_d2h<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let (array, event, imp) = start(py, src, dst, stream)?;
     if let Some(ev) = event {
-        wait_event(py, &ev, None)?;
+        wait_event(py, &ev)?;
     }
     drop(imp);
     Ok(array)
@@ -133,7 +114,7 @@ fn copy_d2h<'py>(
 /// A device-to-host copy in flight.
 #[pyclass(frozen, module = "pinstage._native")]
 pub struct PendingCopy {
-    event: Mutex<Option<PooledEvent>>,
+    event: Mutex<Option<Event>>,
     array: Py<PyAny>,
     src: Mutex<Option<Imported>>,
 }
@@ -143,18 +124,31 @@ impl PendingCopy {
     /// Whether the copy completed.
     fn done(&self) -> PyResult<bool> {
         match &*self.event.lock() {
-            Some(ev) => ev.query().py_err(),
+            Some(ev) => ev.query().map_err(PyErr::from),
             None => Ok(true),
         }
     }
 
-    /// Waits (GIL released) and returns the array; raises TimeoutError after `timeout` seconds.
+    /// Waits (GIL released) and returns the array; raises TimeoutError after `timeout` seconds,
+    /// and KeyboardInterrupt on Ctrl-C; either way the copy stays pending and guarded, and
+    /// `wait()` may be called again.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        let deadline = match timeout {
+            Some(t) if !(t >= 0.0 && t.is_finite()) => {
+                return Err(value_err(format!(
+                    "timeout={t}: expected None or a finite number of seconds >= 0"
+                )));
+            }
+            Some(t) => Some(Instant::now() + Duration::from_secs_f64(t)),
+            None => None,
+        };
         let ev = self.event.lock().take();
         if let Some(ev) = ev {
-            if !wait_event(py, &ev, timeout)? {
+            let done = wait_interruptibly(py, &ev, deadline);
+            if !matches!(done, Ok(true)) {
                 *self.event.lock() = Some(ev);
+                done?;
                 return Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
                     "the copy did not complete within {} s",
                     timeout.unwrap_or_default()
@@ -173,8 +167,10 @@ impl PendingCopy {
 impl Drop for PendingCopy {
     fn drop(&mut self) {
         // Never release the source (or let the destination die) while the copy runs.
-        if let Some(ev) = self.event.get_mut().take() {
-            let _ = ev.synchronize();
+        if let Some(ev) = self.event.get_mut().take()
+            && let Err(crate::Error::Driver(e)) = ev.synchronize()
+        {
+            crate::error::record_drop_error(e);
         }
     }
 }
@@ -196,11 +192,22 @@ fn copy_d2h_async<'py>(
     })
 }
 
-/// Counters of the result pool of `device`.
+/// Counters of the result pool of `device` (zeros, and the budget, without a driver).
 #[pyfunction]
-#[pyo3(signature = (device=0))]
-fn pool_stats(py: Python<'_>, device: i32) -> PyResult<Bound<'_, PyDict>> {
-    let s = super::device_state(device).py_err()?.pool.stats();
+#[pyo3(signature = (device=None))]
+fn pool_stats<'py>(
+    py: Python<'py>,
+    device: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let ordinal = super::stager::parse_device(device)?;
+    let s = if crate::cuda_available() {
+        super::device_state(ordinal)?.pool.stats()
+    } else {
+        crate::PoolStats {
+            budget_bytes: super::POOL_BUDGET.load(std::sync::atomic::Ordering::Relaxed),
+            ..Default::default()
+        }
+    };
     let d = PyDict::new(py);
     d.set_item("hits", s.hits)?;
     d.set_item("misses", s.misses)?;
@@ -228,7 +235,8 @@ fn empty_cache(py: Python<'_>) {
 
 /// Sets the pinned byte budget of the result pools (every device).
 #[pyfunction]
-fn set_pool_budget(py: Python<'_>, nbytes: usize) {
+fn set_pool_budget(py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+    let nbytes = super::stager::count_arg(nbytes, "nbytes", 0, isize::MAX as usize)?;
     super::POOL_BUDGET.store(nbytes, std::sync::atomic::Ordering::Relaxed);
     py.detach(|| {
         if let Some(table) = super::DEVICES.get() {
@@ -237,6 +245,7 @@ fn set_pool_budget(py: Python<'_>, nbytes: usize) {
             }
         }
     });
+    Ok(())
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -9,8 +9,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
-use crate::dlpack::DlpackError;
 use crate::error::Error;
+use crate::view::DlpackError;
 
 const DEFS: &std::ffi::CStr = cr#"
 class PinstageError(Exception):
@@ -87,28 +87,26 @@ pub(crate) fn type_err(msg: impl Into<String>) -> PyErr {
     Python::attach(|py| new_err(py, Kind::Type, msg))
 }
 
-/// Converts a core error.
-pub(crate) fn to_py(e: Error) -> PyErr {
-    let kind = match &e {
-        Error::CudaUnavailable { .. } => Kind::Unavailable,
-        Error::Driver(_) => Kind::Driver,
-        Error::StreamCapturing => Kind::Capture,
-        Error::DtypeMismatch { .. } => Kind::Type,
-        Error::Dlpack(DlpackError::UnsupportedDtype { .. }) => Kind::Type,
-        _ => Kind::Value,
-    };
-    Python::attach(|py| new_err(py, kind, e.to_string()))
-}
-
-/// `?`-friendly conversion.
-pub(crate) trait IntoPy<T> {
-    fn py_err(self) -> PyResult<T>;
-}
-
-impl<T> IntoPy<T> for crate::error::Result<T> {
-    #[inline]
-    fn py_err(self) -> PyResult<T> {
-        self.map_err(to_py)
+/// Converts a core error: `?` carries a [`crate::Error`] into Python.
+impl From<Error> for PyErr {
+    #[cold]
+    fn from(e: Error) -> PyErr {
+        let kind = match &e {
+            Error::CudaUnavailable { .. } => Kind::Unavailable,
+            Error::Driver(_) => Kind::Driver,
+            Error::StreamCapturing => Kind::Capture,
+            Error::Interrupted => {
+                return pyo3::exceptions::PyKeyboardInterrupt::new_err(e.to_string());
+            }
+            Error::OutOfMemory { .. } => {
+                return pyo3::exceptions::PyMemoryError::new_err(e.to_string());
+            }
+            Error::DtypeMismatch { .. }
+            | Error::Dlpack(DlpackError::UnsupportedDtype { .. })
+            | Error::BadCast { .. } => Kind::Type,
+            _ => Kind::Value,
+        };
+        Python::attach(|py| new_err(py, kind, e.to_string()))
     }
 }
 

@@ -1,21 +1,25 @@
-//! DLPack import and stream arguments.
+//! DLPack import and stream arguments, through dlpark.
 //!
-//! Order: the C exchange API (`type(obj).__dlpack_c_exchange_api__`, about 0.1 µs, which also
-//! gives the producer's current work stream), else `__dlpack__(stream=..., max_version=(1, 3))`,
-//! else `__dlpack__(stream=...)` (numpy < 2.1 rejects `max_version`), else `__dlpack__()`.
+//! dlpark does the protocol work: the C exchange API (`type(obj).__dlpack_c_exchange_api__`,
+//! its `prev_api` chain walked to a compatible major version, about 0.1 µs for a borrowed view,
+//! which also gives the producer's current work stream), then `__dlpack_device__` plus
+//! `__dlpack__(stream=..., max_version=...)`, then a legacy `__dlpack__()`, and the CUDA stream
+//! argument's encoding. What this module keeps is what dlpark lacks: the retry without
+//! `max_version` for producers that reject the keyword (numpy < 2.1), turning the result into
+//! pinstage's validated view, and the `stream=` argument parsing.
 
-use std::ffi::c_void;
-
-use dlpark::ffi::{DLDevice, DLDeviceType, DLManagedTensorVersioned, DLPackExchangeAPI};
-use dlpark::python::ImportedDlpack;
-use dlpark::{DlpackFlags, Managed};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use dlpark::DlpackFlags;
+use dlpark::ffi::DLDevice;
+use dlpark::python::consumer::exchange::ExchangeApi;
+use dlpark::python::consumer::stream as dlstream;
+use dlpark::python::{DlpackStream, ImportRequest, ImportedDlpack, StreamArg};
+use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyDict, PyString, PyTuple};
+use pyo3::types::{PyCapsule, PyDict, PyString};
 
 use super::errors::{type_err, value_err};
-use crate::device::StreamHandle;
-use crate::dlpack::{DL_CUDA, DL_CUDA_MANAGED, DeviceView, MemoryKind};
+use crate::cuda::StreamHandle;
+use crate::view::{DL_CUDA, DL_CUDA_MANAGED, DeviceView, MemoryKind, meta_of_dltensor};
 
 /// What keeps an imported tensor's memory alive.
 pub(crate) enum Owner {
@@ -28,7 +32,9 @@ pub(crate) enum Owner {
 /// An imported tensor: the validated view and the owner that keeps its memory alive.
 /// The owner must be dropped with the GIL held (some producers' deleters need it).
 pub(crate) struct Imported {
-    pub view: DeviceView,
+    /// The view; `'static` stands for "while `_owner` lives", which every user respects by
+    /// keeping the `Imported` alive while the view is used.
+    pub view: DeviceView<'static>,
     /// Keeps the producer's memory alive.
     pub _owner: Owner,
     /// The stream the data is ready on: the producer's current work stream (exchange API) or the
@@ -39,8 +45,7 @@ pub(crate) struct Imported {
 }
 
 /// A producer's DLPack C exchange table (process-lifetime, per the DLPack spec).
-#[derive(Clone, Copy)]
-pub(crate) struct Exchange(&'static DLPackExchangeAPI);
+pub(crate) struct Exchange(ExchangeApi);
 
 // SAFETY: the table is immutable and lives for the whole process (DLPack spec); its functions
 // are called with the GIL held.
@@ -50,111 +55,90 @@ unsafe impl Sync for Exchange {}
 
 impl Exchange {
     fn of(obj: &Bound<'_, PyAny>) -> PyResult<Option<Self>> {
-        let py = obj.py();
-        let cap = match obj
-            .get_type()
-            .getattr(pyo3::intern!(py, "__dlpack_c_exchange_api__"))
-        {
-            Ok(c) => c,
-            Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => {
-                return Ok(None);
-            }
-            Err(e) => return Err(e),
-        };
-        let Ok(cap) = cap.cast_into::<PyCapsule>() else {
-            return Ok(None);
-        };
-        // SAFETY: PyCapsule_GetPointer checks the capsule name; null means wrong name.
-        let ptr = unsafe {
-            pyo3::ffi::PyCapsule_GetPointer(cap.as_ptr(), c"dlpack_exchange_api".as_ptr())
-        };
-        if ptr.is_null() {
-            let _ = PyErr::take(py);
-            return Ok(None);
-        }
-        // SAFETY: the producer promises a static DLPackExchangeAPI behind the capsule.
-        let api: &'static DLPackExchangeAPI = unsafe { &*(ptr as *const DLPackExchangeAPI) };
-        if api.header.version.major != dlpark::ffi::DLPACK_MAJOR_VERSION
-            || api.managed_tensor_from_py_object_no_sync.is_none()
-            || api.current_work_stream.is_none()
-        {
-            return Ok(None);
-        }
-        Ok(Some(Self(api)))
+        Ok(ExchangeApi::from_object(obj.as_borrowed())?.map(Self))
     }
 
-    /// The producer's current work stream on `device` (torch: `torch.cuda.current_stream()`).
-    pub(crate) fn current_stream(
-        &self,
-        py: Python<'_>,
-        device_type: u32,
-        id: i32,
-    ) -> PyResult<StreamHandle> {
-        let f = self.0.current_work_stream.expect("checked in `of`");
-        let mut out: *mut c_void = std::ptr::null_mut();
-        // SAFETY: a valid table function; the out-pointer is valid; GIL held.
-        let rc = unsafe { f(DLDeviceType(device_type), id, &mut out) };
-        if rc != 0 {
-            return Err(PyErr::take(py)
-                .unwrap_or_else(|| value_err("the producer's DLPack current_work_stream failed")));
-        }
-        Ok(StreamHandle(out as usize))
-    }
-
-    /// A borrowed view through `dltensor_from_py_object_no_sync` (no allocation, no deleter),
-    /// when the producer offers it. Valid while `obj` lives and is not resized.
-    fn view(&self, obj: &Bound<'_, PyAny>) -> PyResult<Option<DeviceView>> {
-        let Some(f) = self.0.dltensor_from_py_object_no_sync else {
-            return Ok(None);
-        };
-        let mut t = dlpark::ffi::DLTensor::default();
-        // SAFETY: a valid table function of obj's type; GIL held; `t` is a valid out-pointer.
-        let rc = unsafe { f(obj.as_ptr().cast(), &mut t) };
-        if rc != 0 {
-            return Err(PyErr::take(obj.py())
-                .unwrap_or_else(|| value_err("the producer's DLPack exchange view failed")));
-        }
-        // SAFETY: the producer keeps shape/strides and data valid while `obj` lives; the view
-        // copies the shape and is used only while the caller holds `obj`.
-        unsafe { DeviceView::from_dltensor(&t, false) }
-            .map(Some)
-            .map_err(|e| super::errors::to_py(e.into()))
-    }
-
-    fn import(&self, obj: &Bound<'_, PyAny>) -> PyResult<Managed<DLManagedTensorVersioned>> {
-        let f = self
+    /// The producer's current work stream for `obj`'s device (torch:
+    /// `torch.cuda.current_stream()`).
+    pub(crate) fn current_stream(&self, obj: &Bound<'_, PyAny>) -> PyResult<StreamHandle> {
+        let raw = self
             .0
-            .managed_tensor_from_py_object_no_sync
-            .expect("checked in `of`");
-        let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();
-        // SAFETY: a valid table function of obj's type; GIL held; valid out-pointer.
-        let rc = unsafe { f(obj.as_ptr().cast(), &mut out) };
-        if rc != 0 {
-            return Err(PyErr::take(obj.py())
-                .unwrap_or_else(|| value_err("the producer's DLPack exchange export failed")));
+            .with_tensor_view_no_sync(obj.as_borrowed(), |_, s| s as usize)?;
+        stream_from_producer(raw)
+    }
+
+    /// A borrowed view through the exchange table (no allocation, no deleter) and the
+    /// producer's current stream, or a managed export when the producer offers no view.
+    fn import(&self, obj: &Bound<'_, PyAny>) -> PyResult<(DeviceView<'static>, Owner, usize)> {
+        let viewed = self.0.with_tensor_view_no_sync(obj.as_borrowed(), |t, s| {
+            // SAFETY: the producer keeps shape/strides readable during the callback.
+            unsafe { meta_of_dltensor(t, false) }.map(|m| (m, s as usize))
+        });
+        if let Ok(r) = viewed {
+            let (meta, s) = r.map_err(|e| PyErr::from(crate::Error::from(e)))?;
+            // SAFETY: the producer keeps the data valid while `obj` lives and is not resized;
+            // the owner below holds `obj` for as long as the view is used.
+            let view = unsafe { DeviceView::from_meta(meta) };
+            return Ok((view, Owner::Object(obj.clone().unbind()), s));
         }
-        // SAFETY: on success the producer hands us ownership of an initialised managed tensor.
-        unsafe { Managed::from_raw(out) }.map_err(|e| value_err(format!("DLPack export: {e}")))
+        let t = self.0.import_managed_no_sync(obj.as_borrowed())?;
+        let (managed, s) = t.into_parts();
+        let owner = ImportedDlpack::Versioned(managed);
+        Ok((view_of(&owner)?, Owner::Dlpack(owner), s as usize))
+    }
+}
+
+/// A producer's stream pointer as a handle.
+fn stream_from_producer(raw: usize) -> PyResult<StreamHandle> {
+    // SAFETY: the producer's own current work stream for the tensor's device, alive while the
+    // producer uses it (the DLPack exchange contract).
+    unsafe { StreamHandle::from_raw(raw) }.map_err(PyErr::from)
+}
+
+/// Our consumer stream, as dlpark passes it to `__dlpack__(stream=...)`.
+struct Consumer(StreamHandle);
+
+// SAFETY: a CUDA stream handle encoded by dlpark's CUDA rules for CUDA devices, and no stream
+// for host devices; the handle is a special one or a live stream its maker vouched for.
+unsafe impl DlpackStream for Consumer {
+    fn as_python_arg(&self, _py: Python<'_>, device: DLDevice) -> PyResult<StreamArg> {
+        Ok(if is_cuda(device.device_type.0) {
+            dlstream::cuda(self.0.as_raw() as *mut std::ffi::c_void)
+        } else {
+            dlstream::none()
+        })
     }
 }
 
 /// Parses a `stream=` argument: None, an int handle, an object with `__cuda_stream__()`, a torch
 /// stream (`.cuda_stream`) or a cupy stream (`.ptr`).
 pub(crate) fn parse_stream(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<StreamHandle>> {
-    let Some(obj) = obj else { return Ok(None) };
-    if obj.is_none() {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
         return Ok(None);
-    }
-    parse_stream_object(obj).and_then(|s| match s {
-        Some(h) => h.check().map(Some).map_err(super::errors::to_py),
-        None => Ok(None),
-    })
+    };
+    let raw = parse_stream_object(obj)?;
+    // SAFETY: the handle of a stream object the caller passed, or an integer the caller passed
+    // as a stream; the Python API documents that the stream must stay alive while its copies
+    // run. Impossible handles are refused here.
+    unsafe { StreamHandle::from_raw(raw) }
+        .map(Some)
+        .map_err(PyErr::from)
 }
 
-fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<Option<StreamHandle>> {
+fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
     let py = obj.py();
-    if let Ok(h) = obj.extract::<usize>() {
-        return Ok(Some(StreamHandle(h)));
+    if obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(type_err(
+            "stream must be a stream object or an int handle, got a bool",
+        ));
+    }
+    if obj.is_instance_of::<pyo3::types::PyInt>() {
+        return obj.extract::<usize>().map_err(|_| {
+            value_err(format!(
+                "stream={}: an int stream handle must be >= 0",
+                obj.repr().map(|r| r.to_string()).unwrap_or_default()
+            ))
+        });
     }
     if obj.hasattr(pyo3::intern!(py, "__cuda_stream__"))? {
         // A closed stream object (cuda.core's Stream.close()) refuses to give its handle or
@@ -167,7 +151,7 @@ fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<Option<StreamHandle>>
                 ))
             })?;
         if let Ok((_, h)) = r.extract::<(i64, usize)>() {
-            return Ok(Some(StreamHandle(h)));
+            return Ok(h);
         }
         if let Ok((_, h)) = r.extract::<(i64, Bound<'_, PyAny>)>()
             && h.is_none()
@@ -184,7 +168,7 @@ fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<Option<StreamHandle>>
     for attr in ["cuda_stream", "ptr"] {
         if let Ok(v) = obj.getattr(attr) {
             if let Ok(h) = v.extract::<usize>() {
-                return Ok(Some(StreamHandle(h)));
+                return Ok(h);
             }
             if v.is_none() {
                 return Err(value_err(format!(
@@ -196,27 +180,20 @@ fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<Option<StreamHandle>>
     Err(type_err(format!(
         "stream must be None, an int handle, an object with __cuda_stream__(), a torch stream or a \
          cupy stream; got {}",
-        obj.get_type().name()?
+        type_name(obj)
     )))
 }
 
-/// The value `__dlpack__(stream=...)` expects for a CUDA stream handle.
-fn dlpack_stream_arg(py: Python<'_>, s: StreamHandle) -> PyResult<Bound<'_, PyAny>> {
-    // DLPack: 1 is the legacy default stream, 2 the per-thread default; 0 is disallowed.
-    let v = if s.0 == 0 { 1 } else { s.0 };
-    Ok(v.into_pyobject(py)?.into_any())
-}
-
-fn view_of(imported: &ImportedDlpack) -> PyResult<DeviceView> {
+fn view_of(imported: &ImportedDlpack) -> PyResult<DeviceView<'static>> {
     let read_only = imported.flags().contains(DlpackFlags::READ_ONLY);
     let r = match imported {
-        // SAFETY: dlpark's Managed keeps shape/strides readable while it lives; the view is only
-        // used while `Imported` holds the owner.
+        // SAFETY: dlpark's Managed keeps shape/strides readable and the memory valid while it
+        // lives; the view is only used while `Imported` holds the owner.
         ImportedDlpack::Versioned(m) => unsafe { DeviceView::from_dltensor(m.tensor(), read_only) },
         // SAFETY: as above.
         ImportedDlpack::Legacy(m) => unsafe { DeviceView::from_dltensor(m.tensor(), read_only) },
     };
-    r.map_err(|e| super::errors::to_py(e.into()))
+    r.map_err(|e| crate::Error::from(e).into())
 }
 
 fn is_cuda(device_type: u32) -> bool {
@@ -226,20 +203,13 @@ fn is_cuda(device_type: u32) -> bool {
 /// Imports any DLPack producer. `stream`: the consumer stream the caller will use, or `None` for
 /// "the producer's current work stream if it has an exchange table, else the legacy default".
 pub(crate) fn import(obj: &Bound<'_, PyAny>, stream: Option<StreamHandle>) -> PyResult<Imported> {
-    let py = obj.py();
     let exchange = Exchange::of(obj)?;
-    if let Some(ex) = exchange
+    if let Some(ex) = &exchange
         && stream.is_none()
     {
-        let (view, owner) = match ex.view(obj)? {
-            Some(view) => (view, Owner::Object(obj.clone().unbind())),
-            None => {
-                let owner = ImportedDlpack::Versioned(ex.import(obj)?);
-                (view_of(&owner)?, Owner::Dlpack(owner))
-            }
-        };
+        let (view, owner, s) = ex.import(obj)?;
         let stream = match view.memory() {
-            MemoryKind::Cuda(id) => ex.current_stream(py, view.device_type(), id)?,
+            MemoryKind::Cuda(_) => stream_from_producer(s)?,
             MemoryKind::Host => StreamHandle::LEGACY,
         };
         return Ok(Imported {
@@ -260,83 +230,77 @@ pub(crate) fn import(obj: &Bound<'_, PyAny>, stream: Option<StreamHandle>) -> Py
     })
 }
 
+/// The standard protocol through dlpark; for producers that reject `max_version` (numpy < 2.1),
+/// `__dlpack__(stream=...)` and then `__dlpack__()`, which dlpark does not retry.
 fn import_standard(obj: &Bound<'_, PyAny>, stream: StreamHandle) -> PyResult<ImportedDlpack> {
     let py = obj.py();
-    if obj.is_instance_of::<PyCapsule>() {
-        return dlpark::python::from_dlpack(obj.as_borrowed(), None, None);
-    }
-    let Ok(method) = obj.getattr(pyo3::intern!(py, "__dlpack__")) else {
+    if !obj.is_instance_of::<PyCapsule>() && !obj.hasattr(pyo3::intern!(py, "__dlpack__"))? {
         return Err(type_err(format!(
             "expected a DLPack producer (an object with __dlpack__, e.g. a torch/jax/cupy/numpy \
              array), got {}",
-            obj.get_type().name()?
+            type_name(obj)
         )));
-    };
-    let device: Option<(u32, i32)> = match obj.getattr(pyo3::intern!(py, "__dlpack_device__")) {
-        Ok(f) => Some(f.call0()?.extract().map_err(|_| {
-            type_err("__dlpack_device__() must return a (device_type, device_id) tuple")
-        })?),
-        Err(_) => None,
-    };
-    let stream_arg = match device {
-        Some((t, _)) if is_cuda(t) => Some(dlpack_stream_arg(py, stream)?),
-        _ => None,
-    };
-    let kwargs = PyDict::new(py);
-    if let Some(s) = &stream_arg {
-        kwargs.set_item(pyo3::intern!(py, "stream"), s)?;
     }
-    kwargs.set_item(
-        pyo3::intern!(py, "max_version"),
-        PyTuple::new(
-            py,
-            [
-                dlpark::ffi::DLPACK_MAJOR_VERSION,
-                dlpark::ffi::DLPACK_MINOR_VERSION,
-            ],
-        )?,
-    )?;
-    let capsule = match method.call((), Some(&kwargs)) {
-        Ok(c) => c,
+    let consumer = Consumer(stream);
+    let request = ImportRequest::new(obj.as_borrowed()).map_err(|e| explain(obj, e))?;
+    let device = request.device().ok();
+    let with_stream = if obj.is_instance_of::<PyCapsule>() || device.is_none() {
+        None
+    } else {
+        Some(&consumer as &dyn DlpackStream)
+    };
+    match request.import(with_stream, None) {
+        Ok(t) => Ok(t),
         Err(e) if e.is_instance_of::<PyTypeError>(py) => {
-            // numpy < 2.1 and older producers reject max_version; very old ones any keyword.
-            kwargs.del_item(pyo3::intern!(py, "max_version"))?;
-            match method.call((), Some(&kwargs)) {
+            let kwargs = PyDict::new(py);
+            if device.is_some_and(|d| is_cuda(d.device_type.0)) {
+                // DLPack: 1 is the legacy default stream (0 is not allowed), 2 the per-thread one.
+                let value = match stream.as_raw() {
+                    0 => 1usize,
+                    h => h,
+                };
+                kwargs.set_item(pyo3::intern!(py, "stream"), value)?;
+            }
+            let method = obj.getattr(pyo3::intern!(py, "__dlpack__"))?;
+            let capsule = match method.call((), Some(&kwargs)) {
                 Ok(c) => c,
-                Err(e2) if e2.is_instance_of::<PyTypeError>(py) && stream_arg.is_some() => {
+                Err(e2) if e2.is_instance_of::<PyTypeError>(py) && !kwargs.is_empty() => {
                     method.call0()?
                 }
-                Err(e2) => return Err(e2),
-            }
+                Err(e2) => return Err(explain(obj, e2)),
+            };
+            dlpark::python::from_dlpack(capsule.as_borrowed(), None, None)
+                .map_err(|e| value_err(format!("invalid DLPack capsule: {e}")))
         }
-        Err(e) => return Err(e),
-    };
-    if !capsule.is_instance_of::<PyCapsule>() {
-        return Err(type_err(format!(
-            "__dlpack__() returned {}, expected a DLPack capsule",
-            capsule.get_type().name()?
-        )));
+        Err(e) => Err(explain(obj, e)),
     }
-    let imported = dlpark::python::from_dlpack(capsule.as_borrowed(), None, None)
-        .map_err(|e| value_err(format!("invalid DLPack capsule: {e}")))?;
-    if let Some((t, id)) = device {
-        let d = dlpark_device(&imported);
-        if d.device_type.0 != t || d.device_id != id {
-            return Err(PyValueError::new_err(format!(
-                "__dlpack_device__() said ({t}, {id}) but the capsule is on ({}, {})",
-                d.device_type.0, d.device_id
-            )));
-        }
-    }
-    Ok(imported)
 }
 
-fn dlpark_device(imported: &ImportedDlpack) -> DLDevice {
-    match imported {
-        // SAFETY: reading the descriptor of an owned, live managed tensor.
-        ImportedDlpack::Versioned(m) => unsafe { m.tensor() }.device,
-        // SAFETY: as above.
-        ImportedDlpack::Legacy(m) => unsafe { m.tensor() }.device,
+/// A producer's refusal (numpy's BufferError for big-endian, read-only or object arrays) as a
+/// pinstage error that says what was being imported.
+fn explain(obj: &Bound<'_, PyAny>, e: PyErr) -> PyErr {
+    let py = obj.py();
+    if e.is_instance_of::<PyBufferError>(py) || e.is_instance_of::<PyTypeError>(py) {
+        let what = describe(obj);
+        let err = type_err(format!(
+            "{what} cannot be shared through DLPack ({e}); pass a C-contiguous array of a \
+             native-endian numeric dtype"
+        ));
+        err.set_cause(py, Some(e));
+        return err;
+    }
+    e
+}
+
+/// "a numpy array of dtype >i4", "a torch Tensor", ...: for messages.
+pub(crate) fn describe(obj: &Bound<'_, PyAny>) -> String {
+    let ty = type_name(obj);
+    match obj
+        .getattr("dtype")
+        .and_then(|d| d.str().map(|s| s.to_string()))
+    {
+        Ok(d) => format!("a {ty} of dtype {d}"),
+        Err(_) => format!("a {ty}"),
     }
 }
 
@@ -348,9 +312,23 @@ pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
+/// Whether `obj` is a JAX array: JAX treats its arrays as immutable and may share their buffers,
+/// so pinstage never writes into one.
+pub(crate) fn is_jax_array(obj: &Bound<'_, PyAny>) -> bool {
+    obj.get_type().module().is_ok_and(|m| {
+        let m = m.to_string();
+        m == "jax" || m.starts_with("jax.") || m.starts_with("jaxlib")
+    })
+}
+
 /// Resolves a dtype argument: numpy dtypes/types/strings, torch dtypes, jax and cupy dtypes.
 pub(crate) fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<crate::DType> {
     let py = obj.py();
+    if obj.is_none() {
+        return Err(type_err(
+            "dtype=None: name a dtype (e.g. numpy.int32, 'float32' or torch.int64)",
+        ));
+    }
     let name: String = if let Ok(s) = obj.cast::<PyString>() {
         s.to_string()
     } else {
@@ -375,45 +353,4 @@ pub(crate) fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<crate::DType> {
              bfloat16, complex64/128"
         ))
     })
-}
-
-/// Host ns per call of `f`: one warm-up call, then the mean of `n` calls. For the benches.
-pub(crate) fn ns_per_call(n: usize, f: &mut dyn FnMut() -> PyResult<()>) -> PyResult<f64> {
-    let n = n.max(1);
-    f()?;
-    let t0 = std::time::Instant::now();
-    for _ in 0..n {
-        f()?;
-    }
-    Ok(t0.elapsed().as_nanos() as f64 / n as f64)
-}
-
-/// Host ns per call of each step of importing `obj` (exchange table lookup, borrowed view,
-/// managed export, current stream, the whole import), `n` times each. For the benches.
-pub(crate) fn profile_import(
-    obj: &Bound<'_, PyAny>,
-    n: usize,
-) -> PyResult<Vec<(&'static str, f64)>> {
-    let py = obj.py();
-    let mut out = Vec::new();
-    let mut time = |name: &'static str, f: &mut dyn FnMut() -> PyResult<()>| -> PyResult<()> {
-        out.push((name, ns_per_call(n, f)?));
-        Ok(())
-    };
-    time("exchange table lookup", &mut || {
-        Exchange::of(obj).map(|_| ())
-    })?;
-    if let Some(ex) = Exchange::of(obj)? {
-        time("exchange borrowed view", &mut || ex.view(obj).map(|_| ()))?;
-        time("exchange managed export", &mut || ex.import(obj).map(drop))?;
-        if let Ok(Some(v)) = ex.view(obj)
-            && let MemoryKind::Cuda(id) = v.memory()
-        {
-            time("exchange current stream", &mut || {
-                ex.current_stream(py, v.device_type(), id).map(|_| ())
-            })?;
-        }
-    }
-    time("whole import", &mut || import(obj, None).map(drop))?;
-    Ok(out)
 }

@@ -11,16 +11,16 @@
 mod arrays;
 mod d2h;
 mod errors;
-mod import;
-mod stager;
+pub(crate) mod import;
+pub(crate) mod stager;
+mod wait;
 
 use std::sync::OnceLock;
 
 use pyo3::prelude::*;
 
-use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::pool::PinnedPool;
+use crate::{Device, PinnedPool};
 
 /// Per-device state shared by the module: the retained device and its result pool.
 struct DeviceState {
@@ -30,7 +30,7 @@ struct DeviceState {
 
 static DEVICES: OnceLock<Vec<OnceLock<DeviceState>>> = OnceLock::new();
 static POOL_BUDGET: std::sync::atomic::AtomicUsize =
-    std::sync::atomic::AtomicUsize::new(crate::pool::DEFAULT_BUDGET);
+    std::sync::atomic::AtomicUsize::new(crate::DEFAULT_BUDGET);
 
 fn device_state(ordinal: i32) -> Result<&'static DeviceState> {
     let probe = crate::driver::probe().map_err(Error::unavailable)?;
@@ -60,19 +60,19 @@ fn device_state(ordinal: i32) -> Result<&'static DeviceState> {
 /// Whether a CUDA driver and at least one device are usable.
 #[pyfunction]
 fn cuda_available() -> bool {
-    crate::device::cuda_available()
+    crate::cuda_available()
 }
 
 /// Number of CUDA devices (0 without a driver).
 #[pyfunction]
 fn device_count() -> i32 {
-    crate::device::device_count().unwrap_or(0)
+    crate::device_count().unwrap_or(0)
 }
 
 /// Pinned bytes pinstage holds in this process (stager rings, pools, pinned arrays).
 #[pyfunction]
 fn pinned_bytes() -> usize {
-    crate::pinned::live_pinned_bytes()
+    crate::live_pinned_bytes()
 }
 
 /// Driver facts: `{"available", "reason", "device_count", "driver_version"}`.
@@ -96,15 +96,6 @@ fn driver_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     Ok(d)
 }
 
-/// Bench internals (not API): host ns per call of each driver call on the small-copy path, on
-/// device 0 (see `pinstage::driver_costs`).
-#[pyfunction]
-#[pyo3(name = "_driver_costs", signature = (iters=20000))]
-fn driver_costs(py: Python<'_>, iters: usize) -> PyResult<Vec<(&'static str, f64)>> {
-    py.detach(|| crate::driver_costs(iters))
-        .map_err(errors::to_py)
-}
-
 /// The Python module `pinstage._native`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -113,10 +104,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(driver_info, m)?)?;
     m.add_function(wrap_pyfunction!(pinned_bytes, m)?)?;
-    m.add_function(wrap_pyfunction!(driver_costs, m)?)?;
     arrays::register(m)?;
     stager::register(m)?;
     d2h::register(m)?;
+    #[cfg(feature = "lab")]
+    crate::lab::python::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -5,17 +5,27 @@ use std::sync::Arc;
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
-use super::errors::{IntoPy, type_err, value_err};
-use super::import::{Imported, import, parse_dtype, parse_stream, type_name};
-use crate::device::StreamHandle;
-use crate::dtype::DType;
-use crate::mirror::H2DMirror as CoreMirror;
-use crate::stager::{CopyOutcome, Stager};
+use super::errors::{type_err, value_err};
+use super::import::{
+    Imported, describe, import, is_jax_array, parse_dtype, parse_stream, type_name,
+};
+use super::wait::wait_interruptibly;
+use crate::cuda::{Event, StreamHandle};
+use crate::h2d::write::PARALLEL_WRITE_MIN;
+use crate::view::DType;
+use crate::{Error, H2DMirror as CoreMirror, Stager};
 
-/// Element bytes of `values`: borrowed from a matching numpy array, or converted.
-pub(crate) enum Values<'py> {
+/// Element bytes of `values` and their shape: borrowed from a matching numpy array, or
+/// converted.
+pub(crate) struct Values<'py> {
+    data: Data<'py>,
+    /// The values' shape (`[n]` for a flat sequence).
+    pub shape: Vec<usize>,
+}
+
+enum Data<'py> {
     Borrowed {
         ptr: *const u8,
         len: usize,
@@ -26,11 +36,37 @@ pub(crate) enum Values<'py> {
 
 impl Values<'_> {
     pub(crate) fn bytes(&self) -> &[u8] {
-        match self {
+        match &self.data {
             // SAFETY: `_keep` holds the numpy array, whose buffer is valid for `len` bytes.
-            Values::Borrowed { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
-            Values::Owned(v) => v,
+            Data::Borrowed { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+            Data::Owned(v) => v,
         }
+    }
+
+    fn owned(v: Vec<u8>, shape: Vec<usize>) -> Self {
+        Self {
+            data: Data::Owned(v),
+            shape,
+        }
+    }
+}
+
+/// numpy's assignment rule for `dst[:n] = values`: values of `dst`'s shape past the first axis
+/// (any number of rows), or 1-D values into a 1-D destination.
+pub(crate) fn check_shape(values: &[usize], dst: &[i64]) -> PyResult<()> {
+    let dst_shape: Vec<usize> = dst.iter().map(|&d| d as usize).collect();
+    let ok = match (values.len(), dst_shape.len()) {
+        (1, 0) | (1, 1) => true,
+        (v, d) => v == d && v > 0 && values[1..] == dst_shape[1..],
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::ShapeMismatch {
+            values: values.to_vec(),
+            dst: dst.to_vec(),
+        }
+        .into())
     }
 }
 
@@ -107,33 +143,62 @@ pub(crate) fn to_values<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<V
             // SAFETY: reading the data pointer of a live, C-contiguous numpy array.
             let ptr = unsafe { (*arr.as_array_ptr()).fields.data as *const u8 };
             let len = arr.len() * d.itemsize();
-            return Ok(Values::Borrowed {
-                ptr,
-                len,
-                _keep: values.clone(),
+            return Ok(Values {
+                data: Data::Borrowed {
+                    ptr,
+                    len,
+                    _keep: values.clone(),
+                },
+                shape: arr.shape().to_vec(),
             });
         }
     } else if let Ok(list) = values.cast::<PyList>() {
         let items: Vec<_> = list.iter().collect();
         if let Some(v) = convert_sequence(&items, d)? {
-            return Ok(Values::Owned(v));
+            return Ok(Values::owned(v, vec![items.len()]));
         }
     } else if let Ok(tuple) = values.cast::<PyTuple>() {
         let items: Vec<_> = tuple.iter().collect();
         if let Some(v) = convert_sequence(&items, d)? {
-            return Ok(Values::Owned(v));
+            return Ok(Values::owned(v, vec![items.len()]));
         }
+    } else if !is_array_like(values)? {
+        return Err(type_err(format!(
+            "values must be a list, a tuple or an array of numbers (numpy, a torch CPU tensor,              anything numpy.asarray takes), got {}",
+            type_name(values)
+        )));
     }
-    convert_with_numpy(values, d).map(Values::Owned)
+    convert_with_numpy(values, d).map(|(v, shape)| Values::owned(v, shape))
 }
 
-fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<Vec<u8>> {
+/// Whether numpy can take `values` as an array of numbers: an array, a buffer, or an object with
+/// `__array__` or `__dlpack__`; not a str, bytes, dict, set or iterator.
+fn is_array_like(values: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = values.py();
+    if values.is_instance_of::<PyString>()
+        || values.is_instance_of::<PyBytes>()
+        || values.is_instance_of::<PyDict>()
+        || values.is_instance_of::<pyo3::types::PySet>()
+        || values.hasattr(pyo3::intern!(py, "__next__"))?
+    {
+        return Ok(false);
+    }
+    Ok(values.hasattr(pyo3::intern!(py, "__array__"))?
+        || values.hasattr(pyo3::intern!(py, "__array_interface__"))?
+        || values.hasattr(pyo3::intern!(py, "__dlpack__"))?
+        || values.is_instance_of::<pyo3::types::PyMemoryView>()
+        || values.is_instance_of::<pyo3::types::PyRange>())
+}
+
+fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<(Vec<u8>, Vec<usize>)> {
     let py = values.py();
     let np = py.import("numpy")?;
     let want = super::arrays::descr(py, d)?;
     let arr = np.call_method1("asarray", (values,)).map_err(|e| {
         type_err(format!(
-            "values must be a numpy array or a sequence of numbers ({e})"
+            "values must be a numpy array or a (nested, rectangular) sequence of numbers, got {} \
+             ({e})",
+            type_name(values)
         ))
     })?;
     let arr = arr
@@ -155,7 +220,16 @@ fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<Vec<u8>> 
     if kind == b'c' && !matches!(d, DType::C64 | DType::C128) {
         return Err(type_err(format!("complex values cannot be copied as {d}")));
     }
-    let conv = arr.call_method1("astype", (&want,))?;
+    // Values that do not fit are refused below with a typed error; numpy's own warning about the
+    // cast (NaN or inf into an integer) would only repeat that at the caller's line.
+    let quiet = PyDict::new(py);
+    quiet.set_item("invalid", "ignore")?;
+    quiet.set_item("over", "ignore")?;
+    let guard = np.call_method("errstate", (), Some(&quiet))?;
+    guard.call_method0("__enter__")?;
+    let conv = arr.call_method1("astype", (&want,));
+    guard.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
+    let conv = conv?;
     if d.is_integral() {
         // Refuse values that do not survive the cast (300 into int8, 0.5 into int32, 2 into bool).
         let same = np
@@ -173,9 +247,10 @@ fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<Vec<u8>> 
             )));
         }
     }
+    let shape = arr.shape().to_vec();
     let conv = np.call_method1("ascontiguousarray", (conv,))?;
     let bytes = conv.call_method0("tobytes")?;
-    Ok(bytes.cast::<PyBytes>()?.as_bytes().to_vec())
+    Ok((bytes.cast::<PyBytes>()?.as_bytes().to_vec(), shape))
 }
 
 /// One element of `d` from a Python scalar.
@@ -190,12 +265,38 @@ pub(crate) fn scalar_bytes(v: &Bound<'_, PyAny>, d: DType) -> PyResult<Vec<u8>> 
     Ok(vals.bytes().to_vec())
 }
 
-fn parse_device(obj: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok(0);
+/// A device ordinal argument: None (device 0), an int, `'cuda'`, `'cuda:N'` or a device object
+/// (`torch.device`, `cupy.cuda.Device`), checked against the devices the driver reports.
+pub(crate) fn parse_device(obj: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
+    let ordinal = match obj.filter(|o| !o.is_none()) {
+        None => 0,
+        Some(obj) => device_ordinal(obj)?,
     };
-    if let Ok(i) = obj.extract::<i32>() {
-        return Ok(i);
+    if ordinal < 0 {
+        return Err(value_err(format!(
+            "device={ordinal}: expected a CUDA device ordinal >= 0"
+        )));
+    }
+    match crate::device_count() {
+        Ok(count) if ordinal >= count => Err(Error::NoSuchDevice { ordinal, count }.into()),
+        Err(Error::CudaUnavailable { reason }) if ordinal != 0 => Err(value_err(format!(
+            "device={ordinal}: CUDA is unavailable ({reason}); without it only device 0 (host \
+             destinations) can be named"
+        ))),
+        _ => Ok(ordinal),
+    }
+}
+
+fn device_ordinal(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
+    if obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(type_err(
+            "device must be an int, 'cuda:N' or a device object, got a bool",
+        ));
+    }
+    if obj.is_instance_of::<pyo3::types::PyInt>() {
+        return obj
+            .extract::<i32>()
+            .map_err(|_| value_err(format!("device={obj}: expected a CUDA device ordinal")));
     }
     if let Ok(s) = obj.extract::<String>() {
         return match s.as_str() {
@@ -203,7 +304,7 @@ fn parse_device(obj: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
             _ => s
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
-                .ok_or_else(|| value_err(format!("device {s:?}: expected an int or 'cuda:N'"))),
+                .ok_or_else(|| value_err(format!("device={s:?}: expected an int or 'cuda:N'"))),
         };
     }
     for attr in ["index", "id"] {
@@ -217,7 +318,31 @@ fn parse_device(obj: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
     )))
 }
 
-fn stats_dict<'py>(py: Python<'py>, s: crate::stager::StagerStats) -> PyResult<Bound<'py, PyDict>> {
+/// A count argument (`numel`, `depth`): an int in `lo..=hi`, else a typed error naming it.
+pub(crate) fn count_arg(
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+    lo: usize,
+    hi: usize,
+) -> PyResult<usize> {
+    let int =
+        obj.is_instance_of::<pyo3::types::PyInt>() && !obj.is_instance_of::<pyo3::types::PyBool>();
+    if !int {
+        return Err(type_err(format!(
+            "{name} must be an int in {lo}..={hi}, got {}",
+            type_name(obj)
+        )));
+    }
+    match obj.extract::<usize>() {
+        Ok(v) if (lo..=hi).contains(&v) => Ok(v),
+        _ => Err(value_err(format!(
+            "{name}={}: expected an int in {lo}..={hi}",
+            obj.repr()?
+        ))),
+    }
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: crate::StagerStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("copies", s.copies)?;
     d.set_item("host_copies", s.host_copies)?;
@@ -230,26 +355,21 @@ fn stats_dict<'py>(py: Python<'py>, s: crate::stager::StagerStats) -> PyResult<B
     Ok(d)
 }
 
+/// What a mirror remembers for `matches` / `record`: a key compared with Python's `==` and the
+/// values' dtype and bytes.
+#[derive(Default)]
+struct Recorded {
+    key: Option<Py<PyAny>>,
+    values: Vec<u8>,
+}
+
 /// Exact-value memory of what a destination holds; see the Rust `H2DMirror`.
 #[pyclass(frozen, module = "pinstage._native", name = "H2DMirror")]
 pub struct PyMirror {
+    /// What stager copies recorded (`copy_(..., mirror=m)`).
     inner: Mutex<CoreMirror>,
-}
-
-fn key_bytes(key: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
-    if let Ok(b) = key.cast::<PyBytes>() {
-        return Ok(b.as_bytes().to_vec());
-    }
-    if let Ok(i) = key.extract::<i128>() {
-        return Ok(i.to_le_bytes().to_vec());
-    }
-    if let Ok(s) = key.extract::<String>() {
-        return Ok(s.into_bytes());
-    }
-    Err(type_err(format!(
-        "mirror key must be bytes, int or str, got {}",
-        type_name(key)
-    )))
+    /// What `record` recorded.
+    recorded: Mutex<Recorded>,
 }
 
 fn raw_bytes(values: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
@@ -265,37 +385,66 @@ fn raw_bytes(values: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     Ok(out)
 }
 
+fn hashable(key: &Bound<'_, PyAny>) -> PyResult<()> {
+    key.hash().map(drop).map_err(|e| {
+        type_err(format!(
+            "mirror key must be hashable (compared by ==, like a dict key), got {} ({e})",
+            type_name(key)
+        ))
+    })
+}
+
 #[pymethods]
 impl PyMirror {
     #[new]
     fn new() -> Self {
         Self {
             inner: Mutex::new(CoreMirror::new()),
+            recorded: Mutex::new(Recorded::default()),
         }
     }
 
-    /// Whether `(key, values)` equals the last recorded pair, exactly.
+    /// Whether `(key, values)` equals the last recorded pair: the key by `==`, the values by
+    /// dtype and bytes.
     fn matches(&self, key: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self
-            .inner
-            .lock()
-            .matches(&key_bytes(key)?, &raw_bytes(values)?))
+        hashable(key)?;
+        let bytes = raw_bytes(values)?;
+        let stored = {
+            let r = self.recorded.lock();
+            match &r.key {
+                Some(k) if r.values == bytes => Some(k.clone_ref(key.py())),
+                _ => None,
+            }
+        };
+        match stored {
+            Some(k) => key.eq(k.bind(key.py())),
+            None => Ok(false),
+        }
     }
 
     /// Records `(key, values)`.
     fn record(&self, key: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
-        let (k, v) = (key_bytes(key)?, raw_bytes(values)?);
-        self.inner.lock().record(&k, &v);
+        hashable(key)?;
+        let bytes = raw_bytes(values)?;
+        let old = {
+            let mut r = self.recorded.lock();
+            r.values = bytes;
+            r.key.replace(key.clone().unbind())
+        };
+        drop(old);
         Ok(())
     }
 
     /// Forgets everything (call it when the destination was written some other way).
     fn invalidate(&self) {
         self.inner.lock().invalidate();
+        let old = std::mem::take(&mut *self.recorded.lock());
+        drop(old);
     }
 
     fn __repr__(&self) -> String {
-        format!("H2DMirror(valid={})", self.inner.lock().is_valid())
+        let valid = self.inner.lock().is_valid() || self.recorded.lock().key.is_some();
+        format!("H2DMirror(valid={})", if valid { "True" } else { "False" })
     }
 }
 
@@ -311,9 +460,12 @@ pub struct PyStager {
     device: i32,
 }
 
+/// How long a claimer polls a busy slot's event with the GIL held before it releases the GIL.
+/// A slot's small copy completes within microseconds; giving the GIL away for that (and queueing
+/// to get it back behind other threads) costs more than the wait itself.
+const SPIN_BEFORE_DETACH: std::time::Duration = std::time::Duration::from_micros(20);
+
 impl PyStager {
-    /// Runs one copy holding the GIL (a copy costs a few microseconds of driver calls); the
-    /// GIL is released only to wait for a slot's event or for a mirror another thread holds.
     fn stager(&self) -> PyResult<Arc<Stager>> {
         self.inner
             .read()
@@ -321,10 +473,13 @@ impl PyStager {
             .ok_or_else(|| value_err("this PinnedStager is closed; create a new one"))
     }
 
+    /// Runs one copy holding the GIL (a copy costs a few microseconds of driver calls); the GIL
+    /// is released to wait for a slot's event (answering Ctrl-C), for a mirror another thread
+    /// holds, and for whole copies of [`PARALLEL_WRITE_MIN`] bytes or more.
     fn run_copy(
         &self,
         py: Python<'_>,
-        imp: &Imported,
+        view: &crate::DeviceView<'static>,
         values: &[u8],
         pad: Option<&[u8]>,
         mirror: Option<&Mutex<CoreMirror>>,
@@ -334,67 +489,104 @@ impl PyStager {
         // (which may be waiting for the GIL): lock it with the GIL released when contended.
         let mut guard = mirror.map(|m| m.try_lock().unwrap_or_else(|| py.detach(|| m.lock())));
         let stager = self.stager()?;
-        let view = &imp.view;
-        // The core splits slot writes of this size over several threads: such a copy takes a
-        // while, so it runs without the GIL.
-        let large_at = crate::stager::PARALLEL_WRITE_MIN;
-        let large = values.len() >= large_at || (pad.is_some() && view.nbytes() >= large_at);
+        let large = values.len() >= PARALLEL_WRITE_MIN
+            || (pad.is_some() && view.nbytes() >= PARALLEL_WRITE_MIN);
         let outcome = if large {
             py.detach(|| {
-                stager.copy_bytes_waiting(
-                    view,
-                    values,
-                    pad,
-                    guard.as_deref_mut(),
-                    stream,
-                    &mut |ev| ev.synchronize(),
-                )
+                let mut c = options(stager.to(view), stream, pad);
+                if let Some(m) = guard.as_deref_mut() {
+                    c = c.mirror(m);
+                }
+                c.copy(values)
             })
         } else {
-            stager.copy_bytes_waiting(view, values, pad, guard.as_deref_mut(), stream, &mut |ev| {
-                wait_for_slot(py, ev)
-            })
-        }
-        .py_err()?;
-        Ok(matches!(
-            outcome,
-            CopyOutcome::Issued { .. } | CopyOutcome::Host
-        ))
+            let mut interrupt: Option<PyErr> = None;
+            let r = {
+                let mut wait = |ev: &Event| -> crate::Result<()> {
+                    let t0 = std::time::Instant::now();
+                    while t0.elapsed() < SPIN_BEFORE_DETACH {
+                        if ev.query()? {
+                            return Ok(());
+                        }
+                        std::hint::spin_loop();
+                    }
+                    match wait_interruptibly(py, ev, None) {
+                        Ok(_) => Ok(()),
+                        Err(e) => {
+                            interrupt = Some(e);
+                            Err(Error::Interrupted)
+                        }
+                    }
+                };
+                let mut c = options(stager.to(view), stream, pad).wait_with(&mut wait);
+                if let Some(m) = guard.as_deref_mut() {
+                    c = c.mirror(m);
+                }
+                c.copy(values)
+            };
+            if let (Err(Error::Interrupted), Some(e)) = (&r, interrupt) {
+                return Err(e);
+            }
+            r
+        }?;
+        Ok(outcome.wrote())
     }
 }
 
-/// How long a claimer polls a busy slot's event with the GIL held before it releases the GIL
-/// and blocks. A slot's small copy completes within microseconds; giving the GIL away for that
-/// (and queueing to get it back behind other threads) costs more than the wait itself.
-const SPIN_BEFORE_DETACH: std::time::Duration = std::time::Duration::from_micros(20);
-
-fn wait_for_slot(py: Python<'_>, ev: &crate::Event) -> crate::Result<()> {
-    let t0 = std::time::Instant::now();
-    while t0.elapsed() < SPIN_BEFORE_DETACH {
-        if ev.query()? {
-            return Ok(());
-        }
-        std::hint::spin_loop();
+/// The stream and pad of a copy.
+fn options<'a>(
+    c: crate::RawCopy<'a>,
+    stream: StreamHandle,
+    pad: Option<&'a [u8]>,
+) -> crate::RawCopy<'a> {
+    let c = c.stream(stream);
+    match pad {
+        Some(p) => c.pad(p),
+        None => c,
     }
-    py.detach(|| ev.synchronize())
+}
+
+/// Imports a destination the stager may write: refuses JAX arrays (immutable, possibly shared)
+/// and read-only tensors, before anything is written.
+fn import_destination(dst: &Bound<'_, PyAny>, stream: Option<StreamHandle>) -> PyResult<Imported> {
+    if is_jax_array(dst) {
+        return Err(value_err(format!(
+            "dst is {}: JAX arrays are immutable (JAX may share their buffers), so pinstage \
+             never writes into one; copy into a torch or cupy tensor, or make a new JAX array \
+             with jax.device_put",
+            describe(dst)
+        )));
+    }
+    let imp = import(dst, stream)?;
+    if imp.view.is_read_only() {
+        return Err(Error::ReadOnly.into());
+    }
+    Ok(imp)
 }
 
 #[pymethods]
 impl PyStager {
     #[new]
-    #[pyo3(signature = (dtype, numel=256, depth=16, *, device=None))]
+    #[pyo3(signature = (dtype, numel=None, depth=None, *, device=None))]
     fn new(
         py: Python<'_>,
         dtype: &Bound<'_, PyAny>,
-        numel: usize,
-        depth: usize,
+        numel: Option<&Bound<'_, PyAny>>,
+        depth: Option<&Bound<'_, PyAny>>,
         device: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let d = parse_dtype(dtype)?;
+        let numel = match numel {
+            Some(n) => count_arg(n, "numel", 1, isize::MAX as usize / d.itemsize())?,
+            None => crate::DEFAULT_NUMEL,
+        };
+        let depth = match depth {
+            Some(n) => count_arg(n, "depth", 1, crate::MAX_DEPTH)?,
+            None => crate::DEFAULT_DEPTH,
+        };
         let ordinal = parse_device(device)?;
-        let inner = py
-            .detach(|| Stager::new(d, ordinal, numel, depth))
-            .py_err()?;
+        let builder = Stager::builder(d).device(ordinal).numel(numel).depth(depth);
+        let inner = py.detach(|| builder.build())?;
         Ok(Self {
             inner: parking_lot::RwLock::new(Some(Arc::new(inner))),
             numel,
@@ -404,9 +596,8 @@ impl PyStager {
         })
     }
 
-    /// `dst[:len(values)] = values` and, with `pad_value`, the rest of `dst` = pad, in ONE
-    /// non-blocking host-to-device copy. Returns False when nothing was copied (mirror hit or
-    /// 0 elements).
+    /// `dst[:n] = values` and, with `pad_value`, the rest of `dst` = pad, in ONE non-blocking
+    /// host-to-device copy. Returns False when nothing was copied (mirror hit or 0 elements).
     #[pyo3(signature = (dst, values, pad_value=None, mirror=None, *, stream=None))]
     fn copy_(
         &self,
@@ -414,42 +605,49 @@ impl PyStager {
         dst: &Bound<'_, PyAny>,
         values: &Bound<'_, PyAny>,
         pad_value: Option<&Bound<'_, PyAny>>,
-        mirror: Option<&Bound<'_, PyMirror>>,
+        mirror: Option<&Bound<'_, PyAny>>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
         let d = self.dtype;
+        let mirror = match mirror.filter(|m| !m.is_none()) {
+            Some(m) => Some(m.cast::<PyMirror>().map_err(|_| {
+                type_err(format!("mirror must be an H2DMirror, got {}", type_name(m)))
+            })?),
+            None => None,
+        };
         let s = parse_stream(stream)?;
-        let imp = import(dst, s)?;
+        let imp = import_destination(dst, s)?;
         let vals = to_values(values, d)?;
+        check_shape(&vals.shape, imp.view.shape())?;
         let pad = pad_value
             .filter(|p| !p.is_none())
             .map(|p| scalar_bytes(p, d))
             .transpose()?;
         let mirror = mirror.map(|m| &m.get().inner);
         let stream = s.unwrap_or(imp.stream);
-        self.run_copy(py, &imp, vals.bytes(), pad.as_deref(), mirror, stream)
+        self.run_copy(py, &imp.view, vals.bytes(), pad.as_deref(), mirror, stream)
     }
 
-    /// Binds `dst` once (imported and kept alive) with its own mirror: `target.copy_(values)`
-    /// then pays only for the copy.
-    #[pyo3(signature = (dst, pad_value=None))]
+    /// Binds `dst` once (imported and kept alive): `target.copy_(values)` then pays only for the
+    /// copy. With `skip_unchanged=True` the target keeps a mirror and skips copies of the values
+    /// it last copied; only sound when the target is the destination's only writer.
+    #[pyo3(signature = (dst, pad_value=None, *, skip_unchanged=false))]
     fn target(
         slf: &Bound<'_, Self>,
         dst: &Bound<'_, PyAny>,
         pad_value: Option<&Bound<'_, PyAny>>,
+        skip_unchanged: bool,
     ) -> PyResult<StagedTarget> {
         let me = slf.get();
         me.stager()?;
         let d = me.dtype;
-        let imp = import(dst, None)?;
+        let imp = import_destination(dst, None)?;
         if imp.view.dtype() != d {
-            return Err(super::errors::to_py(crate::Error::DtypeMismatch {
+            return Err(Error::DtypeMismatch {
                 expected: d,
                 got: imp.view.dtype(),
-            }));
-        }
-        if imp.view.is_read_only() {
-            return Err(super::errors::to_py(crate::Error::ReadOnly));
+            }
+            .into());
         }
         let pad = pad_value
             .filter(|p| !p.is_none())
@@ -459,7 +657,7 @@ impl PyStager {
             stager: slf.clone().unbind(),
             imported: imp,
             pad,
-            mirror: Mutex::new(CoreMirror::new()),
+            mirror: skip_unchanged.then(|| Mutex::new(CoreMirror::new())),
             _dst: dst.clone().unbind(),
         })
     }
@@ -467,20 +665,6 @@ impl PyStager {
     /// Counters: copies, host_copies, skipped, bytes, waits, queries, growths, pinned_bytes.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         stats_dict(py, self.stager()?.stats())
-    }
-
-    /// Benches only: `False` makes every claim query its slot's own event (the behaviour before the watermark),
-    /// `True` (the default) uses the stream's completion watermark.
-    fn _set_amortized_checks(&self, on: bool) -> PyResult<()> {
-        self.stager()?.set_amortized_checks(on);
-        Ok(())
-    }
-
-    /// Benches only: `False` sends every copy as one `cuMemcpyHtoDAsync`, `True` (the default)
-    /// sends copies of 2-32 KiB as one 2-D copy of packed rows.
-    fn _set_row_copies(&self, on: bool) -> PyResult<()> {
-        self.stager()?.set_row_copies(on);
-        Ok(())
     }
 
     /// Waits for every copy in flight and frees the ring; later copies raise.
@@ -549,21 +733,21 @@ impl PyStager {
     }
 }
 
-/// A destination bound to a stager, with its own mirror.
+/// A destination bound to a stager (and, with `skip_unchanged`, its own mirror).
 #[pyclass(frozen, module = "pinstage._native")]
 pub struct StagedTarget {
     stager: Py<PyStager>,
     imported: Imported,
     pad: Option<Vec<u8>>,
-    mirror: Mutex<CoreMirror>,
+    mirror: Option<Mutex<CoreMirror>>,
     _dst: Py<PyAny>,
 }
 
 #[pymethods]
 impl StagedTarget {
-    /// Copies `values` (and the bound pad) into the bound destination; skipped when it already
-    /// holds them. `stream=None`: the producer's current work stream (torch), else the stream
-    /// negotiated at bind time.
+    /// Copies `values` (and the bound pad) into the bound destination. `stream=None`: the
+    /// producer's current work stream when it has a DLPack exchange table (torch), else the
+    /// legacy default stream.
     #[pyo3(signature = (values, *, stream=None))]
     fn copy_(
         &self,
@@ -573,28 +757,35 @@ impl StagedTarget {
     ) -> PyResult<bool> {
         let st = self.stager.get();
         let vals = to_values(values, st.dtype)?;
+        check_shape(&vals.shape, self.imported.view.shape())?;
         let stream = match parse_stream(stream)? {
             Some(s) => s,
             None => match (&self.imported.exchange, self.imported.view.memory()) {
-                (Some(ex), crate::MemoryKind::Cuda(id)) => {
-                    ex.current_stream(py, self.imported.view.device_type(), id)?
-                }
+                (Some(ex), crate::MemoryKind::Cuda(_)) => ex.current_stream(self._dst.bind(py))?,
                 _ => self.imported.stream,
             },
         };
         st.run_copy(
             py,
-            &self.imported,
+            &self.imported.view,
             vals.bytes(),
             self.pad.as_deref(),
-            Some(&self.mirror),
+            self.mirror.as_ref(),
             stream,
         )
     }
 
     /// Forgets what the mirror remembers (call it when dst was written some other way).
     fn invalidate(&self) {
-        self.mirror.lock().invalidate();
+        if let Some(m) = &self.mirror {
+            m.lock().invalidate();
+        }
+    }
+
+    /// Whether copies of unchanged values are skipped.
+    #[getter]
+    fn skip_unchanged(&self) -> bool {
+        self.mirror.is_some()
     }
 
     /// Number of elements in the destination.
@@ -604,37 +795,7 @@ impl StagedTarget {
     }
 }
 
-/// Bench internals (not API): host ns per call of each step of `PinnedStager.copy_(dst,
-/// values, pad)` before the copy itself: argument parsing helpers and the DLPack import.
-#[pyfunction]
-#[pyo3(name = "_profile_copy_path", signature = (dst, values, pad, dtype, n=10000))]
-fn profile_copy_path<'py>(
-    py: Python<'py>,
-    dst: &Bound<'py, PyAny>,
-    values: &Bound<'py, PyAny>,
-    pad: &Bound<'py, PyAny>,
-    dtype: &Bound<'py, PyAny>,
-    n: usize,
-) -> PyResult<Bound<'py, PyDict>> {
-    use super::import::ns_per_call;
-    let d = parse_dtype(dtype)?;
-    let out = PyDict::new(py);
-    for (k, v) in super::import::profile_import(dst, n)? {
-        out.set_item(k, v)?;
-    }
-    let values_ns = ns_per_call(n, &mut || to_values(values, d).map(drop))?;
-    out.set_item("values", values_ns)?;
-    out.set_item(
-        "pad scalar",
-        ns_per_call(n, &mut || scalar_bytes(pad, d).map(drop))?,
-    )?;
-    let stream_ns = ns_per_call(n, &mut || parse_stream(None).map(drop))?;
-    out.set_item("parse_stream(None)", stream_ns)?;
-    Ok(out)
-}
-
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(profile_copy_path, m)?)?;
     m.add_class::<PyStager>()?;
     m.add_class::<PyMirror>()?;
     m.add_class::<StagedTarget>()?;

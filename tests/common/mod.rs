@@ -2,6 +2,9 @@
 #![allow(dead_code)]
 
 use pinstage::DType;
+use pinstage::testing::DeviceBuffer;
+
+pub mod sim;
 
 /// Element counts from `fixtures/sizes.txt`.
 pub fn sizes() -> Vec<usize> {
@@ -103,21 +106,86 @@ pub fn gpu_or_skip(test: &str) -> Option<pinstage::Device> {
 }
 
 /// A device buffer of `numel` elements of `dtype` plus a 3-element guard band, poisoned.
-pub fn poisoned(dev: &pinstage::Device, dtype: DType, numel: usize) -> pinstage::DeviceBuffer {
+pub fn poisoned(dev: &pinstage::Device, dtype: DType, numel: usize) -> DeviceBuffer {
     let bytes = (numel + 3) * dtype.itemsize();
-    let buf = pinstage::DeviceBuffer::new(dev, bytes).unwrap();
+    let buf = DeviceBuffer::new(dev, bytes).unwrap();
     buf.upload(0, &vec![POISON; bytes]).unwrap();
     buf
 }
 
 /// The whole buffer, downloaded.
-pub fn read(buf: &pinstage::DeviceBuffer) -> Vec<u8> {
+pub fn read(buf: &DeviceBuffer) -> Vec<u8> {
     let mut out = vec![0u8; buf.len()];
     buf.download(0, &mut out).unwrap();
     out
 }
 
 /// A view of the first `numel` elements of `buf`.
-pub fn view(buf: &pinstage::DeviceBuffer, dtype: DType, numel: usize) -> pinstage::DeviceView {
-    pinstage::DeviceView::contiguous_device(buf.device().ordinal(), buf.ptr(), dtype, numel)
+pub fn view(buf: &DeviceBuffer, dtype: DType, numel: usize) -> pinstage::DeviceView<'_> {
+    buf.view_at(0, dtype, numel)
+}
+
+/// The stager calls of the tests in one line each: `put(dst, values, pad, mirror, stream)`.
+pub trait Put<T: pinstage::Element> {
+    /// `self.to(dst)` with the options given, then `.copy(values)`.
+    fn put(
+        &self,
+        dst: &pinstage::DeviceView<'_>,
+        values: &[T],
+        pad: Option<T>,
+        mirror: Option<&mut pinstage::H2DMirror>,
+        stream: pinstage::StreamHandle,
+    ) -> pinstage::Result<pinstage::CopyOutcome>;
+}
+
+impl<T: pinstage::Element> Put<T> for pinstage::PinnedStager<T> {
+    fn put(
+        &self,
+        dst: &pinstage::DeviceView<'_>,
+        values: &[T],
+        pad: Option<T>,
+        mirror: Option<&mut pinstage::H2DMirror>,
+        stream: pinstage::StreamHandle,
+    ) -> pinstage::Result<pinstage::CopyOutcome> {
+        let mut c = self.to(dst).stream(stream);
+        if let Some(p) = pad {
+            c = c.pad(p);
+        }
+        if let Some(m) = mirror {
+            c = c.mirror(m);
+        }
+        c.copy(values)
+    }
+}
+
+/// [`Put`] for the untyped stager, with raw element bytes.
+pub fn put_bytes(
+    st: &pinstage::Stager,
+    dst: &pinstage::DeviceView<'_>,
+    values: &[u8],
+    pad: Option<&[u8]>,
+    mirror: Option<&mut pinstage::H2DMirror>,
+    stream: pinstage::StreamHandle,
+) -> pinstage::Result<pinstage::CopyOutcome> {
+    let mut c = st.to(dst).stream(stream);
+    if let Some(p) = pad {
+        c = c.pad(p);
+    }
+    if let Some(m) = mirror {
+        c = c.mirror(m);
+    }
+    c.copy(values)
+}
+
+/// `PinnedStager::<T>::builder().device(device).numel(numel).depth(depth).build()`.
+pub fn stager<T: pinstage::Element>(
+    device: i32,
+    numel: usize,
+    depth: usize,
+) -> pinstage::Result<pinstage::PinnedStager<T>> {
+    pinstage::PinnedStager::<T>::builder()
+        .device(device)
+        .numel(numel)
+        .depth(depth)
+        .build()
 }

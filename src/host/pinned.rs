@@ -2,9 +2,9 @@
 
 use std::ptr::NonNull;
 
-use crate::device::Device;
+use crate::cuda::Device;
 use crate::driver;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, on_drop};
 
 static LIVE_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -38,9 +38,9 @@ impl PinnedFlags {
     }
 
     fn raw(self) -> u32 {
-        driver::HOSTALLOC_PORTABLE
+        driver::mem::HOSTALLOC_PORTABLE
             | if self.write_combined {
-                driver::HOSTALLOC_WRITECOMBINED
+                driver::mem::HOSTALLOC_WRITECOMBINED
             } else {
                 0
             }
@@ -76,11 +76,13 @@ impl PinnedBuffer {
                 device: device.clone(),
             });
         }
-        let _g = device.enter()?;
+        let _cur = device.enter()?;
         // SAFETY: the device's context is current (guard).
-        let raw = unsafe { driver::mem_host_alloc(len, flags.raw()) }?;
-        let ptr = NonNull::new(raw.cast::<u8>())
-            .ok_or_else(|| Error::InvalidArgument("cuMemHostAlloc returned null".into()))?;
+        let raw = unsafe { driver::mem::mem_host_alloc(len, flags.raw()) }?;
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or(Error::OutOfMemory {
+            what: "pinned host memory",
+            bytes: len,
+        })?;
         LIVE_BYTES.fetch_add(len, std::sync::atomic::Ordering::Relaxed);
         Ok(Self {
             ptr,
@@ -132,17 +134,29 @@ impl PinnedBuffer {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
-    /// A typed view (the block is page-aligned, so any Pod type's alignment holds); the length
-    /// must be a multiple of `size_of::<T>()`.
+    /// A typed view (the block is page-aligned, so any Pod type's alignment holds).
+    ///
+    /// # Errors
+    /// [`Error::BadCast`] when the length is not a multiple of `size_of::<T>()`.
     pub fn typed<T: bytemuck::Pod>(&self) -> Result<&[T]> {
-        bytemuck::try_cast_slice(self.as_slice())
-            .map_err(|e| Error::InvalidArgument(format!("typed view: {e:?}")))
+        bytemuck::try_cast_slice(self.as_slice()).map_err(|_| self.bad_cast::<T>())
     }
 
     /// A typed mutable view.
+    ///
+    /// # Errors
+    /// [`Error::BadCast`] when the length is not a multiple of `size_of::<T>()`.
     pub fn typed_mut<T: bytemuck::Pod>(&mut self) -> Result<&mut [T]> {
-        bytemuck::try_cast_slice_mut(self.as_mut_slice())
-            .map_err(|e| Error::InvalidArgument(format!("typed view: {e:?}")))
+        let e = self.bad_cast::<T>();
+        bytemuck::try_cast_slice_mut(self.as_mut_slice()).map_err(|_| e)
+    }
+
+    fn bad_cast<T>(&self) -> Error {
+        Error::BadCast {
+            addr: self.ptr.as_ptr() as usize,
+            bytes: self.len,
+            type_name: std::any::type_name::<T>(),
+        }
     }
 }
 
@@ -153,11 +167,13 @@ impl Drop for PinnedBuffer {
         }
         LIVE_BYTES.fetch_sub(self.len, std::sync::atomic::Ordering::Relaxed);
         // cuMemFreeHost needs no particular current context for PORTABLE memory, but enter ours
-        // so the call works from any thread; errors are ignored: drop never panics.
-        if let Ok(_g) = self.device.enter() {
+        // so the call works from any thread. Drop never panics: errors are recorded.
+        match self.device.enter() {
             // SAFETY: allocated by cuMemHostAlloc in `new`, freed once; owners guarantee no copy
             // is in flight.
-            let _ = unsafe { driver::mem_free_host(self.ptr.as_ptr().cast()) };
+            Ok(_cur) => on_drop(unsafe { driver::mem::mem_free_host(self.ptr.as_ptr().cast()) }),
+            Err(Error::Driver(e)) => on_drop::<()>(Err(e)),
+            Err(_) => {}
         }
     }
 }
@@ -178,6 +194,8 @@ pub fn is_pinned(ptr: *const u8) -> bool {
     let Ok(device) = Device::new(0) else {
         return false;
     };
-    let Ok(_g) = device.enter() else { return false };
-    driver::is_pinned_host(ptr.cast())
+    let Ok(_cur) = device.enter() else {
+        return false;
+    };
+    driver::mem::is_pinned_host(ptr.cast())
 }

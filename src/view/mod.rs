@@ -1,18 +1,32 @@
-//! DLPack metadata to a validated [`DeviceView`]. Validation is pure (no driver, no Python) and
-//! runs on the CPU in tests and under the fuzzer.
+//! DLPack metadata and views of tensors.
+//!
+//! [`validate`] turns raw DLPack fields ([`TensorDesc`]) into [`TensorMeta`]: pure and safe (no
+//! driver, no Python, nothing read behind the data pointer), so it runs on the CPU in tests and
+//! under the fuzzer. A [`DeviceView`] is what the copies read or write: it is made from metadata
+//! only through an `unsafe` constructor whose contract says the memory is there, or safely from
+//! a Rust slice, whose borrow it carries.
+//!
+//! DLPack's device and dtype codes come from dlpark ([`dlpark::ffi::DLDeviceType`],
+//! [`dlpark::ffi::DLDataTypeCode`]); this module keeps only what dlpark does not do: the
+//! contiguity and size checks, and the mapping to pinstage's [`DType`].
 
-use dlpark::ffi::DLTensor;
+use std::marker::PhantomData;
+use std::ops::Deref;
 
-use crate::dtype::DType;
+use dlpark::ffi::{DLDeviceType, DLTensor};
+
+mod dtype;
+
+pub use dtype::{Bool8, DType, Element};
 
 /// DLPack device type `kDLCPU`.
-pub const DL_CPU: u32 = 1;
+pub const DL_CPU: u32 = DLDeviceType::CPU.0;
 /// DLPack device type `kDLCUDA`.
-pub const DL_CUDA: u32 = 2;
+pub const DL_CUDA: u32 = DLDeviceType::CUDA.0;
 /// DLPack device type `kDLCUDAHost` (pinned host memory).
-pub const DL_CUDA_HOST: u32 = 3;
+pub const DL_CUDA_HOST: u32 = DLDeviceType::CUDAHOST.0;
 /// DLPack device type `kDLCUDAManaged`.
-pub const DL_CUDA_MANAGED: u32 = 13;
+pub const DL_CUDA_MANAGED: u32 = DLDeviceType::CUDAMANAGED.0;
 
 /// Most dimensions a view may have (numpy's limit).
 pub const MAX_NDIM: usize = 64;
@@ -119,12 +133,10 @@ pub struct TensorDesc<'a> {
     pub read_only: bool,
 }
 
-/// A validated, contiguous tensor: where its bytes are and what they hold.
-///
-/// A view holds raw addresses and does not keep the memory alive: whoever builds one (the Python
-/// layer keeps the DLPack owner beside it) guarantees the memory outlives every use.
+/// Validated metadata of a contiguous tensor: where its bytes would be and what they hold. Only
+/// numbers: holding one promises nothing about the memory (see [`DeviceView`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeviceView {
+pub struct TensorMeta {
     memory: MemoryKind,
     device_type: u32,
     ptr: u64,
@@ -145,8 +157,11 @@ fn compact_strides(shape: &[i64]) -> Vec<i64> {
     strides
 }
 
-/// Validates DLPack fields into a [`DeviceView`]. Pure: reads nothing behind `data`.
-pub fn validate(desc: &TensorDesc<'_>) -> Result<DeviceView, DlpackError> {
+/// Validates DLPack fields into [`TensorMeta`]. Pure: reads nothing behind `data`.
+///
+/// # Errors
+/// A [`DlpackError`] naming the field that pinstage cannot use.
+pub fn validate(desc: &TensorDesc<'_>) -> Result<TensorMeta, DlpackError> {
     let memory = match desc.device_type {
         DL_CPU | DL_CUDA_HOST => MemoryKind::Host,
         DL_CUDA | DL_CUDA_MANAGED => {
@@ -218,7 +233,7 @@ pub fn validate(desc: &TensorDesc<'_>) -> Result<DeviceView, DlpackError> {
             nbytes,
         });
     }
-    Ok(DeviceView {
+    Ok(TensorMeta {
         memory,
         device_type: desc.device_type,
         ptr,
@@ -229,68 +244,132 @@ pub fn validate(desc: &TensorDesc<'_>) -> Result<DeviceView, DlpackError> {
     })
 }
 
-impl DeviceView {
-    /// Validates a raw `DLTensor`.
+/// A tensor the copies may read or write: validated metadata and a lifetime `'a` for which the
+/// memory is there. Dereferences to its [`TensorMeta`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceView<'a> {
+    meta: TensorMeta,
+    _memory: PhantomData<&'a ()>,
+}
+
+impl<'a> DeviceView<'a> {
+    /// A view of the memory `meta` describes.
+    ///
+    /// # Safety
+    /// 1. For `'a`, the `meta.nbytes()` bytes at `meta.ptr()` are live memory of the kind
+    ///    `meta.memory()` says (host memory this process may access, or memory of that CUDA
+    ///    device), readable, and writable too unless `meta.is_read_only()`.
+    /// 2. For `'a`, nothing else writes that memory while a pinstage copy reads or writes it, and
+    ///    nobody else relies on it staying unchanged unless it is marked read-only.
+    pub unsafe fn from_meta(meta: TensorMeta) -> Self {
+        Self {
+            meta,
+            _memory: PhantomData,
+        }
+    }
+
+    /// Validates a raw `DLTensor` into a view.
+    ///
+    /// # Errors
+    /// A [`DlpackError`] naming the field that pinstage cannot use.
     ///
     /// # Safety
     /// 1. `t.shape` (and `t.strides` when non-null) point to `t.ndim` readable `i64`s.
-    /// 2. The memory `t` describes stays valid (and writable, unless `read_only`) for as long as
-    ///    the view, or anything derived from it, is used.
+    /// 2. The memory `t` describes satisfies [`DeviceView::from_meta`]'s contract for `'a`.
     pub unsafe fn from_dltensor(t: &DLTensor, read_only: bool) -> Result<Self, DlpackError> {
-        if t.ndim < 0 || t.ndim as usize > MAX_NDIM {
-            return Err(DlpackError::BadNdim(t.ndim as i64));
-        }
-        let ndim = t.ndim as usize;
-        let shape: &[i64] = if ndim == 0 {
-            &[]
-        } else if t.shape.is_null() {
-            return Err(DlpackError::NullShape(t.ndim));
-        } else {
-            // SAFETY: caller's contract 1.
-            unsafe { std::slice::from_raw_parts(t.shape, ndim) }
-        };
-        let strides = if t.strides.is_null() || ndim == 0 {
-            None
-        } else {
-            // SAFETY: caller's contract 1.
-            Some(unsafe { std::slice::from_raw_parts(t.strides as *const i64, ndim) })
-        };
-        validate(&TensorDesc {
-            device_type: t.device.device_type.0,
-            device_id: t.device.device_id,
-            data: t.data as u64,
-            byte_offset: t.byte_offset,
-            code: t.dtype.code.0,
-            bits: t.dtype.bits,
-            lanes: t.dtype.lanes,
-            shape,
-            strides,
-            read_only,
-        })
+        // SAFETY: caller's contract 1.
+        let meta = unsafe { meta_of_dltensor(t, read_only) }?;
+        // SAFETY: caller's contract 2.
+        Ok(unsafe { Self::from_meta(meta) })
     }
 
-    /// A contiguous 1-D view of device memory, e.g. a [`crate::DeviceBuffer`].
-    pub fn contiguous_device(device: i32, ptr: u64, dtype: DType, numel: usize) -> Self {
+    /// A read-only 1-D view of host memory borrowed from `values`.
+    pub fn host<T: Element>(values: &'a [T]) -> Self {
         Self {
-            memory: MemoryKind::Cuda(device),
-            device_type: DL_CUDA,
-            ptr,
-            dtype,
-            shape: vec![numel as i64],
-            numel,
-            read_only: false,
+            meta: TensorMeta::host_1d(values.as_ptr() as u64, T::DTYPE, values.len(), true),
+            _memory: PhantomData,
         }
     }
 
-    /// A contiguous 1-D view of host memory.
-    ///
-    /// # Safety
-    /// 1. `ptr..ptr + numel * itemsize` stays valid and writable while the view is used.
-    pub unsafe fn contiguous_host(ptr: *mut u8, dtype: DType, numel: usize) -> Self {
+    /// A writable 1-D view of host memory borrowed from `values`: copies into it write there.
+    pub fn host_mut<T: Element>(values: &'a mut [T]) -> Self {
+        Self {
+            meta: TensorMeta::host_1d(values.as_mut_ptr() as u64, T::DTYPE, values.len(), false),
+            _memory: PhantomData,
+        }
+    }
+
+    /// The metadata.
+    pub fn meta(&self) -> &TensorMeta {
+        &self.meta
+    }
+}
+
+impl Deref for DeviceView<'_> {
+    type Target = TensorMeta;
+
+    fn deref(&self) -> &TensorMeta {
+        &self.meta
+    }
+}
+
+/// Validates a raw `DLTensor`'s metadata.
+///
+/// # Safety
+/// 1. `t.shape` (and `t.strides` when non-null) point to `t.ndim` readable `i64`s.
+pub unsafe fn meta_of_dltensor(t: &DLTensor, read_only: bool) -> Result<TensorMeta, DlpackError> {
+    if t.ndim < 0 || t.ndim as usize > MAX_NDIM {
+        return Err(DlpackError::BadNdim(t.ndim as i64));
+    }
+    let ndim = t.ndim as usize;
+    let shape: &[i64] = if ndim == 0 {
+        &[]
+    } else if t.shape.is_null() {
+        return Err(DlpackError::NullShape(t.ndim));
+    } else {
+        // SAFETY: caller's contract 1.
+        unsafe { std::slice::from_raw_parts(t.shape, ndim) }
+    };
+    let strides = if t.strides.is_null() || ndim == 0 {
+        None
+    } else {
+        // SAFETY: caller's contract 1.
+        Some(unsafe { std::slice::from_raw_parts(t.strides as *const i64, ndim) })
+    };
+    validate(&TensorDesc {
+        device_type: t.device.device_type.0,
+        device_id: t.device.device_id,
+        data: t.data as u64,
+        byte_offset: t.byte_offset,
+        code: t.dtype.code.0,
+        bits: t.dtype.bits,
+        lanes: t.dtype.lanes,
+        shape,
+        strides,
+        read_only,
+    })
+}
+
+impl TensorMeta {
+    /// Metadata of a contiguous 1-D host tensor.
+    pub fn host_1d(addr: u64, dtype: DType, numel: usize, read_only: bool) -> Self {
         Self {
             memory: MemoryKind::Host,
             device_type: DL_CPU,
-            ptr: ptr as u64,
+            ptr: addr,
+            dtype,
+            shape: vec![numel as i64],
+            numel,
+            read_only,
+        }
+    }
+
+    /// Metadata of a contiguous 1-D tensor on CUDA device `device`.
+    pub fn cuda_1d(device: i32, addr: u64, dtype: DType, numel: usize) -> Self {
+        Self {
+            memory: MemoryKind::Cuda(device),
+            device_type: DL_CUDA,
+            ptr: addr,
             dtype,
             shape: vec![numel as i64],
             numel,
@@ -338,50 +417,19 @@ impl DeviceView {
         self.read_only
     }
 
-    /// The same view marked read-only.
+    /// The same metadata marked read-only.
     pub fn into_read_only(mut self) -> Self {
         self.read_only = true;
         self
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn desc<'a>(shape: &'a [i64], strides: Option<&'a [i64]>) -> TensorDesc<'a> {
-        TensorDesc {
-            device_type: DL_CUDA,
-            device_id: 0,
-            data: 0x1000,
-            byte_offset: 16,
-            code: 0,
-            bits: 32,
-            lanes: 1,
-            shape,
-            strides,
-            read_only: false,
+impl DeviceView<'_> {
+    /// The same view marked read-only (copies will refuse to write through it).
+    pub fn into_read_only(self) -> Self {
+        Self {
+            meta: self.meta.into_read_only(),
+            _memory: PhantomData,
         }
-    }
-
-    #[test]
-    fn compact_and_size_one_strides() {
-        let v = validate(&desc(&[2, 3], Some(&[3, 1]))).unwrap();
-        assert_eq!((v.numel(), v.nbytes(), v.ptr()), (6, 24, 0x1010));
-        assert!(validate(&desc(&[2, 1, 3], Some(&[3, 999, 1]))).is_ok());
-        assert!(validate(&desc(&[2, 3], None)).is_ok());
-        assert!(matches!(
-            validate(&desc(&[2, 3], Some(&[1, 2]))),
-            Err(DlpackError::NotContiguous { .. })
-        ));
-        assert!(matches!(
-            validate(&desc(&[4], Some(&[-1]))),
-            Err(DlpackError::NotContiguous { .. })
-        ));
-        // zero elements: any strides, null data allowed
-        let mut d = desc(&[0, 3], Some(&[7, 7]));
-        d.data = 0;
-        d.byte_offset = 0;
-        assert_eq!(validate(&d).unwrap().numel(), 0);
     }
 }

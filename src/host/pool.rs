@@ -10,10 +10,10 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::{PinnedBuffer, PinnedFlags};
+use crate::cuda::Device;
 use crate::d2h::HostRegion;
-use crate::device::Device;
 use crate::error::Result;
-use crate::pinned::{PinnedBuffer, PinnedFlags};
 
 /// Default budget: 4 GiB of pinned memory.
 pub const DEFAULT_BUDGET: usize = 4 << 30;
@@ -115,7 +115,7 @@ impl PinnedPool {
                 drop(st);
                 drop(evicted);
                 return Ok(PoolBlock {
-                    kind: Kind::Pageable(vec![0u8; len]),
+                    kind: Kind::Pageable(super::zeroed_vec(len, "pageable fallback block")?),
                     len,
                 });
             }
@@ -282,24 +282,6 @@ impl Drop for PoolBlock {
                 PinnedPool::trim(&mut st)
             };
             drop(evicted);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::size_class;
-
-    #[test]
-    fn size_classes_bound_waste() {
-        assert_eq!(size_class(0), 4096);
-        assert_eq!(size_class(4096), 4096);
-        assert_eq!(size_class(4097), 5120);
-        assert_eq!(size_class(1 << 30), 1 << 30);
-        assert_eq!(size_class((1 << 30) + 1), (1 << 30) + (1 << 28));
-        for len in [5000usize, 65_537, 1_000_000, 123_456_789] {
-            let c = size_class(len);
-            assert!(c >= len && (c - len) * 4 <= len, "{len} -> {c}");
         }
     }
 }

@@ -50,7 +50,10 @@ impl H2DMirror {
     }
 
     /// Binds to destination `(ptr, nbytes)`, or fails if bound to another one.
-    pub(crate) fn bind(&mut self, ptr: u64, nbytes: usize) -> Result<()> {
+    ///
+    /// # Errors
+    /// [`Error::MirrorReused`] when bound to another destination.
+    pub fn bind(&mut self, ptr: u64, nbytes: usize) -> Result<()> {
         match self.bound {
             Some(b) if b != (ptr, nbytes) => Err(Error::MirrorReused { bound: b.0 }),
             _ => {
@@ -62,13 +65,14 @@ impl H2DMirror {
 }
 
 /// The key a stager uses: destination address and size, and the pad value if any.
-pub(crate) struct CopyKey {
+pub struct CopyKey {
     buf: [u8; 33],
     len: usize,
 }
 
 impl CopyKey {
-    pub(crate) fn new(ptr: u64, nbytes: usize, pad: Option<&[u8]>) -> Self {
+    /// The key of a copy into `(ptr, nbytes)` with `pad` (at most 16 bytes).
+    pub fn new(ptr: u64, nbytes: usize, pad: Option<&[u8]>) -> Self {
         let mut buf = [0u8; 33];
         buf[..8].copy_from_slice(&ptr.to_le_bytes());
         buf[8..16].copy_from_slice(&(nbytes as u64).to_le_bytes());
@@ -83,41 +87,8 @@ impl CopyKey {
         Self { buf, len }
     }
 
-    pub(crate) fn as_bytes(&self) -> &[u8] {
+    /// The key's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
         &self.buf[..self.len]
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn exact_match_and_binding() {
-        let mut m = H2DMirror::new();
-        assert!(!m.matches(b"k", &[1, 2]));
-        m.record(b"k", &[1, 2]);
-        assert!(m.matches(b"k", &[1, 2]));
-        assert!(!m.matches(b"k", &[1, 3]));
-        assert!(!m.matches(b"k", &[1, 2, 0]));
-        assert!(!m.matches(b"j", &[1, 2]));
-        m.bind(0x10, 8).unwrap();
-        m.bind(0x10, 8).unwrap();
-        assert!(matches!(
-            m.bind(0x20, 8),
-            Err(Error::MirrorReused { bound: 0x10 })
-        ));
-        m.invalidate();
-        assert!(!m.matches(b"k", &[1, 2]));
-        m.bind(0x20, 8).unwrap();
-    }
-
-    #[test]
-    fn key_distinguishes_pad() {
-        let a = CopyKey::new(1, 16, None);
-        let b = CopyKey::new(1, 16, Some(&[0, 0, 0, 0]));
-        let c = CopyKey::new(1, 16, Some(&[1, 0, 0, 0]));
-        assert_ne!(a.as_bytes(), b.as_bytes());
-        assert_ne!(b.as_bytes(), c.as_bytes());
     }
 }

@@ -1,22 +1,44 @@
-//! Internals exposed for the benches only; not a stable API.
+//! The laboratory (feature `lab`, never in a release wheel): the driver-cost and slot-check
+//! experiments behind `benches/` and `scripts/gpu-run costs`. The library keeps no switch for
+//! them: where they compare against an older path, that path is written out here.
 
-use crate::{
-    DType, Device, DeviceBuffer, Event, PinnedBuffer, PinnedFlags, PinnedStager, Result, Stream,
-    StreamHandle, driver,
+use crate::driver::mem::{
+    memcpy_2d_htod_async, memcpy_async, memcpy_batch_async_one, memcpy_htod_async,
 };
+use crate::driver::stream::{stream_get_id, stream_is_capturing, stream_write_value32};
+use crate::h2d::ring::{NO_MARK, Release};
+use crate::h2d::write::store_fence;
+use crate::testing::DeviceBuffer;
+use crate::{DType, Device, PinnedBuffer, PinnedFlags, PinnedStager, Result, Stream, StreamHandle};
+
+#[cfg(feature = "python")]
+pub(crate) mod python;
 
 /// The slot-claim ring.
-pub struct Ring(crate::ring::Ring);
+pub struct Ring(crate::h2d::ring::Ring);
 
 impl Ring {
     /// A ring of `depth` idle slots.
     pub fn new(depth: usize) -> Self {
-        Self(crate::ring::Ring::new(depth))
+        Self(crate::h2d::ring::Ring::new(depth))
     }
 
-    /// Watermark checks (`true`, the default) or a query of the own slot on every claim.
-    pub fn set_amortized_checks(&self, on: bool) {
-        self.0.set_amortize(on);
+    /// One copy's ring bookkeeping as the stager did it before the completion watermark: claim,
+    /// a query of the claimed slot's own event whenever it was in flight, release (untracked).
+    pub fn claim_query_release(&self, queries: &mut u64) -> usize {
+        let c = self.0.claim();
+        if c.was_in_flight() {
+            *queries += 1;
+        }
+        self.0.release(
+            c.index,
+            Release::InFlight {
+                mark: NO_MARK,
+                begin: 0,
+                done: 0,
+            },
+        );
+        c.index
     }
 
     /// One copy's ring bookkeeping on a tracked stream, as the stager does it: find the stream's
@@ -34,10 +56,7 @@ impl Ring {
         }
         let begin = r.begin(mark);
         let done = r.done(mark);
-        r.release(
-            c.index,
-            crate::ring::Release::InFlight { mark, begin, done },
-        );
+        r.release(c.index, Release::InFlight { mark, begin, done });
         c.index
     }
 
@@ -46,8 +65,8 @@ impl Ring {
         let c = self.0.claim();
         self.0.release(
             c.index,
-            crate::ring::Release::InFlight {
-                mark: crate::ring::NO_MARK,
+            Release::InFlight {
+                mark: NO_MARK,
                 begin: 0,
                 done: 0,
             },
@@ -58,10 +77,7 @@ impl Ring {
 
 /// Writes values then padding into `dst` (as the stager does into a slot buffer).
 pub fn write_padded(dst: &mut [u8], values: &[u8], pad: &[u8]) {
-    assert!(values.len() <= dst.len() && (dst.len() - values.len()) % pad.len() == 0);
-    assert!(512 % pad.len() == 0 && !values.as_ptr_range().contains(&dst.as_ptr()));
-    // SAFETY: checked above: dst holds `dst.len()` bytes, values fit, pad divides the rest.
-    unsafe { crate::stager::write_padded_for_bench(dst.as_mut_ptr(), values, Some(pad), dst.len()) }
+    crate::testing::write_padded(dst, values, Some(pad));
 }
 
 /// Measures the host cost of each driver call on the small-copy path (ns per call), on device 0.
@@ -73,8 +89,9 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     let mut wc = PinnedBuffer::new(&dev, 16384, PinnedFlags::WRITE_COMBINED)?;
     let mut plain = PinnedBuffer::new(&dev, 16384, PinnedFlags::PORTABLE)?;
     let dbuf = DeviceBuffer::new(&dev, 16384)?;
-    let ev = Event::new(&dev)?;
-    let _g = dev.enter()?;
+    let ev = dev.event()?;
+    let cur = dev.enter()?;
+    let cur = &cur;
     let values = vec![7u8; 1024];
     let mut out = Vec::new();
     let mut time = |name: &'static str, f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
@@ -92,27 +109,27 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         Ok(())
     };
     time("cuCtxGetCurrent", &mut || {
-        Ok(driver::ctx_get_current().map(|_| ())?)
+        Ok(crate::driver::ctx::ctx_get_current().map(|_| ())?)
     })?;
     time("cuStreamIsCapturing", &mut || {
         // SAFETY: our live stream; context current (guard above).
-        Ok(unsafe { driver::stream_is_capturing(s.raw()) }.map(|_| ())?)
+        Ok(unsafe { stream_is_capturing(s.raw()) }.map(|_| ())?)
     })?;
     time("cuEventQuery (complete)", &mut || ev.query().map(|_| ()))?;
-    time("cuEventRecord", &mut || ev.record_entered(s))?;
+    time("cuEventRecord", &mut || ev.record_in(&cur, s))?;
     let word = DeviceBuffer::new(&dev, 64)?;
     let mut wv = 0u32;
     time("cuStreamWriteValue32", &mut || {
         wv = wv.wrapping_add(1);
         // SAFETY: a word of our device buffer, alive past the synchronize ending the loop; our
         // stream; context current.
-        Ok(unsafe { driver::stream_write_value32(s.raw(), word.ptr(), wv) }?)
+        Ok(unsafe { stream_write_value32(s.raw(), word.ptr(), wv) }?)
     })?;
     let (wp, pp) = (wc.as_mut_ptr() as usize, plain.as_mut_ptr() as usize);
     let htod = |src: usize, n: usize| -> Result<()> {
         // SAFETY: `src` is one of our 16 KiB pinned buffers and `dbuf` holds 16 KiB; both outlive
         // the stream synchronize that ends each timing loop; context current.
-        Ok(unsafe { driver::memcpy_htod_async(dbuf.ptr(), src as *const _, n, s.raw()) }?)
+        Ok(unsafe { memcpy_htod_async(dbuf.ptr(), src as *const _, n, s.raw()) }?)
     };
     time("cuMemcpyHtoDAsync 1 KiB pinned WC", &mut || htod(wp, 1024))?;
     time("cuMemcpyHtoDAsync 16 KiB pinned WC", &mut || {
@@ -130,11 +147,11 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
             Ok(())
         },
     )?;
-    let st = PinnedStager::<i32>::new(0, 256, crate::DEFAULT_DEPTH)?;
+    let st = PinnedStager::<i32>::builder().build()?;
     let view = dbuf.view(DType::I32);
     let v: Vec<i32> = (0..256).collect();
     time("PinnedStager::copy_ 256 of 4096 int32 padded", &mut || {
-        st.copy_(&view, &v, Some(-1), None, s).map(|_| ())
+        st.to(&view).pad(-1).stream(s).copy(&v).map(|_| ())
     })?;
     // The loops above issue back to back, so once the stream's queue is full each call also
     // waits for the copy engine: they measure max(host cost, GPU time per copy). "Paced" calls
@@ -166,7 +183,7 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
             per_call.push(ns as f64 / GROUP as f64);
         }
         // SAFETY: our stream or the legacy stream; context current.
-        unsafe { driver::stream_synchronize(h.raw()) }?;
+        h.synchronize(&cur)?;
         per_call.sort_by(f64::total_cmp);
         out.push((name, per_call[per_call.len() / 2]));
         Ok(())
@@ -181,17 +198,15 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     let slices: Vec<usize> = (0..8)
         .map(|i| arena.as_ptr() as usize + i * 16384)
         .collect();
-    let events = (0..8)
-        .map(|_| Event::new(&dev))
-        .collect::<Result<Vec<_>>>()?;
+    let events = (0..8).map(|_| dev.event()).collect::<Result<Vec<_>>>()?;
     let copy = |src: usize, h: StreamHandle| -> Result<()> {
         // SAFETY: `src` is 16 KiB of one of our pinned buffers and `dbuf` holds 16 KiB; both
         // outlive the synchronize that ends each measurement; `h` is ours or the legacy stream.
-        Ok(unsafe { driver::memcpy_htod_async(dbuf.ptr(), src as *const _, 16384, h.raw()) }?)
+        Ok(unsafe { memcpy_htod_async(dbuf.ptr(), src as *const _, 16384, h.raw()) }?)
     };
     let capturing = |h: StreamHandle| -> Result<()> {
         // SAFETY: ours or the legacy stream; context current.
-        Ok(unsafe { driver::stream_is_capturing(h.raw()) }.map(|_| ())?)
+        Ok(unsafe { stream_is_capturing(h.raw()) }.map(|_| ())?)
     };
     let write_values = |dst: usize| {
         // SAFETY: `dst` is the start of one of our 16 KiB slices and 1 KiB is written; the
@@ -200,7 +215,7 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         unsafe {
             std::ptr::copy_nonoverlapping(values.as_ptr(), dst as *mut u8, values.len());
         }
-        crate::stager::store_fence_for_bench();
+        store_fence();
     };
     let mut i = 0usize;
     let mut next = move || {
@@ -220,9 +235,9 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     paced("paced: ... 8 slices of one buffer in turn", s, &mut |h| {
         copy(slices[next()], h)
     })?;
-    paced("paced: cuEventRecord", s, &mut |h| ev.record_entered(h))?;
+    paced("paced: cuEventRecord", s, &mut |h| ev.record_in(&cur, h))?;
     paced("paced: cuEventRecord, legacy stream", leg, &mut |h| {
-        ev.record_entered(h)
+        ev.record_in(&cur, h)
     })?;
     paced("paced: cuEventQuery (complete)", s, &mut |_| {
         ev.query().map(|_| ())
@@ -230,30 +245,30 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     paced("paced: A copy + record (8 slices, 8 events)", s, &mut |h| {
         let k = next();
         copy(slices[k], h)?;
-        events[k].record_entered(h)
+        events[k].record_in(&cur, h)
     })?;
     paced("paced: A on the legacy stream", leg, &mut |h| {
         let k = next();
         copy(slices[k], h)?;
-        events[k].record_entered(h)
+        events[k].record_in(&cur, h)
     })?;
     paced("paced: B = A + cuStreamIsCapturing", s, &mut |h| {
         let k = next();
         capturing(h)?;
         copy(slices[k], h)?;
-        events[k].record_entered(h)
+        events[k].record_in(&cur, h)
     })?;
     paced("paced: C = A + write 1 KiB into WC + sfence", s, &mut |h| {
         let k = next();
         write_values(slices[k]);
         copy(slices[k], h)?;
-        events[k].record_entered(h)
+        events[k].record_in(&cur, h)
     })?;
     paced("paced: D = A + query own event first", s, &mut |h| {
         let k = next();
         events[k].query()?;
         copy(slices[k], h)?;
-        events[k].record_entered(h)
+        events[k].record_in(&cur, h)
     })?;
     paced("paced: E = D + B + C (the stager, no sweep)", s, &mut |h| {
         let k = next();
@@ -261,13 +276,13 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         events[k].query()?;
         write_values(slices[k]);
         copy(slices[k], h)?;
-        events[k].record_entered(h)
+        events[k].record_in(&cur, h)
     })?;
     let words = DeviceBuffer::new(&dev, 64)?;
     let write_value = |h: StreamHandle, v: u32| -> Result<()> {
         // SAFETY: a word of our device buffer, alive until the synchronize that ends each
         // measurement; `h` ours or the legacy stream; context current.
-        Ok(unsafe { driver::stream_write_value32(h.raw(), words.ptr(), v) }?)
+        Ok(unsafe { stream_write_value32(h.raw(), words.ptr(), v) }?)
     };
     let mut val = 0u32;
     paced("paced: cuStreamWriteValue32", s, &mut |h| {
@@ -282,14 +297,14 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
             val = val.wrapping_add(1);
             copy(slices[k], h)?;
             write_value(h, val)?;
-            events[k].record_entered(h)
+            events[k].record_in(&cur, h)
         },
     )?;
     paced("paced: PinnedStager::copy_", s, &mut |h| {
-        st.copy_(&view, &v, Some(-1), None, h).map(|_| ())
+        st.to(&view).pad(-1).stream(h).copy(&v).map(|_| ())
     })?;
     paced("paced: PinnedStager::copy_, legacy stream", leg, &mut |h| {
-        st.copy_(&view, &v, Some(-1), None, h).map(|_| ())
+        st.to(&view).pad(-1).stream(h).copy(&v).map(|_| ())
     })?;
     // Does a copy run without a query or a synchronize submitting it? Issue one, leave the
     // driver alone for 30 us (ample for a 16 KiB copy), then ask: the share ready, in percent.
@@ -298,7 +313,7 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     for _ in 0..trials {
         stream.synchronize()?;
         copy(wp, s)?;
-        ev.record_entered(s)?;
+        ev.record_in(&cur, s)?;
         let t0 = Instant::now();
         while t0.elapsed() < std::time::Duration::from_micros(30) {
             std::hint::spin_loop();
@@ -335,28 +350,21 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
     const SLOT: usize = 64 << 10;
     let arena = PinnedBuffer::new(&dev, 8 * SLOT, PinnedFlags::WRITE_COMBINED)?;
     let dbuf = DeviceBuffer::new(&dev, SLOT)?;
-    let events = (0..8)
-        .map(|_| Event::new(&dev))
-        .collect::<Result<Vec<_>>>()?;
-    let _g = dev.enter()?;
+    let events = (0..8).map(|_| dev.event()).collect::<Result<Vec<_>>>()?;
+    let cur = dev.enter()?;
+    let cur = &cur;
     let base = arena.as_ptr() as usize;
     let copy = |k: usize, n: usize, h: StreamHandle| -> Result<()> {
         // SAFETY: slice k of our 8 x 64 KiB pinned arena and our 64 KiB device buffer, n <= 64
         // KiB; both outlive the synchronize ending each measurement; `h` ours or legacy.
-        Ok(unsafe {
-            driver::memcpy_htod_async(dbuf.ptr(), (base + k * SLOT) as *const _, n, h.raw())
-        }?)
+        Ok(unsafe { memcpy_htod_async(dbuf.ptr(), (base + k * SLOT) as *const _, n, h.raw()) }?)
     };
     // The stager itself, 256 of 4096 int32 padded, with the completion watermark (default) and
     // with a query of the own slot's event on every claim (the stager before the watermark).
-    let amortized = PinnedStager::<i32>::new(0, 256, crate::DEFAULT_DEPTH)?;
-    let per_claim = PinnedStager::<i32>::new(0, 256, crate::DEFAULT_DEPTH)?;
-    let shallow = PinnedStager::<i32>::new(0, 256, 8)?;
-    let one_d = PinnedStager::<i32>::new(0, 256, crate::DEFAULT_DEPTH)?;
-    one_d.raw().set_row_copies(false);
-    per_claim.raw().set_amortized_checks(false);
+    let amortized = PinnedStager::<i32>::builder().build()?;
+    let shallow = PinnedStager::<i32>::builder().depth(8).build()?;
     let view = dbuf.view(DType::I32);
-    let view16 = crate::DeviceView::contiguous_device(0, dbuf.ptr(), DType::I32, 4096);
+    let view16 = dbuf.view_at(0, DType::I32, 4096);
     let sets: Vec<Vec<i32>> = (0..8)
         .map(|k| (0..256).map(|i| k * 1000 + i + 1).collect())
         .collect();
@@ -364,9 +372,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
     let sep16 = (0..16)
         .map(|_| PinnedBuffer::new(&dev, 16384, PinnedFlags::WRITE_COMBINED))
         .collect::<Result<Vec<_>>>()?;
-    let ev16 = (0..16)
-        .map(|_| Event::new(&dev))
-        .collect::<Result<Vec<_>>>()?;
+    let ev16 = (0..16).map(|_| dev.event()).collect::<Result<Vec<_>>>()?;
     let ones = vec![7u8; 1024];
     let sep16p: Vec<usize> = sep16.iter().map(|b| b.as_ptr() as usize).collect();
     let dptr = dbuf.ptr();
@@ -386,9 +392,11 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
         false,
         Box::new(|k, h| {
             // SAFETY: as `copy`; the host slice's unified address is its pointer.
-            Ok(unsafe {
-                driver::memcpy_async(dbuf.ptr(), (base + (k % 8) * SLOT) as u64, 16384, h.raw())
-            }?)
+            Ok(
+                unsafe {
+                    memcpy_async(dbuf.ptr(), (base + (k % 8) * SLOT) as u64, 16384, h.raw())
+                }?,
+            )
         }),
     ));
     variants.push((
@@ -398,7 +406,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
         Box::new(|k, h| {
             // SAFETY: as `copy`; `h` is our created stream.
             Ok(unsafe {
-                driver::memcpy_batch_async_one(
+                memcpy_batch_async_one(
                     dbuf.ptr(),
                     (base + (k % 8) * SLOT) as *const _,
                     16384,
@@ -414,7 +422,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
             false,
             Box::new(|_, h| {
                 // SAFETY: ours or the legacy stream; context current.
-                Ok(unsafe { driver::stream_get_id(h.raw()) }.map(|_| ())?)
+                Ok(unsafe { stream_get_id(h.raw()) }.map(|_| ())?)
             }),
         ));
     }
@@ -428,7 +436,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
                 ev[(k + 8 - every) % 8].query()?;
             }
             copy(slot, 16384, h)?;
-            ev[slot].record_entered(h)
+            ev[slot].record_in(&cur, h)
         }
     };
     for paced in [false, true] {
@@ -461,7 +469,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
             true,
             Box::new(move |k, h| {
                 copy(k % 8, n, h)?;
-                ev[k % 8].record_entered(h)
+                ev[k % 8].record_in(&cur, h)
             }),
         ));
     }
@@ -474,14 +482,14 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
             Box::new(move |k, h| {
                 // SAFETY: as `copy`; `h` is our created stream.
                 unsafe {
-                    driver::memcpy_batch_async_one(
+                    memcpy_batch_async_one(
                         dptr,
                         (base + (k % 8) * SLOT) as *const _,
                         16384,
                         h.raw(),
                     )
                 }?;
-                ev[k % 8].record_entered(h)
+                ev[k % 8].record_in(&cur, h)
             }),
         ));
     }
@@ -516,18 +524,18 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
                 // buffer; both outlive the synchronize ending each measurement.
                 unsafe {
                     match how {
-                        0 => driver::memcpy_async(dptr, src as u64, 16384, h.raw()),
-                        1 => driver::memcpy_2d_htod_async(dptr, src as *const _, 16384, 1, h.raw()),
-                        2 => driver::memcpy_2d_htod_async(dptr, src as *const _, 1024, 16, h.raw()),
-                        4 => driver::memcpy_2d_htod_async(dptr, src as *const _, 8192, 2, h.raw()),
-                        5 => driver::memcpy_2d_htod_async(dptr, src as *const _, 4096, 4, h.raw()),
-                        6 => driver::memcpy_2d_htod_async(dptr, src as *const _, 256, 64, h.raw()),
-                        7 => driver::memcpy_2d_htod_async(dptr, src as *const _, 1024, 4, h.raw()),
-                        8 => driver::memcpy_htod_async(dptr, src as *const _, 16384, h.raw()),
-                        _ => driver::memcpy_htod_async(dptr, plain_p as *const _, 16384, h.raw()),
+                        0 => memcpy_async(dptr, src as u64, 16384, h.raw()),
+                        1 => memcpy_2d_htod_async(dptr, src as *const _, 16384, 1, h.raw()),
+                        2 => memcpy_2d_htod_async(dptr, src as *const _, 1024, 16, h.raw()),
+                        4 => memcpy_2d_htod_async(dptr, src as *const _, 8192, 2, h.raw()),
+                        5 => memcpy_2d_htod_async(dptr, src as *const _, 4096, 4, h.raw()),
+                        6 => memcpy_2d_htod_async(dptr, src as *const _, 256, 64, h.raw()),
+                        7 => memcpy_2d_htod_async(dptr, src as *const _, 1024, 4, h.raw()),
+                        8 => memcpy_htod_async(dptr, src as *const _, 16384, h.raw()),
+                        _ => memcpy_htod_async(dptr, plain_p as *const _, 16384, h.raw()),
                     }
                 }?;
-                ev[k % 8].record_entered(h)
+                ev[k % 8].record_in(&cur, h)
             }),
         ));
     }
@@ -564,13 +572,13 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
             true,
             Box::new(move |k, h| {
                 if ctx {
-                    driver::ctx_get_current()?;
+                    crate::driver::ctx::ctx_get_current()?;
                     // SAFETY: our stream; context current.
-                    unsafe { driver::stream_is_capturing(h.raw()) }?;
+                    unsafe { stream_is_capturing(h.raw()) }?;
                 }
                 if getid {
                     // SAFETY: as above.
-                    unsafe { driver::stream_get_id(h.raw()) }?;
+                    unsafe { stream_get_id(h.raw()) }?;
                 }
                 let (src, event) = if sixteen {
                     (sep16p[k % 16], &ev16[k % 16])
@@ -584,12 +592,12 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
                     unsafe {
                         std::ptr::copy_nonoverlapping(ones.as_ptr(), src as *mut u8, ones.len())
                     };
-                    crate::stager::store_fence_for_bench();
+                    store_fence();
                 }
                 // SAFETY: `src` holds 16 KiB of pinned memory and `dbuf` 64 KiB; both outlive
                 // the synchronize ending each measurement.
-                unsafe { driver::memcpy_htod_async(dptr, src as *const _, 16384, h.raw()) }?;
-                event.record_entered(h)
+                unsafe { memcpy_htod_async(dptr, src as *const _, 16384, h.raw()) }?;
+                event.record_in(&cur, h)
             }),
         ));
     }
@@ -599,18 +607,15 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
             // The stager itself.
             for (label, st, v) in [
                 ("watermark", &amortized, &view),
-                ("a query per claim", &per_claim, &view),
                 ("watermark, depth 8", &shallow, &view),
                 ("watermark, 16 KiB dst", &amortized, &view16),
-                ("a query per claim, 16 KiB dst", &per_claim, &view16),
-                ("watermark, one 1-D copy, 16 KiB dst", &one_d, &view16),
             ] {
                 let sets = &sets;
                 variants.push((
                     format!("{kind}: PinnedStager::copy_ (64 KiB dst unless said), {label}{hn}"),
                     h,
                     paced,
-                    Box::new(move |k, h| st.copy_(v, &sets[k % 8], Some(-1), None, h).map(|_| ())),
+                    Box::new(move |k, h| st.to(v).pad(-1).stream(h).copy(&sets[k % 8]).map(|_| ())),
                 ));
             }
         }
@@ -624,7 +629,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
                 f(k, h)?;
             }
             // SAFETY: ours or the legacy stream; context current.
-            unsafe { driver::stream_synchronize(h.raw()) }?;
+            h.synchronize(&cur)?;
             let ns = if *paced {
                 let mut total = 0u128;
                 let n = iters.min(4000);
@@ -646,7 +651,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
                 t0.elapsed().as_nanos() as f64 / iters as f64
             };
             // SAFETY: as above.
-            unsafe { driver::stream_synchronize(h.raw()) }?;
+            h.synchronize(&cur)?;
             out[i].1.push(ns);
         }
     }
@@ -661,15 +666,13 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
         0
     }) % 8];
     if got[..256] != last[..] || got[256..].iter().any(|&x| x != -1) {
-        return Err(crate::Error::InvalidArgument(
-            "slot_check_costs: the destination does not hold the last copy".into(),
+        return Err(crate::Error::arg(
+            "slot_check_costs",
+            "a destination that does not hold the last copy",
+            "the last copy's values",
         ));
     }
-    for (name, st) in [
-        ("watermark", &amortized),
-        ("a query per claim", &per_claim),
-        ("watermark, depth 8", &shallow),
-    ] {
+    for (name, st) in [("watermark", &amortized), ("watermark, depth 8", &shallow)] {
         let st = st.stats();
         out.push((
             format!("stager {name}: queries per copy (x1000)"),

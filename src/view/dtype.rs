@@ -4,18 +4,14 @@ use std::fmt;
 
 use static_assertions::assert_eq_size;
 
-/// DLPack type code for signed integers.
-pub const DL_INT: u8 = 0;
-/// DLPack type code for unsigned integers.
-pub const DL_UINT: u8 = 1;
-/// DLPack type code for IEEE floats.
-pub const DL_FLOAT: u8 = 2;
-/// DLPack type code for bfloat16.
-pub const DL_BFLOAT: u8 = 4;
-/// DLPack type code for complex numbers.
-pub const DL_COMPLEX: u8 = 5;
-/// DLPack type code for booleans.
-pub const DL_BOOL: u8 = 6;
+use dlpark::ffi::DLDataTypeCode;
+
+const DL_INT: u8 = DLDataTypeCode::INT.0;
+const DL_UINT: u8 = DLDataTypeCode::UINT.0;
+const DL_FLOAT: u8 = DLDataTypeCode::FLOAT.0;
+const DL_BFLOAT: u8 = DLDataTypeCode::BFLOAT.0;
+const DL_COMPLEX: u8 = DLDataTypeCode::COMPLEX.0;
+const DL_BOOL: u8 = DLDataTypeCode::BOOL.0;
 
 /// The element types pinstage moves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -208,28 +204,4 @@ element! {
     half::f16 => DType::F16, half::bf16 => DType::BF16,
     f32 => DType::F32, f64 => DType::F64,
     num_complex::Complex32 => DType::C64, num_complex::Complex64 => DType::C128,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dlpack_codes_round_trip() {
-        for d in DType::ALL {
-            let (code, bits) = d.dlpack();
-            assert_eq!(DType::from_dlpack(code, bits, 1), Some(d));
-            assert_eq!(
-                DType::from_dlpack(code, bits, 2),
-                None,
-                "lanes != 1 refused"
-            );
-            assert_eq!(DType::from_name(d.name()), Some(d));
-            assert_eq!(bits as usize, d.itemsize() * 8);
-        }
-        assert_eq!(DType::from_dlpack(DL_FLOAT, 8, 1), None);
-        assert_eq!(DType::from_dlpack(3, 64, 1), None, "opaque handles refused");
-        assert_eq!(DType::from_name("torch.int32"), Some(DType::I32));
-        assert_eq!(DType::from_name("object"), None);
-    }
 }

@@ -1,0 +1,107 @@
+//! Events: one type, recycled through its device.
+
+use crate::driver::{self, CUevent};
+use crate::error::Result;
+
+use super::{Current, Device, StreamHandle};
+
+/// A CUDA event with timing disabled. Events are recycled: a dropped event goes back to its
+/// [`Device`]'s spare list, and is destroyed with the device's last clone.
+pub struct Event {
+    device: Device,
+    raw: CUevent,
+}
+
+// SAFETY: CUevent handles may be used from any thread.
+unsafe impl Send for Event {}
+// SAFETY: record/query/synchronize are thread-safe in the driver.
+unsafe impl Sync for Event {}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Event(0x{:x} on {:?})", self.raw as usize, self.device)
+    }
+}
+
+impl Event {
+    /// An event of the current device: a spare one, or a new one.
+    pub(crate) fn new_in(cur: &Current<'_>) -> Result<Self> {
+        let device = cur.device();
+        let recycled = device.inner.spare_events.lock().pop();
+        let raw = match recycled {
+            Some(raw) => raw as CUevent,
+            // SAFETY: the device's context is current (`cur`).
+            None => unsafe { driver::event::event_create() }?,
+        };
+        Ok(Self {
+            device: device.clone(),
+            raw,
+        })
+    }
+
+    /// Records the event after the work queued on `stream` (context current: `_cur`).
+    #[inline]
+    pub(crate) fn record_in(&self, _cur: &Current<'_>, stream: StreamHandle) -> Result<()> {
+        // SAFETY: our live event; the stream is a special handle, ours, or vouched for by its
+        // maker (`StreamHandle::from_raw`); the context is current.
+        unsafe { driver::event::event_record(self.raw, stream.raw()) }?;
+        Ok(())
+    }
+
+    /// Records the event after all work currently queued on `stream`.
+    ///
+    /// # Errors
+    /// [`Error::Driver`](crate::Error::Driver) if the driver refuses the record (a stream of
+    /// another device, for one).
+    pub fn record(&self, stream: StreamHandle) -> Result<()> {
+        let cur = self.device.enter()?;
+        self.record_in(&cur, stream)
+    }
+
+    /// `true` once the work captured by the last record completed (or if never recorded).
+    ///
+    /// # Errors
+    /// [`Error::Driver`](crate::Error::Driver) if that work failed.
+    #[inline]
+    pub fn query(&self) -> Result<bool> {
+        // SAFETY: our live event. cuEventQuery needs no current context.
+        Ok(unsafe { driver::event::event_query(self.raw) }?)
+    }
+
+    /// Blocks until the work captured by the last record completed.
+    ///
+    /// # Errors
+    /// [`Error::Driver`](crate::Error::Driver) if that work failed.
+    #[inline]
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: our live event.
+        unsafe { driver::event::event_synchronize(self.raw) }?;
+        Ok(())
+    }
+
+    /// Makes later work on `stream` wait for this event on the device (no host wait).
+    ///
+    /// # Errors
+    /// [`Error::Driver`](crate::Error::Driver) if the driver refuses it.
+    pub fn wait_on(&self, stream: StreamHandle) -> Result<()> {
+        let _cur = self.device.enter()?;
+        // SAFETY: our live event; the stream as in `record_in`; context current.
+        unsafe { driver::stream::stream_wait_event(stream.raw(), self.raw) }?;
+        Ok(())
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        self.device
+            .inner
+            .spare_events
+            .lock()
+            .push(self.raw as usize);
+    }
+}

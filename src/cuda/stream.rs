@@ -1,0 +1,142 @@
+//! Stream handles (borrowed from frameworks) and owned streams.
+
+use crate::driver::{self, CUstream};
+use crate::error::{Error, Result, on_drop};
+
+use super::{Current, Device};
+
+/// A CUDA stream handle, as frameworks hand them out (`torch.cuda.Stream.cuda_stream`,
+/// `cupy.cuda.Stream.ptr`). The driver dereferences a handle without validating it, so one can
+/// only be made from an integer through the `unsafe` [`StreamHandle::from_raw`], or taken from
+/// a [`Stream`] this crate owns, or be one of the special handles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct StreamHandle(usize);
+
+impl StreamHandle {
+    /// The legacy default stream (handle 0).
+    pub const LEGACY: StreamHandle = StreamHandle(0);
+    /// The per-thread default stream (`CU_STREAM_PER_THREAD`, handle 2).
+    pub const PER_THREAD: StreamHandle = StreamHandle(2);
+
+    /// A handle from its integer value.
+    ///
+    /// # Errors
+    /// [`Error::BadStreamHandle`] for an integer that cannot be a stream: 0, 1
+    /// (`CU_STREAM_LEGACY`) and 2 (`CU_STREAM_PER_THREAD`) are the special handles; any other is a
+    /// heap pointer, so it is 8-byte aligned and above the first 64 KiB.
+    ///
+    /// # Safety
+    /// 1. `handle` is 0, 1, 2, or the handle of a live stream of a context of the device it is
+    ///    used with, and that stream stays alive while copies issued on it may run. A destroyed
+    ///    stream's handle passes the check above and cannot be detected; the driver would
+    ///    dereference it.
+    #[inline]
+    pub unsafe fn from_raw(handle: usize) -> Result<Self> {
+        if handle > 2 && (handle < 0x1_0000 || handle % 8 != 0) {
+            return Err(Error::BadStreamHandle { handle });
+        }
+        Ok(Self(handle))
+    }
+
+    /// The integer value of the handle.
+    #[inline]
+    pub fn as_raw(self) -> usize {
+        self.0
+    }
+
+    #[inline]
+    pub(crate) fn raw(self) -> CUstream {
+        self.0 as CUstream
+    }
+
+    /// Whether the stream is capturing a CUDA graph.
+    #[inline]
+    pub(crate) fn is_capturing(self, _cur: &Current<'_>) -> Result<bool> {
+        // SAFETY: context current (`_cur`); the handle is a special one, one of our streams, or
+        // one its maker vouched for in `from_raw`.
+        Ok(unsafe { driver::stream::stream_is_capturing(self.raw()) }?)
+    }
+
+    /// Blocks until all work queued on the stream completed.
+    pub(crate) fn synchronize(self, _cur: &Current<'_>) -> Result<()> {
+        // SAFETY: as in `is_capturing`.
+        Ok(unsafe { driver::stream::stream_synchronize(self.raw()) }?)
+    }
+
+    /// The driver's ID of this stream, unique for the life of the context (handles may be
+    /// reused by a new stream; IDs are not). `None` for the per-thread default stream (one handle
+    /// for a different stream on every thread) and if the driver cannot tell: the stager then
+    /// tracks the stream's copies slot by slot.
+    #[inline]
+    pub(crate) fn tracking_id(self, _cur: &Current<'_>) -> Option<u64> {
+        if self == Self::PER_THREAD {
+            return None;
+        }
+        // SAFETY: as in `is_capturing`.
+        unsafe { driver::stream::stream_get_id(self.raw()) }.ok()
+    }
+}
+
+/// An owned non-blocking CUDA stream, destroyed on drop (the driver defers the destruction until
+/// its work completed).
+pub struct Stream {
+    device: Device,
+    raw: CUstream,
+}
+
+// SAFETY: a CUstream may be used from any thread; the driver serialises access internally.
+unsafe impl Send for Stream {}
+// SAFETY: see Send.
+unsafe impl Sync for Stream {}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stream(0x{:x} on {:?})", self.raw as usize, self.device)
+    }
+}
+
+impl Stream {
+    /// Creates a non-blocking stream on `device`.
+    ///
+    /// # Errors
+    /// [`Error::Driver`] if the driver cannot create it.
+    pub fn new(device: &Device) -> Result<Self> {
+        let _cur = device.enter()?;
+        // SAFETY: a context is current (guard).
+        let raw = unsafe { driver::stream::stream_create() }?;
+        Ok(Self {
+            device: device.clone(),
+            raw,
+        })
+    }
+
+    /// The handle to pass to copy functions.
+    pub fn handle(&self) -> StreamHandle {
+        StreamHandle(self.raw as usize)
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Blocks until all work on the stream completed.
+    ///
+    /// # Errors
+    /// [`Error::Driver`] if the stream's work failed.
+    pub fn synchronize(&self) -> Result<()> {
+        let cur = self.device.enter()?;
+        self.handle().synchronize(&cur)
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        match self.device.enter() {
+            // SAFETY: our stream, destroyed once.
+            Ok(_cur) => on_drop(unsafe { driver::stream::stream_destroy(self.raw) }),
+            Err(Error::Driver(e)) => on_drop::<()>(Err(e)),
+            Err(_) => {}
+        }
+    }
+}

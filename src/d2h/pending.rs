@@ -1,0 +1,93 @@
+//! Asynchronous copies into owned host regions.
+
+use super::start_d2h;
+use crate::cuda::{Device, Event, StreamHandle};
+use crate::error::Result;
+use crate::host::PinnedBuffer;
+use crate::view::DeviceView;
+
+/// Host memory a [`PendingCopy`] writes into and hands back when done.
+///
+/// # Safety
+/// Implementors return the same stable region from every call to `region`: its address must not
+/// change while the value is alive (it may be moved, the bytes may not).
+pub unsafe trait HostRegion: Send {
+    /// Start and length of the writable region.
+    fn region(&mut self) -> (*mut u8, usize);
+}
+
+// SAFETY: the heap block of a PinnedBuffer does not move with the value.
+unsafe impl HostRegion for PinnedBuffer {
+    fn region(&mut self) -> (*mut u8, usize) {
+        (self.as_mut_ptr(), self.len())
+    }
+}
+
+// SAFETY: a Vec's heap block does not move with the value (we never push to it).
+unsafe impl HostRegion for Vec<u8> {
+    fn region(&mut self) -> (*mut u8, usize) {
+        (self.as_mut_ptr(), self.len())
+    }
+}
+
+/// An asynchronous D2H copy into an owned host region. The region is handed back by
+/// [`PendingCopy::wait`]; dropping a pending copy waits for it first, so the region is never
+/// freed while the copy writes it.
+pub struct PendingCopy<B: HostRegion> {
+    buf: Option<B>,
+    event: Option<Event>,
+}
+
+impl<B: HostRegion> PendingCopy<B> {
+    /// Whether the copy completed (errors count as done: `wait` reports them).
+    pub fn is_done(&self) -> bool {
+        self.event
+            .as_ref()
+            .is_none_or(|e| e.query().unwrap_or(true))
+    }
+
+    /// Waits for the copy and returns the region.
+    ///
+    /// # Errors
+    /// [`crate::Error::Driver`] if the copy failed (the region is dropped).
+    pub fn wait(mut self) -> Result<B> {
+        let r = match self.event.take() {
+            Some(e) => e.synchronize(),
+            None => Ok(()),
+        };
+        let buf = self.buf.take().expect("buffer present until wait");
+        r.map(|()| buf)
+    }
+}
+
+impl<B: HostRegion> Drop for PendingCopy<B> {
+    fn drop(&mut self) {
+        if let Some(e) = self.event.take()
+            && let Err(crate::Error::Driver(e)) = e.synchronize()
+        {
+            crate::error::record_drop_error(e);
+        }
+    }
+}
+
+/// Starts copying `src` into `dst` and returns at once. A pinned `dst` gets a truly
+/// asynchronous DMA; a pageable one is filled through the bounce ring before this returns
+/// (still correct, not overlapped).
+///
+/// # Errors
+/// As [`super::copy_d2h`].
+pub fn copy_d2h_async<B: HostRegion>(
+    device: &Device,
+    src: &DeviceView<'_>,
+    mut dst: B,
+    stream: StreamHandle,
+) -> Result<PendingCopy<B>> {
+    let (ptr, len) = dst.region();
+    // SAFETY: the region is owned by `dst`, which the PendingCopy keeps (and waits for before
+    // handing back or dropping); HostRegion guarantees the address is stable.
+    let (_, event) = unsafe { start_d2h(device, src, ptr, len, stream) }?;
+    Ok(PendingCopy {
+        buf: Some(dst),
+        event,
+    })
+}

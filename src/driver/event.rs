@@ -1,0 +1,63 @@
+//! Events.
+
+use cudarc::driver::sys;
+
+use super::{CUevent, CUstream, DResult, DriverError, check};
+
+/// [cuEventCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html) with
+/// `CU_EVENT_DISABLE_TIMING`.
+///
+/// # Safety
+/// 1. A context must be current on this thread.
+pub(crate) unsafe fn event_create() -> DResult<CUevent> {
+    let mut ev = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; a context is current (caller).
+    check("cuEventCreate", unsafe {
+        sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+    })?;
+    Ok(ev)
+}
+
+/// [cuEventDestroy](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
+///
+/// # Safety
+/// 1. `ev` is live and destroyed once.
+pub(crate) unsafe fn event_destroy(ev: CUevent) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(ev) })
+}
+
+/// [cuEventRecord](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
+///
+/// # Safety
+/// 1. `ev` is live; `stream` is a live stream of the event's context (or null).
+pub(crate) unsafe fn event_record(ev: CUevent, stream: CUstream) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuEventRecord", unsafe { sys::cuEventRecord(ev, stream) })
+}
+
+/// [cuEventQuery](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html):
+/// `Ok(true)` once all work captured by the last record completed.
+///
+/// # Safety
+/// 1. `ev` is live.
+pub(crate) unsafe fn event_query(ev: CUevent) -> DResult<bool> {
+    // SAFETY: caller's contract.
+    match unsafe { sys::cuEventQuery(ev) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        code => Err(DriverError {
+            call: "cuEventQuery",
+            code,
+        }),
+    }
+}
+
+/// [cuEventSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
+///
+/// # Safety
+/// 1. `ev` is live.
+pub(crate) unsafe fn event_synchronize(ev: CUevent) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(ev) })
+}

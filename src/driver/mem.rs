@@ -1,0 +1,205 @@
+//! Host and device memory, and the copies between them.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+
+use super::{CUdeviceptr, CUstream, DResult, check};
+
+/// `CU_MEMHOSTALLOC_PORTABLE`: pinned memory usable from every context.
+pub(crate) const HOSTALLOC_PORTABLE: u32 = sys::CU_MEMHOSTALLOC_PORTABLE;
+/// `CU_MEMHOSTALLOC_WRITECOMBINED`: fast for the device to read, very slow for the CPU to read.
+pub(crate) const HOSTALLOC_WRITECOMBINED: u32 = sys::CU_MEMHOSTALLOC_WRITECOMBINED;
+
+/// [cuMemHostAlloc](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+///
+/// # Safety
+/// 1. A context must be current on this thread.
+pub(crate) unsafe fn mem_host_alloc(bytes: usize, flags: u32) -> DResult<*mut c_void> {
+    let mut ptr = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; a context is current (caller).
+    check("cuMemHostAlloc", unsafe {
+        sys::cuMemHostAlloc(&mut ptr, bytes, flags)
+    })?;
+    Ok(ptr)
+}
+
+/// [cuMemFreeHost](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+///
+/// # Safety
+/// 1. `ptr` came from [`mem_host_alloc`] and is freed once.
+/// 2. No copy in flight still reads or writes it.
+pub(crate) unsafe fn mem_free_host(ptr: *mut c_void) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(ptr) })
+}
+
+/// [cuMemAlloc](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+///
+/// # Safety
+/// 1. A context must be current on this thread.
+#[cfg(feature = "testing")]
+pub(crate) unsafe fn mem_alloc(bytes: usize) -> DResult<CUdeviceptr> {
+    let mut ptr = 0;
+    // SAFETY: valid out-pointer; a context is current (caller).
+    check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) })?;
+    Ok(ptr)
+}
+
+/// [cuMemFree](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+///
+/// # Safety
+/// 1. `ptr` came from [`mem_alloc`], is freed once, and no work in flight uses it.
+#[cfg(feature = "testing")]
+pub(crate) unsafe fn mem_free(ptr: CUdeviceptr) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
+}
+
+/// [cuMemcpyHtoDAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+///
+/// # Safety
+/// 1. `src..src+bytes` is host memory that stays valid and unchanged until the copy completed
+///    on `stream` (for pinned memory the copy is truly asynchronous).
+/// 2. `dst..dst+bytes` is device memory of the current context's device.
+/// 3. `stream` is a live stream of the current context (or null: the legacy default stream).
+pub(crate) unsafe fn memcpy_htod_async(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    bytes: usize,
+    stream: CUstream,
+) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuMemcpyHtoDAsync", unsafe {
+        sys::cuMemcpyHtoDAsync_v2(dst, src, bytes, stream)
+    })
+}
+
+/// [cuMemcpyAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html): the
+/// unified-addressing copy (direction inferred from the pointers). For the benches' comparison of
+/// copy entry points.
+///
+/// # Safety
+/// As [`memcpy_htod_async`], with `src` given as its unified address.
+#[cfg(feature = "lab")]
+pub(crate) unsafe fn memcpy_async(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    bytes: usize,
+    stream: CUstream,
+) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuMemcpyAsync", unsafe {
+        sys::cuMemcpyAsync(dst, src, bytes, stream)
+    })
+}
+
+/// [cuMemcpyBatchAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+/// (CUDA 12.8) with one copy, source read in stream order. For the benches' comparison of copy
+/// entry points.
+///
+/// # Safety
+/// As [`memcpy_htod_async`]; `stream` must not be the legacy default stream (the call refuses
+/// it).
+#[cfg(feature = "lab")]
+pub(crate) unsafe fn memcpy_batch_async_one(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    bytes: usize,
+    stream: CUstream,
+) -> DResult<()> {
+    let mut dsts = [dst];
+    let mut srcs = [src as CUdeviceptr];
+    let mut sizes = [bytes];
+    // SAFETY: a plain C struct of enums and integers; all-zero is a valid value for each field
+    // (location type INVALID: no hint).
+    let mut attr: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+    attr.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+    let mut idx = [0usize];
+    let mut fail = usize::MAX;
+    // SAFETY: caller's contract; every array holds `count` = 1 entries and outlives the call.
+    check("cuMemcpyBatchAsync", unsafe {
+        sys::cuMemcpyBatchAsync(
+            dsts.as_mut_ptr(),
+            srcs.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            1,
+            &mut attr,
+            idx.as_mut_ptr(),
+            1,
+            &mut fail,
+            stream,
+        )
+    })
+}
+
+/// [cuMemcpy2DAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) from
+/// host to device, `height` rows of `width` bytes, both packed. For the benches' comparison of
+/// copy entry points.
+///
+/// # Safety
+/// As [`memcpy_htod_async`] for `width * height` bytes.
+pub(crate) unsafe fn memcpy_2d_htod_async(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    width: usize,
+    height: usize,
+    stream: CUstream,
+) -> DResult<()> {
+    let c = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+        srcHost: src,
+        srcDevice: 0,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: width,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: width,
+        WidthInBytes: width,
+        Height: height,
+    };
+    // SAFETY: caller's contract; `c` outlives the call (the driver reads it during the call).
+    check("cuMemcpy2DAsync", unsafe {
+        sys::cuMemcpy2DAsync_v2(&c, stream)
+    })
+}
+
+/// [cuMemcpyDtoHAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+///
+/// # Safety
+/// 1. `dst..dst+bytes` is host memory nothing else touches until the copy completed.
+/// 2. `src..src+bytes` is device memory that stays valid until then.
+/// 3. `stream` is a live stream of the current context (or null).
+pub(crate) unsafe fn memcpy_dtoh_async(
+    dst: *mut c_void,
+    src: CUdeviceptr,
+    bytes: usize,
+    stream: CUstream,
+) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuMemcpyDtoHAsync", unsafe {
+        sys::cuMemcpyDtoHAsync_v2(dst, src, bytes, stream)
+    })
+}
+
+/// [cuPointerGetAttributes](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__UNIFIED.html)
+/// with `CU_POINTER_ATTRIBUTE_MEMORY_TYPE`: `true` when `ptr` lies in page-locked host memory
+/// known to the driver (pinned by any framework), `false` for pageable memory. Unlike the
+/// singular `cuPointerGetAttribute`, this call succeeds (memory type 0) for memory the driver
+/// does not know, so probing pageable memory raises no API error (compute-sanitizer stays quiet).
+pub(crate) fn is_pinned_host(ptr: *const c_void) -> bool {
+    let mut mem_type: u32 = 0;
+    let mut attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
+    let mut data: [*mut c_void; 1] = [(&mut mem_type as *mut u32).cast()];
+    // SAFETY: one attribute, one out-pointer to a u32 (the size of CUmemorytype); the driver only
+    // inspects the address value of `ptr`.
+    let code =
+        unsafe { sys::cuPointerGetAttributes(1, &mut attr, data.as_mut_ptr(), ptr as CUdeviceptr) };
+    code == sys::CUresult::CUDA_SUCCESS && mem_type == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
+}

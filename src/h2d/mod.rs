@@ -1,0 +1,17 @@
+//! Host to device: the slot ring's protocol ([`ring`]), the host writes into slots, the
+//! [`Stager`] that issues one copy per call from a pinned slot, and [`H2DMirror`], which lets a
+//! copy of unchanged values be skipped.
+
+pub(crate) mod mirror;
+#[cfg(any(feature = "testing", loom))]
+pub mod ring;
+#[cfg(not(any(feature = "testing", loom)))]
+pub(crate) mod ring;
+pub(crate) mod stager;
+pub(crate) mod write;
+
+pub use mirror::H2DMirror;
+pub use stager::{
+    Copy, CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, MAX_DEPTH, PinnedStager, PinnedStagerBuilder,
+    RawCopy, Stager, StagerBuilder, StagerStats,
+};

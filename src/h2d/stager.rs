@@ -1,0 +1,826 @@
+//! The stager: a ring of persistent pinned buffers for small host-to-device copies.
+//!
+//! Each device copy writes values and padding into one slot's pinned buffer on the host and
+//! issues exactly ONE copy from it (`cuMemcpyHtoDAsync`, or for 2-32 KiB one `cuMemcpy2DAsync`
+//! of packed rows; see [`row_shape`]), then records the slot's event. A slot is not rewritten
+//! until that event completed. Slots are claimed through the atomics of [`super::ring`]: no lock
+//! is held while waiting, and a waiting thread blocks no other slot.
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering as StatOrdering};
+
+use super::mirror::{CopyKey, H2DMirror};
+use super::ring::{Claim, NO_MARK, Release, Ring};
+use super::write::{Layout, PARALLEL_WRITE_MIN, store_fence, write_padded, write_padded_parallel};
+use crate::cuda::{Current, Device, Event, StreamHandle};
+use crate::driver;
+use crate::error::{Error, Result};
+use crate::host::{PinnedBuffer, PinnedFlags};
+use crate::sync::UnsafeCell;
+use crate::view::{DType, DeviceView, Element, MemoryKind};
+
+/// Counters of a stager; every field is monotonic except `pinned_bytes`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StagerStats {
+    /// Device copies issued (one driver copy each).
+    pub copies: u64,
+    /// Copies of host destinations, written directly.
+    pub host_copies: u64,
+    /// Copies skipped because the mirror showed the destination already held the values.
+    pub skipped: u64,
+    /// Bytes copied (device and host, values and padding).
+    pub bytes: u64,
+    /// Claims that found the slot's last copy still running and waited for its event.
+    pub waits: u64,
+    /// `cuEventQuery` calls made to learn that a claimed slot's last copy completed. One query
+    /// usually covers several slots (a stream's copies complete in order), so on one stream
+    /// this stays well below `copies`.
+    pub queries: u64,
+    /// Slot buffers grown because a copy exceeded their capacity.
+    pub growths: u64,
+    /// Pinned bytes held by the ring now: `depth` slots of `numel * itemsize` bytes, each
+    /// rounded up to 64, plus every buffer a growth allocated.
+    pub pinned_bytes: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    copies: AtomicU64,
+    host_copies: AtomicU64,
+    skipped: AtomicU64,
+    bytes: AtomicU64,
+    waits: AtomicU64,
+    queries: AtomicU64,
+    growths: AtomicU64,
+    pinned_bytes: AtomicU64,
+}
+
+#[inline]
+fn add(c: &AtomicU64, v: u64) {
+    // Relaxed: statistics only, no data is published through them.
+    c.fetch_add(v, StatOrdering::Relaxed);
+}
+
+struct Slot {
+    buf: UnsafeCell<SlotBuf>,
+    event: Event,
+}
+
+struct SlotBuf {
+    /// The slot's bytes: its slice of the stager's arena, or `grown` once it outgrew that.
+    ptr: *mut u8,
+    cap: usize,
+    /// The slot's own buffer after a copy exceeded its arena slice.
+    grown: Option<PinnedBuffer>,
+    /// What the buffer holds after its last write, so the next write can skip padding that is
+    /// already there.
+    layout: Option<Layout>,
+    /// Buffers outgrown by `grown`. They are freed with the stager, not at growth time:
+    /// `cuMemFreeHost` may synchronize the whole device, which would stall a live graph.
+    retired: Vec<PinnedBuffer>,
+}
+
+/// What one copy did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyOutcome {
+    /// One device copy was issued from slot `slot`.
+    Issued {
+        /// The ring slot used.
+        slot: usize,
+    },
+    /// A host destination was written directly.
+    Host,
+    /// The mirror showed the destination already holds these values: nothing was done.
+    Skipped,
+    /// Nothing to copy (0 elements).
+    Empty,
+}
+
+impl CopyOutcome {
+    /// Whether the destination was written (a device copy issued, or a host write).
+    pub fn wrote(self) -> bool {
+        matches!(self, CopyOutcome::Issued { .. } | CopyOutcome::Host)
+    }
+}
+
+/// Default slot capacity in elements.
+pub const DEFAULT_NUMEL: usize = 256;
+/// Default ring depth: deep enough that one event query usually serves several claims (the
+/// copy engine lags a few copies behind a host issuing back to back).
+pub const DEFAULT_DEPTH: usize = 16;
+/// The deepest ring a stager accepts.
+pub const MAX_DEPTH: usize = 1 << 16;
+
+/// The untyped stager: element type chosen at run time (the Python layer uses this one).
+/// [`PinnedStager`] is the typed facade. Made by [`Stager::builder`].
+///
+/// `Sync`: the slot protocol gives each slot's buffer a single owner at a time (see
+/// [`super::ring`]); events are driver handles safe to use from any thread.
+pub struct Stager {
+    dtype: DType,
+    ordinal: i32,
+    device: Option<Device>,
+    unavailable: Option<String>,
+    ring: Ring,
+    slots: Box<[Slot]>,
+    /// One pinned allocation holding every slot's initial buffer. Freed only after `Drop`
+    /// waited for every copy in flight.
+    _arena: Option<PinnedBuffer>,
+    stats: Counters,
+}
+
+// SAFETY: `Slot::buf` is only accessed by the thread that owns the slot in state WRITING (ring
+// protocol) or through `&mut self`; everything else is atomics or driver handles usable from any
+// thread.
+unsafe impl Sync for Stager {}
+// SAFETY: all fields are owned and may move between threads (see PinnedBuffer and Event).
+unsafe impl Send for Stager {}
+
+impl std::fmt::Debug for Stager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stager")
+            .field("dtype", &self.dtype)
+            .field("device", &self.ordinal)
+            .field("depth", &self.ring.depth())
+            .field("cuda", &self.device.is_some())
+            .finish()
+    }
+}
+
+/// Builds a [`Stager`] (or, through [`PinnedStager::builder`], a typed one).
+#[derive(Clone, Copy, Debug)]
+#[must_use]
+pub struct StagerBuilder {
+    dtype: DType,
+    device: i32,
+    numel: usize,
+    depth: usize,
+}
+
+impl StagerBuilder {
+    /// The CUDA device ordinal served (default 0).
+    pub fn device(mut self, ordinal: i32) -> Self {
+        self.device = ordinal;
+        self
+    }
+
+    /// Initial slot capacity in elements (default [`DEFAULT_NUMEL`]); a larger copy grows its
+    /// slot.
+    pub fn numel(mut self, numel: usize) -> Self {
+        self.numel = numel;
+        self
+    }
+
+    /// Number of slots (default [`DEFAULT_DEPTH`]; 1 to [`MAX_DEPTH`]).
+    pub fn depth(mut self, depth: usize) -> Self {
+        self.depth = depth;
+        self
+    }
+
+    /// Builds the stager. Without a driver this succeeds and serves host destinations only; a
+    /// device destination then gets [`Error::CudaUnavailable`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a depth outside 1..=[`MAX_DEPTH`] or a negative device,
+    /// [`Error::OutOfMemory`] when the slots' bytes overflow, [`Error::NoSuchDevice`] for an
+    /// ordinal the driver does not report, [`Error::Driver`] when pinned memory or events
+    /// cannot be had. Nothing is allocated before the arguments are checked.
+    pub fn build(self) -> Result<Stager> {
+        Stager::new(self)
+    }
+}
+
+impl Stager {
+    /// A builder for a stager of `dtype` elements.
+    pub fn builder(dtype: DType) -> StagerBuilder {
+        StagerBuilder {
+            dtype,
+            device: 0,
+            numel: DEFAULT_NUMEL,
+            depth: DEFAULT_DEPTH,
+        }
+    }
+
+    fn new(b: StagerBuilder) -> Result<Self> {
+        let StagerBuilder {
+            dtype,
+            device: ordinal,
+            numel,
+            depth,
+        } = b;
+        if !(1..=MAX_DEPTH).contains(&depth) {
+            return Err(Error::arg("depth", depth, "1 to 65536"));
+        }
+        if ordinal < 0 {
+            return Err(Error::arg("device", ordinal, "a CUDA device ordinal >= 0"));
+        }
+        let overflow = || Error::OutOfMemory {
+            what: "stager slots",
+            bytes: usize::MAX,
+        };
+        // Slots start on 64-byte boundaries (a cache line, and a whole write-combining buffer).
+        let slot_bytes = numel.checked_mul(dtype.itemsize()).ok_or_else(overflow)?;
+        let stride = slot_bytes
+            .checked_next_multiple_of(64)
+            .ok_or_else(overflow)?;
+        let arena_bytes = stride
+            .checked_mul(depth)
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(overflow)?;
+        let stats = Counters::default();
+        let (device, unavailable, slots, arena) = match Device::new(ordinal) {
+            Ok(device) => {
+                let mut arena =
+                    PinnedBuffer::new(&device, arena_bytes, PinnedFlags::WRITE_COMBINED)?;
+                let base = arena.as_mut_ptr();
+                let cur = device.enter()?;
+                let slots = (0..depth)
+                    .map(|i| {
+                        Ok(Slot {
+                            buf: UnsafeCell::new(SlotBuf {
+                                // SAFETY: i * stride + slot_bytes <= arena_bytes: in bounds
+                                // (a 0-byte arena is only ever offset by 0).
+                                ptr: unsafe { base.add(i * stride) },
+                                cap: slot_bytes,
+                                grown: None,
+                                retired: Vec::new(),
+                                layout: None,
+                            }),
+                            event: Event::new_in(&cur)?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                drop(cur);
+                stats
+                    .pinned_bytes
+                    .store(arena.len() as u64, StatOrdering::Relaxed);
+                (Some(device), None, slots, Some(arena))
+            }
+            Err(Error::CudaUnavailable { reason }) => (None, Some(reason), Vec::new(), None),
+            Err(e) => return Err(e),
+        };
+        Ok(Self {
+            dtype,
+            ordinal,
+            device,
+            unavailable,
+            ring: Ring::new(depth),
+            slots: slots.into_boxed_slice(),
+            _arena: arena,
+            stats,
+        })
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device ordinal served.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Number of slots.
+    pub fn depth(&self) -> usize {
+        self.ring.depth()
+    }
+
+    /// Whether device destinations can be served (a driver and the device were found).
+    pub fn has_cuda(&self) -> bool {
+        self.device.is_some()
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> StagerStats {
+        let s = &self.stats;
+        let l = |c: &AtomicU64| c.load(StatOrdering::Relaxed);
+        StagerStats {
+            copies: l(&s.copies),
+            host_copies: l(&s.host_copies),
+            skipped: l(&s.skipped),
+            bytes: l(&s.bytes),
+            waits: l(&s.waits),
+            queries: l(&s.queries),
+            growths: l(&s.growths),
+            pinned_bytes: l(&s.pinned_bytes),
+        }
+    }
+
+    /// A copy into `dst`, configured by the returned builder; `values` and `pad` are raw element
+    /// bytes of the stager's dtype. See [`PinnedStager::to`] for the rules.
+    pub fn to<'a>(&'a self, dst: &'a DeviceView<'a>) -> RawCopy<'a> {
+        RawCopy {
+            stager: self,
+            dst,
+            pad: None,
+            mirror: None,
+            stream: StreamHandle::LEGACY,
+            wait: None,
+        }
+    }
+
+    fn copy_bytes(&self, c: RawCopy<'_>, pad: Option<&[u8]>, values: &[u8]) -> Result<CopyOutcome> {
+        let RawCopy {
+            dst,
+            mirror,
+            stream,
+            wait,
+            ..
+        } = c;
+        let device = self.check(dst, values, pad)?;
+        let itemsize = self.dtype.itemsize();
+        let total = if pad.is_some() {
+            dst.numel() * itemsize
+        } else {
+            values.len()
+        };
+        if total == 0 {
+            return Ok(CopyOutcome::Empty);
+        }
+        let key = CopyKey::new(dst.ptr(), dst.nbytes(), pad);
+        let mut mirror = mirror;
+        if let Some(m) = mirror.as_deref_mut() {
+            m.bind(dst.ptr(), dst.nbytes())?;
+            if m.matches(key.as_bytes(), values) {
+                add(&self.stats.skipped, 1);
+                return Ok(CopyOutcome::Skipped);
+            }
+        }
+        let outcome = match device {
+            None => {
+                // SAFETY: the view's contract: `dst` is writable host memory of `numel`
+                // elements (checked not read-only); `total <= numel * itemsize`.
+                // `write_padded` tolerates `values` overlapping `dst` (memmove).
+                unsafe { write_padded(dst.ptr() as *mut u8, values, pad, total, true) };
+                add(&self.stats.host_copies, 1);
+                CopyOutcome::Host
+            }
+            Some(device) => {
+                let cur = device.enter_for_copy(stream)?;
+                let job = Job {
+                    dst: dst.ptr(),
+                    values,
+                    pad,
+                    total,
+                    stream,
+                };
+                let slot = match wait {
+                    Some(w) => self.issue(&cur, job, w),
+                    None => self.issue(&cur, job, &mut |e: &Event| e.synchronize()),
+                }?;
+                add(&self.stats.copies, 1);
+                CopyOutcome::Issued { slot }
+            }
+        };
+        add(&self.stats.bytes, total as u64);
+        if let Some(m) = mirror {
+            m.record(key.as_bytes(), values);
+        }
+        Ok(outcome)
+    }
+
+    /// Validates a copy before any side effect; the device to use for a device destination.
+    #[inline]
+    fn check(
+        &self,
+        dst: &DeviceView<'_>,
+        values: &[u8],
+        pad: Option<&[u8]>,
+    ) -> Result<Option<&Device>> {
+        if dst.dtype() != self.dtype {
+            return Err(Error::DtypeMismatch {
+                expected: self.dtype,
+                got: dst.dtype(),
+            });
+        }
+        let itemsize = self.dtype.itemsize();
+        if values.len() % itemsize != 0 {
+            return Err(Error::RaggedBytes {
+                bytes: values.len(),
+                itemsize,
+            });
+        }
+        if let Some(p) = pad
+            && p.len() != itemsize
+        {
+            return Err(Error::PadSize {
+                got: p.len(),
+                expected: itemsize,
+                dtype: self.dtype,
+            });
+        }
+        let n = values.len() / itemsize;
+        if n > dst.numel() {
+            return Err(Error::TooManyValues {
+                values: n,
+                capacity: dst.numel(),
+            });
+        }
+        if dst.is_read_only() {
+            return Err(Error::ReadOnly);
+        }
+        match dst.memory() {
+            MemoryKind::Host => Ok(None),
+            MemoryKind::Cuda(id) => {
+                let Some(device) = &self.device else {
+                    return Err(Error::unavailable(
+                        self.unavailable.clone().unwrap_or_default(),
+                    ));
+                };
+                if id != self.ordinal {
+                    return Err(Error::WrongDevice {
+                        what: "stager",
+                        expected: self.ordinal,
+                        got: id,
+                    });
+                }
+                Ok(Some(device))
+            }
+        }
+    }
+
+    /// Claims a slot, writes it and issues the one copy; the slot is released whatever happens.
+    fn issue(
+        &self,
+        cur: &Current<'_>,
+        job: Job<'_>,
+        wait: &mut dyn FnMut(&Event) -> Result<()>,
+    ) -> Result<usize> {
+        let claim = self.ring.claim();
+        let (result, how) = self.fill_and_send(cur, &claim, &job, wait);
+        self.ring.release(claim.index, how);
+        result.map(|()| claim.index)
+    }
+
+    /// The owner's work on a claimed slot: learn its last copy completed, write it, copy from it,
+    /// record its event. Returns how the slot is to be released, on success and on error.
+    #[inline]
+    fn fill_and_send(
+        &self,
+        cur: &Current<'_>,
+        claim: &Claim,
+        job: &Job<'_>,
+        wait: &mut dyn FnMut(&Event) -> Result<()>,
+    ) -> (Result<()>, Release) {
+        let slot = &self.slots[claim.index];
+        if claim.was_in_flight()
+            && let Err(e) = self.ensure_complete(claim, slot, wait)
+        {
+            // Nothing changed: the slot's previous copy may still run, its word says so.
+            return (Err(e), Release::Restore(claim.prev));
+        }
+        // SAFETY: we own the slot (state WRITING) and its last copy completed, so nobody else
+        // reads or writes the buffer until we release it.
+        let src = match unsafe { slot.buf.with_mut(|b| self.fill(&mut *b, cur, job)) } {
+            Ok(src) => src,
+            Err(e) => return (Err(e), Release::Idle),
+        };
+        // The buffer is write-combined: drain the CPU's write-combining buffers before the copy
+        // engine may read it.
+        store_fence();
+        let stream = job.stream;
+        let mark = self.ring.mark(stream.tracking_id(cur));
+        let begin = self.ring.begin(mark);
+        // SAFETY: `src` holds `total` bytes and stays untouched until the event recorded below
+        // completed (ring protocol); `dst` is device memory of this device of at least `total`
+        // bytes (the view's contract, size and device checked); the stream is a special handle,
+        // ours, or vouched for by its maker; the context is current (`cur`).
+        let sent = unsafe {
+            match row_shape(job.total).filter(|_| job.dst % ROW_DST_ALIGN == 0) {
+                Some((width, height)) => driver::mem::memcpy_2d_htod_async(
+                    job.dst,
+                    src.cast(),
+                    width,
+                    height,
+                    stream.raw(),
+                ),
+                None => {
+                    driver::mem::memcpy_htod_async(job.dst, src.cast(), job.total, stream.raw())
+                }
+            }
+        };
+        if let Err(e) = sent {
+            return (Err(e.into()), Release::Idle);
+        }
+        if let Err(e) = slot.event.record_in(cur, stream) {
+            return (Err(e), Self::untracked(cur, stream));
+        }
+        let done = self.ring.done(mark);
+        (Ok(()), Release::InFlight { mark, begin, done })
+    }
+
+    /// Learns that the claimed slot's last copy completed: through the stream's watermark or one
+    /// query (see [`super::ring`]), else by `wait`ing for its event.
+    #[inline]
+    fn ensure_complete(
+        &self,
+        claim: &Claim,
+        slot: &Slot,
+        wait: &mut dyn FnMut(&Event) -> Result<()>,
+    ) -> Result<()> {
+        let known = self.ring.check(claim, &mut |j| {
+            add(&self.stats.queries, 1);
+            self.slots[j].event.query()
+        })?;
+        if !known {
+            add(&self.stats.waits, 1);
+            wait(&slot.event)?;
+        }
+        Ok(())
+    }
+
+    /// Writes values and padding into the slot's buffer (growing it first if needed); returns
+    /// where the copy reads from.
+    #[inline]
+    fn fill(&self, b: &mut SlotBuf, cur: &Current<'_>, job: &Job<'_>) -> Result<*const u8> {
+        if b.cap < job.total {
+            self.grow(b, cur, job.total)?;
+        }
+        // Padding already in the buffer from the last write (same pad, same total) need not be
+        // written again: only [values.len(), old values_len) is.
+        let new_layout = Layout::new(job.values.len(), job.total, job.pad);
+        let fresh_pad_end = match (b.layout.as_ref(), job.pad) {
+            (Some(old), Some(_)) if old.same_padding(&new_layout) => {
+                old.values_len.max(job.values.len())
+            }
+            _ => job.total,
+        };
+        // SAFETY: `b.ptr` is valid for `b.cap >= total` bytes (arena slice or own buffer) and
+        // owned by this slot; `values` is the caller's memory, not ours.
+        unsafe {
+            if fresh_pad_end >= PARALLEL_WRITE_MIN {
+                write_padded_parallel(b.ptr, job.values, job.pad, fresh_pad_end);
+            } else {
+                write_padded(b.ptr, job.values, job.pad, fresh_pad_end, false);
+            }
+        }
+        b.layout = Some(new_layout);
+        Ok(b.ptr)
+    }
+
+    /// Gives a slot its own, larger buffer.
+    #[cold]
+    fn grow(&self, b: &mut SlotBuf, cur: &Current<'_>, total: usize) -> Result<()> {
+        let cap = total.max(b.cap.saturating_mul(2));
+        let mut new = PinnedBuffer::new(cur.device(), cap, PinnedFlags::WRITE_COMBINED)?;
+        b.ptr = new.as_mut_ptr();
+        b.cap = cap;
+        if let Some(old) = b.grown.replace(new) {
+            b.retired.push(old);
+        }
+        b.layout = None;
+        add(&self.stats.pinned_bytes, cap as u64);
+        add(&self.stats.growths, 1);
+        Ok(())
+    }
+
+    /// The copy was issued but its event could not be recorded: wait for the stream so the slot
+    /// is free; if even that fails (the context is failing, every later call errs too), release
+    /// it in flight and unmarked, so a claimer asks the driver.
+    #[cold]
+    fn untracked(cur: &Current<'_>, stream: StreamHandle) -> Release {
+        match stream.synchronize(cur) {
+            Ok(()) => Release::Idle,
+            Err(_) => Release::InFlight {
+                mark: NO_MARK,
+                begin: 0,
+                done: 0,
+            },
+        }
+    }
+}
+
+impl Drop for Stager {
+    fn drop(&mut self) {
+        for i in 0..self.slots.len() {
+            if self.ring.is_in_flight(i)
+                && let Err(Error::Driver(e)) = self.slots[i].event.synchronize()
+            {
+                // Never free a buffer a copy still reads; drop never panics: record the error.
+                crate::error::record_drop_error(e);
+            }
+        }
+    }
+}
+
+/// Destinations whose address is a multiple of this take the 2-D path ([`row_shape`]).
+pub(crate) const ROW_DST_ALIGN: u64 = 256;
+
+/// Copies from 2 KiB up to 32 KiB go as one 2-D copy of packed 1 KiB rows (or 512- or 256-byte
+/// rows when the size is not a multiple of 1 KiB): `Some((row bytes, rows))`. The driver stages a
+/// small `cuMemcpyHtoDAsync` through its own command buffer, copying the bytes on the host; a 2-D
+/// copy of several rows is handed to the copy engine as is (benches/RESULTS.md has the costs).
+/// Either way it is ONE copy of the same contiguous bytes. Only for destinations aligned to
+/// [`ROW_DST_ALIGN`].
+pub fn row_shape(total: usize) -> Option<(usize, usize)> {
+    if !(2048..=32768).contains(&total) {
+        return None;
+    }
+    [1024usize, 512, 256]
+        .into_iter()
+        .find(|w| total % w == 0)
+        .map(|w| (w, total / w))
+}
+
+/// One device copy: destination address, values, pad, bytes in all, stream.
+struct Job<'a> {
+    dst: u64,
+    values: &'a [u8],
+    pad: Option<&'a [u8]>,
+    total: usize,
+    stream: StreamHandle,
+}
+
+/// A copy being configured: [`Stager::to`], then options, then [`RawCopy::copy`].
+#[must_use = "a copy does nothing until `.copy(values)`"]
+pub struct RawCopy<'a> {
+    stager: &'a Stager,
+    dst: &'a DeviceView<'a>,
+    pad: Option<&'a [u8]>,
+    mirror: Option<&'a mut H2DMirror>,
+    stream: StreamHandle,
+    wait: Option<&'a mut dyn FnMut(&Event) -> Result<()>>,
+}
+
+impl<'a> RawCopy<'a> {
+    /// Fill the rest of the destination with this element (raw bytes of one element).
+    pub fn pad(mut self, pad: &'a [u8]) -> Self {
+        self.pad = Some(pad);
+        self
+    }
+
+    /// Skip the copy when this mirror shows the destination already holds the values.
+    pub fn mirror(mut self, mirror: &'a mut H2DMirror) -> Self {
+        self.mirror = Some(mirror);
+        self
+    }
+
+    /// The stream to copy on (default: the legacy default stream).
+    pub fn stream(mut self, stream: StreamHandle) -> Self {
+        self.stream = stream;
+        self
+    }
+
+    /// How to wait when the claimed slot's last copy is still running: `wait(event)` must
+    /// return once the event completed (default: `Event::synchronize`). The Python layer polls
+    /// briefly, then waits with the GIL released and answers Ctrl-C.
+    pub fn wait_with(mut self, wait: &'a mut dyn FnMut(&Event) -> Result<()>) -> Self {
+        self.wait = Some(wait);
+        self
+    }
+
+    /// Copies `values` (raw element bytes). See [`PinnedStager::to`] for the rules.
+    ///
+    /// # Errors
+    /// As [`Copy::copy`], and [`Error::RaggedBytes`] / [`Error::PadSize`] for bytes that are not
+    /// whole elements.
+    #[inline]
+    pub fn copy(self, values: &[u8]) -> Result<CopyOutcome> {
+        let pad = self.pad;
+        self.stager.copy_bytes(self, pad, values)
+    }
+}
+
+/// Typed facade over [`Stager`]:
+/// `PinnedStager::<i32>::builder().device(0).numel(256).depth(8).build()`.
+pub struct PinnedStager<T: Element> {
+    raw: Stager,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: Element> std::fmt::Debug for PinnedStager<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.raw.fmt(f)
+    }
+}
+
+/// Builds a [`PinnedStager`]; see [`StagerBuilder`] for the options.
+#[derive(Clone, Copy, Debug)]
+#[must_use]
+pub struct PinnedStagerBuilder<T: Element> {
+    raw: StagerBuilder,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: Element> PinnedStagerBuilder<T> {
+    /// See [`StagerBuilder::device`].
+    pub fn device(self, ordinal: i32) -> Self {
+        self.map(|b| b.device(ordinal))
+    }
+
+    /// See [`StagerBuilder::numel`].
+    pub fn numel(self, numel: usize) -> Self {
+        self.map(|b| b.numel(numel))
+    }
+
+    /// See [`StagerBuilder::depth`].
+    pub fn depth(self, depth: usize) -> Self {
+        self.map(|b| b.depth(depth))
+    }
+
+    fn map(self, f: impl FnOnce(StagerBuilder) -> StagerBuilder) -> Self {
+        Self {
+            raw: f(self.raw),
+            _t: PhantomData,
+        }
+    }
+
+    /// Builds the stager; see [`StagerBuilder::build`].
+    ///
+    /// # Errors
+    /// As [`StagerBuilder::build`].
+    pub fn build(self) -> Result<PinnedStager<T>> {
+        Ok(PinnedStager {
+            raw: self.raw.build()?,
+            _t: PhantomData,
+        })
+    }
+}
+
+impl<T: Element> PinnedStager<T> {
+    /// A builder: device 0, [`DEFAULT_NUMEL`] elements per slot, [`DEFAULT_DEPTH`] slots.
+    pub fn builder() -> PinnedStagerBuilder<T> {
+        PinnedStagerBuilder {
+            raw: Stager::builder(T::DTYPE),
+            _t: PhantomData,
+        }
+    }
+
+    /// `dst[..values.len()] = values` on the legacy default stream: `self.to(dst).copy(values)`.
+    ///
+    /// # Errors
+    /// As [`Copy::copy`].
+    pub fn copy_(&self, dst: &DeviceView<'_>, values: &[T]) -> Result<CopyOutcome> {
+        self.raw
+            .copy_bytes(self.raw.to(dst), None, bytemuck::cast_slice(values))
+    }
+
+    /// A copy into `dst`, configured by the returned builder, issued by [`Copy::copy`]:
+    /// `dst[..values.len()] = values` and, with a pad, the rest of `dst` = pad, as ONE
+    /// non-blocking host-to-device copy from a pinned ring slot.
+    ///
+    /// - Without a pad only `values.len()` elements change; a 0-element copy issues nothing.
+    /// - A host destination is written directly, padding too.
+    /// - With a mirror that already records these values for `dst`, nothing is copied.
+    /// - `values` may be overwritten as soon as the copy returns.
+    pub fn to<'a>(&'a self, dst: &'a DeviceView<'a>) -> Copy<'a, T> {
+        Copy {
+            raw: self.raw.to(dst),
+            pad: None,
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> StagerStats {
+        self.raw.stats()
+    }
+
+    /// The untyped stager.
+    pub fn raw(&self) -> &Stager {
+        &self.raw
+    }
+}
+
+/// A typed copy being configured: [`PinnedStager::to`], then options, then [`Copy::copy`].
+#[must_use = "a copy does nothing until `.copy(values)`"]
+pub struct Copy<'a, T: Element> {
+    raw: RawCopy<'a>,
+    pad: Option<T>,
+}
+
+impl<'a, T: Element> Copy<'a, T> {
+    /// Fill the rest of the destination with `pad`.
+    pub fn pad(mut self, pad: T) -> Self {
+        self.pad = Some(pad);
+        self
+    }
+
+    /// Skip the copy when `mirror` shows the destination already holds the values; a mirror
+    /// binds to the first destination it is used with.
+    pub fn mirror(mut self, mirror: &'a mut H2DMirror) -> Self {
+        self.raw = self.raw.mirror(mirror);
+        self
+    }
+
+    /// The stream to copy on (default: the legacy default stream).
+    pub fn stream(mut self, stream: StreamHandle) -> Self {
+        self.raw = self.raw.stream(stream);
+        self
+    }
+
+    /// Issues the copy.
+    ///
+    /// # Errors
+    /// Before anything is written: [`Error::DtypeMismatch`] (dst not of `T`'s dtype),
+    /// [`Error::TooManyValues`], [`Error::ReadOnly`], [`Error::WrongDevice`],
+    /// [`Error::CudaUnavailable`] (a device destination without a driver),
+    /// [`Error::MirrorReused`], [`Error::StreamCapturing`] (a stream capturing a CUDA graph).
+    /// [`Error::Driver`] if the driver refuses the copy.
+    pub fn copy(self, values: &[T]) -> Result<CopyOutcome> {
+        let pad = self.pad;
+        let pad = pad.as_ref().map(bytemuck::bytes_of);
+        let stager = self.raw.stager;
+        stager.copy_bytes(self.raw, pad, bytemuck::cast_slice(values))
+    }
+}

@@ -1,0 +1,66 @@
+//! The laboratory's Python functions (feature `lab` with `python`): `_driver_costs` and
+//! `_profile_copy_path`, for `benches/bench_gpu.py`.
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::python::import::{import, parse_dtype, parse_stream};
+use crate::python::stager::{scalar_bytes, to_values};
+
+/// Host ns per call of `f`: one warm-up call, then the mean of `n` calls.
+fn ns_per_call(n: usize, f: &mut dyn FnMut() -> PyResult<()>) -> PyResult<f64> {
+    let n = n.max(1);
+    f()?;
+    let t0 = std::time::Instant::now();
+    for _ in 0..n {
+        f()?;
+    }
+    Ok(t0.elapsed().as_nanos() as f64 / n as f64)
+}
+
+/// Host ns per call of each driver call on the small-copy path, on device 0
+/// (see [`super::driver_costs`]).
+#[pyfunction]
+#[pyo3(name = "_driver_costs", signature = (iters=20000))]
+fn driver_costs(py: Python<'_>, iters: usize) -> PyResult<Vec<(&'static str, f64)>> {
+    Ok(py.detach(|| super::driver_costs(iters))?)
+}
+
+/// Host ns per call of each step of `PinnedStager.copy_(dst, values, pad)` before the copy
+/// itself: the DLPack import, the values and the pad conversions, the stream argument.
+#[pyfunction]
+#[pyo3(name = "_profile_copy_path", signature = (dst, values, pad, dtype, n=10000))]
+fn profile_copy_path<'py>(
+    py: Python<'py>,
+    dst: &Bound<'py, PyAny>,
+    values: &Bound<'py, PyAny>,
+    pad: &Bound<'py, PyAny>,
+    dtype: &Bound<'py, PyAny>,
+    n: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = parse_dtype(dtype)?;
+    let out = PyDict::new(py);
+    out.set_item(
+        "whole import",
+        ns_per_call(n, &mut || import(dst, None).map(drop))?,
+    )?;
+    out.set_item(
+        "values",
+        ns_per_call(n, &mut || to_values(values, d).map(drop))?,
+    )?;
+    out.set_item(
+        "pad scalar",
+        ns_per_call(n, &mut || scalar_bytes(pad, d).map(drop))?,
+    )?;
+    out.set_item(
+        "parse_stream(None)",
+        ns_per_call(n, &mut || parse_stream(None).map(drop))?,
+    )?;
+    Ok(out)
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(driver_costs, m)?)?;
+    m.add_function(wrap_pyfunction!(profile_copy_path, m)?)?;
+    Ok(())
+}

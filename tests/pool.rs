@@ -1,0 +1,16 @@
+//! The pool's size classes (the pool's behaviour on the GPU is in gpu_d2h.rs).
+
+use pinstage::size_class;
+
+#[test]
+fn size_classes_bound_waste() {
+    assert_eq!(size_class(0), 4096);
+    assert_eq!(size_class(4096), 4096);
+    assert_eq!(size_class(4097), 5120);
+    assert_eq!(size_class(1 << 30), 1 << 30);
+    assert_eq!(size_class((1 << 30) + 1), (1 << 30) + (1 << 28));
+    for len in [5000usize, 65_537, 1_000_000, 123_456_789] {
+        let c = size_class(len);
+        assert!(c >= len && (c - len) * 4 <= len, "{len} -> {c}");
+    }
+}
