@@ -4,28 +4,15 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use pinstage::{DType, Device, DeviceBuffer, H2DMirror, PinnedStager, Stream};
+use pinstage::testing::DeviceBuffer;
+use pinstage::{DType, Device, H2DMirror, PinnedStager, Stream};
 
 fn small_copy(c: &mut Criterion) {
     let Ok(dev) = Device::new(0) else {
         eprintln!("SKIP gpu_small_copy: no GPU");
         return;
     };
-    if std::env::var_os("PINSTAGE_SLOT_CHECK_COSTS").is_some() {
-        // Only the experiment (scripts/gpu-run costs and the first step of its benches).
-        match pinstage::bench_internals::slot_check_costs(20_000, 3) {
-            Ok(rows) => {
-                println!("slot check and copy entry points, ns per call, 3 rounds:");
-                for (name, ns) in rows {
-                    let cols: Vec<String> = ns.iter().map(|x| format!("{x:>7.0}")).collect();
-                    println!("  {name:<52} {}", cols.join(" "));
-                }
-            }
-            Err(e) => println!("slot_check_costs failed: {e}"),
-        }
-        return;
-    }
-    match pinstage::driver_costs(20_000) {
+    match pinstage::lab::driver_costs(20_000) {
         Ok(costs) => {
             println!("host cost per driver call (ns):");
             for (name, ns) in costs {
@@ -37,7 +24,7 @@ fn small_copy(c: &mut Criterion) {
     let stream = Stream::new(&dev).unwrap();
     let buf = DeviceBuffer::new(&dev, 4096 * 4).unwrap();
     let dst = buf.view(DType::I32);
-    let st = PinnedStager::<i32>::new(0, 256, pinstage::DEFAULT_DEPTH).unwrap();
+    let st = PinnedStager::<i32>::builder().numel(256).build().unwrap();
     let sets: Vec<Vec<i32>> = (0..64)
         .map(|k| (0..256).map(|i| k * 1000 + i + 1).collect())
         .collect();
@@ -46,34 +33,28 @@ fn small_copy(c: &mut Criterion) {
         b.iter(|| {
             k = (k + 1) % 64;
             black_box(
-                st.copy_(&dst, &sets[k], Some(-1), None, stream.handle())
-                    .unwrap(),
-            )
-        })
-    });
-    let per_claim = PinnedStager::<i32>::new(0, 256, pinstage::DEFAULT_DEPTH).unwrap();
-    per_claim.raw().set_amortized_checks(false);
-    c.bench_function("rust copy_ 256 of 4096 int32, a query per claim", |b| {
-        b.iter(|| {
-            k = (k + 1) % 64;
-            black_box(
-                per_claim
-                    .copy_(&dst, &sets[k], Some(-1), None, stream.handle())
+                st.to(&dst)
+                    .pad(-1)
+                    .stream(stream.handle())
+                    .copy(&sets[k])
                     .unwrap(),
             )
         })
     });
     println!(
-        "queries per copy: watermark {:.3}, a query per claim {:.3}",
+        "queries per copy: watermark {:.3}",
         st.stats().queries as f64 / st.stats().copies.max(1) as f64,
-        per_claim.stats().queries as f64 / per_claim.stats().copies.max(1) as f64
     );
     let mut m = H2DMirror::new();
     c.bench_function("rust copy_ with mirror, changing values", |b| {
         b.iter(|| {
             k = (k + 1) % 64;
             black_box(
-                st.copy_(&dst, &sets[k], Some(-1), Some(&mut m), stream.handle())
+                st.to(&dst)
+                    .pad(-1)
+                    .mirror(&mut m)
+                    .stream(stream.handle())
+                    .copy(&sets[k])
                     .unwrap(),
             )
         })
@@ -81,7 +62,11 @@ fn small_copy(c: &mut Criterion) {
     c.bench_function("rust copy_ with mirror hit (skipped)", |b| {
         b.iter(|| {
             black_box(
-                st.copy_(&dst, &sets[0], Some(-1), Some(&mut m), stream.handle())
+                st.to(&dst)
+                    .pad(-1)
+                    .mirror(&mut m)
+                    .stream(stream.handle())
+                    .copy(&sets[0])
                     .unwrap(),
             )
         })
@@ -119,7 +104,10 @@ fn threads(dev: &Device, st: &PinnedStager<i32>) {
                     let mut v: Vec<i32> = (0..256).map(|i| (k as i32 + 1) * 1000 + i).collect();
                     for i in 0..CALLS {
                         v[0] = i as i32;
-                        st.copy_(&dst, &v, Some(-(k as i32) - 1), None, stream.handle())
+                        st.to(&dst)
+                            .pad(-(k as i32) - 1)
+                            .stream(stream.handle())
+                            .copy(&v)
                             .unwrap();
                     }
                 });

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use pinstage::H2DMirror;
-use pinstage::bench_internals::{Ring, write_padded};
+use pinstage::lab::{Ring, write_padded};
 
 fn slot_claim(c: &mut Criterion) {
     let ring = Ring::new(8);
@@ -16,7 +16,6 @@ fn slot_claim(c: &mut Criterion) {
     });
     for amortize in [true, false] {
         let ring = Ring::new(16);
-        ring.set_amortized_checks(amortize);
         let mut queries = 0u64;
         let mut calls = 0u64;
         let name = if amortize {
@@ -27,7 +26,11 @@ fn slot_claim(c: &mut Criterion) {
         c.bench_function(name, |b| {
             b.iter(|| {
                 calls += 1;
-                black_box(ring.claim_check_release(&mut queries))
+                if amortize {
+                    black_box(ring.claim_check_release(&mut queries))
+                } else {
+                    black_box(ring.claim_query_release(&mut queries))
+                }
             })
         });
         println!(

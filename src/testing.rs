@@ -94,10 +94,10 @@ pub fn launch_host_fn<F: FnOnce() + Send + 'static>(stream: &Stream, host_fn: F)
     }
     let _cur = stream.device().enter()?;
     let data = Box::into_raw(Box::new(host_fn)).cast::<c_void>();
+    let handle = stream.handle().raw();
     // SAFETY: our live stream; the trampoline never unwinds; data lives until it runs.
-    if let Err(e) =
-        unsafe { driver::stream::launch_host_func(stream.handle().raw(), trampoline::<F>, data) }
-    {
+    let launched = unsafe { driver::stream::launch_host_func(handle, trampoline::<F>, data) };
+    if let Err(e) = launched {
         // SAFETY: not launched, so still ours to free.
         drop(unsafe { Box::from_raw(data.cast::<F>()) });
         return Err(e.into());

@@ -640,8 +640,11 @@ pub struct RawCopy<'a> {
     pad: Option<&'a [u8]>,
     mirror: Option<&'a mut H2DMirror>,
     stream: StreamHandle,
-    wait: Option<&'a mut dyn FnMut(&Event) -> Result<()>>,
+    wait: Option<&'a mut WaitFn<'a>>,
 }
+
+/// How a copy waits for a busy slot's event ([`RawCopy::wait_with`]).
+pub type WaitFn<'a> = dyn FnMut(&Event) -> Result<()> + 'a;
 
 impl<'a> RawCopy<'a> {
     /// Fill the rest of the destination with this element (raw bytes of one element).
@@ -665,7 +668,7 @@ impl<'a> RawCopy<'a> {
     /// How to wait when the claimed slot's last copy is still running: `wait(event)` must
     /// return once the event completed (default: `Event::synchronize`). The Python layer polls
     /// briefly, then waits with the GIL released and answers Ctrl-C.
-    pub fn wait_with(mut self, wait: &'a mut dyn FnMut(&Event) -> Result<()>) -> Self {
+    pub fn wait_with(mut self, wait: &'a mut WaitFn<'a>) -> Self {
         self.wait = Some(wait);
         self
     }

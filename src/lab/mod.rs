@@ -116,7 +116,7 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         Ok(unsafe { stream_is_capturing(s.raw()) }.map(|_| ())?)
     })?;
     time("cuEventQuery (complete)", &mut || ev.query().map(|_| ()))?;
-    time("cuEventRecord", &mut || ev.record_in(&cur, s))?;
+    time("cuEventRecord", &mut || ev.record_in(cur, s))?;
     let word = DeviceBuffer::new(&dev, 64)?;
     let mut wv = 0u32;
     time("cuStreamWriteValue32", &mut || {
@@ -183,7 +183,7 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
             per_call.push(ns as f64 / GROUP as f64);
         }
         // SAFETY: our stream or the legacy stream; context current.
-        h.synchronize(&cur)?;
+        h.synchronize(cur)?;
         per_call.sort_by(f64::total_cmp);
         out.push((name, per_call[per_call.len() / 2]));
         Ok(())
@@ -235,9 +235,9 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     paced("paced: ... 8 slices of one buffer in turn", s, &mut |h| {
         copy(slices[next()], h)
     })?;
-    paced("paced: cuEventRecord", s, &mut |h| ev.record_in(&cur, h))?;
+    paced("paced: cuEventRecord", s, &mut |h| ev.record_in(cur, h))?;
     paced("paced: cuEventRecord, legacy stream", leg, &mut |h| {
-        ev.record_in(&cur, h)
+        ev.record_in(cur, h)
     })?;
     paced("paced: cuEventQuery (complete)", s, &mut |_| {
         ev.query().map(|_| ())
@@ -245,30 +245,30 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     paced("paced: A copy + record (8 slices, 8 events)", s, &mut |h| {
         let k = next();
         copy(slices[k], h)?;
-        events[k].record_in(&cur, h)
+        events[k].record_in(cur, h)
     })?;
     paced("paced: A on the legacy stream", leg, &mut |h| {
         let k = next();
         copy(slices[k], h)?;
-        events[k].record_in(&cur, h)
+        events[k].record_in(cur, h)
     })?;
     paced("paced: B = A + cuStreamIsCapturing", s, &mut |h| {
         let k = next();
         capturing(h)?;
         copy(slices[k], h)?;
-        events[k].record_in(&cur, h)
+        events[k].record_in(cur, h)
     })?;
     paced("paced: C = A + write 1 KiB into WC + sfence", s, &mut |h| {
         let k = next();
         write_values(slices[k]);
         copy(slices[k], h)?;
-        events[k].record_in(&cur, h)
+        events[k].record_in(cur, h)
     })?;
     paced("paced: D = A + query own event first", s, &mut |h| {
         let k = next();
         events[k].query()?;
         copy(slices[k], h)?;
-        events[k].record_in(&cur, h)
+        events[k].record_in(cur, h)
     })?;
     paced("paced: E = D + B + C (the stager, no sweep)", s, &mut |h| {
         let k = next();
@@ -276,7 +276,7 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         events[k].query()?;
         write_values(slices[k]);
         copy(slices[k], h)?;
-        events[k].record_in(&cur, h)
+        events[k].record_in(cur, h)
     })?;
     let words = DeviceBuffer::new(&dev, 64)?;
     let write_value = |h: StreamHandle, v: u32| -> Result<()> {
@@ -297,7 +297,7 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
             val = val.wrapping_add(1);
             copy(slices[k], h)?;
             write_value(h, val)?;
-            events[k].record_in(&cur, h)
+            events[k].record_in(cur, h)
         },
     )?;
     paced("paced: PinnedStager::copy_", s, &mut |h| {
@@ -313,7 +313,7 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     for _ in 0..trials {
         stream.synchronize()?;
         copy(wp, s)?;
-        ev.record_in(&cur, s)?;
+        ev.record_in(cur, s)?;
         let t0 = Instant::now();
         while t0.elapsed() < std::time::Duration::from_micros(30) {
             std::hint::spin_loop();
@@ -436,7 +436,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
                 ev[(k + 8 - every) % 8].query()?;
             }
             copy(slot, 16384, h)?;
-            ev[slot].record_in(&cur, h)
+            ev[slot].record_in(cur, h)
         }
     };
     for paced in [false, true] {
@@ -469,7 +469,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
             true,
             Box::new(move |k, h| {
                 copy(k % 8, n, h)?;
-                ev[k % 8].record_in(&cur, h)
+                ev[k % 8].record_in(cur, h)
             }),
         ));
     }
@@ -489,7 +489,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
                         h.raw(),
                     )
                 }?;
-                ev[k % 8].record_in(&cur, h)
+                ev[k % 8].record_in(cur, h)
             }),
         ));
     }
@@ -535,7 +535,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
                         _ => memcpy_htod_async(dptr, plain_p as *const _, 16384, h.raw()),
                     }
                 }?;
-                ev[k % 8].record_in(&cur, h)
+                ev[k % 8].record_in(cur, h)
             }),
         ));
     }
@@ -597,7 +597,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
                 // SAFETY: `src` holds 16 KiB of pinned memory and `dbuf` 64 KiB; both outlive
                 // the synchronize ending each measurement.
                 unsafe { memcpy_htod_async(dptr, src as *const _, 16384, h.raw()) }?;
-                event.record_in(&cur, h)
+                event.record_in(cur, h)
             }),
         ));
     }
@@ -629,7 +629,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
                 f(k, h)?;
             }
             // SAFETY: ours or the legacy stream; context current.
-            h.synchronize(&cur)?;
+            h.synchronize(cur)?;
             let ns = if *paced {
                 let mut total = 0u128;
                 let n = iters.min(4000);
@@ -651,7 +651,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
                 t0.elapsed().as_nanos() as f64 / iters as f64
             };
             // SAFETY: as above.
-            h.synchronize(&cur)?;
+            h.synchronize(cur)?;
             out[i].1.push(ns);
         }
     }

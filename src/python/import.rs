@@ -280,6 +280,16 @@ fn import_standard(obj: &Bound<'_, PyAny>, stream: StreamHandle) -> PyResult<Imp
 /// pinstage error that says what was being imported.
 fn explain(obj: &Bound<'_, PyAny>, e: PyErr) -> PyErr {
     let py = obj.py();
+    if e.is_instance_of::<pyo3::exceptions::PyValueError>(py)
+        && e.to_string().contains("neither dltensor nor dltensor_versioned")
+    {
+        let err = type_err(format!(
+            "__dlpack__() of {} did not return a DLPack capsule",
+            describe(obj)
+        ));
+        err.set_cause(py, Some(e));
+        return err;
+    }
     if e.is_instance_of::<PyBufferError>(py) || e.is_instance_of::<PyTypeError>(py) {
         let what = describe(obj);
         let err = type_err(format!(

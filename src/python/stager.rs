@@ -163,8 +163,13 @@ pub(crate) fn to_values<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<V
             return Ok(Values::owned(v, vec![items.len()]));
         }
     } else if !is_array_like(values)? {
+        let scalar = values.is_instance_of::<pyo3::types::PyInt>()
+            || values.is_instance_of::<pyo3::types::PyFloat>()
+            || values.is_instance_of::<pyo3::types::PyComplex>();
+        let what = if scalar { "a scalar of type" } else { "a" };
         return Err(type_err(format!(
-            "values must be a list, a tuple or an array of numbers (numpy, a torch CPU tensor,              anything numpy.asarray takes), got {}",
+            "values must be a list, a tuple or an array of numbers (numpy, a torch CPU tensor, \
+             anything numpy.asarray takes), got {what} {}",
             type_name(values)
         )));
     }

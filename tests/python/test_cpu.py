@@ -90,7 +90,7 @@ def test_bad_destinations_and_arguments():
         (lambda: st.copy_(object(), [1]), TypeError, "expected a DLPack producer"),
         (lambda: st.copy_(d, [1], stream="s"), TypeError, "stream must be"),
         (lambda: pinstage.PinnedStager("object"), TypeError, "unsupported dtype"),
-        (lambda: pinstage.PinnedStager("int32", 8, 0), ValueError, "depth must be at least 1"),
+        (lambda: pinstage.PinnedStager("int32", 8, 0), ValueError, "depth=0: expected an int in 1"),
         (lambda: pinstage.PinnedStager("int32", device="gpu7"), ValueError, "cuda:N"),
         (lambda: st.copy_(d, [1], mirror="m"), TypeError, "H2DMirror"),
     ]
@@ -125,8 +125,8 @@ def test_mirror_and_bound_target_on_host():
         st.copy_(other, [1, 2], mirror=m)
     m.invalidate()
     assert st.copy_(other, [1, 2], mirror=m)
-    t = st.target(d, pad_value=0)
-    assert t.numel == 6
+    t = st.target(d, pad_value=0, skip_unchanged=True)
+    assert t.numel == 6 and t.skip_unchanged
     assert t.copy_([9])
     assert not t.copy_([9])
     d[:] = 77  # written some other way: invalidate
@@ -267,9 +267,9 @@ def test_producer_that_raises_or_returns_garbage():
 
     with pytest.raises(RuntimeError, match="producer exploded"):
         pinstage.copy_d2h(Raises())
-    with pytest.raises(TypeError, match="returned int"):
+    with pytest.raises(TypeError, match="did not return a DLPack capsule"):
         pinstage.copy_d2h(Garbage())
-    with pytest.raises(ValueError, match="__dlpack_device__"):
+    with pytest.raises(ValueError, match="device changed during import"):
         pinstage.copy_d2h(WrongDevice())
 
 
@@ -280,7 +280,6 @@ def test_cuda_entries_without_driver_raise_clear_errors():
     for fn in (
         lambda: pinstage.empty_pinned((4,), "int32"),
         lambda: pinstage.alloc_pinned_numpy(16, "int32", 4),
-        lambda: pinstage.pool_stats(),
         lambda: pinstage.copy_d2h(CapsuleProducer(make_capsule(np.arange(4, dtype=np.int32), device=(2, 0)))),
         lambda: pinstage.PinnedStager("int32").copy_(
             CapsuleProducer(make_capsule(np.arange(4, dtype=np.int32), device=(2, 0))), [1]

@@ -1,0 +1,297 @@
+"""Every public call with hostile arguments: each refusal is a typed error that names the
+parameter, leaves the destination as it was, and never aborts the interpreter. Also the
+assignment rule, immutable producers and mirror keys. Runs everywhere (no GPU needed)."""
+
+import math
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import pinstage
+
+HUGE = 10**30
+
+
+def stager(dtype="int32", **kw):
+    return pinstage.PinnedStager(dtype, **kw)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(dtype=None), TypeError, "dtype=None"),
+        (dict(dtype=object()), TypeError, "unsupported dtype"),
+        (dict(dtype="object"), TypeError, "unsupported dtype"),
+        (dict(numel=-1), ValueError, "numel=-1"),
+        (dict(numel=0), ValueError, "numel=0"),
+        (dict(numel=HUGE), ValueError, "numel="),
+        (dict(numel=3.0), TypeError, "numel must be an int"),
+        (dict(numel="3"), TypeError, "numel must be an int"),
+        (dict(numel=True), TypeError, "numel must be an int"),
+        (dict(numel=float("nan")), TypeError, "numel must be an int"),
+        (dict(depth=-3), ValueError, "depth=-3"),
+        (dict(depth=0), ValueError, "depth=0"),
+        (dict(depth=10**9), ValueError, "depth=1000000000"),
+        (dict(depth=HUGE), ValueError, "depth="),
+        (dict(depth=[1]), TypeError, "depth must be an int"),
+        (dict(device=-1), ValueError, "device=-1"),
+        (dict(device="gpu7"), ValueError, "cuda:N"),
+        (dict(device=True), TypeError, "device must be"),
+        (dict(device=3.5), TypeError, "device must be"),
+    ],
+)
+def test_stager_constructor_refusals_name_the_parameter(kwargs, exc, match):
+    kwargs = dict(kwargs)
+    dtype = kwargs.pop("dtype", "int32")
+    before = pinstage.pinned_bytes()
+    with pytest.raises(exc, match=match) as info:
+        pinstage.PinnedStager(dtype, **kwargs)
+    assert isinstance(info.value, pinstage.PinstageError), type(info.value)
+    assert pinstage.pinned_bytes() == before, "nothing allocated"
+
+
+def test_device_beyond_the_driver_is_refused():
+    n = pinstage.device_count()
+    with pytest.raises(ValueError, match="device"):
+        pinstage.PinnedStager("int32", device=n + 4)
+
+
+def test_huge_depth_does_not_abort_the_interpreter():
+    # Used to abort with "memory allocation of 128000000000 bytes failed": run it in a child.
+    code = (
+        "import pinstage, numpy as np\n"
+        "try:\n"
+        "    pinstage.PinnedStager(np.int32, depth=10**9)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "refused: depth=1000000000" in r.stdout
+
+
+def _gen():
+    yield 1
+
+
+@pytest.mark.parametrize(
+    "values,exc,match",
+    [
+        (_gen(), TypeError, "got a generator"),
+        ({1: 2}, TypeError, "got a dict"),
+        ({1, 2}, TypeError, "got a set"),
+        ("123", TypeError, "got a str"),
+        (b"\x01", TypeError, "got a bytes"),
+        (None, TypeError, "got a NoneType"),
+        (5, TypeError, "scalar of type int"),
+        ([[1, 2], [3]], TypeError, "rectangular"),
+        ([[1, 2], [3, 4]], ValueError, "cannot be assigned to a destination of shape"),
+        ([math.nan], ValueError, "do not fit int32"),
+        ([math.inf], ValueError, "do not fit int32"),
+        (np.array([1.5]), ValueError, "do not fit int32"),
+        (np.array(["a"], dtype=object), TypeError, "numpy kind 'O'"),
+        ([2**40], ValueError, "does not fit int32"),
+        (np.arange(9, dtype=np.int32), ValueError, "9 values do not fit a destination of 8"),
+    ],
+)
+def test_copy_values_refusals_leave_dst_untouched(values, exc, match):
+    st = stager(numel=8, depth=2)
+    d = np.full(8, 3, np.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's cast warnings must not reach the caller
+        with pytest.raises(exc, match=match) as info:
+            st.copy_(d, values, pad_value=-1)
+    assert isinstance(info.value, pinstage.PinstageError), type(info.value)
+    assert (d == 3).all()
+
+
+@pytest.mark.parametrize(
+    "dst,exc,match",
+    [
+        (np.full(4, 3, dtype=">i4"), TypeError, "cannot be shared through DLPack"),
+        (np.array([1, 2], dtype=object), TypeError, "cannot be shared through DLPack|dtype"),
+        (None, TypeError, "expected a DLPack producer"),
+        ([1, 2, 3], TypeError, "expected a DLPack producer"),
+        (np.full(8, 3, np.int32)[::2], ValueError, "not contiguous"),
+    ],
+)
+def test_copy_destination_refusals(dst, exc, match):
+    st = stager(numel=8, depth=2)
+    before = None if dst is None or isinstance(dst, list) else dst.copy()
+    with pytest.raises(exc, match=match) as info:
+        st.copy_(dst, [1])
+    assert isinstance(info.value, pinstage.PinstageError), type(info.value)
+    if before is not None:
+        np.testing.assert_array_equal(dst, before)
+
+
+def test_big_endian_values_are_converted():
+    st = stager(numel=8, depth=2)
+    d = np.full(4, 3, np.int32)
+    assert st.copy_(d, np.array([1, -2], dtype=">i4"), pad_value=9)
+    assert d.tolist() == [1, -2, 9, 9]
+
+
+@pytest.mark.parametrize(
+    "values,dst_shape,ok",
+    [
+        (np.arange(6, dtype=np.int32), (6,), True),
+        (np.arange(6, dtype=np.int32).reshape(2, 3), (6,), False),
+        (np.arange(6, dtype=np.int32).reshape(2, 3), (4, 3), True),
+        (np.arange(6, dtype=np.int32).reshape(3, 2), (4, 3), False),
+        (np.arange(3, dtype=np.int32), (4, 3), False),
+        ([[1, 2, 3]], (4, 3), True),
+        (np.arange(24, dtype=np.int32).reshape(2, 3, 4), (2, 3, 4), True),
+        (np.arange(24, dtype=np.int32).reshape(2, 3, 4), (2, 4, 3), False),
+    ],
+)
+def test_assignment_rule_dst_leading_slice(values, dst_shape, ok):
+    """`dst[:n] = values`: values of dst's shape past the first axis, or 1-D into 1-D (numpy would
+    broadcast 1-D values over the rows of a 2-D dst; pinstage refuses that, a flat copy would
+    fill the rows in order instead)."""
+    st = stager(numel=64, depth=2)
+    d = np.full(dst_shape, -7, np.int32)
+    v = np.asarray(values, dtype=np.int32)
+    if ok:
+        expect = d.copy()
+        expect[: v.shape[0]] = v
+        assert st.copy_(d, values)
+        np.testing.assert_array_equal(d, expect)
+        t = st.target(d)
+        d[...] = -7
+        assert t.copy_(values)
+        np.testing.assert_array_equal(d, expect)
+    else:
+        with pytest.raises(ValueError, match="cannot be assigned"):
+            st.copy_(d, values)
+        with pytest.raises(ValueError, match="cannot be assigned"):
+            st.target(d).copy_(values)
+        assert (d == -7).all()
+
+
+def test_read_only_destinations_are_refused():
+    st = stager(numel=8, depth=2)
+    ro = np.arange(4, dtype=np.int32)
+    ro.flags.writeable = False
+    for fn in (lambda: st.copy_(ro, [1]), lambda: st.target(ro)):
+        with pytest.raises((ValueError, TypeError), match="read"):
+            fn()
+    assert ro.tolist() == [0, 1, 2, 3]
+
+
+def test_jax_arrays_are_never_written():
+    jnp = pytest.importorskip("jax.numpy")
+    x = jnp.arange(8, dtype=jnp.int32)
+    st = stager(numel=8, depth=2)
+    for fn in (lambda: st.copy_(x, [9, 9]), lambda: st.target(x)):
+        with pytest.raises(ValueError, match="JAX arrays are immutable"):
+            fn()
+    assert np.asarray(x).tolist() == list(range(8))
+
+
+def test_bound_target_copies_every_time_unless_asked_to_skip():
+    st = stager(numel=8, depth=2)
+    d = np.full(4, 5, np.int32)
+    t = st.target(d, pad_value=0)
+    assert not t.skip_unchanged
+    assert t.copy_([1])
+    d[:] = 77  # another writer changes dst
+    assert t.copy_([1]), "no mirror by default: the copy is issued again"
+    assert d.tolist() == [1, 0, 0, 0]
+    s = st.target(d, pad_value=0, skip_unchanged=True)
+    assert s.copy_([2]) and not s.copy_([2])
+    assert st.stats()["skipped"] == 1
+
+
+@pytest.mark.parametrize(
+    "key,same,other",
+    [
+        ((4096, -1), (4096, -1), (4096, 0)),
+        ((4096, None), (4096, None), (4095, None)),
+        (frozenset({1, 2}), frozenset({2, 1}), frozenset({1})),
+        (1, 1.0, 2),
+        ("k", "k", b"k"),
+        (b"k", b"k", "k"),
+    ],
+)
+def test_mirror_keys_are_any_hashable_compared_by_equality(key, same, other):
+    m = pinstage.H2DMirror()
+    v = np.arange(3, dtype=np.int32)
+    assert not m.matches(key, v)
+    m.record(key, v)
+    assert m.matches(same, v)
+    assert not m.matches(other, v)
+    assert not m.matches(same, v.astype(np.int64)), "dtype is part of the content"
+    m.invalidate()
+    assert not m.matches(key, v)
+
+
+def test_mirror_refuses_unhashable_keys():
+    m = pinstage.H2DMirror()
+    with pytest.raises(TypeError, match="hashable"):
+        m.record([1, 2], np.arange(2))
+    with pytest.raises(TypeError, match="hashable"):
+        m.matches({}, np.arange(2))
+
+
+@pytest.mark.parametrize(
+    "fn,exc,match",
+    [
+        (lambda: pinstage.alloc_pinned_numpy(-1, "int32", 4), ValueError, "nbytes=-1"),
+        (lambda: pinstage.alloc_pinned_numpy(HUGE, "int32", 4), ValueError, "nbytes="),
+        (lambda: pinstage.alloc_pinned_numpy(16, None, 4), TypeError, "dtype=None"),
+        (lambda: pinstage.alloc_pinned_numpy(16, "int32", (-1,)), ValueError, "negative"),
+        (lambda: pinstage.alloc_pinned_numpy(16, "int32", "x"), TypeError, "shape must be"),
+        (lambda: pinstage.alloc_pinned_numpy(16, "int32", 4, device=-1), ValueError, "device=-1"),
+        (lambda: pinstage.empty_pinned(-1), ValueError, "negative"),
+        (lambda: pinstage.empty_pinned((2**40, 2**40), "int64"), ValueError, "overflow|invalid shape"),
+        (lambda: pinstage.set_pool_budget(-1), ValueError, "nbytes=-1"),
+        (lambda: pinstage.set_pool_budget(None), TypeError, "nbytes must be an int"),
+        (lambda: pinstage.set_pool_budget("1"), TypeError, "nbytes must be an int"),
+        (lambda: pinstage.pool_stats(device=-1), ValueError, "device=-1"),
+        (lambda: pinstage.copy_d2h(None), TypeError, "expected a DLPack producer"),
+        (lambda: pinstage.copy_d2h(np.arange(4), dst=[0] * 4), TypeError, "dst must be a numpy array"),
+        (lambda: pinstage.copy_d2h(np.arange(4), dst=np.zeros(1)), ValueError, "dst holds 8 bytes"),
+        (lambda: pinstage.copy_d2h(np.arange(4), stream=-5), ValueError, "stream=-5"),
+        (lambda: pinstage.copy_d2h(np.arange(4), stream=3), ValueError, "not a CUDA stream"),
+        (lambda: pinstage.is_pinned("x"), TypeError, "numpy array or an address"),
+    ],
+)
+def test_module_functions_refuse_bad_arguments(fn, exc, match):
+    before = pinstage.pinned_bytes()
+    with pytest.raises(exc, match=match):
+        fn()
+    assert pinstage.pinned_bytes() == before
+
+
+@pytest.mark.parametrize("timeout", [-1.0, math.nan, math.inf])
+def test_pending_copy_wait_refuses_bad_timeouts(timeout):
+    p = pinstage.copy_d2h_async(np.arange(4, dtype=np.int32))
+    with pytest.raises(ValueError, match="timeout="):
+        p.wait(timeout=timeout)
+    assert p.wait().tolist() == [0, 1, 2, 3]
+
+
+def test_pool_calls_work_without_a_driver():
+    """pool_stats, set_pool_budget, empty_cache and pinned_bytes answer with or without a driver."""
+    pinstage.set_pool_budget(1 << 20)
+    s = pinstage.pool_stats()
+    assert set(s) == {
+        "hits",
+        "misses",
+        "pageable_fallbacks",
+        "evictions",
+        "in_use_bytes",
+        "cached_bytes",
+        "peak_bytes",
+        "budget_bytes",
+    }
+    assert s["budget_bytes"] == 1 << 20
+    if not pinstage.cuda_available():
+        assert all(v == 0 for k, v in s.items() if k != "budget_bytes")
+    pinstage.empty_cache()
+    pinstage.set_pool_budget(4 << 30)
+    assert pinstage.pool_stats()["budget_bytes"] == 4 << 30
