@@ -42,7 +42,7 @@ impl Model {
     }
 }
 
-fn writer(m: &Model, stream: usize, value: u64, grow: bool) {
+fn writer(m: &Model, stream: usize, value: u64, grow: bool, fails: bool) {
     let read = |s: usize| m.read(s);
     let c = m.ring.claim();
     if c.was_in_flight()
@@ -64,6 +64,13 @@ fn writer(m: &Model, stream: usize, value: u64, grow: bool) {
             }
         })
     };
+    if fails {
+        // The copy call failed after the slot was written: nothing was issued, the slot goes
+        // back idle, and the next owner writes it without asking the driver anything. Only the
+        // claim's Acquire and the release's Release order the two writes.
+        m.ring.release(c.index, Release::Idle);
+        return;
+    }
     let mark = m.ring.mark(Some(7 + stream as u64));
     let begin = m.ring.begin(mark);
     m.sim.copy(stream, c.index, value);
@@ -74,6 +81,18 @@ fn writer(m: &Model, stream: usize, value: u64, grow: bool) {
 }
 
 fn run(depth: usize, threads: u64, copies_each: u64, grow: bool, streams: usize) {
+    run_with(depth, threads, copies_each, grow, streams, false);
+}
+
+/// `run`; with `first_fails`, thread 0's first copy fails after writing its slot.
+fn run_with(
+    depth: usize,
+    threads: u64,
+    copies_each: u64,
+    grow: bool,
+    streams: usize,
+    first_fails: bool,
+) {
     let mut builder = loom::model::Builder::new();
     if builder.preemption_bound.is_none() {
         builder.preemption_bound = Some(2);
@@ -89,7 +108,9 @@ fn run(depth: usize, threads: u64, copies_each: u64, grow: bool, streams: usize)
                 let m = m.clone();
                 loom::thread::spawn(move || {
                     for k in 0..copies_each {
-                        writer(&m, t as usize % streams, 100 * (t + 1) + k, grow && k == 0);
+                        let fails = first_fails && t == 0 && k == 0;
+                        let v = 100 * (t + 1) + k;
+                        writer(&m, t as usize % streams, v, grow && k == 0, fails);
                     }
                 })
             })
@@ -98,7 +119,11 @@ fn run(depth: usize, threads: u64, copies_each: u64, grow: bool, streams: usize)
             h.join().unwrap();
         }
         let read = |s: usize| m.read(s);
-        assert_eq!(m.sim.drain(&read), (threads * copies_each) as usize);
+        let failed = usize::from(first_fails);
+        assert_eq!(
+            m.sim.drain(&read),
+            (threads * copies_each) as usize - failed
+        );
     });
 }
 
@@ -132,4 +157,10 @@ fn two_threads_depth_four_one_stream_amortized() {
 #[test]
 fn two_threads_depth_four_two_streams_amortized() {
     run(4, 2, 3, false, 2);
+}
+
+/// A failed copy hands its slot back idle after writing it: the next owner may write at once.
+#[test]
+fn two_threads_depth_one_failed_copy_then_reuse() {
+    run_with(1, 2, 1, false, 1, true);
 }

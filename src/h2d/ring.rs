@@ -61,6 +61,27 @@ use crossbeam_utils::CachePadded;
 
 use crate::sync::{AtomicU64, AtomicUsize, Ordering, yield_now};
 
+// The seeded-bug harness (`scripts/test`): each `pinstage_seeded_bug` value puts back one known
+// protocol bug, and the loom models must fail on it. Never set in a build anyone uses.
+#[cfg(not(pinstage_seeded_bug = "claim_relaxed"))]
+const CLAIM_ORDER: Ordering = Ordering::Acquire;
+#[cfg(pinstage_seeded_bug = "claim_relaxed")]
+const CLAIM_ORDER: Ordering = Ordering::Relaxed;
+#[cfg(not(pinstage_seeded_bug = "release_relaxed"))]
+const RELEASE_ORDER: Ordering = Ordering::Release;
+#[cfg(pinstage_seeded_bug = "release_relaxed")]
+const RELEASE_ORDER: Ordering = Ordering::Relaxed;
+
+/// The watermark a complete record on another slot proves: its `begin` ticket (see the module
+/// docs); the seeded bug takes its `done`, which also covers copies recorded during it.
+#[inline]
+fn evidence(begin: u64, _other: SlotState) -> u64 {
+    #[cfg(pinstage_seeded_bug = "watermark_done")]
+    return _other.done();
+    #[cfg(not(pinstage_seeded_bug = "watermark_done"))]
+    begin
+}
+
 /// No copy pending from the slot's buffer.
 pub const IDLE: u64 = 0;
 /// Owned by one thread.
@@ -225,7 +246,7 @@ impl Ring {
                     .compare_exchange(
                         cur,
                         SlotState(cur).with_kind(WRITING).0,
-                        Ordering::Acquire,
+                        CLAIM_ORDER,
                         Ordering::Relaxed,
                     )
                     .is_ok()
@@ -255,7 +276,7 @@ impl Ring {
             WRITING
         );
         // Release: publish the owner's writes to the next owner (pairs with the claim CAS).
-        self.states[index].store(next, Ordering::Release);
+        self.states[index].store(next, RELEASE_ORDER);
     }
 
     /// The stream table entry of the stream with driver ID `id` (`None`: untracked), assigned
@@ -357,7 +378,7 @@ impl Ring {
                     if !complete || self.states[j].load(Ordering::Acquire) != word {
                         return self.check_own(claim, query, true);
                     }
-                    self.advance(me.mark(), begin);
+                    self.advance(me.mark(), evidence(begin, other));
                     // Its own copy completed too: spare its next claimer the check. Failure
                     // (claimed meanwhile) is fine.
                     let _ = self.states[j].compare_exchange(

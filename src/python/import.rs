@@ -281,7 +281,8 @@ fn import_standard(obj: &Bound<'_, PyAny>, stream: StreamHandle) -> PyResult<Imp
 fn explain(obj: &Bound<'_, PyAny>, e: PyErr) -> PyErr {
     let py = obj.py();
     if e.is_instance_of::<pyo3::exceptions::PyValueError>(py)
-        && e.to_string().contains("neither dltensor nor dltensor_versioned")
+        && e.to_string()
+            .contains("neither dltensor nor dltensor_versioned")
     {
         let err = type_err(format!(
             "__dlpack__() of {} did not return a DLPack capsule",
