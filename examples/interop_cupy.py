@@ -11,7 +11,7 @@ import pinstage
 dst = cp.full(4096, -1, dtype=cp.int64)
 stager = pinstage.PinnedStager(cp.int64, numel=256, depth=8)
 stream = cp.cuda.Stream(non_blocking=True)
-target = stager.target(dst, pad_value=0)
+target = stager.target(dst, pad_value=0, skip_unchanged=True)
 vals = np.arange(100, dtype=np.int64)
 target.copy_(vals, stream=stream)  # a cupy stream object is accepted as is
 assert not target.copy_(vals, stream=stream)  # mirror: already there

@@ -12,8 +12,9 @@ assert torch.cuda.is_available(), "this example needs a CUDA GPU"
 slots = torch.full((4096,), -1, dtype=torch.int32, device="cuda")
 stager = pinstage.PinnedStager(torch.int32, numel=256, depth=8)
 
-# Bound target: imported once, its own mirror skips copies of unchanged values.
-target = stager.target(slots, pad_value=0)
+# Bound target: imported once; with skip_unchanged=True its own mirror skips copies of values
+# it last copied (sound only while the target is the only writer of slots).
+target = stager.target(slots, pad_value=0, skip_unchanged=True)
 plan = np.arange(1, 257, dtype=np.int32)
 assert target.copy_(plan)  # one non-blocking H2D copy: values + padding
 assert not target.copy_(plan)  # same values: skipped by the mirror

@@ -96,7 +96,7 @@ pub(super) fn bounce(
 }
 
 /// Copies `src` into `dst` with several threads: one core cannot keep up with the copy engine
-/// (about 55 GB/s on PCIe Gen5), several can.
+/// on a fast link, several can.
 fn parallel_copy(dst: &mut [u8], src: &[u8]) {
     use rayon::prelude::*;
     const PIECE: usize = 512 << 10;

@@ -91,9 +91,8 @@ pub(crate) unsafe fn write_padded(
     }
 }
 
-/// From this many bytes on, a slot write is split over the rayon pool: one core writes
-/// write-combined memory at about 7 GB/s (a 16 MiB stager copy ran at 6.8 GB/s on the H200
-/// host), several keep up with the copy engine.
+/// From this many bytes on, a slot write is split over the rayon pool: one core cannot write
+/// write-combined memory as fast as the copy engine reads it, several can (benches/RESULTS.md).
 pub const PARALLEL_WRITE_MIN: usize = 1 << 20;
 
 /// [`write_padded`] (no overlap) by several threads, in pieces of 256 KiB.

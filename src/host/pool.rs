@@ -1,5 +1,4 @@
-//! A pool of pinned blocks, so repeated D2H results do not pay `cuMemHostAlloc` (about 0.1 ms
-//! per MB).
+//! A pool of pinned blocks, so repeated D2H results do not pay `cuMemHostAlloc` each time.
 //!
 //! Size classes: 4 KiB minimum, then four classes per power of two (at most 25% waste). A byte
 //! budget bounds the pinned bytes the pool holds (cached and in use); past it, cached blocks are

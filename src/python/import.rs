@@ -1,15 +1,15 @@
 //! DLPack import and stream arguments, through dlpark.
 //!
-//! dlpark does the protocol work: the C exchange API (`type(obj).__dlpack_c_exchange_api__`,
-//! its `prev_api` chain walked to a compatible major version, about 0.1 µs for a borrowed view,
-//! which also gives the producer's current work stream), then `__dlpack_device__` plus
-//! `__dlpack__(stream=..., max_version=...)`, then a legacy `__dlpack__()`, and the CUDA stream
-//! argument's encoding. What this module keeps is what dlpark lacks: the retry without
-//! `max_version` for producers that reject the keyword (numpy < 2.1), turning the result into
-//! pinstage's validated view, and the `stream=` argument parsing.
+//! dlpark does the protocol work: the standard `__dlpack_device__` plus
+//! `__dlpack__(stream=..., max_version=...)`, a legacy `__dlpack__()`, existing capsules, the
+//! CUDA stream argument's encoding, and the C exchange API's managed export. What this module
+//! keeps is what dlpark lacks: the exchange table's borrowed view and current work stream called
+//! directly (see [`Exchange`]), the retry without `max_version` for producers that reject the
+//! keyword (numpy < 2.1), turning the result into pinstage's validated view, and the `stream=`
+//! argument parsing.
 
 use dlpark::DlpackFlags;
-use dlpark::ffi::DLDevice;
+use dlpark::ffi::{DLDevice, DLDeviceType, DLPackExchangeAPI, DLPackExchangeAPIHeader};
 use dlpark::python::consumer::exchange::ExchangeApi;
 use dlpark::python::consumer::stream as dlstream;
 use dlpark::python::{DlpackStream, ImportRequest, ImportedDlpack, StreamArg};
@@ -19,7 +19,7 @@ use pyo3::types::{PyCapsule, PyDict, PyString};
 
 use super::errors::{type_err, value_err};
 use crate::cuda::StreamHandle;
-use crate::view::{DL_CUDA, DL_CUDA_MANAGED, DeviceView, MemoryKind, meta_of_dltensor};
+use crate::view::{DL_CUDA, DL_CUDA_MANAGED, DeviceView, MemoryKind};
 
 /// What keeps an imported tensor's memory alive.
 pub(crate) enum Owner {
@@ -45,7 +45,15 @@ pub(crate) struct Imported {
 }
 
 /// A producer's DLPack C exchange table (process-lifetime, per the DLPack spec).
-pub(crate) struct Exchange(ExchangeApi);
+///
+/// The hot path (a borrowed view, then the producer's current stream; or the current stream
+/// alone for a bound target) calls the table directly: dlpark 0.10 offers the current stream
+/// only together with a new view (`with_tensor_view_no_sync`), which a bound target does not
+/// need, and keeps `current_work_stream` crate-private. Finding the table walks the `prev_api`
+/// chain to a compatible major version as dlpark does; the managed-export fallback goes through
+/// dlpark's `ExchangeApi`.
+#[derive(Clone, Copy)]
+pub(crate) struct Exchange(&'static DLPackExchangeAPI);
 
 // SAFETY: the table is immutable and lives for the whole process (DLPack spec); its functions
 // are called with the GIL held.
@@ -55,36 +63,92 @@ unsafe impl Sync for Exchange {}
 
 impl Exchange {
     fn of(obj: &Bound<'_, PyAny>) -> PyResult<Option<Self>> {
-        Ok(ExchangeApi::from_object(obj.as_borrowed())?.map(Self))
-    }
-
-    /// The producer's current work stream for `obj`'s device (torch:
-    /// `torch.cuda.current_stream()`).
-    pub(crate) fn current_stream(&self, obj: &Bound<'_, PyAny>) -> PyResult<StreamHandle> {
-        let raw = self
-            .0
-            .with_tensor_view_no_sync(obj.as_borrowed(), |_, s| s as usize)?;
-        stream_from_producer(raw)
-    }
-
-    /// A borrowed view through the exchange table (no allocation, no deleter) and the
-    /// producer's current stream, or a managed export when the producer offers no view.
-    fn import(&self, obj: &Bound<'_, PyAny>) -> PyResult<(DeviceView<'static>, Owner, usize)> {
-        let viewed = self.0.with_tensor_view_no_sync(obj.as_borrowed(), |t, s| {
-            // SAFETY: the producer keeps shape/strides readable during the callback.
-            unsafe { meta_of_dltensor(t, false) }.map(|m| (m, s as usize))
-        });
-        if let Ok(r) = viewed {
-            let (meta, s) = r.map_err(|e| PyErr::from(crate::Error::from(e)))?;
-            // SAFETY: the producer keeps the data valid while `obj` lives and is not resized;
-            // the owner below holds `obj` for as long as the view is used.
-            let view = unsafe { DeviceView::from_meta(meta) };
-            return Ok((view, Owner::Object(obj.clone().unbind()), s));
+        let py = obj.py();
+        let cap = match obj
+            .get_type()
+            .getattr(pyo3::intern!(py, "__dlpack_c_exchange_api__"))
+        {
+            Ok(c) => c,
+            Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => {
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        let Ok(cap) = cap.cast_into::<PyCapsule>() else {
+            return Ok(None);
+        };
+        // SAFETY: PyCapsule_GetPointer checks the capsule name; null means wrong name.
+        let ptr = unsafe {
+            pyo3::ffi::PyCapsule_GetPointer(cap.as_ptr(), c"dlpack_exchange_api".as_ptr())
+        };
+        if ptr.is_null() {
+            drop(PyErr::take(py));
+            return Ok(None);
         }
-        let t = self.0.import_managed_no_sync(obj.as_borrowed())?;
-        let (managed, s) = t.into_parts();
+        // Walk the chain of tables to one of our major version (bounded: a cycle cannot hang).
+        let mut header = ptr as *const DLPackExchangeAPIHeader;
+        for _ in 0..16 {
+            if header.is_null() {
+                return Ok(None);
+            }
+            // SAFETY: the producer promises a chain of static tables, each starting with a
+            // header (DLPack spec).
+            let h = unsafe { &*header };
+            if h.version.major == dlpark::ffi::DLPACK_MAJOR_VERSION {
+                // SAFETY: a table of our major version is a whole DLPackExchangeAPI.
+                let api: &'static DLPackExchangeAPI =
+                    unsafe { &*(header as *const DLPackExchangeAPI) };
+                if api.current_work_stream.is_none() {
+                    return Ok(None);
+                }
+                return Ok(Some(Self(api)));
+            }
+            header = h.prev_api;
+        }
+        Ok(None)
+    }
+
+    /// The producer's current work stream on `device` (torch: `torch.cuda.current_stream()`).
+    pub(crate) fn current_stream(
+        &self,
+        py: Python<'_>,
+        device_type: u32,
+        id: i32,
+    ) -> PyResult<StreamHandle> {
+        let f = self.0.current_work_stream.expect("checked in `of`");
+        let mut out: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: a valid table function; the out-pointer is valid; GIL held.
+        let rc = unsafe { f(DLDeviceType(device_type), id, &mut out) };
+        if rc != 0 {
+            return Err(PyErr::take(py)
+                .unwrap_or_else(|| value_err("the producer's DLPack current_work_stream failed")));
+        }
+        stream_from_producer(out as usize)
+    }
+
+    /// A borrowed view (no allocation, no deleter) when the producer offers one, else a managed
+    /// export through dlpark; the owner keeps the memory alive.
+    fn import(&self, obj: &Bound<'_, PyAny>) -> PyResult<(DeviceView<'static>, Owner)> {
+        if let Some(f) = self.0.dltensor_from_py_object_no_sync {
+            let mut t = dlpark::ffi::DLTensor::default();
+            // SAFETY: a valid table function of obj's type; GIL held; `t` is a valid
+            // out-pointer.
+            let rc = unsafe { f(obj.as_ptr().cast(), &mut t) };
+            if rc != 0 {
+                return Err(PyErr::take(obj.py())
+                    .unwrap_or_else(|| value_err("the producer's DLPack exchange view failed")));
+            }
+            // SAFETY: the producer keeps shape/strides and data valid while `obj` lives and is
+            // not resized; the owner below holds `obj` for as long as the view is used.
+            let view = unsafe { DeviceView::from_dltensor(&t, false) }
+                .map_err(|e| PyErr::from(crate::Error::from(e)))?;
+            return Ok((view, Owner::Object(obj.clone().unbind())));
+        }
+        let api = ExchangeApi::from_object(obj.as_borrowed())?
+            .ok_or_else(|| value_err("the producer's DLPack exchange table went away"))?;
+        let (managed, _) = api.import_managed_no_sync(obj.as_borrowed())?.into_parts();
         let owner = ImportedDlpack::Versioned(managed);
-        Ok((view_of(&owner)?, Owner::Dlpack(owner), s as usize))
+        Ok((view_of(&owner)?, Owner::Dlpack(owner)))
     }
 }
 
@@ -207,9 +271,9 @@ pub(crate) fn import(obj: &Bound<'_, PyAny>, stream: Option<StreamHandle>) -> Py
     if let Some(ex) = &exchange
         && stream.is_none()
     {
-        let (view, owner, s) = ex.import(obj)?;
+        let (view, owner) = ex.import(obj)?;
         let stream = match view.memory() {
-            MemoryKind::Cuda(_) => stream_from_producer(s)?,
+            MemoryKind::Cuda(id) => ex.current_stream(obj.py(), view.device_type(), id)?,
             MemoryKind::Host => StreamHandle::LEGACY,
         };
         return Ok(Imported {

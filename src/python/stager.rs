@@ -22,7 +22,42 @@ use crate::{Error, H2DMirror as CoreMirror, Stager};
 pub(crate) struct Values<'py> {
     data: Data<'py>,
     /// The values' shape (`[n]` for a flat sequence).
-    pub shape: Vec<usize>,
+    pub shape: Dims,
+}
+
+/// A shape kept inline up to 4 dimensions (no allocation on the copy path).
+pub(crate) struct Dims {
+    n: usize,
+    inline: [usize; 4],
+    heap: Vec<usize>,
+}
+
+impl Dims {
+    pub(crate) fn new(dims: &[usize]) -> Self {
+        let mut inline = [0usize; 4];
+        if dims.len() <= 4 {
+            inline[..dims.len()].copy_from_slice(dims);
+            Self {
+                n: dims.len(),
+                inline,
+                heap: Vec::new(),
+            }
+        } else {
+            Self {
+                n: dims.len(),
+                inline,
+                heap: dims.to_vec(),
+            }
+        }
+    }
+
+    pub(crate) fn as_slice(&self) -> &[usize] {
+        if self.n <= 4 {
+            &self.inline[..self.n]
+        } else {
+            &self.heap
+        }
+    }
 }
 
 enum Data<'py> {
@@ -43,21 +78,28 @@ impl Values<'_> {
         }
     }
 
-    fn owned(v: Vec<u8>, shape: Vec<usize>) -> Self {
+    fn owned(v: Vec<u8>, shape: &[usize]) -> Self {
         Self {
             data: Data::Owned(v),
-            shape,
+            shape: Dims::new(shape),
         }
     }
 }
 
 /// numpy's assignment rule for `dst[:n] = values`: values of `dst`'s shape past the first axis
 /// (any number of rows), or 1-D values into a 1-D destination.
-pub(crate) fn check_shape(values: &[usize], dst: &[i64]) -> PyResult<()> {
-    let dst_shape: Vec<usize> = dst.iter().map(|&d| d as usize).collect();
-    let ok = match (values.len(), dst_shape.len()) {
+pub(crate) fn check_shape(values: &Dims, dst: &[i64]) -> PyResult<()> {
+    let values = values.as_slice();
+    let ok = match (values.len(), dst.len()) {
         (1, 0) | (1, 1) => true,
-        (v, d) => v == d && v > 0 && values[1..] == dst_shape[1..],
+        (v, d) => {
+            v == d
+                && v > 0
+                && values[1..]
+                    .iter()
+                    .zip(&dst[1..])
+                    .all(|(&a, &b)| a as i64 == b)
+        }
     };
     if ok {
         Ok(())
@@ -149,18 +191,18 @@ pub(crate) fn to_values<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<V
                     len,
                     _keep: values.clone(),
                 },
-                shape: arr.shape().to_vec(),
+                shape: Dims::new(arr.shape()),
             });
         }
     } else if let Ok(list) = values.cast::<PyList>() {
         let items: Vec<_> = list.iter().collect();
         if let Some(v) = convert_sequence(&items, d)? {
-            return Ok(Values::owned(v, vec![items.len()]));
+            return Ok(Values::owned(v, &[items.len()]));
         }
     } else if let Ok(tuple) = values.cast::<PyTuple>() {
         let items: Vec<_> = tuple.iter().collect();
         if let Some(v) = convert_sequence(&items, d)? {
-            return Ok(Values::owned(v, vec![items.len()]));
+            return Ok(Values::owned(v, &[items.len()]));
         }
     } else if !is_array_like(values)? {
         let scalar = values.is_instance_of::<pyo3::types::PyInt>()
@@ -173,7 +215,7 @@ pub(crate) fn to_values<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<V
             type_name(values)
         )));
     }
-    convert_with_numpy(values, d).map(|(v, shape)| Values::owned(v, shape))
+    convert_with_numpy(values, d).map(|(v, shape)| Values::owned(v, &shape))
 }
 
 /// Whether numpy can take `values` as an array of numbers: an array, a buffer, or an object with
@@ -554,7 +596,9 @@ fn options<'a>(
 /// Imports a destination the stager may write: refuses JAX arrays (immutable, possibly shared)
 /// and read-only tensors, before anything is written.
 fn import_destination(dst: &Bound<'_, PyAny>, stream: Option<StreamHandle>) -> PyResult<Imported> {
-    if is_jax_array(dst) {
+    let imp = import(dst, stream)?;
+    // JAX arrays offer no C exchange table: the check costs nothing on the torch path.
+    if imp.exchange.is_none() && is_jax_array(dst) {
         return Err(value_err(format!(
             "dst is {}: JAX arrays are immutable (JAX may share their buffers), so pinstage \
              never writes into one; copy into a torch or cupy tensor, or make a new JAX array \
@@ -562,7 +606,6 @@ fn import_destination(dst: &Bound<'_, PyAny>, stream: Option<StreamHandle>) -> P
             describe(dst)
         )));
     }
-    let imp = import(dst, stream)?;
     if imp.view.is_read_only() {
         return Err(Error::ReadOnly.into());
     }
@@ -766,7 +809,9 @@ impl StagedTarget {
         let stream = match parse_stream(stream)? {
             Some(s) => s,
             None => match (&self.imported.exchange, self.imported.view.memory()) {
-                (Some(ex), crate::MemoryKind::Cuda(_)) => ex.current_stream(self._dst.bind(py))?,
+                (Some(ex), crate::MemoryKind::Cuda(id)) => {
+                    ex.current_stream(py, self.imported.view.device_type(), id)?
+                }
                 _ => self.imported.stream,
             },
         };

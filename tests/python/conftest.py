@@ -32,6 +32,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Where the GPU is required, a GPU test that skips (a framework missing, say) fails."""
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRE_GPU and report.skipped and "gpu" in item.keywords and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = f"PINSTAGE_REQUIRE_GPU=1: a GPU test may not skip ({report.longrepr})"
+
+
 @pytest.fixture
 def gpu():
     if not pinstage.cuda_available():

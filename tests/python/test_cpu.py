@@ -43,7 +43,7 @@ def test_values_from_sequences_and_other_dtypes():
     st = pinstage.PinnedStager(np.int16, 8, 2)
     d = np.full(6, -1, np.int16)
     assert st.copy_(d, [1, 2, 3])
-    assert st.copy_(d, (4, 5), pad_value=0)
+    assert st.copy_(d, (4, 5), pad_value=0)  # d holds 1, 2, 3, -1, -1, -1: the pad shows
     assert d.tolist() == [4, 5, 0, 0, 0, 0]
     assert st.copy_(d, np.array([7, 8], dtype=np.int64))  # converted, fits
     assert d.tolist()[:2] == [7, 8]
@@ -297,14 +297,15 @@ def test_alloc_pinned_numpy_validation():
 
 
 def test_threads_share_a_stager_on_host_destinations():
+    """8 threads, 200 copies each, every copy into its own poisoned row: all rows checked."""
     st = pinstage.PinnedStager("int32", 16, 2)
-    dsts = [np.zeros(64, np.int32) for _ in range(8)]
+    dsts = [np.full((200, 64), -77777, np.int32) for _ in range(8)]
     errors = []
 
     def work(k):
         try:
             for i in range(200):
-                st.copy_(dsts[k], np.full(32, k * 1000 + i, np.int32), pad_value=-k)
+                st.copy_(dsts[k][i], np.full(32, k * 1000 + i, np.int32), pad_value=-k - 1)
         except Exception as e:  # pragma: no cover
             errors.append(e)
 
@@ -313,7 +314,8 @@ def test_threads_share_a_stager_on_host_destinations():
     [t.join() for t in ts]
     assert not errors
     for k, d in enumerate(dsts):
-        assert (d[:32] == k * 1000 + 199).all() and (d[32:] == -k).all()
+        for i in range(200):
+            assert (d[i, :32] == k * 1000 + i).all() and (d[i, 32:] == -k - 1).all(), (k, i)
 
 
 def test_stub_matches_module():
