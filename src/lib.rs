@@ -70,7 +70,7 @@ pub use driver::{DISABLE_ENV, DriverError, Probe, probe};
 pub use error::{DropErrors, Error, Result, drop_errors};
 pub use h2d::{
     Copy, CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, H2DMirror, MAX_DEPTH, PinnedStager,
-    PinnedStagerBuilder, RawCopy, Stager, StagerBuilder, StagerStats,
+    PinnedStagerBuilder, RawCopy, Stager, StagerBuilder, StagerStats, WaitFn,
 };
 pub use host::{
     DEFAULT_BUDGET, PinnedBuffer, PinnedFlags, PinnedPool, PoolBlock, PoolStats, is_pinned,

@@ -22,12 +22,12 @@ fn view(buf: &DeviceBuffer) -> DeviceView<'_> {
 }
 
 #[rstest]
-#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 #[case::one(1)]
 #[case::odd(4097)]
 #[case::mib(1 << 20)]
 #[case::two_chunks_and_a_bit((2 * pinstage::BOUNCE_CHUNK) + 12345)]
 #[case::many_chunks(7 * pinstage::BOUNCE_CHUNK + 1)]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_d2h_pinned_and_pageable(#[case] bytes: usize) {
     let Some(dev) = gpu_or_skip("gpu_d2h_pinned_and_pageable") else {
         return;

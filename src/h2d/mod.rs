@@ -2,6 +2,7 @@
 //! [`Stager`] that issues one copy per call from a pinned slot, and [`H2DMirror`], which lets a
 //! copy of unchanged values be skipped.
 
+mod copy;
 pub(crate) mod mirror;
 #[cfg(any(feature = "testing", loom))]
 pub mod ring;
@@ -10,8 +11,8 @@ pub(crate) mod ring;
 pub(crate) mod stager;
 pub(crate) mod write;
 
+pub use copy::{Copy, PinnedStager, PinnedStagerBuilder, RawCopy, WaitFn};
 pub use mirror::H2DMirror;
 pub use stager::{
-    Copy, CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, MAX_DEPTH, PinnedStager, PinnedStagerBuilder,
-    RawCopy, Stager, StagerBuilder, StagerStats,
+    CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, MAX_DEPTH, Stager, StagerBuilder, StagerStats,
 };

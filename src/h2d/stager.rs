@@ -3,13 +3,13 @@
 //! Each device copy writes values and padding into one slot's pinned buffer on the host and
 //! issues exactly ONE copy from it (`cuMemcpyHtoDAsync`, or for 2-32 KiB one `cuMemcpy2DAsync`
 //! of packed rows; see [`row_shape`]), then records the slot's event. A slot is not rewritten
-//! until that event completed. Slots are claimed through the atomics of [`super::ring`]: no lock
+//! until that event completed. Slots are claimed through the atomics of the slot ring's protocol: no lock
 //! is held while waiting, and a waiting thread blocks no other slot.
 
-use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering as StatOrdering};
 
-use super::mirror::{CopyKey, H2DMirror};
+use super::copy::RawCopy;
+use super::mirror::CopyKey;
 use super::ring::{Claim, NO_MARK, Release, Ring};
 use super::write::{Layout, PARALLEL_WRITE_MIN, store_fence, write_padded, write_padded_parallel};
 use crate::cuda::{Current, Device, Event, StreamHandle};
@@ -17,7 +17,7 @@ use crate::driver;
 use crate::error::{Error, Result};
 use crate::host::{PinnedBuffer, PinnedFlags};
 use crate::sync::UnsafeCell;
-use crate::view::{DType, DeviceView, Element, MemoryKind};
+use crate::view::{DType, DeviceView, MemoryKind};
 
 /// Counters of a stager; every field is monotonic except `pinned_bytes`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -112,10 +112,10 @@ pub const DEFAULT_DEPTH: usize = 16;
 pub const MAX_DEPTH: usize = 1 << 16;
 
 /// The untyped stager: element type chosen at run time (the Python layer uses this one).
-/// [`PinnedStager`] is the typed facade. Made by [`Stager::builder`].
+/// [`crate::PinnedStager`] is the typed facade. Made by [`Stager::builder`].
 ///
 /// `Sync`: the slot protocol gives each slot's buffer a single owner at a time (see
-/// [`super::ring`]); events are driver handles safe to use from any thread.
+/// the slot ring's protocol); events are driver handles safe to use from any thread.
 pub struct Stager {
     dtype: DType,
     ordinal: i32,
@@ -147,7 +147,7 @@ impl std::fmt::Debug for Stager {
     }
 }
 
-/// Builds a [`Stager`] (or, through [`PinnedStager::builder`], a typed one).
+/// Builds a [`Stager`] (or, through [`crate::PinnedStager::builder`], a typed one).
 #[derive(Clone, Copy, Debug)]
 #[must_use]
 pub struct StagerBuilder {
@@ -308,7 +308,7 @@ impl Stager {
     }
 
     /// A copy into `dst`, configured by the returned builder; `values` and `pad` are raw element
-    /// bytes of the stager's dtype. See [`PinnedStager::to`] for the rules.
+    /// bytes of the stager's dtype. See [`crate::PinnedStager::to`] for the rules.
     pub fn to<'a>(&'a self, dst: &'a DeviceView<'a>) -> RawCopy<'a> {
         RawCopy {
             stager: self,
@@ -320,7 +320,12 @@ impl Stager {
         }
     }
 
-    fn copy_bytes(&self, c: RawCopy<'_>, pad: Option<&[u8]>, values: &[u8]) -> Result<CopyOutcome> {
+    pub(super) fn copy_bytes(
+        &self,
+        c: RawCopy<'_>,
+        pad: Option<&[u8]>,
+        values: &[u8],
+    ) -> Result<CopyOutcome> {
         let RawCopy {
             dst,
             mirror,
@@ -511,7 +516,7 @@ impl Stager {
     }
 
     /// Learns that the claimed slot's last copy completed: through the stream's watermark or one
-    /// query (see [`super::ring`]), else by `wait`ing for its event.
+    /// query (see the slot ring's protocol), else by `wait`ing for its event.
     #[inline]
     fn ensure_complete(
         &self,
@@ -612,7 +617,7 @@ pub(crate) const ROW_DST_ALIGN: u64 = 256;
 /// small `cuMemcpyHtoDAsync` through its own command buffer, copying the bytes on the host; a 2-D
 /// copy of several rows is handed to the copy engine as is (benches/RESULTS.md has the costs).
 /// Either way it is ONE copy of the same contiguous bytes. Only for destinations aligned to
-/// [`ROW_DST_ALIGN`].
+/// 256 bytes.
 pub fn row_shape(total: usize) -> Option<(usize, usize)> {
     if !(2048..=32768).contains(&total) {
         return None;
@@ -630,200 +635,4 @@ struct Job<'a> {
     pad: Option<&'a [u8]>,
     total: usize,
     stream: StreamHandle,
-}
-
-/// A copy being configured: [`Stager::to`], then options, then [`RawCopy::copy`].
-#[must_use = "a copy does nothing until `.copy(values)`"]
-pub struct RawCopy<'a> {
-    stager: &'a Stager,
-    dst: &'a DeviceView<'a>,
-    pad: Option<&'a [u8]>,
-    mirror: Option<&'a mut H2DMirror>,
-    stream: StreamHandle,
-    wait: Option<&'a mut WaitFn<'a>>,
-}
-
-/// How a copy waits for a busy slot's event ([`RawCopy::wait_with`]).
-pub type WaitFn<'a> = dyn FnMut(&Event) -> Result<()> + 'a;
-
-impl<'a> RawCopy<'a> {
-    /// Fill the rest of the destination with this element (raw bytes of one element).
-    pub fn pad(mut self, pad: &'a [u8]) -> Self {
-        self.pad = Some(pad);
-        self
-    }
-
-    /// Skip the copy when this mirror shows the destination already holds the values.
-    pub fn mirror(mut self, mirror: &'a mut H2DMirror) -> Self {
-        self.mirror = Some(mirror);
-        self
-    }
-
-    /// The stream to copy on (default: the legacy default stream).
-    pub fn stream(mut self, stream: StreamHandle) -> Self {
-        self.stream = stream;
-        self
-    }
-
-    /// How to wait when the claimed slot's last copy is still running: `wait(event)` must
-    /// return once the event completed (default: `Event::synchronize`). The Python layer polls
-    /// briefly, then waits with the GIL released and answers Ctrl-C.
-    pub fn wait_with(mut self, wait: &'a mut WaitFn<'a>) -> Self {
-        self.wait = Some(wait);
-        self
-    }
-
-    /// Copies `values` (raw element bytes). See [`PinnedStager::to`] for the rules.
-    ///
-    /// # Errors
-    /// As [`Copy::copy`], and [`Error::RaggedBytes`] / [`Error::PadSize`] for bytes that are not
-    /// whole elements.
-    #[inline]
-    pub fn copy(self, values: &[u8]) -> Result<CopyOutcome> {
-        let pad = self.pad;
-        self.stager.copy_bytes(self, pad, values)
-    }
-}
-
-/// Typed facade over [`Stager`]:
-/// `PinnedStager::<i32>::builder().device(0).numel(256).depth(8).build()`.
-pub struct PinnedStager<T: Element> {
-    raw: Stager,
-    _t: PhantomData<fn() -> T>,
-}
-
-impl<T: Element> std::fmt::Debug for PinnedStager<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.raw.fmt(f)
-    }
-}
-
-/// Builds a [`PinnedStager`]; see [`StagerBuilder`] for the options.
-#[derive(Clone, Copy, Debug)]
-#[must_use]
-pub struct PinnedStagerBuilder<T: Element> {
-    raw: StagerBuilder,
-    _t: PhantomData<fn() -> T>,
-}
-
-impl<T: Element> PinnedStagerBuilder<T> {
-    /// See [`StagerBuilder::device`].
-    pub fn device(self, ordinal: i32) -> Self {
-        self.map(|b| b.device(ordinal))
-    }
-
-    /// See [`StagerBuilder::numel`].
-    pub fn numel(self, numel: usize) -> Self {
-        self.map(|b| b.numel(numel))
-    }
-
-    /// See [`StagerBuilder::depth`].
-    pub fn depth(self, depth: usize) -> Self {
-        self.map(|b| b.depth(depth))
-    }
-
-    fn map(self, f: impl FnOnce(StagerBuilder) -> StagerBuilder) -> Self {
-        Self {
-            raw: f(self.raw),
-            _t: PhantomData,
-        }
-    }
-
-    /// Builds the stager; see [`StagerBuilder::build`].
-    ///
-    /// # Errors
-    /// As [`StagerBuilder::build`].
-    pub fn build(self) -> Result<PinnedStager<T>> {
-        Ok(PinnedStager {
-            raw: self.raw.build()?,
-            _t: PhantomData,
-        })
-    }
-}
-
-impl<T: Element> PinnedStager<T> {
-    /// A builder: device 0, [`DEFAULT_NUMEL`] elements per slot, [`DEFAULT_DEPTH`] slots.
-    pub fn builder() -> PinnedStagerBuilder<T> {
-        PinnedStagerBuilder {
-            raw: Stager::builder(T::DTYPE),
-            _t: PhantomData,
-        }
-    }
-
-    /// `dst[..values.len()] = values` on the legacy default stream: `self.to(dst).copy(values)`.
-    ///
-    /// # Errors
-    /// As [`Copy::copy`].
-    pub fn copy_(&self, dst: &DeviceView<'_>, values: &[T]) -> Result<CopyOutcome> {
-        self.raw
-            .copy_bytes(self.raw.to(dst), None, bytemuck::cast_slice(values))
-    }
-
-    /// A copy into `dst`, configured by the returned builder, issued by [`Copy::copy`]:
-    /// `dst[..values.len()] = values` and, with a pad, the rest of `dst` = pad, as ONE
-    /// non-blocking host-to-device copy from a pinned ring slot.
-    ///
-    /// - Without a pad only `values.len()` elements change; a 0-element copy issues nothing.
-    /// - A host destination is written directly, padding too.
-    /// - With a mirror that already records these values for `dst`, nothing is copied.
-    /// - `values` may be overwritten as soon as the copy returns.
-    pub fn to<'a>(&'a self, dst: &'a DeviceView<'a>) -> Copy<'a, T> {
-        Copy {
-            raw: self.raw.to(dst),
-            pad: None,
-        }
-    }
-
-    /// Counters.
-    pub fn stats(&self) -> StagerStats {
-        self.raw.stats()
-    }
-
-    /// The untyped stager.
-    pub fn raw(&self) -> &Stager {
-        &self.raw
-    }
-}
-
-/// A typed copy being configured: [`PinnedStager::to`], then options, then [`Copy::copy`].
-#[must_use = "a copy does nothing until `.copy(values)`"]
-pub struct Copy<'a, T: Element> {
-    raw: RawCopy<'a>,
-    pad: Option<T>,
-}
-
-impl<'a, T: Element> Copy<'a, T> {
-    /// Fill the rest of the destination with `pad`.
-    pub fn pad(mut self, pad: T) -> Self {
-        self.pad = Some(pad);
-        self
-    }
-
-    /// Skip the copy when `mirror` shows the destination already holds the values; a mirror
-    /// binds to the first destination it is used with.
-    pub fn mirror(mut self, mirror: &'a mut H2DMirror) -> Self {
-        self.raw = self.raw.mirror(mirror);
-        self
-    }
-
-    /// The stream to copy on (default: the legacy default stream).
-    pub fn stream(mut self, stream: StreamHandle) -> Self {
-        self.raw = self.raw.stream(stream);
-        self
-    }
-
-    /// Issues the copy.
-    ///
-    /// # Errors
-    /// Before anything is written: [`Error::DtypeMismatch`] (dst not of `T`'s dtype),
-    /// [`Error::TooManyValues`], [`Error::ReadOnly`], [`Error::WrongDevice`],
-    /// [`Error::CudaUnavailable`] (a device destination without a driver),
-    /// [`Error::MirrorReused`], [`Error::StreamCapturing`] (a stream capturing a CUDA graph).
-    /// [`Error::Driver`] if the driver refuses the copy.
-    pub fn copy(self, values: &[T]) -> Result<CopyOutcome> {
-        let pad = self.pad;
-        let pad = pad.as_ref().map(bytemuck::bytes_of);
-        let stager = self.raw.stager;
-        stager.copy_bytes(self.raw, pad, bytemuck::cast_slice(values))
-    }
 }

@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::python::import::{import, parse_dtype, parse_stream};
-use crate::python::stager::{scalar_bytes, to_values};
+use crate::python::values::{scalar_bytes, to_values};
 
 /// Host ns per call of `f`: one warm-up call, then the mean of `n` calls.
 fn ns_per_call(n: usize, f: &mut dyn FnMut() -> PyResult<()>) -> PyResult<f64> {

@@ -208,8 +208,8 @@ fn alloc_pinned_numpy<'py>(
     shape: &Bound<'py, PyAny>,
     device: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let nbytes = super::stager::count_arg(nbytes, "nbytes", 0, isize::MAX as usize)?;
-    let device = super::stager::parse_device(device)?;
+    let nbytes = super::args::count_arg(nbytes, "nbytes", 0, isize::MAX as usize)?;
+    let device = super::args::parse_device(device)?;
     let dtype = super::import::parse_dtype(dtype)?;
     let shape = parse_shape(shape)?;
     let need = numel(&shape)?

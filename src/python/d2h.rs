@@ -199,7 +199,7 @@ fn pool_stats<'py>(
     py: Python<'py>,
     device: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let ordinal = super::stager::parse_device(device)?;
+    let ordinal = super::args::parse_device(device)?;
     let s = if crate::cuda_available() {
         super::device_state(ordinal)?.pool.stats()
     } else {
@@ -236,7 +236,7 @@ fn empty_cache(py: Python<'_>) {
 /// Sets the pinned byte budget of the result pools (every device).
 #[pyfunction]
 fn set_pool_budget(py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
-    let nbytes = super::stager::count_arg(nbytes, "nbytes", 0, isize::MAX as usize)?;
+    let nbytes = super::args::count_arg(nbytes, "nbytes", 0, isize::MAX as usize)?;
     super::POOL_BUDGET.store(nbytes, std::sync::atomic::Ordering::Relaxed);
     py.detach(|| {
         if let Some(table) = super::DEVICES.get() {

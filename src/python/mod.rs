@@ -8,11 +8,14 @@
 //! No panic crosses into Python: pyo3 turns a panic into an exception at the boundary, and the
 //! code here returns typed errors for every bad input instead of panicking.
 
+mod args;
 mod arrays;
 mod d2h;
 mod errors;
 pub(crate) mod import;
-pub(crate) mod stager;
+mod mirror;
+mod stager;
+pub(crate) mod values;
 mod wait;
 
 use std::sync::OnceLock;

@@ -1,0 +1,103 @@
+//! `H2DMirror` for Python: what a stager copy recorded (Rust mirror), and what `record`
+//! recorded under any hashable key.
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use super::errors::type_err;
+use super::import::type_name;
+use crate::H2DMirror as CoreMirror;
+
+/// What a mirror remembers for `matches` / `record`: a key compared with Python's `==` and the
+/// values' dtype and bytes.
+#[derive(Default)]
+struct Recorded {
+    key: Option<Py<PyAny>>,
+    values: Vec<u8>,
+}
+
+/// Exact-value memory of what a destination holds; see the Rust `H2DMirror`.
+#[pyclass(frozen, module = "pinstage._native", name = "H2DMirror")]
+pub struct PyMirror {
+    /// What stager copies recorded (`copy_(..., mirror=m)`).
+    pub(crate) inner: Mutex<CoreMirror>,
+    /// What `record` recorded.
+    recorded: Mutex<Recorded>,
+}
+
+fn raw_bytes(values: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(b) = values.cast::<PyBytes>() {
+        return Ok(b.as_bytes().to_vec());
+    }
+    let np = values.py().import("numpy")?;
+    let arr = np.call_method1("ascontiguousarray", (values,))?;
+    // dtype identity matters: int32 [1] and int64 [1] are different contents.
+    let mut out = arr.getattr("dtype")?.str()?.to_string().into_bytes();
+    out.push(0);
+    out.extend_from_slice(arr.call_method0("tobytes")?.cast::<PyBytes>()?.as_bytes());
+    Ok(out)
+}
+
+fn hashable(key: &Bound<'_, PyAny>) -> PyResult<()> {
+    key.hash().map(drop).map_err(|e| {
+        type_err(format!(
+            "mirror key must be hashable (compared by ==, like a dict key), got {} ({e})",
+            type_name(key)
+        ))
+    })
+}
+
+#[pymethods]
+impl PyMirror {
+    #[new]
+    fn new() -> Self {
+        Self {
+            inner: Mutex::new(CoreMirror::new()),
+            recorded: Mutex::new(Recorded::default()),
+        }
+    }
+
+    /// Whether `(key, values)` equals the last recorded pair: the key by `==`, the values by
+    /// dtype and bytes.
+    fn matches(&self, key: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<bool> {
+        hashable(key)?;
+        let bytes = raw_bytes(values)?;
+        let stored = {
+            let r = self.recorded.lock();
+            match &r.key {
+                Some(k) if r.values == bytes => Some(k.clone_ref(key.py())),
+                _ => None,
+            }
+        };
+        match stored {
+            Some(k) => key.eq(k.bind(key.py())),
+            None => Ok(false),
+        }
+    }
+
+    /// Records `(key, values)`.
+    fn record(&self, key: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+        hashable(key)?;
+        let bytes = raw_bytes(values)?;
+        let old = {
+            let mut r = self.recorded.lock();
+            r.values = bytes;
+            r.key.replace(key.clone().unbind())
+        };
+        drop(old);
+        Ok(())
+    }
+
+    /// Forgets everything (call it when the destination was written some other way).
+    fn invalidate(&self) {
+        self.inner.lock().invalidate();
+        let old = std::mem::take(&mut *self.recorded.lock());
+        drop(old);
+    }
+
+    fn __repr__(&self) -> String {
+        let valid = self.inner.lock().is_valid() || self.recorded.lock().key.is_some();
+        format!("H2DMirror(valid={})", if valid { "True" } else { "False" })
+    }
+}

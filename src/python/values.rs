@@ -1,0 +1,306 @@
+//! Values and pads from Python objects: element bytes of a dtype, refusing what does not fit,
+//! and numpy's assignment rule for `dst[:n] = values`.
+
+use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+
+use super::errors::{type_err, value_err};
+use super::import::type_name;
+use crate::Error;
+use crate::view::DType;
+
+/// Element bytes of `values` and their shape: borrowed from a matching numpy array, or
+/// converted.
+pub(crate) struct Values<'py> {
+    data: Data<'py>,
+    /// The values' shape (`[n]` for a flat sequence).
+    pub shape: Dims,
+}
+
+/// A shape kept inline up to 4 dimensions (no allocation on the copy path).
+pub(crate) struct Dims {
+    n: usize,
+    inline: [usize; 4],
+    heap: Vec<usize>,
+}
+
+impl Dims {
+    pub(crate) fn new(dims: &[usize]) -> Self {
+        let mut inline = [0usize; 4];
+        if dims.len() <= 4 {
+            inline[..dims.len()].copy_from_slice(dims);
+            Self {
+                n: dims.len(),
+                inline,
+                heap: Vec::new(),
+            }
+        } else {
+            Self {
+                n: dims.len(),
+                inline,
+                heap: dims.to_vec(),
+            }
+        }
+    }
+
+    pub(crate) fn as_slice(&self) -> &[usize] {
+        if self.n <= 4 {
+            &self.inline[..self.n]
+        } else {
+            &self.heap
+        }
+    }
+}
+
+enum Data<'py> {
+    Borrowed {
+        ptr: *const u8,
+        len: usize,
+        _keep: Bound<'py, PyAny>,
+    },
+    Owned(Vec<u8>),
+}
+
+impl Values<'_> {
+    pub(crate) fn bytes(&self) -> &[u8] {
+        match &self.data {
+            // SAFETY: `_keep` holds the numpy array, whose buffer is valid for `len` bytes.
+            Data::Borrowed { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+            Data::Owned(v) => v,
+        }
+    }
+
+    fn owned(v: Vec<u8>, shape: &[usize]) -> Self {
+        Self {
+            data: Data::Owned(v),
+            shape: Dims::new(shape),
+        }
+    }
+}
+
+/// numpy's assignment rule for `dst[:n] = values`: values of `dst`'s shape past the first axis
+/// (any number of rows), or 1-D values into a 1-D destination.
+pub(crate) fn check_shape(values: &Dims, dst: &[i64]) -> PyResult<()> {
+    let values = values.as_slice();
+    let ok = match (values.len(), dst.len()) {
+        (1, 0) | (1, 1) => true,
+        (v, d) => {
+            v == d
+                && v > 0
+                && values[1..]
+                    .iter()
+                    .zip(&dst[1..])
+                    .all(|(&a, &b)| a as i64 == b)
+        }
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::ShapeMismatch {
+            values: values.to_vec(),
+            dst: dst.to_vec(),
+        }
+        .into())
+    }
+}
+
+fn int_range(d: DType) -> Option<(i128, i128)> {
+    Some(match d {
+        DType::I8 => (i8::MIN as i128, i8::MAX as i128),
+        DType::I16 => (i16::MIN as i128, i16::MAX as i128),
+        DType::I32 => (i32::MIN as i128, i32::MAX as i128),
+        DType::I64 => (i64::MIN as i128, i64::MAX as i128),
+        DType::U8 => (0, u8::MAX as i128),
+        DType::U16 => (0, u16::MAX as i128),
+        DType::U32 => (0, u32::MAX as i128),
+        DType::U64 => (0, u64::MAX as i128),
+        DType::Bool => (0, 1),
+        _ => return None,
+    })
+}
+
+/// Fast path for a list/tuple of Python ints or floats; `Ok(None)` means "use numpy".
+fn convert_sequence(items: &[Bound<'_, PyAny>], d: DType) -> PyResult<Option<Vec<u8>>> {
+    let mut out = Vec::with_capacity(items.len() * d.itemsize());
+    if let Some((lo, hi)) = int_range(d) {
+        for (i, it) in items.iter().enumerate() {
+            let v: i128 = if let Ok(b) = it.cast::<pyo3::types::PyBool>() {
+                b.is_true() as i128
+            } else if let Ok(v) = it.extract::<i64>() {
+                v as i128
+            } else if let Ok(v) = it.extract::<u64>() {
+                v as i128
+            } else if it.is_instance_of::<pyo3::types::PyInt>() {
+                return Err(value_err(format!(
+                    "value {} at index {i} does not fit {d} (range {lo}..={hi})",
+                    it.repr()?
+                )));
+            } else {
+                return Ok(None);
+            };
+            if v < lo || v > hi {
+                return Err(value_err(format!(
+                    "value {v} at index {i} does not fit {d} (range {lo}..={hi})"
+                )));
+            }
+            out.extend_from_slice(&v.to_le_bytes()[..d.itemsize()]);
+        }
+        return Ok(Some(out));
+    }
+    match d {
+        DType::F32 | DType::F64 | DType::F16 => {
+            for it in items {
+                if it.is_instance_of::<pyo3::types::PyComplex>() {
+                    return Ok(None);
+                }
+                let Ok(v) = it.extract::<f64>() else {
+                    return Ok(None);
+                };
+                match d {
+                    DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+                    DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
+                    _ => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+                }
+            }
+            Ok(Some(out))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Converts `values` to element bytes of `d`, refusing values that do not fit.
+pub(crate) fn to_values<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<Values<'py>> {
+    let py = values.py();
+    if let Ok(arr) = values.cast::<PyUntypedArray>() {
+        let want = super::arrays::descr(py, d)?;
+        if arr.dtype().is_equiv_to(&want) && arr.is_c_contiguous() {
+            // SAFETY: reading the data pointer of a live, C-contiguous numpy array.
+            let ptr = unsafe { (*arr.as_array_ptr()).fields.data as *const u8 };
+            let len = arr.len() * d.itemsize();
+            return Ok(Values {
+                data: Data::Borrowed {
+                    ptr,
+                    len,
+                    _keep: values.clone(),
+                },
+                shape: Dims::new(arr.shape()),
+            });
+        }
+    } else if let Ok(list) = values.cast::<PyList>() {
+        let items: Vec<_> = list.iter().collect();
+        if let Some(v) = convert_sequence(&items, d)? {
+            return Ok(Values::owned(v, &[items.len()]));
+        }
+    } else if let Ok(tuple) = values.cast::<PyTuple>() {
+        let items: Vec<_> = tuple.iter().collect();
+        if let Some(v) = convert_sequence(&items, d)? {
+            return Ok(Values::owned(v, &[items.len()]));
+        }
+    } else if !is_array_like(values)? {
+        let scalar = values.is_instance_of::<pyo3::types::PyInt>()
+            || values.is_instance_of::<pyo3::types::PyFloat>()
+            || values.is_instance_of::<pyo3::types::PyComplex>();
+        let what = if scalar { "a scalar of type" } else { "a" };
+        return Err(type_err(format!(
+            "values must be a list, a tuple or an array of numbers (numpy, a torch CPU tensor, \
+             anything numpy.asarray takes), got {what} {}",
+            type_name(values)
+        )));
+    }
+    convert_with_numpy(values, d).map(|(v, shape)| Values::owned(v, &shape))
+}
+
+/// Whether numpy can take `values` as an array of numbers: an array, a buffer, or an object with
+/// `__array__` or `__dlpack__`; not a str, bytes, dict, set or iterator.
+fn is_array_like(values: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = values.py();
+    if values.is_instance_of::<PyString>()
+        || values.is_instance_of::<PyBytes>()
+        || values.is_instance_of::<PyDict>()
+        || values.is_instance_of::<pyo3::types::PySet>()
+        || values.hasattr(pyo3::intern!(py, "__next__"))?
+    {
+        return Ok(false);
+    }
+    Ok(values.hasattr(pyo3::intern!(py, "__array__"))?
+        || values.hasattr(pyo3::intern!(py, "__array_interface__"))?
+        || values.hasattr(pyo3::intern!(py, "__dlpack__"))?
+        || values.is_instance_of::<pyo3::types::PyMemoryView>()
+        || values.is_instance_of::<pyo3::types::PyRange>())
+}
+
+fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<(Vec<u8>, Vec<usize>)> {
+    let py = values.py();
+    let np = py.import("numpy")?;
+    let want = super::arrays::descr(py, d)?;
+    let arr = np.call_method1("asarray", (values,)).map_err(|e| {
+        type_err(format!(
+            "values must be a numpy array or a (nested, rectangular) sequence of numbers, got {} \
+             ({e})",
+            type_name(values)
+        ))
+    })?;
+    let arr = arr
+        .cast_into::<PyUntypedArray>()
+        .map_err(|_| type_err("values: not an array"))?;
+    if arr.ndim() == 0 {
+        return Err(type_err(format!(
+            "values must be a sequence or an array, got a scalar of type {}",
+            type_name(values)
+        )));
+    }
+    let kind = arr.dtype().kind();
+    if !matches!(kind, b'b' | b'i' | b'u' | b'f' | b'c' | b'V') {
+        return Err(type_err(format!(
+            "values of numpy kind {:?} cannot be copied as {d}",
+            kind as char
+        )));
+    }
+    if kind == b'c' && !matches!(d, DType::C64 | DType::C128) {
+        return Err(type_err(format!("complex values cannot be copied as {d}")));
+    }
+    // Values that do not fit are refused below with a typed error; numpy's own warning about the
+    // cast (NaN or inf into an integer) would only repeat that at the caller's line.
+    let quiet = PyDict::new(py);
+    quiet.set_item("invalid", "ignore")?;
+    quiet.set_item("over", "ignore")?;
+    let guard = np.call_method("errstate", (), Some(&quiet))?;
+    guard.call_method0("__enter__")?;
+    let conv = arr.call_method1("astype", (&want,));
+    guard.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
+    let conv = conv?;
+    if d.is_integral() {
+        // Refuse values that do not survive the cast (300 into int8, 0.5 into int32, 2 into bool).
+        let same = np
+            .call_method1("array_equal", (&conv, &arr))?
+            .extract::<bool>()?;
+        let bad_bool = d == DType::Bool
+            && !np
+                .call_method1("isin", (&arr, PyList::new(py, [0, 1])?))?
+                .call_method0("all")?
+                .extract::<bool>()?;
+        if !same || bad_bool {
+            return Err(value_err(format!(
+                "values do not fit {d}: {} cannot be represented exactly",
+                arr.repr()?
+            )));
+        }
+    }
+    let shape = arr.shape().to_vec();
+    let conv = np.call_method1("ascontiguousarray", (conv,))?;
+    let bytes = conv.call_method0("tobytes")?;
+    Ok((bytes.cast::<PyBytes>()?.as_bytes().to_vec(), shape))
+}
+
+/// One element of `d` from a Python scalar.
+pub(crate) fn scalar_bytes(v: &Bound<'_, PyAny>, d: DType) -> PyResult<Vec<u8>> {
+    // A Python int or float (the common pad): converted directly, no list built.
+    if let Some(b) = convert_sequence(std::slice::from_ref(v), d)? {
+        return Ok(b);
+    }
+    let py = v.py();
+    let list = PyList::new(py, [v])?;
+    let vals = to_values(list.as_any(), d)?;
+    Ok(vals.bytes().to_vec())
+}
