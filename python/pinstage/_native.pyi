@@ -1,16 +1,46 @@
-"""Type stubs for the native module ``pinstage._native``."""
+"""Type stubs for the native module ``pinstage._native``.
 
-from typing import Any, Optional, Sequence, Tuple, Union
+The docstrings live on the runtime objects (``help(pinstage.PinnedStager)``); this file gives the
+signatures; ``python -m mypy.stubtest pinstage._native`` finds nothing to report (CI runs it).
+"""
+
+from typing import Any, Optional, Sequence, Union, final
 
 import numpy as np
+from typing_extensions import TypeAlias
 
 __version__: str
+__all__ = [
+    "PinstageError",
+    "CudaUnavailableError",
+    "CudaDriverError",
+    "StreamCaptureError",
+    "PinstageValueError",
+    "PinstageTypeError",
+    "cuda_available",
+    "device_count",
+    "driver_info",
+    "pinned_bytes",
+    "PinnedBlock",
+    "alloc_pinned_numpy",
+    "empty_pinned",
+    "is_pinned",
+    "PinnedStager",
+    "H2DMirror",
+    "StagedTarget",
+    "PendingCopy",
+    "copy_d2h",
+    "copy_d2h_async",
+    "pool_stats",
+    "empty_cache",
+    "set_pool_budget",
+    "__version__",
+]
 
-StreamLike = Union[None, int, Any]
-DTypeLike = Any
-ShapeLike = Union[int, Sequence[int]]
-DeviceLike = Union[None, int, str, Any]
-Hashable = Any
+_StreamLike: TypeAlias = Any  # None, an int handle, a torch/cupy stream, or __cuda_stream__
+_DTypeLike: TypeAlias = Any  # a numpy/torch/jax/cupy dtype, or its name
+_ShapeLike: TypeAlias = Union[int, Sequence[int]]
+_DeviceLike: TypeAlias = Any  # None, an int, "cuda", "cuda:N", or a device object
 
 class PinstageError(Exception): ...
 class CudaUnavailableError(PinstageError, RuntimeError): ...
@@ -23,7 +53,7 @@ def cuda_available() -> bool: ...
 def device_count() -> int: ...
 def driver_info() -> dict[str, Any]: ...
 def pinned_bytes() -> int: ...
-
+@final
 class PinnedBlock:
     @property
     def nbytes(self) -> int: ...
@@ -33,36 +63,38 @@ class PinnedBlock:
     def address(self) -> int: ...
 
 def alloc_pinned_numpy(
-    nbytes: int, dtype: DTypeLike, shape: ShapeLike, *, device: DeviceLike = None
+    nbytes: int, dtype: _DTypeLike, shape: _ShapeLike, *, device: _DeviceLike = None
 ) -> np.ndarray: ...
 def empty_pinned(
-    shape: ShapeLike, dtype: DTypeLike = None, *, device: DeviceLike = None
+    shape: _ShapeLike, dtype: _DTypeLike = None, *, device: _DeviceLike = None
 ) -> np.ndarray: ...
 def is_pinned(obj: Union[np.ndarray, int]) -> bool: ...
-
+@final
 class H2DMirror:
-    def __init__(self) -> None: ...
-    def matches(self, key: Hashable, values: Any) -> bool: ...
-    def record(self, key: Hashable, values: Any) -> None: ...
+    def __new__(cls) -> "H2DMirror": ...
+    def matches(self, key: Any, values: Any) -> bool: ...
+    def record(self, key: Any, values: Any) -> None: ...
     def invalidate(self) -> None: ...
 
+@final
 class StagedTarget:
-    def copy_(self, values: Any, *, stream: StreamLike = None) -> bool: ...
+    def copy_(self, values: Any, *, stream: _StreamLike = None) -> bool: ...
     def invalidate(self) -> None: ...
     @property
     def skip_unchanged(self) -> bool: ...
     @property
     def numel(self) -> int: ...
 
+@final
 class PinnedStager:
-    def __init__(
-        self,
-        dtype: DTypeLike,
+    def __new__(
+        cls,
+        dtype: _DTypeLike,
         numel: Optional[int] = None,
         depth: Optional[int] = None,
         *,
-        device: DeviceLike = None,
-    ) -> None: ...
+        device: _DeviceLike = None,
+    ) -> "PinnedStager": ...
     def copy_(
         self,
         dst: Any,
@@ -70,7 +102,7 @@ class PinnedStager:
         pad_value: Any = None,
         mirror: Optional[H2DMirror] = None,
         *,
-        stream: StreamLike = None,
+        stream: _StreamLike = None,
     ) -> bool: ...
     def target(
         self, dst: Any, pad_value: Any = None, *, skip_unchanged: bool = False
@@ -78,7 +110,7 @@ class PinnedStager:
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...
     def __enter__(self) -> "PinnedStager": ...
-    def __exit__(self, *args: Any) -> bool: ...
+    def __exit__(self, *_args: Any) -> bool: ...
     @property
     def closed(self) -> bool: ...
     @property
@@ -92,14 +124,17 @@ class PinnedStager:
     @property
     def cuda(self) -> bool: ...
 
+@final
 class PendingCopy:
     def done(self) -> bool: ...
     def wait(self, timeout: Optional[float] = None) -> np.ndarray: ...
 
-def copy_d2h(src: Any, dst: Optional[np.ndarray] = None, *, stream: StreamLike = None) -> np.ndarray: ...
+def copy_d2h(
+    src: Any, dst: Optional[np.ndarray] = None, *, stream: _StreamLike = None
+) -> np.ndarray: ...
 def copy_d2h_async(
-    src: Any, dst: Optional[np.ndarray] = None, *, stream: StreamLike = None
+    src: Any, dst: Optional[np.ndarray] = None, *, stream: _StreamLike = None
 ) -> PendingCopy: ...
-def pool_stats(device: DeviceLike = None) -> dict[str, int]: ...
+def pool_stats(device: _DeviceLike = None) -> dict[str, int]: ...
 def empty_cache() -> None: ...
 def set_pool_budget(nbytes: int) -> None: ...

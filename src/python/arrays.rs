@@ -21,7 +21,8 @@ pub(crate) enum Memory {
     Vec(Vec<u8>),
 }
 
-/// Owner of the memory behind arrays made by pinstage (their `base`).
+/// The memory behind an array made by pinstage: the array's ``base``. It frees (or returns to the
+/// pool) the memory once no array or view uses it. ``nbytes``, ``pinned``, ``address``.
 #[pyclass(frozen, module = "pinstage._native")]
 pub struct PinnedBlock {
     mem: Memory,
@@ -46,7 +47,7 @@ impl PinnedBlock {
 
 #[pymethods]
 impl PinnedBlock {
-    /// Size in bytes.
+    /// Size of the block in bytes.
     #[getter]
     fn nbytes(&self) -> usize {
         self.len
@@ -62,7 +63,7 @@ impl PinnedBlock {
         }
     }
 
-    /// Address of the first byte.
+    /// Address of the block's first byte.
     #[getter]
     fn address(&self) -> usize {
         self.ptr
@@ -198,7 +199,27 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     Ok(shape)
 }
 
-/// A writable array on pinned memory: `nbytes` bytes viewed as `dtype` with `shape`.
+/// A writable numpy array of ``dtype`` and ``shape`` on ``nbytes`` of pinned memory.
+///
+/// Parameters:
+///     nbytes (int): bytes to pin, at least ``prod(shape) * itemsize``.
+///     dtype: a numpy, torch, jax or cupy dtype, or its name (``"int32"``).
+///     shape (int | sequence of int): the array's shape.
+///     device (int | str | device, optional): the CUDA device whose context pins it (default 0).
+///
+/// Returns:
+///     numpy.ndarray: C-contiguous; its ``base`` (a ``PinnedBlock``) frees the memory when the last
+///     view of it is gone.
+///
+/// Raises:
+///     PinstageValueError: ``nbytes`` negative or too small for ``shape``, a negative dimension,
+///         a device that does not exist. PinstageTypeError: an unknown dtype, a shape that is not
+///         ints. CudaUnavailableError: no driver. CudaDriverError: the driver cannot pin the memory.
+///
+/// Example:
+///     >>> a = pinstage.alloc_pinned_numpy(64, "float32", (4, 4))
+///     >>> pinstage.is_pinned(a)
+///     True
 #[pyfunction]
 #[pyo3(signature = (nbytes, dtype, shape, *, device=None))]
 fn alloc_pinned_numpy<'py>(
@@ -226,7 +247,14 @@ fn alloc_pinned_numpy<'py>(
     array_on(py, Memory::Pinned(buf), dtype, &shape)
 }
 
-/// `numpy.empty(shape, dtype)` on pinned memory.
+/// ``numpy.empty(shape, dtype)`` on pinned memory (dtype defaults to float64).
+///
+/// Parameters, return value and errors as ``alloc_pinned_numpy``, with ``nbytes`` computed from the
+/// shape.
+///
+/// Example:
+///     >>> pinstage.empty_pinned((2, 3), "int64").shape
+///     (2, 3)
 #[pyfunction]
 #[pyo3(signature = (shape, dtype=None, *, device=None))]
 fn empty_pinned<'py>(
@@ -253,7 +281,18 @@ fn empty_pinned<'py>(
     )
 }
 
-/// Whether an address (or a numpy array's data) lies in page-locked memory.
+/// Whether a numpy array's data, or an address, lies in page-locked memory known to the driver
+/// (pinned by pinstage, torch, cupy, jax...). False without a driver.
+///
+/// Parameters:
+///     obj (numpy.ndarray | int): an array, or an address.
+///
+/// Raises:
+///     PinstageTypeError: anything else.
+///
+/// Example:
+///     >>> pinstage.is_pinned(numpy.zeros(4))
+///     False
 #[pyfunction]
 fn is_pinned(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     let ptr = if let Ok(a) = obj.cast::<PyUntypedArray>() {

@@ -93,8 +93,34 @@ fn wait_event(py: Python<'_>, ev: &Event) -> PyResult<()> {
     Ok(py.detach(|| ev.synchronize())?)
 }
 
-/// Copies any DLPack tensor (torch, jax, cupy, numpy) to host memory and returns a writable numpy
-/// array of its shape and dtype, in pinned memory (`dst`, or a pool block).
+/// Copies any DLPack tensor (torch, jax, cupy, numpy) to host memory and waits.
+///
+/// Parameters:
+///     src: the tensor; CUDA tensors are copied by the GPU's copy engine, host ones by memcpy.
+///     dst (numpy.ndarray, optional): a writable, C-contiguous array used as a raw region of at
+///         least ``src.nbytes`` bytes (pinned: one DMA; pageable: a pinned bounce ring). Its dtype
+///         and shape do not matter: the RESULT is the returned array, a view of ``dst``'s memory in
+///         ``src``'s dtype and shape, and ``dst`` itself then holds those bytes. Without ``dst`` the
+///         result lives in a block of the pinned pool (pageable memory past the pool's budget).
+///     stream: the stream the copy is ordered on (see the README's "Rules"); None: the producer's
+///         current stream, else the legacy default stream.
+///
+/// Returns:
+///     numpy.ndarray: writable, of ``src``'s shape and dtype (bfloat16 through ``ml_dtypes``).
+///
+/// Raises:
+///     PinstageTypeError: not a DLPack producer, an unsupported dtype, ``dst`` not a numpy array.
+///     PinstageValueError: ``dst`` too small, read-only or not contiguous; a non-contiguous
+///         ``src``; an impossible stream handle. CudaUnavailableError: a CUDA ``src`` without a
+///         driver. CudaDriverError: the copy failed.
+///
+/// Not interruptible: the result's memory must not be released while the copy writes it; use
+/// ``copy_d2h_async(...).wait()`` to answer Ctrl-C.
+///
+/// Example:
+///     >>> host = pinstage.copy_d2h(torch.arange(4, device="cuda"))
+///     >>> host.tolist()
+///     [0, 1, 2, 3]
 #[pyfunction]
 #[pyo3(signature = (src, dst=None, *, stream=None))]
 fn copy_d2h<'py>(
@@ -111,7 +137,8 @@ fn copy_d2h<'py>(
     Ok(array)
 }
 
-/// A device-to-host copy in flight.
+/// A device-to-host copy in flight (from ``copy_d2h_async``): ``done()``, ``wait(timeout=None)``.
+/// Dropping it waits for the copy first.
 #[pyclass(frozen, module = "pinstage._native")]
 pub struct PendingCopy {
     event: Mutex<Option<Event>>,
@@ -121,7 +148,10 @@ pub struct PendingCopy {
 
 #[pymethods]
 impl PendingCopy {
-    /// Whether the copy completed.
+    /// Whether the copy completed (never blocks).
+    ///
+    /// Raises:
+    ///     CudaDriverError: the copy failed.
     fn done(&self) -> PyResult<bool> {
         match &*self.event.lock() {
             Some(ev) => ev.query().map_err(PyErr::from),
@@ -129,9 +159,19 @@ impl PendingCopy {
         }
     }
 
-    /// Waits (GIL released) and returns the array; raises TimeoutError after `timeout` seconds,
-    /// and KeyboardInterrupt on Ctrl-C; either way the copy stays pending and guarded, and
-    /// `wait()` may be called again.
+    /// Waits for the copy with the GIL released and returns the result array.
+    ///
+    /// Parameters:
+    ///     timeout (float, optional): seconds to wait at most; None waits for as long as it takes.
+    ///
+    /// Returns:
+    ///     numpy.ndarray: the result (as ``copy_d2h``).
+    ///
+    /// Raises:
+    ///     TimeoutError: not complete within ``timeout``. KeyboardInterrupt: Ctrl-C (answered within
+    ///     about 20 ms). Either way the copy stays pending and guarded, and ``wait()`` may be called
+    ///     again. PinstageValueError: a negative, NaN or infinite timeout. CudaDriverError: the copy
+    ///     failed.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
         let deadline = match timeout {
@@ -175,7 +215,19 @@ impl Drop for PendingCopy {
     }
 }
 
-/// Starts a device-to-host copy and returns a `PendingCopy` at once.
+/// Starts the copy of ``copy_d2h`` and returns at once.
+///
+/// Parameters and errors as ``copy_d2h``. A pinned destination (``dst`` or a pool block) gets a
+/// truly asynchronous DMA; a pageable ``dst`` is filled before this returns.
+///
+/// Returns:
+///     PendingCopy: ``done()`` and ``wait(timeout=None)``; the source and the destination are kept
+///     alive, and dropping it waits for the copy.
+///
+/// Example:
+///     >>> p = pinstage.copy_d2h_async(torch.ones(3, device="cuda"))
+///     >>> p.wait().tolist()
+///     [1.0, 1.0, 1.0]
 #[pyfunction]
 #[pyo3(signature = (src, dst=None, *, stream=None))]
 fn copy_d2h_async<'py>(
@@ -192,7 +244,18 @@ fn copy_d2h_async<'py>(
     })
 }
 
-/// Counters of the result pool of `device` (zeros, and the budget, without a driver).
+/// Counters of the pinned pool behind ``copy_d2h`` results, for ``device`` (default 0).
+///
+/// Returns:
+///     dict: ``hits``, ``misses``, ``pageable_fallbacks``, ``evictions``, ``in_use_bytes``,
+///     ``cached_bytes``, ``peak_bytes``, ``budget_bytes``. Without a driver: zeros and the budget.
+///
+/// Raises:
+///     PinstageValueError: a device that does not exist.
+///
+/// Example:
+///     >>> pinstage.pool_stats()["budget_bytes"]
+///     4294967296
 #[pyfunction]
 #[pyo3(signature = (device=None))]
 fn pool_stats<'py>(
@@ -220,7 +283,8 @@ fn pool_stats<'py>(
     Ok(d)
 }
 
-/// Frees the pool's cached blocks (and the D2H bounce buffers) on every device.
+/// Frees the pool's cached blocks (blocks in use stay) and the D2H bounce buffers, on every
+/// device. Works without a driver. Never raises.
 #[pyfunction]
 fn empty_cache(py: Python<'_>) {
     py.detach(|| {
@@ -233,7 +297,17 @@ fn empty_cache(py: Python<'_>) {
     });
 }
 
-/// Sets the pinned byte budget of the result pools (every device).
+/// Sets the pinned byte budget of the result pools (every device; default 4 GiB). Cached blocks
+/// beyond it are freed now; past it, results use pageable memory. Works without a driver.
+///
+/// Parameters:
+///     nbytes (int): the budget, >= 0.
+///
+/// Raises:
+///     PinstageValueError: a negative value. PinstageTypeError: not an int.
+///
+/// Example:
+///     >>> pinstage.set_pool_budget(1 << 30)
 #[pyfunction]
 fn set_pool_budget(py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
     let nbytes = super::args::count_arg(nbytes, "nbytes", 0, isize::MAX as usize)?;

@@ -17,7 +17,18 @@ struct Recorded {
     values: Vec<u8>,
 }
 
-/// Exact-value memory of what a destination holds; see the Rust `H2DMirror`.
+/// H2DMirror()
+///
+/// What a destination holds, compared exactly (never by hash). As ``mirror=`` of
+/// ``PinnedStager.copy_`` it records each copy and skips one whose values ``dst`` already holds;
+/// one mirror per destination (another destination raises until ``invalidate()``). Its own
+/// ``matches``/``record`` keep a ``(key, values)`` pair for callers' bookkeeping.
+///
+/// Example:
+///     >>> m = pinstage.H2DMirror()
+///     >>> m.record((4096, -1), numpy.arange(3))
+///     >>> m.matches((4096, -1), numpy.arange(3))
+///     True
 #[pyclass(frozen, module = "pinstage._native", name = "H2DMirror")]
 pub struct PyMirror {
     /// What stager copies recorded (`copy_(..., mirror=m)`).
@@ -50,6 +61,7 @@ fn hashable(key: &Bound<'_, PyAny>) -> PyResult<()> {
 
 #[pymethods]
 impl PyMirror {
+    /// Makes an empty mirror: nothing matches.
     #[new]
     fn new() -> Self {
         Self {
@@ -58,8 +70,14 @@ impl PyMirror {
         }
     }
 
-    /// Whether `(key, values)` equals the last recorded pair: the key by `==`, the values by
-    /// dtype and bytes.
+    /// Whether ``(key, values)`` equals the last recorded pair.
+    ///
+    /// Parameters:
+    ///     key: any hashable object, compared with ``==`` (``1`` matches ``1.0``).
+    ///     values: bytes, or anything numpy takes; compared by dtype and bytes.
+    ///
+    /// Raises:
+    ///     PinstageTypeError: an unhashable key.
     fn matches(&self, key: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<bool> {
         hashable(key)?;
         let bytes = raw_bytes(values)?;
@@ -76,7 +94,10 @@ impl PyMirror {
         }
     }
 
-    /// Records `(key, values)`.
+    /// Records ``(key, values)`` (see ``matches``).
+    ///
+    /// Raises:
+    ///     PinstageTypeError: an unhashable key.
     fn record(&self, key: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
         hashable(key)?;
         let bytes = raw_bytes(values)?;
@@ -89,7 +110,7 @@ impl PyMirror {
         Ok(())
     }
 
-    /// Forgets everything (call it when the destination was written some other way).
+    /// Forgets everything, including the destination a stager bound it to.
     fn invalidate(&self) {
         self.inner.lock().invalidate();
         let old = std::mem::take(&mut *self.recorded.lock());

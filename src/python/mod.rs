@@ -60,25 +60,49 @@ fn device_state(ordinal: i32) -> Result<&'static DeviceState> {
     Ok(slot.get_or_init(|| DeviceState { device, pool }))
 }
 
-/// Whether a CUDA driver and at least one device are usable.
+/// Whether a CUDA driver is loaded and reports at least one device.
+///
+/// Never raises; without a driver (or with ``PINSTAGE_DISABLE_CUDA=1``) it returns False and
+/// ``driver_info()["reason"]`` says why.
+///
+/// Example:
+///     >>> pinstage.cuda_available()
+///     True
 #[pyfunction]
 fn cuda_available() -> bool {
     crate::cuda_available()
 }
 
-/// Number of CUDA devices (0 without a driver).
+/// Number of CUDA devices the driver reports (0 without a driver). Never raises.
+///
+/// Example:
+///     >>> pinstage.device_count()
+///     1
 #[pyfunction]
 fn device_count() -> i32 {
     crate::device_count().unwrap_or(0)
 }
 
-/// Pinned bytes pinstage holds in this process (stager rings, pools, pinned arrays).
+/// Pinned host bytes pinstage holds in this process: stager slots, pool blocks, pinned arrays,
+/// bounce buffers. Works without a driver (0). Never raises.
+///
+/// Example:
+///     >>> pinstage.pinned_bytes() >= 0
+///     True
 #[pyfunction]
 fn pinned_bytes() -> usize {
     crate::live_pinned_bytes()
 }
 
-/// Driver facts: `{"available", "reason", "device_count", "driver_version"}`.
+/// What the driver probe found.
+///
+/// Returns:
+///     dict: ``available`` (bool), ``reason`` (why not, or None), ``device_count`` (int),
+///     ``driver_version`` (``major * 1000 + minor * 10``, or None). Never raises.
+///
+/// Example:
+///     >>> pinstage.driver_info()["available"]
+///     True
 #[pyfunction]
 fn driver_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     let d = pyo3::types::PyDict::new(py);

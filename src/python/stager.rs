@@ -32,7 +32,31 @@ fn stats_dict<'py>(py: Python<'py>, s: crate::StagerStats) -> PyResult<Bound<'py
     Ok(d)
 }
 
-/// A ring of pinned buffers for small host-to-device copies.
+/// PinnedStager(dtype, numel=256, depth=16, *, device=None)
+///
+/// A ring of ``depth`` pinned host slots for small host-to-device copies: each ``copy_`` writes the
+/// values (and padding) into one slot and issues ONE non-blocking copy from it; a slot is reused
+/// only once its copy completed. Also copies into host (numpy) destinations, directly, with or
+/// without a driver. Thread-safe; a context manager (``close()`` on exit).
+///
+/// Parameters:
+///     dtype: the element dtype (numpy, torch, jax or cupy dtype, or its name).
+///     numel (int): initial slot capacity in elements, >= 1 (a larger copy grows its slot).
+///     depth (int): number of slots, 1 to 65536.
+///     device (int | str | device, optional): the CUDA device served (default 0).
+///
+/// Raises:
+///     PinstageTypeError: an unknown dtype, a non-int ``numel``/``depth``. PinstageValueError: a
+///     value out of range, a device that does not exist. CudaDriverError: pinned memory or events
+///     cannot be had. Without a driver the stager is made and serves host destinations only.
+///
+/// Example:
+///     >>> st = pinstage.PinnedStager(numpy.int32, numel=256)
+///     >>> dst = numpy.zeros(8, numpy.int32)
+///     >>> st.copy_(dst, [1, 2], pad_value=-1)
+///     True
+///     >>> dst.tolist()
+///     [1, 2, -1, -1, -1, -1, -1, -1]
 #[pyclass(frozen, module = "pinstage._native", name = "PinnedStager")]
 pub struct PyStager {
     /// `None` after `close()`. Copies clone the Arc, so closing while another thread copies
@@ -151,6 +175,7 @@ fn import_destination(dst: &Bound<'_, PyAny>, stream: Option<StreamHandle>) -> P
 
 #[pymethods]
 impl PyStager {
+    /// Makes a stager; see the class.
     #[new]
     #[pyo3(signature = (dtype, numel=None, depth=None, *, device=None))]
     fn new(
@@ -181,8 +206,36 @@ impl PyStager {
         })
     }
 
-    /// `dst[:n] = values` and, with `pad_value`, the rest of `dst` = pad, in ONE non-blocking
-    /// host-to-device copy. Returns False when nothing was copied (mirror hit or 0 elements).
+    /// ``dst[:n] = values`` and, with ``pad_value``, the rest of ``dst`` = pad, as ONE non-blocking
+    /// host-to-device copy (a host ``dst`` is written directly).
+    ///
+    /// Parameters:
+    ///     dst: a writable, contiguous DLPack tensor of the stager's dtype on its device (torch, cupy,
+    ///         numpy; never a JAX array, which is immutable).
+    ///     values: a list, tuple or array of numbers (numpy, torch CPU tensor...): numpy's assignment
+    ///         rule applies (``dst``'s shape past its first axis, or 1-D into a 1-D ``dst``). May be
+    ///         changed as soon as the call returns.
+    ///     pad_value (scalar, optional): fills ``dst`` past the values.
+    ///     mirror (H2DMirror, optional): skip the copy when it shows ``dst`` already holds these
+    ///         values (sound only while the stager is ``dst``'s only writer).
+    ///     stream: a torch or cupy stream, an object with ``__cuda_stream__``, or an int handle (kept
+    ///         alive by the caller); None: the producer's current stream, else the legacy default.
+    ///
+    /// Returns:
+    ///     bool: whether anything was written (False: a mirror hit, or nothing to copy).
+    ///
+    /// Raises:
+    ///     PinstageTypeError: ``dst`` of another dtype or not a DLPack producer, values that are not
+    ///         numbers. PinstageValueError: more values than ``dst`` holds, values that do not fit the
+    ///         dtype, a shape ``dst[:n]`` cannot take, a read-only or JAX ``dst``, another device, a
+    ///         mirror bound to another destination, a closed stager. StreamCaptureError: the stream is
+    ///         capturing a CUDA graph. CudaUnavailableError: a CUDA ``dst`` without a driver.
+    ///         KeyboardInterrupt: Ctrl-C while waiting for a busy slot (nothing was written).
+    ///     Nothing is written when a call raises.
+    ///
+    /// Example:
+    ///     >>> st.copy_(torch.zeros(8, dtype=torch.int32, device="cuda"), [5, 6], pad_value=0)
+    ///     True
     #[pyo3(signature = (dst, values, pad_value=None, mirror=None, *, stream=None))]
     fn copy_(
         &self,
@@ -213,9 +266,25 @@ impl PyStager {
         self.run_copy(py, &imp.view, vals.bytes(), pad.as_deref(), mirror, stream)
     }
 
-    /// Binds `dst` once (imported and kept alive): `target.copy_(values)` then pays only for the
-    /// copy. With `skip_unchanged=True` the target keeps a mirror and skips copies of the values
-    /// it last copied; only sound when the target is the destination's only writer.
+    /// Binds ``dst`` once (imported and kept alive): ``target.copy_(values)`` then pays only for
+    /// the copy.
+    ///
+    /// Parameters:
+    ///     dst: as ``copy_``.
+    ///     pad_value (scalar, optional): the pad of every copy.
+    ///     skip_unchanged (bool): keep a mirror and skip a copy of the values last copied (False by
+    ///         default: sound only while the target is ``dst``'s only writer).
+    ///
+    /// Returns:
+    ///     StagedTarget
+    ///
+    /// Raises:
+    ///     As ``copy_`` for ``dst`` and ``pad_value``.
+    ///
+    /// Example:
+    ///     >>> t = st.target(torch.zeros(256, dtype=torch.int32, device="cuda"), pad_value=0)
+    ///     >>> t.copy_(numpy.arange(10, dtype=numpy.int32))
+    ///     True
     #[pyo3(signature = (dst, pad_value=None, *, skip_unchanged=false))]
     fn target(
         slf: &Bound<'_, Self>,
@@ -247,19 +316,24 @@ impl PyStager {
         })
     }
 
-    /// Counters: copies, host_copies, skipped, bytes, waits, queries, growths, pinned_bytes.
+    /// Counters: ``copies``, ``host_copies``, ``skipped``, ``bytes``, ``waits``, ``queries``,
+    /// ``growths``, ``pinned_bytes``.
+    ///
+    /// Raises:
+    ///     PinstageValueError: the stager is closed.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         stats_dict(py, self.stager()?.stats())
     }
 
-    /// Waits for every copy in flight and frees the ring; later copies raise.
+    /// Waits for every copy in flight (GIL released) and frees the ring; later calls raise
+    /// ``PinstageValueError``. Calling it twice is harmless.
     fn close(&self, py: Python<'_>) {
         let taken = self.inner.write().take();
         // Dropping the last Arc waits for in-flight slots: do it with the GIL released.
         py.detach(move || drop(taken));
     }
 
-    /// Whether `close()` was called.
+    /// Whether ``close()`` was called.
     #[getter]
     fn closed(&self) -> bool {
         self.inner.read().is_none()
@@ -299,7 +373,7 @@ impl PyStager {
         self.device
     }
 
-    /// Whether CUDA destinations can be served.
+    /// Whether CUDA destinations can be served (a driver and the device were found).
     #[getter]
     fn cuda(&self) -> bool {
         self.inner.read().as_ref().is_some_and(|s| s.has_cuda())
@@ -318,7 +392,8 @@ impl PyStager {
     }
 }
 
-/// A destination bound to a stager (and, with `skip_unchanged`, its own mirror).
+/// A destination bound to a stager (from ``PinnedStager.target``): ``copy_(values, *,
+/// stream=None)``, ``invalidate()``, ``skip_unchanged``, ``numel``.
 #[pyclass(frozen, module = "pinstage._native")]
 pub struct StagedTarget {
     stager: Py<PyStager>,
@@ -330,9 +405,18 @@ pub struct StagedTarget {
 
 #[pymethods]
 impl StagedTarget {
-    /// Copies `values` (and the bound pad) into the bound destination. `stream=None`: the
-    /// producer's current work stream when it has a DLPack exchange table (torch), else the
-    /// legacy default stream.
+    /// Copies ``values`` (and the bound pad) into the bound destination, as ``PinnedStager.copy_``.
+    ///
+    /// Parameters:
+    ///     values: as ``PinnedStager.copy_``.
+    ///     stream: as ``PinnedStager.copy_``; None asks the producer for its current stream at every
+    ///         call (torch), else the legacy default stream.
+    ///
+    /// Returns:
+    ///     bool: whether anything was written (False: skipped as unchanged, or nothing to copy).
+    ///
+    /// Raises:
+    ///     As ``PinnedStager.copy_``.
     #[pyo3(signature = (values, *, stream=None))]
     fn copy_(
         &self,
@@ -362,14 +446,14 @@ impl StagedTarget {
         )
     }
 
-    /// Forgets what the mirror remembers (call it when dst was written some other way).
+    /// Forgets what the mirror remembers (call it when ``dst`` was written some other way).
     fn invalidate(&self) {
         if let Some(m) = &self.mirror {
             m.lock().invalidate();
         }
     }
 
-    /// Whether copies of unchanged values are skipped.
+    /// Whether copies of the values last copied are skipped.
     #[getter]
     fn skip_unchanged(&self) -> bool {
         self.mirror.is_some()

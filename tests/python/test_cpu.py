@@ -318,6 +318,24 @@ def test_threads_share_a_stager_on_host_destinations():
             assert (d[i, :32] == k * 1000 + i).all() and (d[i, 32:] == -k - 1).all(), (k, i)
 
 
+def test_every_public_callable_has_a_docstring():
+    import inspect
+
+    for name in pinstage.__all__:
+        obj = getattr(pinstage, name)
+        if name.startswith("__") or inspect.isclass(obj) and issubclass(obj, BaseException):
+            continue
+        assert obj.__doc__ and len(obj.__doc__.strip()) > 20, name
+        if inspect.isclass(obj):
+            for meth, member in vars(obj).items():
+                if not meth.startswith("_"):
+                    assert member.__doc__ and member.__doc__.strip(), f"{name}.{meth}"
+    for fn in (pinstage.copy_d2h, pinstage.alloc_pinned_numpy, pinstage.PinnedStager.copy_, pinstage.PendingCopy.wait):
+        doc = fn.__doc__
+        assert "Parameters:" in doc and "Raises:" in doc, fn.__name__
+    assert "Example:" in pinstage.PinnedStager.__doc__ and "Raises:" in pinstage.PinnedStager.__doc__
+
+
 def test_stub_matches_module():
     import inspect
     import pathlib
