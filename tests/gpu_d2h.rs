@@ -85,10 +85,38 @@ fn gpu_d2h_async_and_pool() {
     drop((again, big));
     pool.empty_cache();
     assert_eq!(pool.stats().cached_bytes, 0);
-    // dropping a pending copy waits for it (no write into freed memory)
+    // Dropping a pending copy waits for it (no write into freed memory): with its stream stalled
+    // for 300 ms by a host function, the drop returns only after the stall, and `is_done` says
+    // false before.
+    let stream = pinstage::Stream::new(&dev).unwrap();
     let block = pool.acquire(bytes).unwrap();
-    drop(copy_d2h_async(&dev, &view(&src), block, StreamHandle::LEGACY).unwrap());
+    let go = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let g = go.clone();
+    pinstage::testing::launch_host_fn(&stream, move || {
+        while !g.load(std::sync::atomic::Ordering::Acquire) {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    })
+    .unwrap();
+    let pending = copy_d2h_async(&dev, &view(&src), block, stream.handle()).unwrap();
+    assert!(
+        !pending.is_done(),
+        "the copy waits behind the stalled stream"
+    );
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        go.store(true, std::sync::atomic::Ordering::Release);
+    });
+    let t0 = std::time::Instant::now();
+    drop(pending);
+    let waited = t0.elapsed();
+    release.join().unwrap();
+    assert!(
+        waited >= std::time::Duration::from_millis(250),
+        "drop returned after {waited:?}, before the copy could run"
+    );
     assert_eq!(pool.stats().in_use_bytes, 0);
+    assert_eq!(pinstage::drop_errors().count, 0);
 }
 
 #[test]

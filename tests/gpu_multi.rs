@@ -45,26 +45,33 @@ fn gpu_two_devices_concurrently() {
             let st = stagers[di].clone();
             let dev = dev.clone();
             handles.push(std::thread::spawn(move || {
-                let buf = DeviceBuffer::new(&dev, (n + 3) * 4).unwrap();
-                buf.upload(0, &vec![POISON; (n + 3) * 4]).unwrap();
+                // Every copy into its own slice of one poisoned buffer: all 3000 checked.
+                let copies = 3000usize;
+                let buf = DeviceBuffer::new(&dev, copies * n * 4).unwrap();
+                buf.upload(0, &vec![POISON; copies * n * 4]).unwrap();
                 let stream = Stream::new(&dev).unwrap();
-                let dst = buf.view_at(0, DType::U32, n);
-                let mut last = Vec::new();
-                for i in 0..3000u32 {
+                let mut sent = Vec::with_capacity(copies);
+                for i in 0..copies as u32 {
                     let len = (i as usize * 7 + t as usize) % n;
-                    last = (0..len as u32)
+                    let v: Vec<u32> = (0..len as u32)
                         .map(|k| k ^ (i << 8) ^ (t << 24) ^ (di as u32) << 30)
                         .collect();
-                    st.put(&dst, &last, Some(0xDEAD_0000 + t), None, stream.handle())
+                    let dst = buf.view_at(i as usize * n * 4, DType::U32, n);
+                    st.put(&dst, &v, Some(0xDEAD_0000 + t), None, stream.handle())
                         .unwrap();
+                    sent.push(v);
                 }
                 stream.synchronize().unwrap();
-                let mut out = vec![0u8; n * 4];
-                let path = copy_d2h(&dev, &dst, &mut out, StreamHandle::LEGACY).unwrap();
+                let mut out = vec![0u8; copies * n * 4];
+                let whole = buf.view(DType::U8);
+                let path = copy_d2h(&dev, &whole, &mut out, StreamHandle::LEGACY).unwrap();
                 assert_eq!(path, pinstage::D2HPath::Bounced);
                 let got: &[u32] = bytemuck::cast_slice(&out);
-                assert_eq!(&got[..last.len()], &last[..]);
-                assert!(got[last.len()..].iter().all(|&x| x == 0xDEAD_0000 + t));
+                for (i, v) in sent.iter().enumerate() {
+                    let d = &got[i * n..(i + 1) * n];
+                    assert_eq!(&d[..v.len()], &v[..], "device {di} thread {t} copy {i}");
+                    assert!(d[v.len()..].iter().all(|&x| x == 0xDEAD_0000 + t));
+                }
             }));
         }
     }

@@ -238,6 +238,8 @@ fn gpu_padding_reuse_keeps_every_layout_right() {
     .enumerate()
     {
         let v: Vec<i32> = (0..n).map(|i| (k as i32 + 1) * 10_000 + i).collect();
+        // Poisoned before every copy: padding the slot skips rewriting must still be copied.
+        buf.upload(0, &vec![POISON; buf.len()]).unwrap();
         st.put(&dst, &v, Some(pad), None, s).unwrap();
         let out = read(&buf);
         let got: &[i32] = bytemuck::cast_slice(&out[..1024]);
@@ -257,32 +259,35 @@ fn gpu_many_reuses_of_a_small_ring() {
     let Some(dev) = gpu_or_skip("gpu_many_reuses_of_a_small_ring") else {
         return;
     };
+    // 3000 copies through a ring of 2, each into its own poisoned 64-element slice: every copy
+    // is checked, not only the last one into each destination.
     let st = common::stager::<i32>(0, 64, 2).unwrap();
     let stream = Stream::new(&dev).unwrap();
-    let bufs: Vec<_> = (0..3).map(|_| poisoned(&dev, DType::I32, 64)).collect();
-    let mut last = vec![Vec::new(); 3];
-    for i in 0..3000i32 {
-        let k = (i % 3) as usize;
+    let copies = 3000usize;
+    let buf = poisoned(&dev, DType::I32, 64 * copies);
+    let mut sent = Vec::with_capacity(copies);
+    for i in 0..copies as i32 {
         let v: Vec<i32> = (0..(1 + i % 64)).map(|j| i * 100 + j + 1).collect();
-        st.put(
-            &view(&bufs[k], DType::I32, 64),
-            &v,
-            Some(-7),
-            None,
-            stream.handle(),
-        )
-        .unwrap();
-        last[k] = v;
+        let dst = buf.view_at(i as usize * 64 * 4, DType::I32, 64);
+        st.put(&dst, &v, Some(-7 - i), None, stream.handle())
+            .unwrap();
+        sent.push(v);
     }
     stream.synchronize().unwrap();
-    for k in 0..3 {
-        check_layout(
-            &read(&bufs[k]),
-            bytemuck::cast_slice(&last[k]),
-            Some(&(-7i32).to_le_bytes()),
-            64 * 4,
-        );
+    let out = read(&buf);
+    for (i, v) in sent.iter().enumerate() {
+        let slice = &out[i * 256..(i + 1) * 256];
+        let pad = (-7 - i as i32).to_le_bytes();
+        let mut expect: Vec<u8> = bytemuck::cast_slice(v).to_vec();
+        while expect.len() < 256 {
+            expect.extend_from_slice(&pad);
+        }
+        assert!(slice == &expect[..], "copy {i}");
     }
+    assert!(
+        out[copies * 256..].iter().all(|&b| b == POISON),
+        "guard band"
+    );
     assert_eq!(st.stats().copies, 3000);
 }
 

@@ -165,11 +165,11 @@ fn gpu_drop_waits_for_in_flight_copies() {
     assert_eq!(bytemuck::cast_slice::<u8, u32>(&out[..4096]), &v[..]);
 }
 
-/// 8 threads share one stager and issue many copies each (50,000 by default, or
-/// `PINSTAGE_STRESS_COPIES`) with random lengths, pads, destinations and streams, while a
-/// background thread stalls streams for random short times. Each destination is written through
-/// one stream (stream order is the user's contract), so afterwards every destination must hold
-/// exactly its last values and padding: 0 mismatches.
+/// 8 threads share one stager (a ring of 8) and issue many copies each (50,000 by default, or
+/// `PINSTAGE_STRESS_COPIES`) with random lengths, pads and streams, while a background thread
+/// stalls streams for random short times. Every copy goes to its own slice of its thread's
+/// poisoned buffer, so afterwards EVERY copy is checked: its values, then its pad (or the poison
+/// where it wrote nothing): 0 mismatches.
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_stress_eight_threads_random_copies() {
@@ -181,13 +181,12 @@ fn gpu_stress_eight_threads_random_copies() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(50_000);
     const THREADS: usize = 8;
-    const DSTS: usize = 8;
     const CAP: usize = 512;
     let st = Arc::new(common::stager::<u32>(0, 128, 8).unwrap());
     let streams: Arc<Vec<Stream>> = Arc::new((0..4).map(|_| Stream::new(&dev).unwrap()).collect());
     let bufs: Arc<Vec<DeviceBuffer>> = Arc::new(
-        (0..THREADS * DSTS)
-            .map(|_| poisoned(&dev, DType::U32, CAP))
+        (0..THREADS)
+            .map(|_| poisoned(&dev, DType::U32, CAP * copies))
             .collect(),
     );
     let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
@@ -219,40 +218,23 @@ fn gpu_stress_eight_threads_random_copies() {
                     x ^= x << 17;
                     x
                 };
-                let mut last: Vec<(Vec<u32>, Option<u32>)> = vec![(Vec::new(), None); DSTS];
-                let mut written = [false; DSTS];
+                // (values, pad) of every copy, in order.
+                let mut sent: Vec<(usize, Option<u32>)> = Vec::with_capacity(copies);
                 let mut vals = Vec::with_capacity(CAP);
                 let mut issued = 0usize;
                 for i in 0..copies {
-                    let d = (next() % DSTS as u64) as usize;
                     let len = (next() % (CAP as u64 + 1)) as usize;
                     let pad = (next() % 3 != 0).then_some(0xFF00_0000 | (i as u32 & 0xFFFF));
+                    let stream = &streams[(next() % 4) as usize];
                     vals.clear();
-                    vals.extend((0..len).map(|k| (t as u32) << 28 | (i as u32) << 9 | k as u32));
-                    let buf = &bufs[t * DSTS + d];
-                    let stream = &streams[(t * DSTS + d) % 4];
-                    st.put(
-                        &view(buf, DType::U32, CAP),
-                        &vals,
-                        pad,
-                        None,
-                        stream.handle(),
-                    )
-                    .unwrap();
-                    // What the destination must hold now: values, then pad (or older bytes).
-                    let (prev, _) = &last[d];
-                    let mut expect: Vec<u32> = vals.clone();
-                    if let Some(p) = pad {
-                        expect.resize(CAP, p);
-                    } else if prev.len() > len {
-                        expect.extend_from_slice(&prev[len..]);
-                    }
-                    last[d] = (expect, pad);
-                    written[d] = true;
+                    vals.extend((0..len).map(|k| value(t, i, k)));
+                    let dst = bufs[t].view_at(i * CAP * 4, DType::U32, CAP);
+                    st.put(&dst, &vals, pad, None, stream.handle()).unwrap();
+                    sent.push((len, pad));
                     issued += usize::from(len > 0 || pad.is_some());
                     vals.iter_mut().for_each(|v| *v = 0xBAD); // caller reuses its buffer at once
                 }
-                (t, last, written, issued)
+                (t, sent, issued)
             })
         })
         .collect();
@@ -261,30 +243,27 @@ fn gpu_stress_eight_threads_random_copies() {
     staller.join().unwrap();
     streams.iter().for_each(|s| s.synchronize().unwrap());
     let mut mismatches = 0usize;
-    let issued: usize = results.iter().map(|r| r.3).sum();
-    for (t, last, written, _) in results {
-        for d in 0..DSTS {
-            let out = read(&bufs[t * DSTS + d]);
-            let got: &[u32] = bytemuck::cast_slice(&out[..CAP * 4]);
-            let (expect, _) = &last[d];
-            if !written[d] {
-                continue;
-            }
-            mismatches += got[..expect.len()]
-                .iter()
-                .zip(expect)
-                .filter(|(a, b)| a != b)
-                .count();
-            // Past what was ever written, the poison must be intact.
-            mismatches += out[expect.len() * 4..]
-                .iter()
-                .filter(|&&b| b != POISON)
-                .count();
+    let issued: usize = results.iter().map(|r| r.2).sum();
+    for (t, sent, _) in results {
+        let out = read(&bufs[t]);
+        let got: &[u32] = bytemuck::cast_slice(&out[..copies * CAP * 4]);
+        for (i, &(len, pad)) in sent.iter().enumerate() {
+            let d = &got[i * CAP..(i + 1) * CAP];
+            mismatches += (0..len).filter(|&k| d[k] != value(t, i, k)).count();
+            let rest = match pad {
+                Some(p) => p,
+                None => u32::from_le_bytes([POISON; 4]),
+            };
+            mismatches += d[len..].iter().filter(|&&x| x != rest).count();
         }
+        mismatches += out[copies * CAP * 4..]
+            .iter()
+            .filter(|&&b| b != POISON)
+            .count();
     }
     let s = st.stats();
     eprintln!(
-        "stress: {} threads x {copies} copies, stats {s:?}, mismatches {mismatches}",
+        "stress: {} threads x {copies} copies, every copy checked, stats {s:?}, mismatches {mismatches}",
         THREADS
     );
     assert_eq!(mismatches, 0);
@@ -292,6 +271,11 @@ fn gpu_stress_eight_threads_random_copies() {
         s.copies as usize, issued,
         "every non-empty copy issued exactly one DMA"
     );
+}
+
+/// The value element `k` of copy `i` of thread `t` carries.
+fn value(t: usize, i: usize, k: usize) -> u32 {
+    ((t as u32) << 28) ^ ((i as u32) << 9) ^ k as u32 ^ 0x5000_0000
 }
 
 /// One ring of 8 shared by a stalled stream and a free one: each turn of the ring sends slots 0-3

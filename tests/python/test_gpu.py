@@ -361,6 +361,33 @@ def test_copies_run_on_the_stream_given(gpu, kind):
     np.testing.assert_array_equal(out, np.arange(1 << 16, dtype=np.int32) + 3)
 
 
+def test_driver_refusals_are_cuda_driver_errors(gpu):
+    before = pinstage.pinned_bytes()
+    with pytest.raises(pinstage.CudaDriverError, match="cuMemHostAlloc"):
+        pinstage.empty_pinned(1 << 50, np.uint8)
+    assert pinstage.pinned_bytes() == before
+    assert issubclass(pinstage.CudaDriverError, RuntimeError)
+
+
+def test_pinned_helpers_on_the_gpu(gpu):
+    """alloc_pinned_numpy's success path, PinnedBlock's properties, is_pinned with an address
+    and a False answer, the stager's properties and pool_stats(device)."""
+    a = pinstage.alloc_pinned_numpy(64, "int32", (2, 8))
+    assert a.shape == (2, 8) and a.dtype == np.int32 and a.flags.writeable
+    a[:] = 7
+    blk = a.base
+    assert isinstance(blk, pinstage.PinnedBlock)
+    assert blk.nbytes == 64 and blk.pinned and blk.address == a.ctypes.data
+    assert pinstage.is_pinned(a) and pinstage.is_pinned(a.ctypes.data)
+    assert not pinstage.is_pinned(np.zeros(16)) and not pinstage.is_pinned(np.zeros(16).ctypes.data)
+    st = pinstage.PinnedStager(np.int16, 32, 3, device=0)
+    assert (st.numel, st.depth, st.device, st.cuda, st.dtype) == (32, 3, 0, True, "int16")
+    assert set(pinstage.pool_stats(0)) == set(pinstage.pool_stats(device="cuda:0"))
+    info = pinstage.driver_info()
+    assert info["available"] and info["reason"] is None and info["device_count"] >= 1
+    assert info["driver_version"] >= 12080
+
+
 def test_jax_device_arrays_are_never_written(gpu):
     jax = pytest.importorskip("jax")
     x = jax.device_put(jax.numpy.arange(64, dtype=jax.numpy.int32), jax.devices("gpu")[0])

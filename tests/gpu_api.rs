@@ -1,0 +1,205 @@
+//! The public API that the other GPU tests do not reach: the probe, contexts, events, typed
+//! views of pinned blocks, the pool's budget, the bounce cache, and the driver's errors
+//! (including the stager's release of a slot when the driver refuses a copy).
+
+mod common;
+
+use common::{POISON, Put, gpu_or_skip, poisoned, read};
+use pinstage::testing::{DeviceBuffer, current_context, launch_host_fn};
+use pinstage::{
+    DType, DeviceView, Error, PinnedBuffer, PinnedFlags, PinnedPool, Stream, TensorMeta,
+};
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_probe_and_device_enter() {
+    let Some(dev) = gpu_or_skip("gpu_probe_and_device_enter") else {
+        return;
+    };
+    let p = pinstage::probe().unwrap();
+    assert!(p.device_count >= 1 && p.driver_version >= 12080, "{p:?}");
+    assert_eq!(pinstage::device_count().unwrap(), p.device_count);
+    assert!(pinstage::cuda_available());
+    std::thread::spawn(move || {
+        assert_eq!(
+            current_context().unwrap(),
+            0,
+            "a fresh thread has no context"
+        );
+        {
+            let cur = dev.enter().unwrap();
+            assert_ne!(current_context().unwrap(), 0);
+            assert_eq!(cur.device(), &dev);
+            let again = dev.enter().unwrap(); // already current: nothing pushed
+            drop(again);
+            assert_ne!(current_context().unwrap(), 0);
+        }
+        assert_eq!(
+            current_context().unwrap(),
+            0,
+            "the guard restored the thread's context"
+        );
+    })
+    .join()
+    .unwrap();
+    assert!(matches!(
+        pinstage::Device::new(p.device_count),
+        Err(Error::NoSuchDevice { .. })
+    ));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_events_query_and_wait_on() {
+    let Some(dev) = gpu_or_skip("gpu_events_query_and_wait_on") else {
+        return;
+    };
+    let a = Stream::new(&dev).unwrap();
+    let b = Stream::new(&dev).unwrap();
+    let ev = dev.event().unwrap();
+    assert!(ev.query().unwrap(), "never recorded: complete");
+    let go = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let g = go.clone();
+    launch_host_fn(&a, move || {
+        while !g.load(std::sync::atomic::Ordering::Acquire) {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    })
+    .unwrap();
+    ev.record(a.handle()).unwrap();
+    assert!(!ev.query().unwrap(), "recorded behind a stalled stream");
+    // b waits for the event on the device: a copy on b lands only after a is released.
+    ev.wait_on(b.handle()).unwrap();
+    let buf = poisoned(&dev, DType::U8, 64);
+    let st = common::stager::<u8>(0, 64, 2).unwrap();
+    st.put(
+        &buf.view_at(0, DType::U8, 64),
+        &[9; 64],
+        None,
+        None,
+        b.handle(),
+    )
+    .unwrap();
+    let done = dev.event().unwrap();
+    done.record(b.handle()).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(!done.query().unwrap(), "b's copy waits for a's event");
+    go.store(true, std::sync::atomic::Ordering::Release);
+    done.synchronize().unwrap();
+    assert!(ev.query().unwrap());
+    assert!(read(&buf)[..64].iter().all(|&x| x == 9));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_pinned_typed_views_pool_budget_and_bounce_cache() {
+    let Some(dev) = gpu_or_skip("gpu_pinned_typed_views_pool_budget_and_bounce_cache") else {
+        return;
+    };
+    let before = pinstage::live_pinned_bytes();
+    let mut b = PinnedBuffer::new(&dev, 4096, PinnedFlags::PORTABLE).unwrap();
+    assert!(pinstage::live_pinned_bytes() >= before + 4096);
+    assert!(pinstage::is_pinned(b.as_ptr()));
+    assert!(!pinstage::is_pinned(vec![0u8; 64].as_ptr()));
+    b.typed_mut::<u32>().unwrap()[5] = 0xABCD_1234;
+    assert_eq!(b.typed::<u32>().unwrap()[5], 0xABCD_1234);
+    assert_eq!(b.typed::<u64>().unwrap().len(), 512);
+    let mut odd = PinnedBuffer::new(&dev, 6, PinnedFlags::PORTABLE).unwrap();
+    assert!(matches!(
+        odd.typed::<u32>(),
+        Err(Error::BadCast { bytes: 6, .. })
+    ));
+    assert!(matches!(odd.typed_mut::<u64>(), Err(Error::BadCast { .. })));
+    drop((b, odd));
+    assert_eq!(pinstage::live_pinned_bytes(), before);
+
+    let pool = PinnedPool::new(&dev, 1 << 20);
+    let blocks: Vec<_> = (0..3).map(|_| pool.acquire(200 << 10).unwrap()).collect();
+    drop(blocks);
+    let cached = pool.stats().cached_bytes;
+    assert!(cached > 0);
+    pool.set_budget(pinstage::size_class(200 << 10)); // room for one cached block
+    assert_eq!(pool.stats().cached_bytes, pinstage::size_class(200 << 10));
+    assert!(pool.stats().evictions >= 2);
+    pool.set_budget(0);
+    assert_eq!(pool.stats().cached_bytes, 0);
+    assert!(
+        !pool.acquire(10).unwrap().is_pinned(),
+        "past a budget of 0: pageable"
+    );
+
+    // A pageable D2H fills the bounce cache; releasing it frees the pinned bounce buffers.
+    let src = DeviceBuffer::new(&dev, 1 << 20).unwrap();
+    src.upload(0, &vec![3u8; 1 << 20]).unwrap();
+    let mut out = vec![0u8; 1 << 20];
+    let path = pinstage::copy_d2h(
+        &dev,
+        &src.view(DType::U8),
+        &mut out,
+        pinstage::StreamHandle::LEGACY,
+    )
+    .unwrap();
+    assert_eq!(path, pinstage::D2HPath::Bounced);
+    assert!(out.iter().all(|&x| x == 3));
+    let with_cache = pinstage::live_pinned_bytes();
+    pinstage::release_bounce_buffers();
+    assert_eq!(
+        with_cache - pinstage::live_pinned_bytes(),
+        pinstage::BOUNCE_DEPTH * pinstage::BOUNCE_CHUNK
+    );
+}
+
+/// The driver's refusals come back as `Error::Driver` naming the call; a stager whose copy the
+/// driver refuses releases the slot (a ring of 1 still works) and writes nothing.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_driver_errors_are_typed_and_release_the_slot() {
+    let Some(dev) = gpu_or_skip("gpu_driver_errors_are_typed_and_release_the_slot") else {
+        return;
+    };
+    match DeviceBuffer::new(&dev, 1 << 50) {
+        Err(Error::Driver(e)) => {
+            assert_eq!(e.call(), "cuMemAlloc");
+            assert!(e.name().contains("OUT_OF_MEMORY"), "{e}");
+        }
+        other => panic!("a 1 PiB device allocation: {:?}", other.map(|b| b.len())),
+    }
+    assert!(matches!(
+        PinnedBuffer::new(&dev, 1 << 50, PinnedFlags::PORTABLE),
+        Err(Error::Driver(_))
+    ));
+    let st = common::stager::<u32>(0, 64, 1).unwrap();
+    // SAFETY: an address no allocation holds; the driver refuses the copy before any DMA.
+    let bogus = unsafe { DeviceView::from_meta(TensorMeta::cuda_1d(0, 0x10, DType::U32, 64)) };
+    let err = st
+        .put(&bogus, &[1; 64], None, None, pinstage::StreamHandle::LEGACY)
+        .unwrap_err();
+    assert!(matches!(err, Error::Driver(_)), "{err}");
+    assert_eq!(st.stats().copies, 0);
+    // The one slot was released: the next copy claims it and lands.
+    let buf = std::sync::Arc::new(poisoned(&dev, DType::U32, 64));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let st = std::sync::Arc::new(st);
+    let (st2, buf2) = (st.clone(), buf.clone());
+    // Detached: if the slot were left claimed, this copy would spin forever and the test must
+    // fail, not hang.
+    std::thread::spawn(move || {
+        let dst = buf2.view_at(0, DType::U32, 64);
+        let r = st2.put(
+            &dst,
+            &[7; 10],
+            Some(8),
+            None,
+            pinstage::StreamHandle::LEGACY,
+        );
+        tx.send(r.is_ok()).unwrap();
+    });
+    let ok = rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the slot was left claimed: the next copy hangs");
+    assert!(ok);
+    let out = read(&buf);
+    let got: &[u32] = bytemuck::cast_slice(&out[..256]);
+    assert!(got[..10].iter().all(|&x| x == 7) && got[10..].iter().all(|&x| x == 8));
+    assert!(out[256..].iter().all(|&b| b == POISON));
+}
