@@ -491,6 +491,7 @@ impl Stager {
         // completed (ring protocol); `dst` is device memory of this device of at least `total`
         // bytes (the view's contract, size and device checked); the stream is a special handle,
         // ours, or vouched for by its maker; the context is current (`cur`).
+        #[cfg(not(pinstage_seeded_bug = "skip_copy"))]
         let sent = unsafe {
             match row_shape(job.total).filter(|_| job.dst % ROW_DST_ALIGN == 0) {
                 Some((width, height)) => driver::mem::memcpy_2d_htod_async(
@@ -504,6 +505,13 @@ impl Stager {
                     driver::mem::memcpy_htod_async(job.dst, src.cast(), job.total, stream.raw())
                 }
             }
+        };
+        // The seeded-bug harness's "the stager skips the copy" (`scripts/gpu-run broken`): the
+        // slot is written and its event recorded, but nothing reaches the device.
+        #[cfg(pinstage_seeded_bug = "skip_copy")]
+        let sent: std::result::Result<(), crate::DriverError> = {
+            let _ = src;
+            Ok(())
         };
         if let Err(e) = sent {
             return (Err(e.into()), Release::Idle);
