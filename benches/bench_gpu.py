@@ -133,7 +133,7 @@ def bench_d2h(torch, cp, jax, cuda_drv, sizes):
         torch.cuda.empty_cache()
 
 
-def bench_h2d_large(torch, sizes):
+def bench_h2d_large(torch, cp, sizes):
     """Each timed copy goes into a poisoned destination and is checked on the device after it
     (outside the timing): no implementation can pass by leaving the last copy's data in place."""
     for nbytes in sizes:
@@ -146,11 +146,21 @@ def bench_h2d_large(torch, sizes):
         row = {}
         tpin = torch.from_numpy(vals).pin_memory()
         tpage = torch.from_numpy(vals)
+        pin = pinstage.empty_pinned(n, np.int32)
+        pin[:] = vals
         impls = {
+            "pinstage copy_h2d from pageable": lambda: pinstage.copy_h2d(dst, vals),
+            "pinstage copy_h2d from pinned": lambda: pinstage.copy_h2d(dst, pin),
             "pinstage stager copy_": lambda: st.copy_(dst, vals),
             "torch copy_ from pinned": lambda: dst.copy_(tpin, non_blocking=True),
             "torch copy_ from pageable": lambda: dst.copy_(tpage),
+            "cupy set from pageable": None,
         }
+        if cp is not None:
+            cdst = cp.from_dlpack(dst)
+            impls["cupy set from pageable"] = lambda: cdst.set(vals)
+        else:
+            del impls["cupy set from pageable"]
         for name, fn in impls.items():
             fn()
             ts = []
@@ -166,7 +176,7 @@ def bench_h2d_large(torch, sizes):
             row[name] = nbytes / statistics.median(ts) / GB
         RESULTS["h2d"][nbytes] = row
         print(f"H2D {nbytes:>11,d} B: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
-        del st, ref
+        del st, ref, pin
 
 
 def bench_small(torch, cuda_drv, calls=20000, rounds=3):
@@ -528,6 +538,16 @@ def report(out):
                 f"  {nb >> 10} KiB: pinstage with-dst / torch into pinned = "
                 f"{d2h[nb]['pinstage copy_d2h(dst=pinned)'] / d2h[nb]['torch copy_ pinned']:.2f} (goal >= 1)"
             )
+    h2d = RESULTS["h2d"]
+    for nb in sorted(h2d):
+        r = h2d[nb]
+        if "pinstage copy_h2d from pageable" in r and "torch copy_ from pinned" in r:
+            lines.append(
+                f"  H2D {nb >> 20} MiB: copy_h2d from pageable {r['pinstage copy_h2d from pageable']:.2f} GB/s = "
+                f"{r['pinstage copy_h2d from pageable'] / r['torch copy_ from pinned']:.2f}x torch from pinned, "
+                f"{r['pinstage copy_h2d from pageable'] / r['torch copy_ from pageable']:.2f}x torch from pageable; "
+                f"from pinned {r['pinstage copy_h2d from pinned'] / r['torch copy_ from pinned']:.3f}x"
+            )
     s = RESULTS["small"]
     if s:
         best_peer = min(v for k, v in s.items() if not k.startswith("pinstage") and "side" not in k)
@@ -647,7 +667,7 @@ def main():
         return
     bench_graph(torch)
     bench_d2h(torch, cp, jax, cuda_drv, sizes)
-    bench_h2d_large(torch, sizes[:4])
+    bench_h2d_large(torch, cp, sizes)
     RESULTS["memory"]["pool"] = pinstage.pool_stats()
     report(a.out)
 

@@ -62,19 +62,16 @@ mod python;
 pub mod testing;
 
 pub use cuda::{Current, Device, Event, Stream, StreamHandle, cuda_available, device_count};
-pub use d2h::{
-    BOUNCE_CHUNK, BOUNCE_DEPTH, D2HPath, HostRegion, PendingCopy, copy_d2h, copy_d2h_async,
-    release_bounce_buffers,
-};
+pub use d2h::{D2HPath, HostRegion, PendingCopy, copy_d2h, copy_d2h_async};
 pub use driver::{DISABLE_ENV, DriverError, Probe, probe};
 pub use error::{DropErrors, Error, Result, drop_errors};
 pub use h2d::{
-    Copy, CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, H2DMirror, MAX_DEPTH, PinnedStager,
-    PinnedStagerBuilder, RawCopy, Stager, StagerBuilder, StagerStats, WaitFn,
+    Copy, CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, H2DMirror, H2DPath, MAX_DEPTH, PinnedStager,
+    PinnedStagerBuilder, RawCopy, Stager, StagerBuilder, StagerStats, WaitFn, copy_h2d, start_h2d,
 };
 pub use host::{
-    DEFAULT_BUDGET, PinnedBuffer, PinnedFlags, PinnedPool, PoolBlock, PoolStats, is_pinned,
-    live_pinned_bytes, size_class,
+    BOUNCE_CHUNK, BOUNCE_DEPTH, DEFAULT_BUDGET, PinnedBuffer, PinnedFlags, PinnedPool, PoolBlock,
+    PoolStats, is_pinned, live_pinned_bytes, release_bounce_buffers, size_class,
 };
 pub use view::{
     Bool8, DType, DeviceView, DlpackError, Element, MAX_NDIM, MemoryKind, TensorDesc, TensorMeta,

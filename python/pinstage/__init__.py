@@ -5,6 +5,7 @@
   non-blocking copy per call, values and padding written on the host).
 - ``copy_d2h`` / ``copy_d2h_async``: device-to-host into pinned memory, from torch, jax,
   cupy or numpy tensors; a transparent numpy fallback where no CUDA driver exists.
+- ``copy_h2d``: a whole host array (pinned or pageable) into a device tensor at line rate.
 """
 
 from ._native import (
@@ -23,6 +24,7 @@ from ._native import (
     alloc_pinned_numpy,
     copy_d2h,
     copy_d2h_async,
+    copy_h2d,
     cuda_available,
     device_count,
     driver_info,
@@ -50,6 +52,7 @@ __all__ = [
     "alloc_pinned_numpy",
     "copy_d2h",
     "copy_d2h_async",
+    "copy_h2d",
     "cuda_available",
     "device_count",
     "driver_info",

@@ -1,20 +1,11 @@
 //! Device to pageable host memory through a ring of pinned bounce buffers: the copy engine
 //! fills one while the CPU drains another.
 
-use parking_lot::Mutex;
-
 use super::issue_d2h;
 use crate::cuda::{Current, Event, StreamHandle};
 use crate::error::Result;
-use crate::host::{PinnedBuffer, PinnedFlags};
-
-/// Bytes per bounce chunk.
-pub const BOUNCE_CHUNK: usize = 8 << 20;
-/// Bounce buffers in flight.
-pub const BOUNCE_DEPTH: usize = 3;
-
-/// Per-device cache of bounce buffers, so pageable copies do not pay `cuMemHostAlloc`.
-static BOUNCE: Mutex<Vec<(i32, PinnedBuffer)>> = Mutex::new(Vec::new());
+use crate::host::PinnedBuffer;
+use crate::host::bounce::{self, BOUNCE_CHUNK, BOUNCE_DEPTH, parallel_copy};
 
 pub(super) fn bounce(
     cur: &Current<'_>,
@@ -23,26 +14,7 @@ pub(super) fn bounce(
     stream: StreamHandle,
 ) -> Result<()> {
     let device = cur.device();
-    let mut bufs: Vec<PinnedBuffer> = {
-        let mut cache = BOUNCE.lock();
-        let mut mine = Vec::with_capacity(BOUNCE_DEPTH);
-        let mut i = 0;
-        while i < cache.len() && mine.len() < BOUNCE_DEPTH {
-            if cache[i].0 == device.ordinal() {
-                mine.push(cache.swap_remove(i).1);
-            } else {
-                i += 1;
-            }
-        }
-        mine
-    };
-    while bufs.len() < BOUNCE_DEPTH {
-        bufs.push(PinnedBuffer::new(
-            device,
-            BOUNCE_CHUNK,
-            PinnedFlags::PORTABLE,
-        )?);
-    }
+    let mut bufs: Vec<PinnedBuffer> = bounce::take(device)?;
     let events = (0..BOUNCE_DEPTH)
         .map(|_| Event::new_in(cur))
         .collect::<Result<Vec<_>>>()?;
@@ -89,27 +61,6 @@ pub(super) fn bounce(
             crate::error::record_drop_error(e);
         }
     }
-    BOUNCE
-        .lock()
-        .extend(bufs.into_iter().map(|b| (device.ordinal(), b)));
+    bounce::give_back(device, bufs);
     result
-}
-
-/// Copies `src` into `dst` with several threads: one core cannot keep up with the copy engine
-/// on a fast link, several can.
-fn parallel_copy(dst: &mut [u8], src: &[u8]) {
-    use rayon::prelude::*;
-    const PIECE: usize = 512 << 10;
-    if dst.len() <= PIECE {
-        dst.copy_from_slice(src);
-        return;
-    }
-    dst.par_chunks_mut(PIECE)
-        .zip(src.par_chunks(PIECE))
-        .for_each(|(d, s)| d.copy_from_slice(s));
-}
-
-/// Frees the cached bounce buffers.
-pub fn release_bounce_buffers() {
-    BOUNCE.lock().clear();
 }

@@ -7,7 +7,6 @@
 mod bounce;
 mod pending;
 
-pub use bounce::{BOUNCE_CHUNK, BOUNCE_DEPTH, release_bounce_buffers};
 pub use pending::{HostRegion, PendingCopy, copy_d2h_async};
 
 use crate::cuda::{Current, Device, Event, StreamHandle};

@@ -9,6 +9,7 @@ pub mod ring;
 #[cfg(not(any(feature = "testing", loom)))]
 pub(crate) mod ring;
 pub(crate) mod stager;
+mod upload;
 pub(crate) mod write;
 
 pub use copy::{Copy, PinnedStager, PinnedStagerBuilder, RawCopy, WaitFn};
@@ -16,3 +17,4 @@ pub use mirror::H2DMirror;
 pub use stager::{
     CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, MAX_DEPTH, Stager, StagerBuilder, StagerStats,
 };
+pub use upload::{H2DPath, copy_h2d, start_h2d};

@@ -1,7 +1,10 @@
 //! Host memory: page-locked blocks ([`PinnedBuffer`]) and a pool of them ([`PinnedPool`]).
 
+pub(crate) mod bounce;
 mod pinned;
 mod pool;
+
+pub use bounce::{BOUNCE_CHUNK, BOUNCE_DEPTH, release_bounce_buffers};
 
 pub use pinned::{PinnedBuffer, PinnedFlags, is_pinned, live_pinned_bytes};
 pub use pool::{DEFAULT_BUDGET, PinnedPool, PoolBlock, PoolStats, size_class};

@@ -137,13 +137,26 @@ fn copy_d2h<'py>(
     Ok(array)
 }
 
-/// A device-to-host copy in flight (from ``copy_d2h_async``): ``done()``, ``wait(timeout=None)``.
-/// Dropping it waits for the copy first.
+/// A copy in flight (from ``copy_d2h_async`` or ``copy_h2d``): ``done()``,
+/// ``wait(timeout=None)``. It keeps the source and the destination alive; dropping it waits for
+/// the copy first.
 #[pyclass(frozen, module = "pinstage._native")]
-pub struct PendingCopy {
+pub(crate) struct PendingCopy {
     event: Mutex<Option<Event>>,
+    /// The result array (D2H) or the destination (H2D), handed back by `wait`.
     array: Py<PyAny>,
+    /// The source, kept alive (a pinned H2D source unchanged) until the copy completed.
     src: Mutex<Option<Imported>>,
+}
+
+impl PendingCopy {
+    pub(crate) fn new(event: Option<Event>, array: Py<PyAny>, src: Imported) -> Self {
+        Self {
+            event: Mutex::new(event),
+            array,
+            src: Mutex::new(Some(src)),
+        }
+    }
 }
 
 #[pymethods]
@@ -165,7 +178,7 @@ impl PendingCopy {
     ///     timeout (float, optional): seconds to wait at most; None waits for as long as it takes.
     ///
     /// Returns:
-    ///     numpy.ndarray: the result (as ``copy_d2h``).
+    ///     the result array (``copy_d2h_async``), or the destination (``copy_h2d``).
     ///
     /// Raises:
     ///     TimeoutError: not complete within ``timeout``. KeyboardInterrupt: Ctrl-C (answered within
@@ -293,7 +306,7 @@ fn empty_cache(py: Python<'_>) {
                 s.pool.empty_cache();
             }
         }
-        crate::d2h::release_bounce_buffers();
+        crate::release_bounce_buffers();
     });
 }
 

@@ -429,3 +429,25 @@ pub(crate) fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<crate::DType> {
         ))
     })
 }
+
+/// Imports a destination the stager may write: refuses JAX arrays (immutable, possibly shared)
+/// and read-only tensors, before anything is written.
+pub(crate) fn import_destination(
+    dst: &Bound<'_, PyAny>,
+    stream: Option<StreamHandle>,
+) -> PyResult<Imported> {
+    let imp = import(dst, stream)?;
+    // JAX arrays offer no C exchange table: the check costs nothing on the torch path.
+    if imp.exchange.is_none() && is_jax_array(dst) {
+        return Err(value_err(format!(
+            "dst is {}: JAX arrays are immutable (JAX may share their buffers), so pinstage \
+             never writes into one; copy into a torch or cupy tensor, or make a new JAX array \
+             with jax.device_put",
+            describe(dst)
+        )));
+    }
+    if imp.view.is_read_only() {
+        return Err(crate::Error::ReadOnly.into());
+    }
+    Ok(imp)
+}

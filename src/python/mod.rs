@@ -12,6 +12,7 @@ mod args;
 mod arrays;
 mod d2h;
 mod errors;
+mod h2d;
 pub(crate) mod import;
 mod mirror;
 mod stager;
@@ -134,6 +135,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     arrays::register(m)?;
     stager::register(m)?;
     d2h::register(m)?;
+    h2d::register(m)?;
     #[cfg(feature = "lab")]
     crate::lab::python::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -8,9 +8,7 @@ use pyo3::types::{PyDict, PyTuple};
 
 use super::args::{count_arg, parse_device};
 use super::errors::{type_err, value_err};
-use super::import::{
-    Imported, describe, import, is_jax_array, parse_dtype, parse_stream, type_name,
-};
+use super::import::{Imported, import_destination, parse_dtype, parse_stream, type_name};
 use super::mirror::PyMirror;
 use super::values::{check_shape, scalar_bytes, to_values};
 use super::wait::wait_interruptibly;
@@ -152,25 +150,6 @@ fn options<'a>(
         Some(p) => c.pad(p),
         None => c,
     }
-}
-
-/// Imports a destination the stager may write: refuses JAX arrays (immutable, possibly shared)
-/// and read-only tensors, before anything is written.
-fn import_destination(dst: &Bound<'_, PyAny>, stream: Option<StreamHandle>) -> PyResult<Imported> {
-    let imp = import(dst, stream)?;
-    // JAX arrays offer no C exchange table: the check costs nothing on the torch path.
-    if imp.exchange.is_none() && is_jax_array(dst) {
-        return Err(value_err(format!(
-            "dst is {}: JAX arrays are immutable (JAX may share their buffers), so pinstage \
-             never writes into one; copy into a torch or cupy tensor, or make a new JAX array \
-             with jax.device_put",
-            describe(dst)
-        )));
-    }
-    if imp.view.is_read_only() {
-        return Err(Error::ReadOnly.into());
-    }
-    Ok(imp)
 }
 
 #[pymethods]

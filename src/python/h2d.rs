@@ -1,0 +1,117 @@
+//! `copy_h2d`: a whole host array into a device tensor, at line rate.
+
+use pyo3::prelude::*;
+
+use super::d2h::PendingCopy;
+use super::errors::{type_err, value_err};
+use super::import::{describe, import, import_destination, parse_stream};
+use crate::view::MemoryKind;
+use crate::{Error, H2DPath};
+
+/// A raw source pointer that may cross `py.detach`.
+struct SendPtr(*const u8);
+// SAFETY: the memory is kept alive by the imported source held in the caller's frame.
+unsafe impl Send for SendPtr {}
+
+/// Copies a whole host array into a device tensor of the same dtype and size.
+///
+/// Parameters:
+///     dst: a writable, C-contiguous DLPack tensor (torch, cupy; never a JAX array, which is
+///         immutable) of ``src``'s dtype and number of elements (shapes may differ). A host
+///         (numpy) ``dst`` gets a plain memcpy, with or without a driver.
+///     src: a C-contiguous host array: numpy, a torch CPU tensor, anything with DLPack on the
+///         CPU, pinned or pageable.
+///     stream: the stream the copy is ordered on; None: ``dst``'s producer's current stream
+///         (torch), else the legacy default stream.
+///
+/// Returns:
+///     PendingCopy: ``wait()`` returns ``dst``. A PAGEABLE ``src`` was read completely before
+///     ``copy_h2d`` returned (copied through pinned bounce buffers by several threads while the
+///     copy engine drains them; the handle is already done), so it may be changed at once. A
+///     PINNED ``src`` goes as one DMA: change it only once ``done()`` is True or ``wait()``
+///     returned. The handle keeps ``src`` alive; dropping it waits for the copy.
+///
+/// Raises:
+///     PinstageTypeError: dtypes differ, ``src`` is not a host array, not a DLPack producer.
+///     PinstageValueError: sizes differ, a read-only, JAX, non-contiguous or other-device
+///         ``dst``, an impossible stream. StreamCaptureError: the stream is capturing a graph.
+///     CudaUnavailableError: a CUDA ``dst`` without a driver. CudaDriverError: the copy failed.
+///     Nothing is written when a call raises.
+///
+/// Example:
+///     >>> dst = torch.empty(1 << 20, dtype=torch.float32, device="cuda")
+///     >>> pinstage.copy_h2d(dst, numpy.ones(1 << 20, numpy.float32)).wait() is dst
+///     True
+#[pyfunction]
+#[pyo3(signature = (dst, src, *, stream=None))]
+fn copy_h2d(
+    py: Python<'_>,
+    dst: &Bound<'_, PyAny>,
+    src: &Bound<'_, PyAny>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PendingCopy> {
+    let s = parse_stream(stream)?;
+    let to = import_destination(dst, s)?;
+    let from_obj = if src.hasattr(pyo3::intern!(py, "__dlpack__"))? {
+        src.clone()
+    } else if src.hasattr(pyo3::intern!(py, "__array__"))?
+        || src.hasattr(pyo3::intern!(py, "__array_interface__"))?
+    {
+        py.import("numpy")?.call_method1("asarray", (src,))?
+    } else {
+        return Err(type_err(format!(
+            "src must be a host array (numpy, a torch CPU tensor, anything with DLPack on the \
+             CPU), got {}",
+            describe(src)
+        )));
+    };
+    let from = import(&from_obj, None)?;
+    if from.view.memory() != MemoryKind::Host {
+        return Err(type_err(format!(
+            "src is {}, on a CUDA device: copy_h2d takes a host array (device-to-device copies \
+             are the framework's)",
+            describe(src)
+        )));
+    }
+    if from.view.dtype() != to.view.dtype() {
+        return Err(Error::DtypeMismatch {
+            expected: to.view.dtype(),
+            got: from.view.dtype(),
+        }
+        .into());
+    }
+    if from.view.numel() != to.view.numel() {
+        return Err(value_err(format!(
+            "src has {} elements (shape {:?}) but dst has {} (shape {:?}): copy_h2d copies whole \
+             arrays of one size",
+            from.view.numel(),
+            from.view.shape(),
+            to.view.numel(),
+            to.view.shape()
+        )));
+    }
+    let device = match to.view.memory() {
+        MemoryKind::Cuda(id) => Some(&super::device_state(id)?.device),
+        MemoryKind::Host => None,
+    };
+    let stream = s.unwrap_or(to.stream);
+    let (ptr, len) = (SendPtr(from.view.ptr() as *const u8), from.view.nbytes());
+    let view = &to.view;
+    // A pageable source of any size is copied with the GIL released (the bounce ring's threads
+    // fill buffers while the copy engine drains them).
+    let (path, event) = py.detach(move || {
+        let ptr = ptr;
+        // SAFETY: the source is host memory of `len` bytes kept alive by `from` (and, when
+        // pinned, by the returned handle until the event completed); the caller promises not to
+        // change a pinned source before then (documented).
+        unsafe { crate::start_h2d(device, view, ptr.0, len, stream) }
+    })?;
+    debug_assert!(event.is_some() == (path == H2DPath::Pinned));
+    drop(to);
+    Ok(PendingCopy::new(event, dst.clone().unbind(), from))
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(copy_h2d, m)?)?;
+    Ok(())
+}
