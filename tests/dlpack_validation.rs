@@ -247,3 +247,48 @@ fn dlpack_codes_round_trip() {
     assert_eq!(DType::from_name("torch.int32"), Some(DType::I32));
     assert_eq!(DType::from_name("object"), None);
 }
+
+#[test]
+fn ndim_limit_is_64_inclusive() {
+    let ones = vec![1i64; 64];
+    assert!(
+        validate(&desc(DType::U8, &ones, None)).is_ok(),
+        "64 dimensions"
+    );
+    for n in [65usize, 70, 1000] {
+        let ones = vec![1i64; n];
+        assert_eq!(
+            validate(&desc(DType::U8, &ones, None)),
+            Err(DlpackError::BadNdim(n as i64)),
+            "{n} dimensions"
+        );
+    }
+}
+
+#[test]
+fn byte_sizes_up_to_isize_max_only() {
+    let mut d = desc(DType::U8, &[], None);
+    d.data = 1;
+    d.byte_offset = 0;
+    let max = [isize::MAX as i64];
+    d.shape = &max;
+    assert_eq!(
+        validate(&d).unwrap().nbytes(),
+        isize::MAX as usize,
+        "isize::MAX bytes"
+    );
+    let over = [isize::MAX as i64 / 2 + 1];
+    let mut d2 = desc(DType::U16, &over, None);
+    d2.data = 1;
+    d2.byte_offset = 0;
+    assert_eq!(
+        validate(&d2),
+        Err(DlpackError::SizeOverflow),
+        "isize::MAX + 1 bytes"
+    );
+    let huge = [1i64 << 62, 8];
+    assert_eq!(
+        validate(&desc(DType::U8, &huge, None)),
+        Err(DlpackError::SizeOverflow)
+    );
+}

@@ -49,9 +49,18 @@ fn device_ordinal(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
                 .ok_or_else(|| value_err(format!("device={s:?}: expected an int or 'cuda:N'"))),
         };
     }
+    // torch.device has .index (None for "cuda"), cupy.cuda.Device has .id; other objects with
+    // such attributes (bytes.index is a method) are not devices.
     for attr in ["index", "id"] {
         if let Ok(v) = obj.getattr(attr) {
-            return Ok(v.extract::<Option<i32>>()?.unwrap_or(0));
+            if v.is_none() {
+                return Ok(0);
+            }
+            if let Ok(i) = v.extract::<i32>()
+                && !v.is_instance_of::<pyo3::types::PyBool>()
+            {
+                return Ok(i);
+            }
         }
     }
     Err(type_err(format!(

@@ -186,15 +186,34 @@ impl PendingCopy {
     ///     again. PinstageValueError: a negative, NaN or infinite timeout. CudaDriverError: the copy
     ///     failed.
     #[pyo3(signature = (timeout=None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
-        let deadline = match timeout {
-            Some(t) if !(t >= 0.0 && t.is_finite()) => {
-                return Err(value_err(format!(
-                    "timeout={t}: expected None or a finite number of seconds >= 0"
-                )));
-            }
-            Some(t) => Some(Instant::now() + Duration::from_secs_f64(t)),
+    fn wait(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
+        let timeout = match timeout.filter(|t| !t.is_none()) {
             None => None,
+            Some(t) if t.is_instance_of::<pyo3::types::PyBool>() => {
+                return Err(super::errors::type_err(
+                    "timeout must be None or a number of seconds, got a bool",
+                ));
+            }
+            Some(t) => Some(t.extract::<f64>().map_err(|_| {
+                super::errors::type_err(format!(
+                    "timeout must be None or a number of seconds, got {}",
+                    super::import::type_name(t)
+                ))
+            })?),
+        };
+        let deadline = match timeout {
+            None => None,
+            Some(t) => Some(
+                Duration::try_from_secs_f64(t)
+                    .ok()
+                    .and_then(|d| Instant::now().checked_add(d))
+                    .ok_or_else(|| {
+                        value_err(format!(
+                            "timeout={t}: expected None or a finite number of seconds >= 0 (at \
+                             most about 10^11)"
+                        ))
+                    })?,
+            ),
         };
         let ev = self.event.lock().take();
         if let Some(ev) = ev {

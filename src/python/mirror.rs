@@ -42,7 +42,14 @@ fn raw_bytes(values: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
         return Ok(b.as_bytes().to_vec());
     }
     let np = values.py().import("numpy")?;
-    let arr = np.call_method1("ascontiguousarray", (values,))?;
+    let arr = np
+        .call_method1("ascontiguousarray", (values,))
+        .map_err(|e| {
+            type_err(format!(
+                "mirror values must be bytes or an array numpy takes, got {} ({e})",
+                type_name(values)
+            ))
+        })?;
     // dtype identity matters: int32 [1] and int64 [1] are different contents.
     let mut out = arr.getattr("dtype")?.str()?.to_string().into_bytes();
     out.push(0);

@@ -1,0 +1,146 @@
+"""Fuzzing the Python argument parser with hypothesis: every public call, each parameter in
+turn replaced by a hostile value (None, bools, huge and negative ints, NaN, inf, strings, bytes,
+nested lists, dicts, sets, generators, objects, numpy arrays of odd dtypes). A call either
+works or raises a typed error that names what it refused; it never crashes the interpreter,
+panics, or raises an untyped error (AttributeError, SystemError, pyo3's PanicException), and a
+refused copy writes nothing. Runs everywhere (host destinations)."""
+
+import math
+
+import numpy as np
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import pinstage  # noqa: E402
+
+
+def _gen():
+    yield 1
+
+
+hostile = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, -1, 1, 2**31, 2**63, -(2**63), 10**9]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6),
+    st.binary(max_size=6),
+    st.lists(st.one_of(st.integers(-5, 5), st.floats(allow_nan=True), st.none()), max_size=4),
+    st.lists(st.lists(st.integers(-3, 3), max_size=3), max_size=3),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+    st.frozensets(st.integers(), max_size=3),
+    st.builds(_gen),
+    st.builds(object),
+    st.sampled_from(
+        [
+            np.array(["a", "b"], dtype=object),
+            np.arange(3, dtype=">i4"),
+            np.array(["abc"]),
+            np.float64(math.nan),
+            np.zeros((2, 2, 2), np.int32),
+            np.zeros(0, np.int8),
+        ]
+    ),
+)
+
+ALLOWED = (pinstage.PinstageError, MemoryError)
+
+
+def call_ok(fn, *names):
+    try:
+        fn()
+    except ALLOWED:
+        pass
+    except (TypeError, ValueError, OverflowError) as e:
+        # pyo3's own argument extraction (a str where a float goes): it names the argument.
+        assert any(n in str(e) for n in names), f"{type(e).__name__} without the parameter: {e}"
+
+
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(hostile, st.sampled_from(["dtype", "numel", "depth", "device"]))
+def test_stager_constructor(value, param):
+    kwargs = {"dtype": "int32", "numel": 8, "depth": 2, "device": None}
+    kwargs[param] = value
+    dtype = kwargs.pop("dtype")
+    call_ok(lambda: pinstage.PinnedStager(dtype, **kwargs), param)
+
+
+@SETTINGS
+@given(hostile, st.sampled_from(["dst", "values", "pad_value", "mirror", "stream"]))
+def test_stager_copy(value, param):
+    st_ = pinstage.PinnedStager("int32", numel=8, depth=2)
+    dst = np.full(8, 3, np.int32)
+    args = {"dst": dst, "values": [1, 2], "pad_value": -1, "mirror": None, "stream": None}
+    args[param] = value
+    before = dst.copy()
+
+    def run():
+        st_.copy_(args["dst"], args["values"], args["pad_value"], args["mirror"], stream=args["stream"])
+
+    try:
+        run()
+    except ALLOWED:
+        np.testing.assert_array_equal(dst, before)  # a refused copy wrote nothing
+        return
+    except (TypeError, ValueError, OverflowError) as e:
+        assert param in str(e), e
+        np.testing.assert_array_equal(dst, before)
+
+
+@SETTINGS
+@given(hostile, st.sampled_from(["values", "stream"]))
+def test_bound_target_copy(value, param):
+    st_ = pinstage.PinnedStager("int64", numel=8, depth=2)
+    dst = np.full(6, 3, np.int64)
+    t = st_.target(dst, pad_value=0)
+    args = {"values": [1], "stream": None}
+    args[param] = value
+    call_ok(lambda: t.copy_(args["values"], stream=args["stream"]), param)
+
+
+@SETTINGS
+@given(hostile, hostile)
+def test_mirror(key, values):
+    m = pinstage.H2DMirror()
+    call_ok(lambda: m.record(key, values), "key", "values")
+    call_ok(lambda: m.matches(key, values), "key", "values")
+
+
+@SETTINGS
+@given(hostile, st.sampled_from(["nbytes", "dtype", "shape", "device"]))
+def test_pinned_array_constructors(value, param):
+    args = {"nbytes": 64, "dtype": "int32", "shape": 4, "device": None}
+    args[param] = value
+    call_ok(lambda: pinstage.alloc_pinned_numpy(args["nbytes"], args["dtype"], args["shape"], device=args["device"]), param)
+    if param != "nbytes":
+        call_ok(lambda: pinstage.empty_pinned(args["shape"], args["dtype"], device=args["device"]), param)
+
+
+@SETTINGS
+@given(hostile, st.sampled_from(["src", "dst", "stream"]))
+def test_copies(value, param):
+    args = {"src": np.arange(4, dtype=np.int32), "dst": None, "stream": None}
+    args[param] = value
+    call_ok(lambda: pinstage.copy_d2h(args["src"], args["dst"], stream=args["stream"]), param)
+    call_ok(lambda: pinstage.copy_d2h_async(args["src"], args["dst"], stream=args["stream"]).wait(), param)
+    h2d = {"dst": np.zeros(4, np.int32), "src": np.arange(4, dtype=np.int32), "stream": None}
+    h2d[param] = value
+    call_ok(lambda: pinstage.copy_h2d(h2d["dst"], h2d["src"], stream=h2d["stream"]), param)
+
+
+@SETTINGS
+@given(hostile)
+def test_module_functions(value):
+    call_ok(lambda: pinstage.set_pool_budget(value), "nbytes")
+    call_ok(lambda: pinstage.pool_stats(value), "device")
+    call_ok(lambda: pinstage.is_pinned(value), "obj")
+    p = pinstage.copy_d2h_async(np.arange(3))
+    call_ok(lambda: p.wait(timeout=value), "timeout")
+    pinstage.set_pool_budget(4 << 30)
