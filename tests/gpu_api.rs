@@ -164,10 +164,6 @@ fn gpu_driver_errors_are_typed_and_release_the_slot() {
         }
         other => panic!("a 1 PiB device allocation: {:?}", other.map(|b| b.len())),
     }
-    assert!(matches!(
-        PinnedBuffer::new(&dev, 1 << 50, PinnedFlags::PORTABLE),
-        Err(Error::Driver(_))
-    ));
     let st = common::stager::<u32>(0, 64, 1).unwrap();
     // SAFETY: an address no allocation holds; the driver refuses the copy before any DMA.
     let bogus = unsafe { DeviceView::from_meta(TensorMeta::cuda_1d(0, 0x10, DType::U32, 64)) };

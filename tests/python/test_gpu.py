@@ -362,11 +362,36 @@ def test_copies_run_on_the_stream_given(gpu, kind):
 
 
 def test_driver_refusals_are_cuda_driver_errors(gpu):
-    before = pinstage.pinned_bytes()
-    with pytest.raises(pinstage.CudaDriverError, match="cuMemHostAlloc"):
-        pinstage.empty_pinned(1 << 50, np.uint8)
-    assert pinstage.pinned_bytes() == before
-    assert issubclass(pinstage.CudaDriverError, RuntimeError)
+    """A producer that claims CUDA memory at an address no allocation holds: the driver refuses
+    the copy, pinstage raises CudaDriverError naming the call, and the stager stays usable. In a
+    subprocess: should a driver accept such a copy and fault, the context of this process must
+    not be the one poisoned."""
+    import subprocess
+    import sys
+
+    code = r"""
+import sys, numpy as np, torch, pinstage
+sys.path.insert(0, "tests/python")
+from conftest import CapsuleProducer, make_capsule
+st = pinstage.PinnedStager(np.int32, 16, 1)
+keep = np.zeros(1)
+bogus = CapsuleProducer(make_capsule(keep, data=0x10, device=(2, 0), shape=(16,)))
+try:
+    st.copy_(bogus, [1, 2])
+    print("accepted")
+except pinstage.CudaDriverError as e:
+    print("CudaDriverError", str(e)[:80])
+assert st.stats()["copies"] == 0
+d = torch.full((16,), -1, dtype=torch.int32, device="cuda")
+st.copy_(d, [1, 2], pad_value=0)
+torch.cuda.synchronize()
+assert d.tolist() == [1, 2] + [0] * 14, d.tolist()
+print("slot released")
+"""
+    root = __import__("pathlib").Path(__file__).parents[2]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "CudaDriverError cuMemcpy" in r.stdout and "slot released" in r.stdout, r.stdout
 
 
 def test_pinned_helpers_on_the_gpu(gpu):
