@@ -10,12 +10,20 @@ use pinstage::{
     DType, DeviceView, Error, PinnedBuffer, PinnedFlags, PinnedPool, Stream, TensorMeta,
 };
 
+/// These tests count process-wide pinned bytes: they run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_probe_and_device_enter() {
     let Some(dev) = gpu_or_skip("gpu_probe_and_device_enter") else {
         return;
     };
+    let _serial = serial();
     let p = pinstage::probe().unwrap();
     assert!(p.device_count >= 1 && p.driver_version >= 12080, "{p:?}");
     assert_eq!(pinstage::device_count().unwrap(), p.device_count);
@@ -54,6 +62,7 @@ fn gpu_events_query_and_wait_on() {
     let Some(dev) = gpu_or_skip("gpu_events_query_and_wait_on") else {
         return;
     };
+    let _serial = serial();
     let a = Stream::new(&dev).unwrap();
     let b = Stream::new(&dev).unwrap();
     let ev = dev.event().unwrap();
@@ -96,6 +105,7 @@ fn gpu_pinned_typed_views_pool_budget_and_bounce_cache() {
     let Some(dev) = gpu_or_skip("gpu_pinned_typed_views_pool_budget_and_bounce_cache") else {
         return;
     };
+    let _serial = serial();
     let before = pinstage::live_pinned_bytes();
     let mut b = PinnedBuffer::new(&dev, 4096, PinnedFlags::PORTABLE).unwrap();
     assert!(pinstage::live_pinned_bytes() >= before + 4096);
@@ -157,6 +167,7 @@ fn gpu_driver_errors_are_typed_and_release_the_slot() {
     let Some(dev) = gpu_or_skip("gpu_driver_errors_are_typed_and_release_the_slot") else {
         return;
     };
+    let _serial = serial();
     match DeviceBuffer::new(&dev, 1 << 50) {
         Err(Error::Driver(e)) => {
             assert_eq!(e.call(), "cuMemAlloc");

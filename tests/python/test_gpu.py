@@ -391,7 +391,8 @@ print("slot released")
     root = __import__("pathlib").Path(__file__).parents[2]
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "CudaDriverError cuMemcpy" in r.stdout and "slot released" in r.stdout, r.stdout
+    assert "CudaDriverError" in r.stdout and "cuMemcpyHtoDAsync" in r.stdout, r.stdout
+    assert "slot released" in r.stdout, r.stdout
 
 
 def test_pinned_helpers_on_the_gpu(gpu):
