@@ -14,6 +14,17 @@ pub use crate::h2d::ring;
 pub use crate::h2d::stager::row_shape;
 pub use crate::h2d::write::PARALLEL_WRITE_MIN;
 
+/// Whether a slot written with `(values_len, total, pad)` after one written with `old` keeps the
+/// old padding (so only the values and the gap need writing): the stager's layout memory.
+pub fn same_padding(
+    old: (usize, usize, Option<&[u8]>),
+    new: (usize, usize, Option<&[u8]>),
+) -> bool {
+    let a = crate::h2d::write::Layout::new(old.0, old.1, old.2);
+    let b = crate::h2d::write::Layout::new(new.0, new.1, new.2);
+    a.same_padding(&b)
+}
+
 /// Writes `values` then `pad` repeated up to `dst.len()` into `dst`, as the stager writes a slot.
 ///
 /// # Panics

@@ -292,3 +292,24 @@ fn byte_sizes_up_to_isize_max_only() {
         Err(DlpackError::SizeOverflow)
     );
 }
+
+#[test]
+fn metadata_keeps_the_device_type_and_integral_kinds() {
+    for (t, id) in [
+        (DL_CPU, 0),
+        (DL_CUDA_HOST, 0),
+        (DL_CUDA, 3),
+        (DL_CUDA_MANAGED, 1),
+    ] {
+        let mut d = desc(DType::I32, &[4], None);
+        d.device_type = t;
+        d.device_id = id;
+        assert_eq!(validate(&d).unwrap().device_type(), t);
+    }
+    let integral: Vec<DType> = DType::ALL.into_iter().filter(|d| d.is_integral()).collect();
+    assert_eq!(integral.len(), 9, "bool and the eight integer types");
+    assert!(!DType::F32.is_integral() && !DType::C64.is_integral() && !DType::BF16.is_integral());
+    assert!(DType::Bool.is_integral() && DType::U64.is_integral());
+    assert_eq!(pinstage::Bool8::from(true), pinstage::Bool8(1));
+    assert_eq!(pinstage::Bool8::from(false), pinstage::Bool8(0));
+}

@@ -68,3 +68,28 @@ fn write_padded_layout() {
         }
     }
 }
+
+#[test]
+fn padding_is_kept_only_for_the_same_pad_and_total() {
+    use pinstage::testing::same_padding;
+    let p4: &[u8] = &[1, 2, 3, 4];
+    let q4: &[u8] = &[1, 2, 3, 5];
+    assert!(same_padding((10, 64, Some(p4)), (20, 64, Some(p4))));
+    assert!(
+        !same_padding((10, 64, Some(p4)), (20, 64, Some(q4))),
+        "another pad value"
+    );
+    assert!(
+        !same_padding((10, 64, Some(p4)), (20, 128, Some(p4))),
+        "another total"
+    );
+    assert!(
+        !same_padding((10, 64, Some(&[1, 2])), (20, 64, Some(&[1, 2, 0, 0]))),
+        "another pad size"
+    );
+    assert!(
+        !same_padding((10, 64, None), (20, 64, None)),
+        "no padding to keep"
+    );
+    assert!(!same_padding((10, 64, None), (20, 64, Some(p4))));
+}

@@ -31,3 +31,13 @@ fn key_distinguishes_pad() {
     assert_ne!(a.as_bytes(), b.as_bytes());
     assert_ne!(b.as_bytes(), c.as_bytes());
 }
+
+#[test]
+fn validity_follows_record_and_invalidate() {
+    let mut m = H2DMirror::new();
+    assert!(!m.is_valid());
+    m.record(b"k", &[1]);
+    assert!(m.is_valid());
+    m.invalidate();
+    assert!(!m.is_valid());
+}

@@ -339,3 +339,33 @@ fn threads_on_two_streams_never_rewrite_a_pending_slot(#[values(false, true)] ea
     let read = |s: usize| bufs[s].load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(sim.drain(&read), 4 * per as usize);
 }
+
+#[test]
+fn depth_is_the_number_of_slots() {
+    for d in [1usize, 2, 7, 16] {
+        assert_eq!(Ring::new(d).depth(), d);
+    }
+}
+
+/// Streams racing for the table's free entries each get their own: a claim CAS lost to
+/// another stream's ID must not be taken as this stream's entry.
+#[test]
+fn racing_streams_get_distinct_table_entries() {
+    for round in 0..if cfg!(miri) { 3 } else { 2000 } {
+        let ring = Arc::new(Ring::new(4));
+        let barrier = Arc::new(std::sync::Barrier::new(4));
+        let hs: Vec<_> = (0..4u64)
+            .map(|t| {
+                let (ring, barrier) = (ring.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    ring.mark(Some(1000 * round + t))
+                })
+            })
+            .collect();
+        let mut marks: Vec<u8> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        marks.sort_unstable();
+        marks.dedup();
+        assert_eq!(marks.len(), 4, "round {round}: two streams share an entry");
+    }
+}
