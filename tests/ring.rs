@@ -369,3 +369,24 @@ fn racing_streams_get_distinct_table_entries() {
         assert_eq!(marks.len(), 4, "round {round}: two streams share an entry");
     }
 }
+
+/// Threads of one stream racing to enter it in the table all get the same entry.
+#[test]
+fn racing_threads_of_one_stream_share_its_entry() {
+    for round in 0..if cfg!(miri) { 3 } else { 2000 } {
+        let ring = Arc::new(Ring::new(4));
+        let barrier = Arc::new(std::sync::Barrier::new(4));
+        let hs: Vec<_> = (0..4)
+            .map(|_| {
+                let (ring, barrier) = (ring.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    ring.mark(Some(77 + round))
+                })
+            })
+            .collect();
+        let marks: Vec<u8> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(marks.iter().all(|&m| m == marks[0]), "round {round}: {marks:?}");
+        assert_eq!(ring.mark(Some(78 + round)), 1, "one entry used by the stream, the next free");
+    }
+}
