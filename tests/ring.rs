@@ -386,7 +386,14 @@ fn racing_threads_of_one_stream_share_its_entry() {
             })
             .collect();
         let marks: Vec<u8> = hs.into_iter().map(|h| h.join().unwrap()).collect();
-        assert!(marks.iter().all(|&m| m == marks[0]), "round {round}: {marks:?}");
-        assert_eq!(ring.mark(Some(78 + round)), 1, "one entry used by the stream, the next free");
+        assert!(
+            marks.iter().all(|&m| m == marks[0]),
+            "round {round}: {marks:?}"
+        );
+        assert_eq!(
+            ring.mark(Some(78 + round)),
+            1,
+            "one entry used by the stream, the next free"
+        );
     }
 }
