@@ -1,22 +1,25 @@
 //! Stream handles (borrowed from frameworks) and owned streams.
 
+use std::marker::PhantomData;
+
 use crate::driver::{self, CUstream};
 use crate::error::{Error, Result, on_drop};
 
 use super::{Current, Device};
 
 /// A CUDA stream handle, as frameworks hand them out (`torch.cuda.Stream.cuda_stream`,
-/// `cupy.cuda.Stream.ptr`). The driver dereferences a handle without validating it, so one can
-/// only be made from an integer through the `unsafe` [`StreamHandle::from_raw`], or taken from
-/// a [`Stream`] this crate owns, or be one of the special handles.
+/// `cupy.cuda.Stream.ptr`). The driver dereferences a handle without validating it, so one is
+/// made from an integer only through the `unsafe` [`StreamHandle::from_raw`], or borrowed from
+/// a [`Stream`] this crate owns (`'s` is that borrow: the handle cannot outlive the stream), or
+/// is one of the special handles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub struct StreamHandle(usize);
+pub struct StreamHandle<'s>(usize, PhantomData<&'s Stream>);
 
-impl StreamHandle {
+impl StreamHandle<'static> {
     /// The legacy default stream (handle 0).
-    pub const LEGACY: StreamHandle = StreamHandle(0);
+    pub const LEGACY: StreamHandle<'static> = StreamHandle(0, PhantomData);
     /// The per-thread default stream (`CU_STREAM_PER_THREAD`, handle 2).
-    pub const PER_THREAD: StreamHandle = StreamHandle(2);
+    pub const PER_THREAD: StreamHandle<'static> = StreamHandle(2, PhantomData);
 
     /// A handle from its integer value.
     ///
@@ -35,9 +38,11 @@ impl StreamHandle {
         if handle > 2 && (handle < 0x1_0000 || handle % 8 != 0) {
             return Err(Error::BadStreamHandle { handle });
         }
-        Ok(Self(handle))
+        Ok(Self(handle, PhantomData))
     }
+}
 
+impl StreamHandle<'_> {
     /// The integer value of the handle.
     #[inline]
     pub fn as_raw(self) -> usize {
@@ -69,7 +74,7 @@ impl StreamHandle {
     /// tracks the stream's copies slot by slot.
     #[inline]
     pub(crate) fn tracking_id(self, _cur: &Current<'_>) -> Option<u64> {
-        if self == Self::PER_THREAD {
+        if self.0 == StreamHandle::PER_THREAD.0 {
             return None;
         }
         // SAFETY: as in `is_capturing`.
@@ -110,9 +115,20 @@ impl Stream {
         })
     }
 
-    /// The handle to pass to copy functions.
-    pub fn handle(&self) -> StreamHandle {
-        StreamHandle(self.raw as usize)
+    /// The handle to pass to copy functions; it borrows the stream, so it cannot outlive it:
+    ///
+    /// ```compile_fail
+    /// # fn f(dev: &pinstage::Device) -> pinstage::Result<()> {
+    /// let handle = {
+    ///     let stream = pinstage::Stream::new(dev)?;
+    ///     stream.handle()
+    /// }; // the stream is destroyed here, and the driver would dereference its handle
+    /// # let _ = handle;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn handle(&self) -> StreamHandle<'_> {
+        StreamHandle(self.raw as usize, PhantomData)
     }
 
     /// The device.

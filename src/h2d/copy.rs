@@ -18,7 +18,7 @@ pub struct RawCopy<'a> {
     pub(super) dst: &'a DeviceView<'a>,
     pub(super) pad: Option<&'a [u8]>,
     pub(super) mirror: Option<&'a mut H2DMirror>,
-    pub(super) stream: StreamHandle,
+    pub(super) stream: StreamHandle<'a>,
     pub(super) wait: Option<&'a mut WaitFn<'a>>,
 }
 
@@ -39,7 +39,7 @@ impl<'a> RawCopy<'a> {
     }
 
     /// The stream to copy on (default: the legacy default stream).
-    pub fn stream(mut self, stream: StreamHandle) -> Self {
+    pub fn stream(mut self, stream: StreamHandle<'a>) -> Self {
         self.stream = stream;
         self
     }
@@ -186,7 +186,7 @@ impl<'a, T: Element> Copy<'a, T> {
     }
 
     /// The stream to copy on (default: the legacy default stream).
-    pub fn stream(mut self, stream: StreamHandle) -> Self {
+    pub fn stream(mut self, stream: StreamHandle<'a>) -> Self {
         self.raw = self.raw.stream(stream);
         self
     }

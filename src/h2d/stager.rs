@@ -642,5 +642,5 @@ struct Job<'a> {
     values: &'a [u8],
     pad: Option<&'a [u8]>,
     total: usize,
-    stream: StreamHandle,
+    stream: StreamHandle<'a>,
 }

@@ -39,7 +39,7 @@ pub(crate) struct Imported {
     pub _owner: Owner,
     /// The stream the data is ready on: the producer's current work stream (exchange API) or the
     /// stream negotiated through `__dlpack__`.
-    pub stream: StreamHandle,
+    pub stream: StreamHandle<'static>,
     /// The producer's exchange table, when it offers one (to re-query its current stream).
     pub exchange: Option<Exchange>,
 }
@@ -114,7 +114,7 @@ impl Exchange {
         py: Python<'_>,
         device_type: u32,
         id: i32,
-    ) -> PyResult<StreamHandle> {
+    ) -> PyResult<StreamHandle<'static>> {
         let f = self.0.current_work_stream.expect("checked in `of`");
         let mut out: *mut std::ffi::c_void = std::ptr::null_mut();
         // SAFETY: a valid table function; the out-pointer is valid; GIL held.
@@ -153,14 +153,14 @@ impl Exchange {
 }
 
 /// A producer's stream pointer as a handle.
-fn stream_from_producer(raw: usize) -> PyResult<StreamHandle> {
+fn stream_from_producer(raw: usize) -> PyResult<StreamHandle<'static>> {
     // SAFETY: the producer's own current work stream for the tensor's device, alive while the
     // producer uses it (the DLPack exchange contract).
     unsafe { StreamHandle::from_raw(raw) }.map_err(PyErr::from)
 }
 
 /// Our consumer stream, as dlpark passes it to `__dlpack__(stream=...)`.
-struct Consumer(StreamHandle);
+struct Consumer(StreamHandle<'static>);
 
 // SAFETY: a CUDA stream handle encoded by dlpark's CUDA rules for CUDA devices, and no stream
 // for host devices; the handle is a special one or a live stream its maker vouched for.
@@ -176,7 +176,9 @@ unsafe impl DlpackStream for Consumer {
 
 /// Parses a `stream=` argument: None, an int handle, an object with `__cuda_stream__()`, a torch
 /// stream (`.cuda_stream`) or a cupy stream (`.ptr`).
-pub(crate) fn parse_stream(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<StreamHandle>> {
+pub(crate) fn parse_stream(
+    obj: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<StreamHandle<'static>>> {
     let Some(obj) = obj.filter(|o| !o.is_none()) else {
         return Ok(None);
     };
@@ -266,7 +268,10 @@ fn is_cuda(device_type: u32) -> bool {
 
 /// Imports any DLPack producer. `stream`: the consumer stream the caller will use, or `None` for
 /// "the producer's current work stream if it has an exchange table, else the legacy default".
-pub(crate) fn import(obj: &Bound<'_, PyAny>, stream: Option<StreamHandle>) -> PyResult<Imported> {
+pub(crate) fn import(
+    obj: &Bound<'_, PyAny>,
+    stream: Option<StreamHandle<'static>>,
+) -> PyResult<Imported> {
     let exchange = Exchange::of(obj)?;
     if let Some(ex) = &exchange
         && stream.is_none()
@@ -296,7 +301,10 @@ pub(crate) fn import(obj: &Bound<'_, PyAny>, stream: Option<StreamHandle>) -> Py
 
 /// The standard protocol through dlpark; for producers that reject `max_version` (numpy < 2.1),
 /// `__dlpack__(stream=...)` and then `__dlpack__()`, which dlpark does not retry.
-fn import_standard(obj: &Bound<'_, PyAny>, stream: StreamHandle) -> PyResult<ImportedDlpack> {
+fn import_standard(
+    obj: &Bound<'_, PyAny>,
+    stream: StreamHandle<'static>,
+) -> PyResult<ImportedDlpack> {
     let py = obj.py();
     if !obj.is_instance_of::<PyCapsule>() && !obj.hasattr(pyo3::intern!(py, "__dlpack__"))? {
         return Err(type_err(format!(
@@ -434,7 +442,7 @@ pub(crate) fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<crate::DType> {
 /// and read-only tensors, before anything is written.
 pub(crate) fn import_destination(
     dst: &Bound<'_, PyAny>,
-    stream: Option<StreamHandle>,
+    stream: Option<StreamHandle<'static>>,
 ) -> PyResult<Imported> {
     let imp = import(dst, stream)?;
     // JAX arrays offer no C exchange table: the check costs nothing on the torch path.

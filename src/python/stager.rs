@@ -89,7 +89,7 @@ impl PyStager {
         values: &[u8],
         pad: Option<&[u8]>,
         mirror: Option<&Mutex<CoreMirror>>,
-        stream: StreamHandle,
+        stream: StreamHandle<'static>,
     ) -> PyResult<bool> {
         // A thread waiting for the mirror while holding the GIL would deadlock with the holder
         // (which may be waiting for the GIL): lock it with the GIL released when contended.
@@ -142,7 +142,7 @@ impl PyStager {
 /// The stream and pad of a copy.
 fn options<'a>(
     c: crate::RawCopy<'a>,
-    stream: StreamHandle,
+    stream: StreamHandle<'a>,
     pad: Option<&'a [u8]>,
 ) -> crate::RawCopy<'a> {
     let c = c.stream(stream);
