@@ -1,10 +1,11 @@
 //! Loom models of the slot protocol (`src/h2d/ring.rs`), run by `scripts/test` with
 //! `RUSTFLAGS="--cfg loom"` and debug assertions on.
 //!
-//! Loom model of the slot protocol with the simulated driver (`sim`): writer threads claim a
-//! slot; when it was `IN_FLIGHT` they learn its copy completed (watermark, a query half a ring
-//! ahead, or their own event, as the stager does; waiting = querying until complete), then
-//! optionally grow the buffer, write their value, issue the copy, record the event and release.
+//! Loom model of the slot protocol with the simulated driver (`sim`): writer threads run the
+//! stager's own protocol code, `Ring::drive`, with a `SlotOwner` whose steps are the simulated
+//! driver's: claim a slot; when it was `IN_FLIGHT` learn its copy completed (watermark, a query
+//! ahead, or their own event; waiting = querying until complete), then optionally grow the
+//! buffer, write their value, issue the copy, record the event and release.
 //! The buffers are loom cells: any write to a buffer that is not ordered after the completion
 //! of its last copy (where the simulated engine reads it) is a data race loom reports; the
 //! engine also checks the value it reads. Copies left at the end are completed by "drop".
@@ -42,42 +43,80 @@ impl Model {
     }
 }
 
+/// The stager's side of `Ring::drive` against the simulated driver: `fill` writes the slot's
+/// buffer (a loom cell), `send` and `record` log the copy and the event; `fails` makes the copy
+/// call fail after the slot was written.
+struct SimOwner<'m> {
+    m: &'m Model,
+    stream: usize,
+    value: u64,
+    grow: bool,
+    fails: bool,
+}
+
+impl SlotOwner for SimOwner<'_> {
+    type Error = ();
+
+    fn query(&mut self, slot: usize) -> Result<bool, ()> {
+        Ok(self.m.sim.query(slot, &|s| self.m.read(s)))
+    }
+
+    fn wait(&mut self, slot: usize) -> Result<(), ()> {
+        while !self.m.sim.query(slot, &|s| self.m.read(s)) {}
+        Ok(())
+    }
+
+    fn fill(&mut self, slot: usize) -> Result<(), ()> {
+        let (grow, value) = (self.grow, self.value);
+        // SAFETY: `drive` gave us the slot and its last copy completed; loom checks exactly that.
+        unsafe {
+            self.m.bufs[slot].with_mut(|b| {
+                if grow {
+                    *b = vec![0; (*b).len() * 2];
+                }
+                for x in (*b).iter_mut() {
+                    *x = value;
+                }
+            })
+        };
+        Ok(())
+    }
+
+    fn stream_id(&mut self) -> Option<u64> {
+        Some(7 + self.stream as u64)
+    }
+
+    fn send(&mut self, slot: usize) -> Result<(), ()> {
+        if self.fails {
+            // The copy call fails after the slot was written: nothing was issued, `drive` gives
+            // the slot back idle, and the next owner writes it without asking the driver
+            // anything. Only the claim's Acquire and the release's Release order the two writes.
+            return Err(());
+        }
+        self.m.sim.copy(self.stream, slot, self.value);
+        Ok(())
+    }
+
+    fn record(&mut self, slot: usize) -> Result<(), ()> {
+        self.m.sim.record(self.stream, slot);
+        Ok(())
+    }
+
+    fn settle(&mut self) -> bool {
+        true
+    }
+}
+
+/// One copy through the stager's own protocol code (`Ring::drive`).
 fn writer(m: &Model, stream: usize, value: u64, grow: bool, fails: bool) {
-    let read = |s: usize| m.read(s);
-    let c = m.ring.claim();
-    if c.was_in_flight()
-        && !m
-            .ring
-            .check(&c, &mut |j| Ok::<_, ()>(m.sim.query(j, &read)))
-            .unwrap()
-    {
-        while !m.sim.query(c.index, &read) {}
-    }
-    // SAFETY: we own the slot and its last copy completed.
-    unsafe {
-        m.bufs[c.index].with_mut(|b| {
-            if grow {
-                *b = vec![0; (*b).len() * 2];
-            }
-            for x in (*b).iter_mut() {
-                *x = value;
-            }
-        })
-    };
-    if fails {
-        // The copy call failed after the slot was written: nothing was issued, the slot goes
-        // back idle, and the next owner writes it without asking the driver anything. Only the
-        // claim's Acquire and the release's Release order the two writes.
-        m.ring.release(c.index, Release::Idle);
-        return;
-    }
-    let mark = m.ring.mark(Some(7 + stream as u64));
-    let begin = m.ring.begin(mark);
-    m.sim.copy(stream, c.index, value);
-    m.sim.record(stream, c.index);
-    let done = m.ring.done(mark);
-    m.ring
-        .release(c.index, Release::InFlight { mark, begin, done });
+    let r = m.ring.drive(&mut SimOwner {
+        m,
+        stream,
+        value,
+        grow,
+        fails,
+    });
+    assert_eq!(r.is_err(), fails);
 }
 
 fn run(depth: usize, threads: u64, copies_each: u64, grow: bool, streams: usize) {

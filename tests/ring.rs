@@ -310,25 +310,18 @@ fn threads_on_two_streams_never_rewrite_a_pending_slot(#[values(false, true)] ea
         .map(|t| {
             let (ring, sim, bufs) = (ring.clone(), sim.clone(), bufs.clone());
             std::thread::spawn(move || {
-                let read = |s: usize| bufs[s].load(std::sync::atomic::Ordering::Relaxed);
                 let stream = (t % 2) as usize;
-                let mark = ring.mark(Some(100 + stream as u64));
                 for k in 0..per {
                     let v = (t + 1) << 40 | k;
-                    let c = ring.claim();
-                    if c.was_in_flight()
-                        && !ring
-                            .check(&c, &mut |j| Ok::<_, ()>(sim.query(j, &read)))
-                            .unwrap()
-                    {
-                        while !sim.query(c.index, &read) {}
-                    }
-                    bufs[c.index].store(v, std::sync::atomic::Ordering::Relaxed);
-                    let begin = ring.begin(mark);
-                    sim.copy(stream, c.index, v);
-                    sim.record(stream, c.index);
-                    let done = ring.done(mark);
-                    ring.release(c.index, Release::InFlight { mark, begin, done });
+                    // The stager's own protocol code, with the simulated driver's steps.
+                    ring.drive(&mut StdOwner {
+                        sim: &sim,
+                        bufs: &bufs,
+                        stream,
+                        value: v,
+                        queries: None,
+                    })
+                    .unwrap();
                 }
             })
         })
@@ -394,6 +387,166 @@ fn racing_threads_of_one_stream_share_its_entry() {
             ring.mark(Some(78 + round)),
             1,
             "one entry used by the stream, the next free"
+        );
+    }
+}
+
+/// The stager's side of `Ring::drive` against the simulated driver (std atomics as buffers).
+struct StdOwner<'a> {
+    sim: &'a Sim,
+    bufs: &'a [StdU64],
+    stream: usize,
+    value: u64,
+    queries: Option<&'a mut usize>,
+}
+
+impl SlotOwner for StdOwner<'_> {
+    type Error = ();
+
+    fn query(&mut self, slot: usize) -> Result<bool, ()> {
+        if let Some(q) = self.queries.as_deref_mut() {
+            *q += 1;
+        }
+        let bufs = self.bufs;
+        Ok(self.sim.query(slot, &|s| {
+            bufs[s].load(std::sync::atomic::Ordering::Relaxed)
+        }))
+    }
+
+    fn wait(&mut self, slot: usize) -> Result<(), ()> {
+        let bufs = self.bufs;
+        while !self.sim.query(slot, &|s| {
+            bufs[s].load(std::sync::atomic::Ordering::Relaxed)
+        }) {}
+        Ok(())
+    }
+
+    fn fill(&mut self, slot: usize) -> Result<(), ()> {
+        self.bufs[slot].store(self.value, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn stream_id(&mut self) -> Option<u64> {
+        Some(100 + self.stream as u64)
+    }
+
+    fn send(&mut self, slot: usize) -> Result<(), ()> {
+        self.sim.copy(self.stream, slot, self.value);
+        Ok(())
+    }
+
+    fn record(&mut self, slot: usize) -> Result<(), ()> {
+        self.sim.record(self.stream, slot);
+        Ok(())
+    }
+
+    fn settle(&mut self) -> bool {
+        true
+    }
+}
+
+/// A `SlotOwner` whose step `at` fails.
+struct Failing {
+    at: &'static str,
+    settles: bool,
+    complete: bool,
+}
+
+impl Failing {
+    fn step(&self, name: &'static str) -> Result<(), &'static str> {
+        if self.at == name { Err(name) } else { Ok(()) }
+    }
+}
+
+impl SlotOwner for Failing {
+    type Error = &'static str;
+
+    fn query(&mut self, _: usize) -> Result<bool, &'static str> {
+        self.step("query").map(|()| self.complete)
+    }
+
+    fn wait(&mut self, _: usize) -> Result<(), &'static str> {
+        self.step("wait")
+    }
+
+    fn fill(&mut self, _: usize) -> Result<(), &'static str> {
+        self.step("fill")
+    }
+
+    fn stream_id(&mut self) -> Option<u64> {
+        Some(9)
+    }
+
+    fn send(&mut self, _: usize) -> Result<(), &'static str> {
+        self.step("send")
+    }
+
+    fn record(&mut self, _: usize) -> Result<(), &'static str> {
+        self.step("record")
+    }
+
+    fn settle(&mut self) -> bool {
+        self.settles
+    }
+}
+
+/// `drive` gives the slot back in the state each failing step leaves it in.
+#[test]
+fn drive_releases_the_slot_on_every_error() {
+    let ok = |ring: &Ring| {
+        ring.drive(&mut Failing {
+            at: "",
+            settles: true,
+            complete: true,
+        })
+        .unwrap()
+    };
+    // A fresh ring of 1: fill, send and record fail.
+    for (at, settles, in_flight) in [
+        ("fill", true, false),
+        ("send", true, false),
+        ("record", true, false),
+        ("record", false, true),
+    ] {
+        let ring = Ring::new(1);
+        let e = ring
+            .drive(&mut Failing {
+                at,
+                settles,
+                complete: true,
+            })
+            .unwrap_err();
+        assert_eq!(e, at);
+        assert_eq!(
+            ring.word(0).kind() == IN_FLIGHT,
+            in_flight,
+            "{at}, settles {settles}"
+        );
+        assert_ne!(
+            ring.word(0).kind(),
+            WRITING,
+            "{at}: the slot was given back"
+        );
+        assert_eq!(ok(&ring), 0, "the slot is usable again");
+    }
+    // A slot whose copy may still run: a failed query or wait restores its word.
+    for (at, complete) in [("query", true), ("wait", false)] {
+        let ring = Ring::new(1);
+        ok(&ring);
+        let before = ring.word(0);
+        assert!(before.in_flight());
+        let e = ring
+            .drive(&mut Failing {
+                at,
+                settles: true,
+                complete,
+            })
+            .unwrap_err();
+        assert_eq!(e, at);
+        assert_eq!(
+            ring.word(0),
+            before,
+            "{at}: the previous copy's word is back"
         );
     }
 }

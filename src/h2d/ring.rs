@@ -419,6 +419,86 @@ impl Ring {
     }
 }
 
+/// What the owner of a claimed slot does with the device, for [`Ring::drive`]: the stager's
+/// CUDA calls, or a simulated driver in the tests and the loom models, which so drive the
+/// stager's own protocol code.
+pub trait SlotOwner {
+    /// The error of a step.
+    type Error;
+    /// `Ok(true)` once the copy last recorded on slot `slot`'s event completed (never blocks).
+    fn query(&mut self, slot: usize) -> Result<bool, Self::Error>;
+    /// Blocks until slot `slot`'s last copy completed.
+    fn wait(&mut self, slot: usize) -> Result<(), Self::Error>;
+    /// Writes slot `slot`'s buffer: its last copy completed and nobody else touches it.
+    fn fill(&mut self, slot: usize) -> Result<(), Self::Error>;
+    /// The driver's ID of the stream the copy goes on (`None`: untracked).
+    fn stream_id(&mut self) -> Option<u64>;
+    /// Issues the copy from slot `slot`'s buffer.
+    fn send(&mut self, slot: usize) -> Result<(), Self::Error>;
+    /// Records slot `slot`'s event after the copy.
+    fn record(&mut self, slot: usize) -> Result<(), Self::Error>;
+    /// After a failed record: waits for the stream; `false` if even that failed.
+    fn settle(&mut self) -> bool;
+}
+
+impl Ring {
+    /// One copy through the ring: claims a slot, learns that its last copy completed (the
+    /// stream's watermark, one query, or waiting), has `owner` write the slot, send the copy and
+    /// record the slot's event, and releases the slot, on every error too, in the state that
+    /// error leaves it in. Returns the slot used.
+    ///
+    /// # Errors
+    /// The first error of `owner`'s steps; the slot is released: restored (its previous copy
+    /// may still run) when learning failed, idle when the copy was not issued, in flight and
+    /// untracked when even waiting for the stream failed after a failed record.
+    pub fn drive<O: SlotOwner>(&self, owner: &mut O) -> Result<usize, O::Error> {
+        let claim = self.claim();
+        let (result, how) = self.own(&claim, owner);
+        self.release(claim.index, how);
+        result.map(|()| claim.index)
+    }
+
+    #[inline]
+    fn own<O: SlotOwner>(&self, claim: &Claim, owner: &mut O) -> (Result<(), O::Error>, Release) {
+        if claim.was_in_flight() {
+            match self.check(claim, &mut |j| owner.query(j)) {
+                Ok(true) => {}
+                Ok(false) => {
+                    if let Err(e) = owner.wait(claim.index) {
+                        return (Err(e), Release::Restore(claim.prev));
+                    }
+                }
+                // Nothing changed: the slot's previous copy may still run, its word says so.
+                Err(e) => return (Err(e), Release::Restore(claim.prev)),
+            }
+        }
+        if let Err(e) = owner.fill(claim.index) {
+            return (Err(e), Release::Idle);
+        }
+        let mark = self.mark(owner.stream_id());
+        let begin = self.begin(mark);
+        if let Err(e) = owner.send(claim.index) {
+            return (Err(e), Release::Idle);
+        }
+        if let Err(e) = owner.record(claim.index) {
+            // The copy cannot be tracked by its event: idle once the stream was waited for;
+            // else in flight and unmarked, so a claimer asks the driver (the context is failing).
+            let how = if owner.settle() {
+                Release::Idle
+            } else {
+                Release::InFlight {
+                    mark: NO_MARK,
+                    begin: 0,
+                    done: 0,
+                }
+            };
+            return (Err(e), how);
+        }
+        let done = self.done(mark);
+        (Ok(()), Release::InFlight { mark, begin, done })
+    }
+}
+
 /// Direct access to the words, for tests that play another thread's part at a chosen moment.
 #[cfg(any(feature = "testing", loom))]
 impl Ring {

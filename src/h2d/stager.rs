@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering as StatOrdering};
 
 use super::copy::RawCopy;
 use super::mirror::CopyKey;
-use super::ring::{Claim, NO_MARK, Release, Ring};
+use super::ring::{Ring, SlotOwner};
 use super::write::{Layout, PARALLEL_WRITE_MIN, store_fence, write_padded, write_padded_parallel};
 use crate::cuda::{Current, Device, Event, StreamHandle};
 use crate::driver;
@@ -445,102 +445,21 @@ impl Stager {
         }
     }
 
-    /// Claims a slot, writes it and issues the one copy; the slot is released whatever happens.
+    /// Claims a slot, writes it and issues the one copy (the ring's [`Ring::drive`] with the
+    /// CUDA calls below); the slot is released whatever happens.
     fn issue(
         &self,
         cur: &Current<'_>,
         job: Job<'_>,
         wait: &mut dyn FnMut(&Event) -> Result<()>,
     ) -> Result<usize> {
-        let claim = self.ring.claim();
-        let (result, how) = self.fill_and_send(cur, &claim, &job, wait);
-        self.ring.release(claim.index, how);
-        result.map(|()| claim.index)
-    }
-
-    /// The owner's work on a claimed slot: learn its last copy completed, write it, copy from it,
-    /// record its event. Returns how the slot is to be released, on success and on error.
-    #[inline]
-    fn fill_and_send(
-        &self,
-        cur: &Current<'_>,
-        claim: &Claim,
-        job: &Job<'_>,
-        wait: &mut dyn FnMut(&Event) -> Result<()>,
-    ) -> (Result<()>, Release) {
-        let slot = &self.slots[claim.index];
-        if claim.was_in_flight()
-            && let Err(e) = self.ensure_complete(claim, slot, wait)
-        {
-            // Nothing changed: the slot's previous copy may still run, its word says so.
-            return (Err(e), Release::Restore(claim.prev));
-        }
-        // SAFETY: we own the slot (state WRITING) and its last copy completed, so nobody else
-        // reads or writes the buffer until we release it.
-        let src = match unsafe { slot.buf.with_mut(|b| self.fill(&mut *b, cur, job)) } {
-            Ok(src) => src,
-            Err(e) => return (Err(e), Release::Idle),
-        };
-        // The buffer is write-combined: drain the CPU's write-combining buffers before the copy
-        // engine may read it.
-        store_fence();
-        let stream = job.stream;
-        let mark = self.ring.mark(stream.tracking_id(cur));
-        let begin = self.ring.begin(mark);
-        // SAFETY: `src` holds `total` bytes and stays untouched until the event recorded below
-        // completed (ring protocol); `dst` is device memory of this device of at least `total`
-        // bytes (the view's contract, size and device checked); the stream is a special handle,
-        // ours, or vouched for by its maker; the context is current (`cur`).
-        #[cfg(not(pinstage_seeded_bug = "skip_copy"))]
-        let sent = unsafe {
-            match row_shape(job.total).filter(|_| job.dst % ROW_DST_ALIGN == 0) {
-                Some((width, height)) => driver::mem::memcpy_2d_htod_async(
-                    job.dst,
-                    src.cast(),
-                    width,
-                    height,
-                    stream.raw(),
-                ),
-                None => {
-                    driver::mem::memcpy_htod_async(job.dst, src.cast(), job.total, stream.raw())
-                }
-            }
-        };
-        // The seeded-bug harness's "the stager skips the copy" (`scripts/gpu-run broken`): the
-        // slot is written and its event recorded, but nothing reaches the device.
-        #[cfg(pinstage_seeded_bug = "skip_copy")]
-        let sent: std::result::Result<(), crate::DriverError> = {
-            let _ = src;
-            Ok(())
-        };
-        if let Err(e) = sent {
-            return (Err(e.into()), Release::Idle);
-        }
-        if let Err(e) = slot.event.record_in(cur, stream) {
-            return (Err(e), Self::untracked(cur, stream));
-        }
-        let done = self.ring.done(mark);
-        (Ok(()), Release::InFlight { mark, begin, done })
-    }
-
-    /// Learns that the claimed slot's last copy completed: through the stream's watermark or one
-    /// query (see the slot ring's protocol), else by `wait`ing for its event.
-    #[inline]
-    fn ensure_complete(
-        &self,
-        claim: &Claim,
-        slot: &Slot,
-        wait: &mut dyn FnMut(&Event) -> Result<()>,
-    ) -> Result<()> {
-        let known = self.ring.check(claim, &mut |j| {
-            add(&self.stats.queries, 1);
-            self.slots[j].event.query()
-        })?;
-        if !known {
-            add(&self.stats.waits, 1);
-            wait(&slot.event)?;
-        }
-        Ok(())
+        self.ring.drive(&mut CudaOwner {
+            stager: self,
+            cur,
+            job: &job,
+            wait,
+            src: std::ptr::null(),
+        })
     }
 
     /// Writes values and padding into the slot's buffer (growing it first if needed); returns
@@ -587,20 +506,93 @@ impl Stager {
         add(&self.stats.growths, 1);
         Ok(())
     }
+}
 
-    /// The copy was issued but its event could not be recorded: wait for the stream so the slot
-    /// is free; if even that fails (the context is failing, every later call errs too), release
-    /// it in flight and unmarked, so a claimer asks the driver.
+/// The stager's side of [`Ring::drive`]: the CUDA calls of one copy.
+struct CudaOwner<'s, 'c, 'd, 'j, 'w> {
+    stager: &'s Stager,
+    cur: &'c Current<'d>,
+    job: &'j Job<'j>,
+    wait: &'w mut dyn FnMut(&Event) -> Result<()>,
+    /// Where the copy reads from, once `fill` wrote the slot.
+    src: *const u8,
+}
+
+impl SlotOwner for CudaOwner<'_, '_, '_, '_, '_> {
+    type Error = Error;
+
+    #[inline]
+    fn query(&mut self, slot: usize) -> Result<bool> {
+        add(&self.stager.stats.queries, 1);
+        self.stager.slots[slot].event.query()
+    }
+
     #[cold]
-    fn untracked(cur: &Current<'_>, stream: StreamHandle) -> Release {
-        match stream.synchronize(cur) {
-            Ok(()) => Release::Idle,
-            Err(_) => Release::InFlight {
-                mark: NO_MARK,
-                begin: 0,
-                done: 0,
-            },
-        }
+    fn wait(&mut self, slot: usize) -> Result<()> {
+        add(&self.stager.stats.waits, 1);
+        (self.wait)(&self.stager.slots[slot].event)
+    }
+
+    #[inline]
+    fn fill(&mut self, slot: usize) -> Result<()> {
+        let buf = &self.stager.slots[slot].buf;
+        // SAFETY: we own the slot (state WRITING) and its last copy completed (`drive`), so
+        // nobody else reads or writes the buffer until we release it.
+        self.src = unsafe { buf.with_mut(|b| self.stager.fill(&mut *b, self.cur, self.job)) }?;
+        // The buffer is write-combined: drain the CPU's write-combining buffers before the copy
+        // engine may read it.
+        store_fence();
+        Ok(())
+    }
+
+    #[inline]
+    fn stream_id(&mut self) -> Option<u64> {
+        self.job.stream.tracking_id(self.cur)
+    }
+
+    #[inline]
+    fn send(&mut self, _slot: usize) -> Result<()> {
+        let (job, src) = (self.job, self.src);
+        let stream = job.stream;
+        // SAFETY: `src` holds `total` bytes and stays untouched until the event recorded next
+        // completed (ring protocol); `dst` is device memory of this device of at least `total`
+        // bytes (the view's contract, size and device checked); the stream is a special handle,
+        // ours, or vouched for by its maker; the context is current (`cur`).
+        #[cfg(not(pinstage_seeded_bug = "skip_copy"))]
+        let sent = unsafe {
+            match row_shape(job.total).filter(|_| job.dst % ROW_DST_ALIGN == 0) {
+                Some((width, height)) => driver::mem::memcpy_2d_htod_async(
+                    job.dst,
+                    src.cast(),
+                    width,
+                    height,
+                    stream.raw(),
+                ),
+                None => {
+                    driver::mem::memcpy_htod_async(job.dst, src.cast(), job.total, stream.raw())
+                }
+            }
+        };
+        // The seeded-bug harness's "the stager skips the copy" (`scripts/gpu-run broken`): the
+        // slot is written and its event recorded, but nothing reaches the device.
+        #[cfg(pinstage_seeded_bug = "skip_copy")]
+        let sent: std::result::Result<(), crate::DriverError> = {
+            let _ = (src, stream);
+            Ok(())
+        };
+        Ok(sent?)
+    }
+
+    #[inline]
+    fn record(&mut self, slot: usize) -> Result<()> {
+        self.stager.slots[slot]
+            .event
+            .record_in(self.cur, self.job.stream)
+    }
+
+    #[cold]
+    fn settle(&mut self) -> bool {
+        self.job.stream.synchronize(self.cur).is_ok()
     }
 }
 
