@@ -323,6 +323,27 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         "copies done 30 us after issue, no query between (%)",
         100.0 * ready as f64 / trials as f64,
     ));
+    // The bounce rings' host side: how fast several threads copy a chunk between pageable and
+    // pinned memory, each way (GB/s; `copy_h2d` fills, `copy_d2h` drains).
+    let mut pinned = PinnedBuffer::new(&dev, crate::BOUNCE_CHUNK, PinnedFlags::PORTABLE)?;
+    let mut pageable = vec![7u8; crate::BOUNCE_CHUNK];
+    let gbs = |t: Instant, reps: usize| {
+        (reps * crate::BOUNCE_CHUNK) as f64 / t.elapsed().as_secs_f64() / 1e9
+    };
+    let reps = 200;
+    let t = Instant::now();
+    for _ in 0..reps {
+        crate::host::bounce::parallel_copy(pinned.as_mut_slice(), &pageable);
+    }
+    out.push(("bounce fill pageable -> pinned, 8 MiB (GB/s)", gbs(t, reps)));
+    let t = Instant::now();
+    for _ in 0..reps {
+        crate::host::bounce::parallel_copy(&mut pageable, pinned.as_slice());
+    }
+    out.push((
+        "bounce drain pinned -> pageable, 8 MiB (GB/s)",
+        gbs(t, reps),
+    ));
     Ok(out)
 }
 
