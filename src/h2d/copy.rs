@@ -8,9 +8,6 @@ use crate::cuda::{Event, StreamHandle};
 use crate::error::Result;
 use crate::view::{DeviceView, Element};
 
-#[allow(unused_imports)] // rustdoc links
-use crate::error::Error;
-
 /// A copy being configured: [`Stager::to`], then options, then [`RawCopy::copy`].
 #[must_use = "a copy does nothing until `.copy(values)`"]
 pub struct RawCopy<'a> {
@@ -55,7 +52,7 @@ impl<'a> RawCopy<'a> {
     /// Copies `values` (raw element bytes). See [`PinnedStager::to`] for the rules.
     ///
     /// # Errors
-    /// As [`Copy::copy`], and [`Error::RaggedBytes`] / [`Error::PadSize`] for bytes that are not
+    /// As [`Copy::copy`], and [`Error::RaggedBytes`](crate::Error::RaggedBytes) / [`Error::PadSize`](crate::Error::PadSize) for bytes that are not
     /// whole elements.
     #[inline]
     pub fn copy(self, values: &[u8]) -> Result<CopyOutcome> {
@@ -194,11 +191,11 @@ impl<'a, T: Element> Copy<'a, T> {
     /// Issues the copy.
     ///
     /// # Errors
-    /// Before anything is written: [`Error::DtypeMismatch`] (dst not of `T`'s dtype),
-    /// [`Error::TooManyValues`], [`Error::ReadOnly`], [`Error::WrongDevice`],
-    /// [`Error::CudaUnavailable`] (a device destination without a driver),
-    /// [`Error::MirrorReused`], [`Error::StreamCapturing`] (a stream capturing a CUDA graph).
-    /// [`Error::Driver`] if the driver refuses the copy.
+    /// Before anything is written: [`Error::DtypeMismatch`](crate::Error::DtypeMismatch) (dst not of `T`'s dtype),
+    /// [`Error::TooManyValues`](crate::Error::TooManyValues), [`Error::ReadOnly`](crate::Error::ReadOnly), [`Error::WrongDevice`](crate::Error::WrongDevice),
+    /// [`Error::CudaUnavailable`](crate::Error::CudaUnavailable) (a device destination without a driver),
+    /// [`Error::MirrorReused`](crate::Error::MirrorReused), [`Error::StreamCapturing`](crate::Error::StreamCapturing) (a stream capturing a CUDA graph).
+    /// [`Error::Driver`](crate::Error::Driver) if the driver refuses the copy.
     pub fn copy(self, values: &[T]) -> Result<CopyOutcome> {
         let pad = self.pad;
         let pad = pad.as_ref().map(bytemuck::bytes_of);
