@@ -147,6 +147,17 @@ pub enum Error {
         /// The destination's shape.
         dst: Vec<i64>,
     },
+    /// A step layout has no field of this name.
+    #[error("the step layout has no field {name:?} (fields: {known})")]
+    UnknownField {
+        /// The name asked for.
+        name: String,
+        /// The layout's field names, comma-separated.
+        known: String,
+    },
+    /// A step was used in a way its state forbids: after commit, twice, from another thread.
+    #[error("{0}")]
+    StepState(&'static str),
 }
 
 impl Error {

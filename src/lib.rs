@@ -10,6 +10,9 @@
 //! - [`copy_d2h`] / [`copy_d2h_async`]: device-to-host into pinned memory at line rate, or into
 //!   pageable memory through a pinned bounce ring.
 //! - [`PinnedBuffer`] and [`PinnedPool`]: page-locked host memory, pooled.
+//! - [`StepStager`]: all of an engine step's small inputs (named fields of a [`StepLayout`]) in
+//!   one driver call per step, into a persistent device arena, a fresh block per step, or read
+//!   in place by kernels (zero-copy).
 //! - [`DeviceView`]: a tensor the copies read or write, from DLPack metadata ([`validate`]) or
 //!   from a Rust slice.
 //!
@@ -50,6 +53,7 @@ mod driver;
 mod error;
 mod h2d;
 mod host;
+mod step;
 mod sync;
 mod view;
 
@@ -72,6 +76,11 @@ pub use h2d::{
 pub use host::{
     BOUNCE_CHUNK, BOUNCE_DEPTH, DEFAULT_BUDGET, PinnedBuffer, PinnedFlags, PinnedPool, PoolBlock,
     PoolStats, is_pinned, live_pinned_bytes, release_bounce_buffers, size_class,
+};
+pub use step::{
+    Committed, DEFAULT_MAX_GAP, DEFAULT_STEP_DEPTH, FIELD_ALIGN, Field, FieldId, FieldKey,
+    MAX_FIELDS, Step, StepBlock, StepLayout, StepLayoutBuilder, StepMode, StepStager,
+    StepStagerBuilder, StepStats,
 };
 pub use view::{
     Bool8, DType, DeviceView, DlpackError, Element, MAX_NDIM, MemoryKind, TensorDesc, TensorMeta,

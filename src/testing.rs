@@ -11,6 +11,7 @@ use crate::view::{DType, DeviceView, TensorMeta};
 
 pub use crate::h2d::mirror::CopyKey;
 pub use crate::h2d::ring;
+pub use crate::step::plan;
 pub use crate::h2d::stager::row_shape;
 pub use crate::h2d::write::PARALLEL_WRITE_MIN;
 

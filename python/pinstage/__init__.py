@@ -6,6 +6,9 @@
 - ``copy_d2h`` / ``copy_d2h_async``: device-to-host into pinned memory, from torch, jax,
   cupy or numpy tensors; a transparent numpy fallback where no CUDA driver exists.
 - ``copy_h2d``: a whole host array (pinned or pageable) into a device tensor at line rate.
+- ``StepLayout`` / ``StepStager``: all of an engine step's small inputs in ONE driver call per
+  step, into a persistent device arena (stable addresses for CUDA graphs), a fresh block per
+  step (JAX), or read in place by kernels (zero-copy).
 """
 
 from ._native import (
@@ -19,7 +22,13 @@ from ._native import (
     PinstageTypeError,
     PinstageValueError,
     StagedTarget,
+    Step,
+    StepLayout,
+    StepStager,
+    StepStateError,
+    StepTensor,
     StreamCaptureError,
+    UnknownFieldError,
     __version__,
     alloc_pinned_numpy,
     copy_d2h,
@@ -47,7 +56,13 @@ __all__ = [
     "PinstageTypeError",
     "PinstageValueError",
     "StagedTarget",
+    "Step",
+    "StepLayout",
+    "StepStager",
+    "StepStateError",
+    "StepTensor",
     "StreamCaptureError",
+    "UnknownFieldError",
     "__version__",
     "alloc_pinned_numpy",
     "copy_d2h",

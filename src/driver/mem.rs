@@ -11,6 +11,78 @@ pub(crate) const HOSTALLOC_PORTABLE: u32 = sys::CU_MEMHOSTALLOC_PORTABLE;
 /// `CU_MEMHOSTALLOC_WRITECOMBINED`: fast for the device to read, very slow for the CPU to read.
 pub(crate) const HOSTALLOC_WRITECOMBINED: u32 = sys::CU_MEMHOSTALLOC_WRITECOMBINED;
 
+/// `CU_MEMHOSTALLOC_DEVICEMAP`: mapped into the device's address space (kernels may read it).
+pub(crate) const HOSTALLOC_DEVICEMAP: u32 = sys::CU_MEMHOSTALLOC_DEVICEMAP;
+
+/// [cuMemHostGetDevicePointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html):
+/// the device address of mapped pinned memory (equal to the host address under unified
+/// addressing).
+///
+/// # Safety
+/// 1. A context must be current on this thread; `ptr` lies in memory from [`mem_host_alloc`]
+///    with [`HOSTALLOC_DEVICEMAP`].
+pub(crate) unsafe fn mem_host_get_device_pointer(ptr: *mut c_void) -> DResult<CUdeviceptr> {
+    let mut d = 0;
+    // SAFETY: valid out-pointer; caller's contract.
+    check("cuMemHostGetDevicePointer", unsafe {
+        sys::cuMemHostGetDevicePointer_v2(&mut d, ptr, 0)
+    })?;
+    Ok(d)
+}
+
+/// [cuMemcpyDtoH](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html), the
+/// synchronous copy (ordered on the legacy default stream).
+///
+/// # Safety
+/// 1. A context is current; `src..src+bytes` is device memory of its device, `dst..dst+bytes`
+///    writable host memory.
+pub(crate) unsafe fn memcpy_dtoh(dst: *mut c_void, src: CUdeviceptr, bytes: usize) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuMemcpyDtoH", unsafe {
+        sys::cuMemcpyDtoH_v2(dst, src, bytes)
+    })
+}
+
+/// The driver version from which `cuMemcpyBatchAsync` exists (CUDA 12.8).
+pub(crate) const BATCH_MIN_DRIVER: i32 = 12080;
+
+/// [cuMemcpyBatchAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+/// (CUDA 12.8): `dsts.len()` host-to-device copies in one call, sources read in stream order.
+///
+/// # Safety
+/// 1. As [`memcpy_htod_async`] for each entry; the three slices have one length.
+/// 2. The driver is at least [`BATCH_MIN_DRIVER`] (the symbol exists); `stream` is not the
+///    legacy default stream (the call refuses it).
+pub(crate) unsafe fn memcpy_batch_htod_async(
+    dsts: &mut [CUdeviceptr],
+    srcs: &mut [CUdeviceptr],
+    sizes: &mut [usize],
+    stream: CUstream,
+) -> DResult<()> {
+    debug_assert!(dsts.len() == srcs.len() && srcs.len() == sizes.len());
+    // SAFETY: a plain C struct of enums and integers; all-zero is a valid value for each field
+    // (location type INVALID: no hint).
+    let mut attr: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+    attr.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+    let mut idx = [0usize];
+    let mut fail = usize::MAX;
+    // SAFETY: caller's contract; every array holds `count` entries (one attribute applies to all
+    // from index 0) and outlives the call.
+    check("cuMemcpyBatchAsync", unsafe {
+        sys::cuMemcpyBatchAsync(
+            dsts.as_mut_ptr(),
+            srcs.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            dsts.len(),
+            &mut attr,
+            idx.as_mut_ptr(),
+            1,
+            &mut fail,
+            stream,
+        )
+    })
+}
+
 /// [cuMemHostAlloc](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
 ///
 /// # Safety
@@ -38,7 +110,6 @@ pub(crate) unsafe fn mem_free_host(ptr: *mut c_void) -> DResult<()> {
 ///
 /// # Safety
 /// 1. A context must be current on this thread.
-#[cfg(feature = "testing")]
 pub(crate) unsafe fn mem_alloc(bytes: usize) -> DResult<CUdeviceptr> {
     let mut ptr = 0;
     // SAFETY: valid out-pointer; a context is current (caller).
@@ -50,7 +121,6 @@ pub(crate) unsafe fn mem_alloc(bytes: usize) -> DResult<CUdeviceptr> {
 ///
 /// # Safety
 /// 1. `ptr` came from [`mem_alloc`], is freed once, and no work in flight uses it.
-#[cfg(feature = "testing")]
 pub(crate) unsafe fn mem_free(ptr: CUdeviceptr) -> DResult<()> {
     // SAFETY: caller's contract.
     check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })

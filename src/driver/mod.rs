@@ -44,6 +44,11 @@ impl DriverError {
         self.code as u32
     }
 
+    /// Whether the driver ran out of memory (`CUDA_ERROR_OUT_OF_MEMORY`).
+    pub fn is_out_of_memory(&self) -> bool {
+        self.code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY
+    }
+
     /// The symbolic name of the error, e.g. `CUDA_ERROR_INVALID_VALUE`.
     pub fn name(&self) -> String {
         let mut ptr: *const std::ffi::c_char = std::ptr::null();

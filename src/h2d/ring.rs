@@ -453,25 +453,68 @@ impl Ring {
     /// untracked when even waiting for the stream failed after a failed record.
     pub fn drive<O: SlotOwner>(&self, owner: &mut O) -> Result<usize, O::Error> {
         let claim = self.claim();
-        let (result, how) = self.own(&claim, owner);
+        self.ready(&claim, owner)?;
+        self.finish(&claim, owner)?;
+        Ok(claim.index)
+    }
+
+    /// Claims the next free slot without spinning: `None` after one full turn of the ring found
+    /// every slot owned (the caller may then block in [`Ring::claim`], e.g. without the GIL).
+    pub fn try_claim(&self) -> Option<Claim> {
+        for _ in 0..self.states.len() {
+            // Relaxed: see `claim`.
+            let t = self.ticket.fetch_add(1, Ordering::Relaxed);
+            let index = t % self.states.len();
+            let state = &self.states[index];
+            let cur = state.load(Ordering::Relaxed);
+            if cur & KIND_MASK != WRITING
+                && state
+                    .compare_exchange(
+                        cur,
+                        SlotState(cur).with_kind(WRITING).0,
+                        CLAIM_ORDER,
+                        Ordering::Relaxed,
+                    )
+                    .is_ok()
+            {
+                return Some(Claim {
+                    index,
+                    prev: SlotState(cur),
+                });
+            }
+        }
+        None
+    }
+
+    /// For a fresh `claim`: learns that the slot's last copy completed (the stream's watermark,
+    /// one query, or `owner.wait`). On error the slot is released as it was (its previous copy
+    /// may still run) and the claim is spent.
+    pub fn ready<O: SlotOwner>(&self, claim: &Claim, owner: &mut O) -> Result<(), O::Error> {
+        if claim.was_in_flight() {
+            let learned = match self.check(claim, &mut |j| owner.query(j)) {
+                Ok(true) => Ok(()),
+                Ok(false) => owner.wait(claim.index),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = learned {
+                // Nothing changed: the slot's previous copy may still run, its word says so.
+                self.release(claim.index, Release::Restore(claim.prev));
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// For a claim made [`Ring::ready`]: has `owner` write the slot, send the copy and record the
+    /// slot's event, then releases the slot in the state that the outcome leaves it in.
+    pub fn finish<O: SlotOwner>(&self, claim: &Claim, owner: &mut O) -> Result<(), O::Error> {
+        let (result, how) = self.own(claim, owner);
         self.release(claim.index, how);
-        result.map(|()| claim.index)
+        result
     }
 
     #[inline]
     fn own<O: SlotOwner>(&self, claim: &Claim, owner: &mut O) -> (Result<(), O::Error>, Release) {
-        if claim.was_in_flight() {
-            match self.check(claim, &mut |j| owner.query(j)) {
-                Ok(true) => {}
-                Ok(false) => {
-                    if let Err(e) = owner.wait(claim.index) {
-                        return (Err(e), Release::Restore(claim.prev));
-                    }
-                }
-                // Nothing changed: the slot's previous copy may still run, its word says so.
-                Err(e) => return (Err(e), Release::Restore(claim.prev)),
-            }
-        }
         if let Err(e) = owner.fill(claim.index) {
             return (Err(e), Release::Idle);
         }

@@ -19,17 +19,26 @@ pub fn live_pinned_bytes() -> usize {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PinnedFlags {
     write_combined: bool,
+    mapped: bool,
 }
 
 impl PinnedFlags {
     /// `CU_MEMHOSTALLOC_PORTABLE`: for buffers the CPU reads (D2H destinations, pools).
     pub const PORTABLE: Self = Self {
         write_combined: false,
+        mapped: false,
+    };
+    /// `PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP`: also mapped for kernels to read in place (step
+    /// slots in zero-copy mode).
+    pub const MAPPED: Self = Self {
+        write_combined: false,
+        mapped: true,
     };
     /// `PORTABLE | CU_MEMHOSTALLOC_WRITECOMBINED`: only for H2D staging buffers the CPU writes
     /// and never reads (CPU reads of write-combined memory are very slow).
     pub const WRITE_COMBINED: Self = Self {
         write_combined: true,
+        mapped: false,
     };
 
     /// Whether the memory is write-combined.
@@ -41,6 +50,11 @@ impl PinnedFlags {
         driver::mem::HOSTALLOC_PORTABLE
             | if self.write_combined {
                 driver::mem::HOSTALLOC_WRITECOMBINED
+            } else {
+                0
+            }
+            | if self.mapped {
+                driver::mem::HOSTALLOC_DEVICEMAP
             } else {
                 0
             }

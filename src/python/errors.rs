@@ -3,7 +3,7 @@
 //! Exceptions (all subclasses of `pinstage.PinstageError`):
 //! `CudaUnavailableError(RuntimeError)`, `CudaDriverError(RuntimeError)`,
 //! `StreamCaptureError(RuntimeError)`, `PinstageValueError(ValueError)`,
-//! `PinstageTypeError(TypeError)`.
+//! `PinstageTypeError(TypeError)`, `StepStateError(RuntimeError)`, `UnknownFieldError(KeyError)`.
 
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -30,6 +30,15 @@ class PinstageValueError(PinstageError, ValueError):
 
 class PinstageTypeError(PinstageError, TypeError):
     """A bad argument type (dtypes, objects without DLPack)."""
+
+class StepStateError(PinstageError, RuntimeError):
+    """A step used after its commit or abort, committed twice, or used from another thread."""
+
+class UnknownFieldError(PinstageError, KeyError):
+    """A step layout has no field of that name."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
 "#;
 
 static CLASSES: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
@@ -52,6 +61,8 @@ pub(crate) enum Kind {
     Capture,
     Value,
     Type,
+    StepState,
+    UnknownField,
 }
 
 impl Kind {
@@ -62,6 +73,8 @@ impl Kind {
             Kind::Capture => "StreamCaptureError",
             Kind::Value => "PinstageValueError",
             Kind::Type => "PinstageTypeError",
+            Kind::StepState => "StepStateError",
+            Kind::UnknownField => "UnknownFieldError",
         }
     }
 }
@@ -95,6 +108,8 @@ impl From<Error> for PyErr {
             Error::CudaUnavailable { .. } => Kind::Unavailable,
             Error::Driver(_) => Kind::Driver,
             Error::StreamCapturing => Kind::Capture,
+            Error::StepState(_) => Kind::StepState,
+            Error::UnknownField { .. } => Kind::UnknownField,
             Error::Interrupted => {
                 return pyo3::exceptions::PyKeyboardInterrupt::new_err(e.to_string());
             }
@@ -119,6 +134,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "StreamCaptureError",
         "PinstageValueError",
         "PinstageTypeError",
+        "StepStateError",
+        "UnknownFieldError",
     ] {
         let cls = defs.getattr(name)?;
         cls.setattr("__module__", "pinstage")?;

@@ -16,6 +16,7 @@ mod h2d;
 pub(crate) mod import;
 mod mirror;
 mod stager;
+mod step;
 pub(crate) mod values;
 mod wait;
 
@@ -136,6 +137,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     stager::register(m)?;
     d2h::register(m)?;
     h2d::register(m)?;
+    step::register(m)?;
     #[cfg(feature = "lab")]
     crate::lab::python::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

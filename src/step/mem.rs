@@ -1,0 +1,322 @@
+//! The memory of step staging: host bytes for slots (pinned, or plain without a driver), the
+//! device arena, and the pool of fresh device blocks.
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::cuda::{Current, Device, Event, StreamHandle};
+use crate::driver::{self, CUdeviceptr};
+use crate::error::{Error, Result, on_drop};
+use crate::host::{PinnedBuffer, PinnedFlags};
+
+use super::layout::FIELD_ALIGN;
+
+/// Zeroed host bytes aligned to [`FIELD_ALIGN`], from the global allocator (slots and arenas
+/// without a driver, blocks of the host fallback).
+pub(crate) struct AlignedBytes {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: uniquely owned plain memory.
+unsafe impl Send for AlignedBytes {}
+// SAFETY: `&AlignedBytes` hands out only the address; writers own the slot protocol.
+unsafe impl Sync for AlignedBytes {}
+
+impl AlignedBytes {
+    pub(crate) fn new(len: usize, what: &'static str) -> Result<Self> {
+        if len == 0 {
+            return Ok(Self {
+                ptr: NonNull::dangling(),
+                len,
+            });
+        }
+        let layout = std::alloc::Layout::from_size_align(len, FIELD_ALIGN)
+            .map_err(|_| Error::OutOfMemory { what, bytes: len })?;
+        // SAFETY: a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        NonNull::new(ptr)
+            .map(|ptr| Self { ptr, len })
+            .ok_or(Error::OutOfMemory { what, bytes: len })
+    }
+
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for AlignedBytes {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: allocated in `new` with this layout.
+            unsafe {
+                std::alloc::dealloc(
+                    self.ptr.as_ptr(),
+                    std::alloc::Layout::from_size_align_unchecked(self.len, FIELD_ALIGN),
+                )
+            }
+        }
+    }
+}
+
+/// Host memory holding every slot: pinned (and mapped, for zero-copy) with a driver, plain
+/// without one.
+pub(crate) enum HostMem {
+    Pinned(PinnedBuffer),
+    Plain(AlignedBytes),
+}
+
+impl HostMem {
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        match self {
+            // The pinned buffer's bytes are only written by the slot's owner (ring protocol).
+            HostMem::Pinned(b) => b.as_ptr() as *mut u8,
+            HostMem::Plain(b) => b.ptr(),
+        }
+    }
+}
+
+/// A device allocation (`cuMemAlloc`), freed when the last owner drops it: the stager, and
+/// every DLPack export of a field.
+pub(crate) struct DeviceMem {
+    ptr: CUdeviceptr,
+    len: usize,
+    device: Device,
+}
+
+impl DeviceMem {
+    pub(crate) fn new(cur: &Current<'_>, len: usize) -> Result<Self> {
+        // SAFETY: a context is current (`cur`).
+        let ptr = unsafe { driver::mem::mem_alloc(len.max(1)) }.map_err(|e| {
+            if e.is_out_of_memory() {
+                Error::OutOfMemory {
+                    what: "device arena",
+                    bytes: len,
+                }
+            } else {
+                Error::Driver(e)
+            }
+        })?;
+        Ok(Self {
+            ptr,
+            len,
+            device: cur.device().clone(),
+        })
+    }
+
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        let _ = self.len;
+        match self.device.enter() {
+            // SAFETY: allocated in `new`; the stager waited for its copies before dropping its
+            // reference, and exports drop theirs when their consumer is done with the memory.
+            Ok(_cur) => on_drop(unsafe { driver::mem::mem_free(self.ptr) }),
+            Err(Error::Driver(e)) => on_drop::<()>(Err(e)),
+            Err(_) => {}
+        }
+    }
+}
+
+/// One fresh block: device memory (or host bytes without a driver) and the event recorded
+/// after the copy that last filled it.
+pub(crate) struct BlockMem {
+    ptr: u64,
+    _host: Option<AlignedBytes>,
+    pub(crate) event: Option<Event>,
+}
+
+/// Fresh blocks: handed out one per committed step, back in the pool when the last owner of the
+/// [`StepBlock`] (a consumer's DLPack deleter) drops it, reused once its copy completed.
+pub(crate) struct BlockPool {
+    free: parking_lot::Mutex<Vec<BlockMem>>,
+    device: Option<Device>,
+    bytes: usize,
+    pub(crate) allocated: AtomicU64,
+}
+
+impl BlockPool {
+    pub(crate) fn new(device: Option<Device>, bytes: usize) -> Self {
+        Self {
+            free: parking_lot::Mutex::new(Vec::new()),
+            device,
+            bytes,
+            allocated: AtomicU64::new(0),
+        }
+    }
+
+    /// A block whose last copy completed: a free one, else a new allocation.
+    pub(crate) fn take(self: &Arc<Self>, cur: Option<&Current<'_>>) -> Result<StepBlock> {
+        {
+            let mut free = self.free.lock();
+            for i in 0..free.len() {
+                let ready = match &free[i].event {
+                    Some(e) => e.query()?,
+                    None => true,
+                };
+                if ready {
+                    let mem = free.swap_remove(i);
+                    return Ok(self.wrap(mem));
+                }
+            }
+        }
+        self.grow(cur)
+    }
+
+    #[cold]
+    fn grow(self: &Arc<Self>, cur: Option<&Current<'_>>) -> Result<StepBlock> {
+        let mem = match cur {
+            Some(cur) => {
+                let d = DeviceMem::new(cur, self.bytes)?;
+                let event = Event::new_in(cur)?;
+                // The pool frees blocks itself (Drop below): take the pointer out of `d`.
+                let ptr = d.ptr;
+                std::mem::forget(d);
+                BlockMem {
+                    ptr,
+                    _host: None,
+                    event: Some(event),
+                }
+            }
+            None => {
+                let host = AlignedBytes::new(self.bytes, "step block")?;
+                BlockMem {
+                    ptr: host.ptr() as u64,
+                    _host: Some(host),
+                    event: None,
+                }
+            }
+        };
+        // Relaxed: a statistic.
+        self.allocated.fetch_add(1, Ordering::Relaxed);
+        Ok(self.wrap(mem))
+    }
+
+    fn wrap(self: &Arc<Self>, mem: BlockMem) -> StepBlock {
+        StepBlock {
+            mem: Some(mem),
+            pool: Arc::clone(self),
+        }
+    }
+}
+
+impl Drop for BlockPool {
+    fn drop(&mut self) {
+        let free = std::mem::take(self.free.get_mut());
+        let Some(device) = &self.device else { return };
+        let cur = match device.enter() {
+            Ok(c) => c,
+            Err(Error::Driver(e)) => return on_drop::<()>(Err(e)),
+            Err(_) => return,
+        };
+        for b in free {
+            if let Some(e) = &b.event
+                && let Err(Error::Driver(err)) = e.synchronize()
+            {
+                // Never free memory a copy may still write.
+                on_drop::<()>(Err(err));
+                continue;
+            }
+            // SAFETY: a block's memory from `mem_alloc`, its copy complete, nobody holds it.
+            on_drop(unsafe { driver::mem::mem_free(b.ptr) });
+        }
+        drop(cur);
+    }
+}
+
+/// A fresh block holding one committed step (fresh-block mode): its bytes are the layout's
+/// arena, never rewritten while this value (or a clone of the `Arc` a DLPack export holds)
+/// lives. Consumers must order their reads after [`StepBlock::wait_on`] (the Python export
+/// does it for the consumer's stream).
+pub struct StepBlock {
+    mem: Option<BlockMem>,
+    pool: Arc<BlockPool>,
+}
+
+impl std::fmt::Debug for StepBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepBlock")
+            .field("ptr", &format_args!("{:#x}", self.ptr()))
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+impl StepBlock {
+    fn mem(&self) -> &BlockMem {
+        self.mem.as_ref().expect("present until drop")
+    }
+
+    /// Address of the block: a device address, or a host address without a driver.
+    pub fn ptr(&self) -> u64 {
+        self.mem().ptr
+    }
+
+    /// Bytes: the layout's arena size.
+    pub fn len(&self) -> usize {
+        self.pool.bytes
+    }
+
+    /// Whether the block has no bytes (never: layouts hold at least one field).
+    pub fn is_empty(&self) -> bool {
+        self.pool.bytes == 0
+    }
+
+    /// The device the block lives on (`None`: host memory, no driver).
+    pub fn device(&self) -> Option<&Device> {
+        self.pool.device.as_ref()
+    }
+
+    /// Makes `stream` wait (on the device, the host does not block) for the copy that filled
+    /// the block.
+    ///
+    /// # Errors
+    /// [`Error::Driver`] when the driver refuses.
+    pub fn wait_on(&self, stream: StreamHandle<'_>) -> Result<()> {
+        match &self.mem().event {
+            Some(e) => e.wait_on(stream),
+            None => Ok(()),
+        }
+    }
+
+    /// Blocks until the copy that filled the block completed.
+    ///
+    /// # Errors
+    /// [`Error::Driver`] when the driver reports a failure.
+    pub fn synchronize(&self) -> Result<()> {
+        match &self.mem().event {
+            Some(e) => e.synchronize(),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) fn event(&self) -> Option<&Event> {
+        self.mem().event.as_ref()
+    }
+}
+
+impl Drop for StepBlock {
+    fn drop(&mut self) {
+        if let Some(mem) = self.mem.take() {
+            self.pool.free.lock().push(mem);
+        }
+    }
+}
+
+/// Pinned, mapped slot memory (`depth * bytes`), and its device address for zero-copy reads.
+pub(crate) fn pinned_slots(device: &Device, len: usize) -> Result<(HostMem, u64)> {
+    let buf = PinnedBuffer::new(device, len, PinnedFlags::MAPPED)?;
+    let dev = if len == 0 {
+        0
+    } else {
+        let _cur = device.enter()?;
+        // SAFETY: the context is current; the buffer is mapped pinned memory.
+        unsafe { driver::mem::mem_host_get_device_pointer(buf.as_ptr() as *mut _) }?
+    };
+    Ok((HostMem::Pinned(buf), dev))
+}
