@@ -11,9 +11,9 @@ use crate::view::{DType, DeviceView, TensorMeta};
 
 pub use crate::h2d::mirror::CopyKey;
 pub use crate::h2d::ring;
-pub use crate::step::plan;
 pub use crate::h2d::stager::row_shape;
 pub use crate::h2d::write::PARALLEL_WRITE_MIN;
+pub use crate::step::plan;
 
 /// Whether a slot written with `(values_len, total, pad)` after one written with `old` keeps the
 /// old padding (so only the values and the gap need writing): the stager's layout memory.

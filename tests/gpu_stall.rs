@@ -10,44 +10,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{POISON, gpu_or_skip, poisoned, read, view};
+use common::{POISON, gpu_or_skip, poisoned, read, stall, view};
 use pinstage::testing::DeviceBuffer;
-use pinstage::testing::launch_host_fn;
 use pinstage::{DType, Device, Stream};
 use rstest::rstest;
-
-/// Releases a stalled stream when dropped, so a failing assertion cannot leave the stream (and
-/// every allocation that synchronizes the device) blocked forever.
-struct Stall(Arc<AtomicBool>);
-
-impl Stall {
-    fn release(&self) {
-        self.0.store(true, Ordering::Release);
-    }
-}
-
-impl Drop for Stall {
-    fn drop(&mut self) {
-        self.release();
-    }
-}
-
-/// Stalls `stream` through a host function (no kernel) until the returned guard is released or
-/// dropped. Allocate everything the test needs BEFORE stalling: pinned and device allocations may
-/// synchronize the whole device, and would wait for the stall.
-fn stall(stream: &Stream) -> Stall {
-    let go = Arc::new(AtomicBool::new(false));
-    let g = go.clone();
-    launch_host_fn(stream, move || {
-        let t0 = std::time::Instant::now();
-        // Bounded: never hold a stream longer than 20 s even if the test thread died.
-        while !g.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(20) {
-            std::thread::sleep(Duration::from_micros(200));
-        }
-    })
-    .unwrap();
-    Stall(go)
-}
 
 /// How many copies the worker staged while its stream was stalled: waits until `depth` were
 /// (or 3 s passed), then 200 ms more in case one too many gets through.

@@ -460,6 +460,7 @@ impl Ring {
 
     /// Claims the next free slot without spinning: `None` after one full turn of the ring found
     /// every slot owned (the caller may then block in [`Ring::claim`], e.g. without the GIL).
+    #[cfg(any(feature = "python", feature = "testing"))]
     pub fn try_claim(&self) -> Option<Claim> {
         for _ in 0..self.states.len() {
             // Relaxed: see `claim`.

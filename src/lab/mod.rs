@@ -349,3 +349,61 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
 
 mod slot_checks;
 pub use slot_checks::slot_check_costs;
+
+/// The driver's floor for one step: host ns per (`cuMemcpyHtoDAsync` of `bytes` from pinned
+/// memory + `cuEventRecord`), `iters` back to back on `stream` (median of `rounds`), and the
+/// same with `k` copies of `bytes / k` each (what a step pays with one copy per field).
+///
+/// # Errors
+/// Driver errors.
+pub fn step_floor(
+    dev: &Device,
+    stream: &Stream,
+    bytes: usize,
+    k: usize,
+    iters: usize,
+    rounds: usize,
+) -> Result<(f64, f64)> {
+    let mut src = PinnedBuffer::new(dev, bytes.max(1), PinnedFlags::PORTABLE)?;
+    src.as_mut_slice().fill(7);
+    let dst = DeviceBuffer::new(dev, bytes.max(1))?;
+    let ev = dev.event()?;
+    let cur = dev.enter()?;
+    let h = stream.handle();
+    let mut one = Vec::new();
+    let mut many = Vec::new();
+    let per = bytes / k.max(1);
+    for _ in 0..rounds {
+        let t0 = std::time::Instant::now();
+        for _ in 0..iters {
+            // SAFETY: pinned source and device destination of `bytes`; the source is never
+            // rewritten; the context is current.
+            unsafe { memcpy_htod_async(dst.ptr(), src.as_ptr().cast(), bytes, h.raw()) }?;
+            ev.record_in(&cur, h)?;
+        }
+        one.push(t0.elapsed().as_nanos() as f64 / iters as f64);
+        stream.synchronize()?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..iters {
+            for j in 0..k {
+                // SAFETY: as above, `per` bytes at offset j * per.
+                unsafe {
+                    memcpy_htod_async(
+                        dst.ptr() + (j * per) as u64,
+                        src.as_ptr().add(j * per).cast(),
+                        per,
+                        h.raw(),
+                    )
+                }?;
+            }
+            ev.record_in(&cur, h)?;
+        }
+        many.push(t0.elapsed().as_nanos() as f64 / iters as f64);
+        stream.synchronize()?;
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok((med(&mut one), med(&mut many)))
+}

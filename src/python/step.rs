@@ -503,6 +503,34 @@ impl PyStepStager {
         })
     }
 
+    /// Zero-copy mode: a DLPack producer (CUDA device) of field ``name`` in slot ``slot`` (its
+    /// capacity shape), to import once per slot and reuse: a step's kernels read
+    /// ``slot_field(step.slot, name)``. The memory holds whatever step owns the slot: read it only
+    /// between that step's writes and its commit's event.
+    ///
+    /// Parameters:
+    ///     slot (int): 0 to depth - 1.
+    ///     name (str): the field.
+    ///
+    /// Returns:
+    ///     StepTensor: the slot's field.
+    ///
+    /// Raises:
+    ///     PinstageValueError: not zero-copy mode, slot out of range. CudaUnavailableError.
+    ///     UnknownFieldError.
+    fn slot_field(&self, slot: usize, name: &str) -> PyResult<StepTensor> {
+        let f = self.inner.layout().field(name)?;
+        let ptr = self.inner.slot_device_ptr(slot, name)?;
+        Ok(StepTensor {
+            ptr,
+            dtype: f.dtype(),
+            shape: f.shape().iter().map(|&d| d as i64).collect(),
+            device: Some(self.inner.ordinal()),
+            keep: Keep::Stager(Arc::clone(&self.inner)),
+            sync: Sync::None,
+        })
+    }
+
     /// The whole arena as a DLPack producer of 1-D uint8 (arena mode).
     ///
     /// Returns:
@@ -921,6 +949,12 @@ impl PyStep {
         self.check_thread()?;
         self.abort_inner();
         Ok(())
+    }
+
+    /// The slot this step owns (0 to depth - 1); see ``StepStager.slot_field``.
+    #[getter]
+    fn slot(&self) -> PyResult<usize> {
+        self.with_open(|_, raw, _| Ok(raw.slot()))
     }
 
     /// Fresh mode, after commit: the step's block (else None).

@@ -78,6 +78,11 @@ impl Field {
 pub struct FieldId(pub(crate) usize);
 
 impl FieldId {
+    /// The id of the field at position `index` (declaration order); checked when used.
+    pub fn from_index(index: usize) -> Self {
+        Self(index)
+    }
+
     /// The field's position in the layout (declaration order).
     pub fn index(self) -> usize {
         self.0

@@ -477,11 +477,13 @@ impl StepStager {
 
     /// The claim of a new step without spinning: `None` when every slot is owned by another
     /// thread's open step (the Python layer then blocks with the GIL released).
+    #[cfg(feature = "python")]
     pub(crate) fn try_claim(&self) -> Option<Claim> {
         self.ring.try_claim()
     }
 
     /// A claim, spinning (yielding) while every slot is in another thread's open step.
+    #[cfg(feature = "python")]
     pub(crate) fn claim_blocking(&self) -> Claim {
         self.ring.claim()
     }
@@ -706,6 +708,29 @@ impl StepStager {
         s.frozen = true;
         let off = s.claim.index * self.layout.nbytes() + self.layout.fields()[id.0].offset();
         Ok(self.mem_dev + off as u64)
+    }
+
+    /// Zero-copy mode: the device address of field `key` in slot `slot` (whatever step owns it).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] in other modes or for a slot out of range,
+    /// [`Error::CudaUnavailable`], [`Error::UnknownField`].
+    pub fn slot_device_ptr(&self, slot: usize, key: impl FieldKey) -> Result<u64> {
+        let f = self.layout.field(key)?;
+        if self.mode != StepMode::ZeroCopy {
+            return Err(Error::arg(
+                "mode",
+                format!("{:?}", self.mode),
+                "zero-copy mode for device views of a slot",
+            ));
+        }
+        if slot >= self.depth() {
+            return Err(Error::arg("slot", slot, "a slot below the depth"));
+        }
+        if self.device.is_none() {
+            return Err(self.unavailable());
+        }
+        Ok(self.mem_dev + (slot * self.layout.nbytes() + f.offset()) as u64)
     }
 
     /// Releases a step's slot untouched.
@@ -937,6 +962,13 @@ pub(crate) struct RawStep {
     claim: Claim,
     /// Zero-copy: device views were handed out, host writes would race the consumer.
     frozen: bool,
+}
+
+#[cfg(feature = "python")]
+impl RawStep {
+    pub(crate) fn slot(&self) -> usize {
+        self.claim.index
+    }
 }
 
 impl<'s> Step<'s> {

@@ -1,8 +1,12 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
-use pinstage::DType;
-use pinstage::testing::DeviceBuffer;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use pinstage::testing::{DeviceBuffer, launch_host_fn};
+use pinstage::{DType, Stream};
 
 pub mod sim;
 
@@ -188,4 +192,37 @@ pub fn stager<T: pinstage::Element>(
         .numel(numel)
         .depth(depth)
         .build()
+}
+
+/// Releases a stalled stream when dropped, so a failing assertion cannot leave the stream (and
+/// every allocation that synchronizes the device) blocked forever.
+pub struct Stall(Arc<AtomicBool>);
+
+impl Stall {
+    pub fn release(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for Stall {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Stalls `stream` through a host function (no kernel) until the returned guard is released or
+/// dropped. Allocate everything the test needs BEFORE stalling: pinned and device allocations may
+/// synchronize the whole device, and would wait for the stall.
+pub fn stall(stream: &Stream) -> Stall {
+    let go = Arc::new(AtomicBool::new(false));
+    let g = go.clone();
+    launch_host_fn(stream, move || {
+        let t0 = std::time::Instant::now();
+        // Bounded: never hold a stream longer than 20 s even if the test thread died.
+        while !g.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    })
+    .unwrap();
+    Stall(go)
 }

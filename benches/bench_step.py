@@ -1,0 +1,360 @@
+"""Step staging on the GPU, side by side with its peers in one run (issue: step staging).
+
+Host microseconds per step, loop (steps back to back), values changing every step (64 value
+sets cycled). Every timed batch starts on poisoned device fields and its result is checked
+after it (pinstage's and every peer's). Each implementation runs in each of `--rounds` rounds;
+the tables give the median round.
+
+    python3 benches/bench_step.py [--out DIR] [--steps N] [--rounds R]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+
+import numpy as np
+
+import pinstage
+
+ENGINE = {
+    "input_ids": ("int32", 8192, 256),
+    "positions": ("int64", 8192, 256),
+    "slot_mapping": ("int64", 8192, 256),
+    "seq_lens": ("int32", 256, 64),
+    "query_start_loc": ("int32", 257, 65),
+    "block_table": ("int32", (256, 128), 64),
+}
+R = {"engine": {}, "ksweep": {}, "jax": {}, "zero_copy": {}, "graph": {}, "failed": []}
+
+
+def value_sets(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        v = {}
+        for name, (dt, cap, used) in ENGINE.items():
+            shape = (used, cap[1]) if isinstance(cap, tuple) else (used,)
+            v[name] = rng.integers(1, 1 << 30, shape).astype(dt)
+        out.append(v)
+    return out
+
+
+def layout():
+    return pinstage.StepLayout({n: (dt, cap) for n, (dt, cap, _) in ENGINE.items()})
+
+
+def timed(fn, steps, sets):
+    for i in range(100):
+        fn(sets[i % len(sets)])
+    t0 = time.perf_counter()
+    for i in range(steps):
+        fn(sets[i % len(sets)])
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
+def bench_engine(torch, steps, rounds):
+    sets = value_sets()
+    last = sets[(steps - 1) % len(sets)]
+    L = layout()
+    s = torch.cuda.Stream()
+    # pinstage: one arena, fields imported once.
+    st = pinstage.StepStager(L, depth=8)
+    arena = {n: torch.from_dlpack(st.field(n)) for n in ENGINE}
+    # Peers' destinations: ordinary device tensors of the fields' capacities.
+    dev = {
+        n: torch.empty(cap if isinstance(cap, tuple) else (cap,), dtype=getattr(torch, dt), device="cuda")
+        for n, (dt, cap, _) in ENGINE.items()
+    }
+    # The torch idiom: a persistent pinned CPU tensor per field, written in place, then one
+    # non_blocking copy per field.
+    pinned = {n: torch.empty_like(t, device="cpu").pin_memory() for n, t in dev.items()}
+    pinned_np = {n: t.numpy() for n, t in pinned.items()}
+
+    def torch_idiom(v):
+        with torch.cuda.stream(s):
+            for n, x in v.items():
+                k = len(x)
+                pinned_np[n][:k] = x
+                dev[n][:k].copy_(pinned[n][:k], non_blocking=True)
+
+    stagers = {dt: pinstage.PinnedStager(dt, 256 * 128, depth=16) for dt in ("int32", "int64")}
+    targets = {n: stagers[ENGINE[n][0]].target(dev[n]) for n in ENGINE}
+    sh = s.cuda_stream
+
+    def six_targets(v):
+        for n, x in v.items():
+            targets[n].copy_(x, stream=sh)
+
+    def stage(v):
+        st.stage(v, stream=s)
+
+    def step_put(v):
+        with st.step(stream=s) as step:
+            for n, x in v.items():
+                step.put(n, x)
+
+    def step_views(v):
+        with st.step(stream=s) as step:
+            for n, x in v.items():
+                step.view(n, len(x))[:] = x
+
+    impls = {
+        "torch pinned-buffer idiom (6 copy_)": (torch_idiom, dev),
+        "six pinstage bound targets": (six_targets, dev),
+        "StepStager.stage (one call)": (stage, arena),
+        "StepStager step + 6 put": (step_put, arena),
+        "StepStager step + 6 views written": (step_views, arena),
+    }
+    res = {k: [] for k in impls}
+    for _ in range(rounds):
+        for name, (fn, out) in impls.items():
+            for t in out.values():
+                t.fill_(-77)
+            torch.cuda.synchronize()
+            us = timed(fn, steps, sets)
+            torch.cuda.synchronize()
+            for n, x in last.items():
+                got = out[n][: len(x)].cpu().numpy()
+                if not np.array_equal(got, x):
+                    raise AssertionError(f"{name}: field {n} wrong after the timed batch")
+            res[name].append(us)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    R["engine"] = {"us_per_step": med, "stats": st.stats()}
+    base = med["StepStager.stage (one call)"]
+    print("\n== engine step (6 fields, 38 KiB used), host us per step, loop")
+    for k, v in med.items():
+        print(f"  {k:<40} {v:8.2f} us   stage is {v / base:5.2f}x faster")
+    print(f"  stats: {st.stats()}")
+
+
+def bench_ksweep(torch, steps, rounds):
+    res = {}
+    s = torch.cuda.Stream()
+    for k in (1, 2, 4, 8, 16, 32):
+        L = pinstage.StepLayout({f"f{i}": ("int32", 256) for i in range(k)})
+        st = pinstage.StepStager(L, depth=8)
+        rng = np.random.default_rng(k)
+        sets = [{f"f{i}": rng.integers(1, 1 << 30, 256).astype(np.int32) for i in range(k)} for _ in range(64)]
+        last = sets[(steps - 1) % 64]
+        outs = [torch.from_dlpack(st.field(f"f{i}")) for i in range(k)]
+        times = []
+        for _ in range(rounds):
+            for t in outs:
+                t.fill_(-1)
+            torch.cuda.synchronize()
+            times.append(timed(lambda v: st.stage(v, stream=s), steps, sets))
+            torch.cuda.synchronize()
+            for i in range(k):
+                if not np.array_equal(outs[i].cpu().numpy(), last[f"f{i}"]):
+                    raise AssertionError(f"k={k}: field {i} wrong")
+        res[k] = statistics.median(times)
+    R["ksweep"] = res
+    print("\n== k fields of 1 KiB, StepStager.stage, host us per step")
+    for k, v in res.items():
+        print(f"  k={k:<3} {v:8.2f} us   ({v / res[1]:.2f}x k=1)")
+
+
+def bench_jax(jax, steps, rounds):
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+    sets = value_sets(seed=5)
+    L = layout()
+    st = pinstage.StepStager(L, mode="fresh", depth=8)
+    dev = jax.devices("gpu")[0]
+    steps = max(200, steps // 10)
+    last = sets[(steps - 1) % len(sets)]
+    out = {}
+
+    def device_put(v):
+        out["x"] = [jax.device_put(x, dev) for x in v.values()]
+
+    def staged(v):
+        out["x"] = jax.dlpack.from_dlpack(st.stage(v))
+
+    unpack = jax.jit(L.unpack)
+    res = {"six jax.device_put": [], "StepStager fresh + one from_dlpack": []}
+    for _ in range(rounds):
+        for name, fn in (("six jax.device_put", device_put), ("StepStager fresh + one from_dlpack", staged)):
+            us = timed(fn, steps, sets)
+            x = out["x"]
+            got = dict(zip(ENGINE, x)) if isinstance(x, list) else {n: a[: len(last[n])] for n, a in unpack(x).items()}
+            for n, want in last.items():
+                if not np.array_equal(np.asarray(got[n]), want):
+                    raise AssertionError(f"{name}: field {n} wrong after the timed batch")
+            res[name].append(us)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    R["jax"] = med
+    base = med["StepStager fresh + one from_dlpack"]
+    print("\n== JAX: the engine step into fresh device arrays, host us per step")
+    for k, v in med.items():
+        print(f"  {k:<40} {v:8.2f} us   pinstage is {v / base:5.2f}x faster")
+    del jnp
+
+
+def bench_zero_copy(torch, steps, rounds):
+    """Zero-copy: kernels read the pinned slot in place. The consumer's kernel (a sum of every
+    field into results[k]) runs in every step of the check run; the host-time rows time
+    pinstage's calls alone (step + writes + commit), as the consumer's launches are its own."""
+    L = pinstage.StepLayout({n: (dt, cap) for n, (dt, cap, _) in ENGINE.items()})
+    depth = 4
+    st = pinstage.StepStager(L, mode="zero_copy", depth=depth)
+    s = torch.cuda.Stream()
+    slot_t = [{n: torch.from_dlpack(st.slot_field(k, n)) for n in ENGINE} for k in range(depth)]
+    sets = value_sets(seed=9)
+    n_check = 500
+    results = torch.zeros(n_check, dtype=torch.int64, device="cuda")
+    for k in range(n_check):
+        v = sets[k % 64]
+        with st.step(stream=s) as step:
+            for n, x in v.items():
+                step.put(n, x)
+            t = slot_t[step.slot]
+            with torch.cuda.stream(s):
+                acc = t["input_ids"][:256].sum(dtype=torch.int64)
+                for n in ("positions", "slot_mapping", "seq_lens", "query_start_loc", "block_table"):
+                    acc = acc + t[n][: len(v[n])].sum(dtype=torch.int64)
+                results[k] = acc
+    s.synchronize()
+    want = [sum(int(x.astype(np.int64).sum()) for x in sets[k % 64].values()) for k in range(n_check)]
+    if results.cpu().tolist() != want:
+        raise AssertionError("zero-copy: a kernel read wrong values")
+
+    def stage(v):
+        st.stage(v, stream=s)
+
+    def bare(v):
+        step = st.step(stream=s)
+        step.commit()
+
+    res = {"zero-copy stage (6 fields written)": [], "zero-copy step + commit (fields written in place)": []}
+    for _ in range(rounds):
+        res["zero-copy stage (6 fields written)"].append(timed(stage, steps, sets))
+        res["zero-copy step + commit (fields written in place)"].append(timed(bare, steps, sets))
+    torch.cuda.synchronize()
+    med = {k: statistics.median(v) for k, v in res.items()}
+    R["zero_copy"] = {"us_per_step": med, "checked_steps": n_check}
+    print(f"\n== zero-copy ({n_check} steps read by a kernel, every sum checked), host us per step")
+    for k, v in med.items():
+        print(f"  {k:<52} {v:8.2f} us")
+
+
+def bench_graph(torch, seconds=2.0):
+    """A ~4 ms CUDA graph replayed while steps are committed at full rate on another stream."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    gs = torch.cuda.Stream()
+    with torch.cuda.stream(gs):
+        for _ in range(3):
+            c = a @ b
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=gs):
+        for _ in range(26):
+            c = a @ b  # noqa: F841
+
+    def time_graph(reps=60):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        with torch.cuda.stream(gs):
+            for _ in range(reps):
+                s.record()
+                g.replay()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e))
+        return statistics.median(times)
+
+    side = torch.cuda.Stream()
+    st = pinstage.StepStager(layout(), depth=8)
+    sets = value_sets(seed=3)
+    dev = {n: torch.empty(cap if isinstance(cap, tuple) else (cap,), dtype=getattr(torch, dt), device="cuda") for n, (dt, cap, _) in ENGINE.items()}
+    pinned = {n: torch.empty_like(t, device="cpu").pin_memory() for n, t in dev.items()}
+
+    def with_load(work):
+        stop = threading.Event()
+        count = [0]
+
+        def loop():
+            i = 0
+            while not stop.is_set():
+                work(sets[i % 64])
+                i += 1
+            count[0] = i
+
+        th = threading.Thread(target=loop)
+        th.start()
+        time.sleep(0.05)
+        t = time_graph()
+        stop.set()
+        th.join()
+        torch.cuda.synchronize()
+        return t, count[0]
+
+    def torch_idiom(v):
+        with torch.cuda.stream(side):
+            for n, x in v.items():
+                pinned[n].numpy()[: len(x)] = x
+                dev[n][: len(x)].copy_(pinned[n][: len(x)], non_blocking=True)
+
+    base = time_graph()
+    t_step, n_step = with_load(lambda v: st.stage(v, stream=side))
+    base2 = time_graph()
+    t_torch, n_torch = with_load(torch_idiom)
+    R["graph"] = {
+        "graph ms": base,
+        "graph ms (again, between loads)": base2,
+        "beside StepStager.stage": t_step / base - 1,
+        "steps committed": n_step,
+        "beside the torch idiom": t_torch / base - 1,
+        "torch idiom steps": n_torch,
+    }
+    print(
+        f"\n== graph {base:.3f} ms alone ({base2:.3f} ms again); beside steps committed at full rate: "
+        f"{100 * (t_step / base - 1):+.2f}% ({n_step} steps); beside the torch idiom "
+        f"{100 * (t_torch / base - 1):+.2f}% ({n_torch} steps)"
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    import torch
+
+    print("pinstage", pinstage.__version__, "| torch", torch.__version__, "|", torch.cuda.get_device_name(0))
+    bench_engine(torch, args.steps, args.rounds)
+    bench_ksweep(torch, args.steps, args.rounds)
+    bench_zero_copy(torch, args.steps, args.rounds)
+    bench_graph(torch)
+    try:
+        import jax
+    except ImportError:
+        jax = None
+    if jax is not None:
+        bench_jax(jax, args.steps, args.rounds)
+    e = R["engine"]["us_per_step"]
+    ratios = {
+        "stage us": e["StepStager.stage (one call)"],
+        "torch idiom / stage": e["torch pinned-buffer idiom (6 copy_)"] / e["StepStager.stage (one call)"],
+        "six targets / stage": e["six pinstage bound targets"] / e["StepStager.stage (one call)"],
+        "k=32 / k=1": R["ksweep"][32] / R["ksweep"][1],
+    }
+    if R["jax"]:
+        ratios["six device_put / staged"] = R["jax"]["six jax.device_put"] / R["jax"]["StepStager fresh + one from_dlpack"]
+    R["ratios"] = ratios
+    print("\n== ratios")
+    for k, v in ratios.items():
+        print(f"  {k:<28} {v:8.2f}")
+    if args.out:
+        with open(os.path.join(args.out, "bench-step.json"), "w") as f:
+            json.dump(R, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+//! Step staging through the Rust API on the GPU: host ns per step, beside the driver's floor
+//! (one `cuMemcpyHtoDAsync` + `cuEventRecord` of the step's used bytes, and one copy per field),
+//! measured in the same run; the k-field sweep; zero-copy; and the plan's crossover (one copy
+//! spanning a gap vs one batch of two spans: host and copy-engine time per step). Every timed
+//! batch's result is checked. Prints a skip line without a GPU.
+
+use std::time::Instant;
+
+use pinstage::testing::DeviceBuffer;
+use pinstage::{DType, Device, StepLayout, StepMode, StepStager, Stream};
+
+const ITERS: usize = 20_000;
+const ROUNDS: usize = 5;
+
+fn engine() -> StepLayout {
+    StepLayout::builder()
+        .field("input_ids", DType::I32, &[8192])
+        .field("positions", DType::I64, &[8192])
+        .field("slot_mapping", DType::I64, &[8192])
+        .field("seq_lens", DType::I32, &[256])
+        .field("query_start_loc", DType::I32, &[257])
+        .field("block_table", DType::I32, &[256, 128])
+        .build()
+        .unwrap()
+}
+
+struct Vals {
+    ids: Vec<i32>,
+    pos: Vec<i64>,
+    slots: Vec<i64>,
+    lens: Vec<i32>,
+    qsl: Vec<i32>,
+    table: Vec<i32>,
+}
+
+fn vals(k: i64) -> Vals {
+    Vals {
+        ids: (0..256).map(|i| (k * 1000 + i + 1) as i32).collect(),
+        pos: (0..256).map(|i| k * 1_000_000 + i + 1).collect(),
+        slots: (0..256).map(|i| -(k * 1_000_000 + i + 1)).collect(),
+        lens: (0..64).map(|i| (k + i + 1) as i32).collect(),
+        qsl: (0..65).map(|i| (k * 3 + i) as i32).collect(),
+        table: (0..64 * 128).map(|i| (k * 7 + i + 1) as i32).collect(),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn read(st: &StepStager, arena: &DeviceBuffer, l: &StepLayout, name: &str, n: usize) -> Vec<u8> {
+    st.order_after_commits(None).unwrap();
+    let f = l.field(name).unwrap();
+    let mut out = vec![0u8; n];
+    arena.download(f.offset(), &mut out).unwrap();
+    out
+}
+
+fn main() {
+    let Ok(dev) = Device::new(0) else {
+        eprintln!("SKIP gpu_step: no GPU");
+        return;
+    };
+    let stream = Stream::new(&dev).unwrap();
+    let l = engine();
+    let sets: Vec<Vals> = (0..64).map(vals).collect();
+    let arena = DeviceBuffer::new(&dev, l.nbytes()).unwrap();
+    let view = arena.view(DType::U8);
+    // SAFETY: `arena` outlives the stager; nothing else writes it while steps run.
+    let st = unsafe { StepStager::builder(&l).depth(8).bind(&view) }
+        .build()
+        .unwrap();
+    let ids = l.id("input_ids").unwrap();
+    let used: usize = 256 * 4 + 256 * 8 * 2 + 64 * 4 + 65 * 4 + 64 * 512;
+    let mut step_ns = Vec::new();
+    for _ in 0..ROUNDS {
+        arena.upload(0, &vec![0xEE; l.nbytes()]).unwrap();
+        let t0 = Instant::now();
+        for i in 0..ITERS {
+            let v = &sets[i % 64];
+            let mut s = st.step().unwrap();
+            s.put(ids, &v.ids).unwrap();
+            s.put("positions", &v.pos).unwrap();
+            s.put("slot_mapping", &v.slots).unwrap();
+            s.put("seq_lens", &v.lens).unwrap();
+            s.put("query_start_loc", &v.qsl).unwrap();
+            s.put("block_table", &v.table).unwrap();
+            s.commit(stream.handle()).unwrap();
+        }
+        step_ns.push(t0.elapsed().as_nanos() as f64 / ITERS as f64);
+        let last = &sets[(ITERS - 1) % 64];
+        assert_eq!(
+            read(&st, &arena, &l, "block_table", 64 * 512),
+            bytemuck::cast_slice::<i32, u8>(&last.table),
+            "block_table after the timed batch"
+        );
+        assert_eq!(
+            read(&st, &arena, &l, "input_ids", 1024),
+            bytemuck::cast_slice::<i32, u8>(&last.ids)
+        );
+    }
+    let step = median(step_ns);
+    let (floor_used, floor_six) =
+        pinstage::lab::step_floor(&dev, &stream, used, 6, ITERS, ROUNDS).unwrap();
+    let span = l.field("block_table").unwrap().offset() + 64 * 512;
+    let (floor_span, _) = pinstage::lab::step_floor(&dev, &stream, span, 1, ITERS, ROUNDS).unwrap();
+    println!("engine step, Rust, host ns per step (loop, {ITERS} steps, median of {ROUNDS}):");
+    println!("  StepStager step + 6 put + commit          {step:9.0}");
+    println!(
+        "  driver: 1 HtoD of the used {used} B + record {floor_used:9.0}   step / floor = {:.2}",
+        step / floor_used
+    );
+    println!("  driver: 1 HtoD of the span {span} B + record {floor_span:9.0}");
+    println!(
+        "  driver: 6 HtoD (one per field) + record    {floor_six:9.0}   six / step = {:.2}",
+        floor_six / step
+    );
+    println!("  stats: {:?}", st.stats());
+
+    // k fields of 1 KiB.
+    println!("k fields of 1 KiB, host ns per step:");
+    let mut k1 = 0.0;
+    for k in [1usize, 2, 4, 8, 16, 32] {
+        let mut b = StepLayout::builder();
+        for i in 0..k {
+            b = b.field(format!("f{i}"), DType::I32, &[256]);
+        }
+        let lk = b.build().unwrap();
+        let ak = DeviceBuffer::new(&dev, lk.nbytes()).unwrap();
+        let vk = ak.view(DType::U8);
+        // SAFETY: as above.
+        let sk = unsafe { StepStager::builder(&lk).depth(8).bind(&vk) }
+            .build()
+            .unwrap();
+        let data: Vec<Vec<i32>> = (0..64)
+            .map(|j| (0..256).map(|i| j * 1000 + i + 1).collect())
+            .collect();
+        let mut ns = Vec::new();
+        for _ in 0..ROUNDS {
+            ak.upload(0, &vec![0xEE; lk.nbytes()]).unwrap();
+            let t0 = Instant::now();
+            for it in 0..ITERS {
+                let mut s = sk.step().unwrap();
+                for f in 0..k {
+                    s.put(pinstage::FieldId::from_index(f), &data[(it + f) % 64])
+                        .unwrap();
+                }
+                s.commit(stream.handle()).unwrap();
+            }
+            ns.push(t0.elapsed().as_nanos() as f64 / ITERS as f64);
+            for f in 0..k {
+                let got = read(&sk, &ak, &lk, &format!("f{f}"), 1024);
+                assert_eq!(
+                    got,
+                    bytemuck::cast_slice::<i32, u8>(&data[(ITERS - 1 + f) % 64]),
+                    "k={k} field {f}"
+                );
+            }
+        }
+        let m = median(ns);
+        if k == 1 {
+            k1 = m;
+        }
+        println!("  k={k:<3} {m:9.0}   ({:.2}x k=1)", m / k1);
+    }
+
+    // Zero-copy: the step's bookkeeping and its event, fields written in place.
+    let zc = StepStager::builder(&l)
+        .depth(8)
+        .mode(StepMode::ZeroCopy)
+        .build()
+        .unwrap();
+    let mut ns = Vec::new();
+    for _ in 0..ROUNDS {
+        let t0 = Instant::now();
+        for i in 0..ITERS {
+            let mut s = zc.step().unwrap();
+            s.field_mut::<i32>(ids, 1).unwrap()[0] = i as i32;
+            s.commit(stream.handle()).unwrap();
+        }
+        ns.push(t0.elapsed().as_nanos() as f64 / ITERS as f64);
+    }
+    stream.synchronize().unwrap();
+    println!(
+        "zero-copy step (claim + one write + event record), host ns: {:.0}",
+        median(ns)
+    );
+
+    // The plan's crossover: two fields written, a gap of G unused bytes between them.
+    println!(
+        "crossover: 2 spans of 4 KiB with a gap of G bytes; host ns per step / wall ns per step until the stream drained"
+    );
+    println!(
+        "  {:>9} {:>22} {:>22}",
+        "G", "one copy over the gap", "one batch of 2"
+    );
+    for gap in [16usize << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20] {
+        let lg = StepLayout::builder()
+            .field("a", DType::U8, &[4096 + gap])
+            .field("b", DType::U8, &[4096])
+            .build()
+            .unwrap();
+        let ag = DeviceBuffer::new(&dev, lg.nbytes()).unwrap();
+        let vg = ag.view(DType::U8);
+        let mut row = Vec::new();
+        for max_gap in [usize::MAX, 0] {
+            // SAFETY: as above.
+            let sg = unsafe { StepStager::builder(&lg).depth(8).max_gap(max_gap).bind(&vg) }
+                .build()
+                .unwrap();
+            let a = vec![3u8; 4096];
+            let n = 2000;
+            stream.synchronize().unwrap();
+            let t0 = Instant::now();
+            for _ in 0..n {
+                let mut s = sg.step().unwrap();
+                s.put("a", &a).unwrap();
+                s.put("b", &a).unwrap();
+                s.commit(stream.handle()).unwrap();
+            }
+            let host = t0.elapsed().as_nanos() as f64 / n as f64;
+            stream.synchronize().unwrap();
+            let dev_ns = t0.elapsed().as_nanos() as f64 / n as f64;
+            row.push(format!("{host:>9.0} / {dev_ns:>9.0}"));
+            assert_eq!(read(&sg, &ag, &lg, "b", 4096), a);
+        }
+        println!("  {gap:>9} {:>22} {:>22}", row[0], row[1]);
+    }
+}

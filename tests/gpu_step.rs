@@ -1,0 +1,303 @@
+//! Step staging on the GPU (ignored without one; `scripts/gpu-run` runs them with
+//! `--include-ignored`): every field of every step checked, slots never rewritten while their
+//! copy is queued (streams stalled), the batch and per-span fallbacks, fresh blocks from 8
+//! threads.
+
+mod common;
+
+use common::{gpu_or_skip, stall};
+use pinstage::testing::DeviceBuffer;
+use pinstage::{
+    DType, DeviceView, FIELD_ALIGN, StepLayout, StepMode, StepStager, Stream, StreamHandle,
+    TensorMeta,
+};
+use rstest::rstest;
+
+fn layout() -> StepLayout {
+    StepLayout::builder()
+        .field("ids", DType::I32, &[1024])
+        .field("pos", DType::I64, &[1024])
+        .field("lens", DType::I32, &[64])
+        .field("table", DType::I32, &[64, 32])
+        .build()
+        .unwrap()
+}
+
+/// The values of step `k`: distinct per step and field, never zero.
+fn step_values(k: i64) -> (Vec<i32>, Vec<i64>, Vec<i32>, Vec<i32>) {
+    let n = 100 + (k as usize % 50);
+    (
+        (0..n as i32).map(|i| (k as i32) * 10_000 + i + 1).collect(),
+        (0..n as i64).map(|i| -(k * 100_000 + i + 1)).collect(),
+        (0..16).map(|i| (k as i32) * 7 + i + 3).collect(),
+        (0..8 * 20).map(|i| (k as i32) * 1000 + i + 5).collect(),
+    )
+}
+
+fn fill(s: &mut pinstage::Step<'_>, k: i64) {
+    let (ids, pos, lens, table) = step_values(k);
+    s.put("ids", &ids).unwrap();
+    s.field_mut::<i64>("pos", pos.len())
+        .unwrap()
+        .copy_from_slice(&pos);
+    s.put_padded("lens", &lens, (16, 1), Some(0), Some(32))
+        .unwrap();
+    s.put_padded("table", &table, (8, 20), Some(-1), None)
+        .unwrap();
+}
+
+/// Checks the arena bytes `got` (the layout's bytes) hold step `k`.
+fn check(l: &StepLayout, got: &[u8], k: i64) {
+    let (ids, pos, lens, table) = step_values(k);
+    let at = |name: &str| l.field(name).unwrap().offset();
+    let i32s =
+        |off: usize, n: usize| -> Vec<i32> { bytemuck::pod_collect_to_vec(&got[off..off + 4 * n]) };
+    assert_eq!(i32s(at("ids"), ids.len()), ids, "ids, step {k}");
+    let p: Vec<i64> = bytemuck::pod_collect_to_vec(&got[at("pos")..at("pos") + 8 * pos.len()]);
+    assert_eq!(p, pos, "pos, step {k}");
+    let l32 = i32s(at("lens"), 32);
+    assert_eq!(l32[..16], lens[..], "lens, step {k}");
+    assert!(l32[16..].iter().all(|&x| x == 0), "lens pad, step {k}");
+    let t = i32s(at("table"), 8 * 32);
+    for r in 0..8 {
+        for c in 0..32 {
+            let want = if c < 20 { table[r * 20 + c] } else { -1 };
+            assert_eq!(t[r * 32 + c], want, "table[{r}, {c}], step {k}");
+        }
+    }
+}
+
+#[rstest]
+#[case::max_gap_default(64 << 10, true)]
+#[case::exact_spans_batched(0, true)]
+#[case::exact_spans_separate_copies(0, false)]
+#[ignore = "needs a GPU"]
+fn arena_steps_land_field_by_field(#[case] max_gap: usize, #[case] batch: bool) {
+    let Some(dev) = gpu_or_skip("arena_steps_land_field_by_field") else {
+        return;
+    };
+    let l = layout();
+    let arena = DeviceBuffer::new(&dev, l.nbytes()).unwrap();
+    let stream = Stream::new(&dev).unwrap();
+    let view = arena.view(DType::U8);
+    // SAFETY: `arena` outlives the stager (declared before it); nothing else writes it.
+    let st = unsafe {
+        StepStager::builder(&l)
+            .depth(3)
+            .max_gap(max_gap)
+            .batch(batch)
+            .bind(&view)
+    }
+    .build()
+    .unwrap();
+    let mut got = vec![0u8; l.nbytes()];
+    for k in 1..=60 {
+        st.order_after_commits(None).unwrap();
+        arena.upload(0, &vec![0xEE; l.nbytes()]).unwrap(); // poison before every step
+        let mut s = st.step().unwrap();
+        fill(&mut s, k);
+        let c = s.commit(stream.handle()).unwrap();
+        assert_eq!(c.batched, max_gap == 0 && batch, "step {k}");
+        assert_eq!(
+            c.calls,
+            if max_gap > 0 || batch { 1 } else { 4 },
+            "step {k}"
+        );
+        st.order_after_commits(None).unwrap();
+        arena.download(0, &mut got).unwrap();
+        check(&l, &got, k);
+    }
+    let s = st.stats();
+    assert_eq!(s.steps, 60);
+    if max_gap == 0 && batch {
+        assert_eq!((s.batches, s.batch_entries), (60, 240));
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn legacy_stream_splits_go_as_separate_copies() {
+    let Some(dev) = gpu_or_skip("legacy_stream_splits_go_as_separate_copies") else {
+        return;
+    };
+    let l = layout();
+    let arena = DeviceBuffer::new(&dev, l.nbytes()).unwrap();
+    let view = arena.view(DType::U8);
+    // SAFETY: as above.
+    let st = unsafe { StepStager::builder(&l).max_gap(0).bind(&view) }
+        .build()
+        .unwrap();
+    let mut s = st.step().unwrap();
+    fill(&mut s, 3);
+    let c = s.commit(StreamHandle::LEGACY).unwrap();
+    assert_eq!((c.calls, c.batched), (4, false));
+    let mut got = vec![0u8; l.nbytes()];
+    st.order_after_commits(None).unwrap();
+    arena.download(0, &mut got).unwrap();
+    check(&l, &got, 3);
+}
+
+/// Fresh mode with the stream stalled: every step's block must hold that step's values, so no
+/// slot was rewritten while its copy waited behind the stall.
+#[rstest]
+#[case(1)]
+#[case(2)]
+#[case(16)]
+#[ignore = "needs a GPU"]
+fn slots_are_not_rewritten_while_their_copy_is_queued(#[case] depth: usize) {
+    let Some(dev) = gpu_or_skip("slots_are_not_rewritten_while_their_copy_is_queued") else {
+        return;
+    };
+    let l = layout();
+    let stream = Stream::new(&dev).unwrap();
+    let st = StepStager::builder(&l)
+        .depth(depth)
+        .mode(StepMode::Fresh)
+        .build()
+        .unwrap();
+    // Warm the block pool before stalling (allocations may synchronize the device).
+    let warm: Vec<_> = (0..3 * depth + 8)
+        .map(|_| {
+            st.step()
+                .unwrap()
+                .commit(stream.handle())
+                .unwrap()
+                .block
+                .unwrap()
+        })
+        .collect();
+    stream.synchronize().unwrap();
+    drop(warm);
+    let steps = 3 * depth as i64 + 2;
+    let (blocks, gate) = std::thread::scope(|sc| {
+        let gate = stall(&stream);
+        let worker = sc.spawn(|| {
+            (0..steps)
+                .map(|k| {
+                    let mut s = st.step().unwrap();
+                    fill(&mut s, k);
+                    s.commit(stream.handle()).unwrap().block.unwrap()
+                })
+                .collect::<Vec<_>>()
+        });
+        // The worker fills `depth` slots, then waits for the stalled copies.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let waited = st.stats().waits;
+        gate.release();
+        (worker.join().unwrap(), waited)
+    });
+    stream.synchronize().unwrap();
+    let _ = gate;
+    for (k, b) in blocks.iter().enumerate() {
+        check(&l, &read_block(&dev, b), k as i64);
+    }
+    assert!(
+        st.stats().waits >= 1,
+        "the worker never waited for a stalled slot"
+    );
+}
+
+/// A block's bytes, copied to the host after its copy completed.
+fn read_block(dev: &pinstage::Device, b: &pinstage::StepBlock) -> Vec<u8> {
+    b.synchronize().unwrap();
+    let meta = TensorMeta::cuda_1d(dev.ordinal(), b.ptr(), DType::U8, b.len());
+    // SAFETY: the block's device memory, held (not rewritten) by `b` during the copy.
+    let view = unsafe { DeviceView::from_meta(meta) };
+    let mut got = vec![0u8; b.len()];
+    pinstage::copy_d2h(dev, &view, &mut got, StreamHandle::LEGACY).unwrap();
+    got
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn eight_threads_commit_steps_to_one_stager() {
+    let Some(dev) = gpu_or_skip("eight_threads_commit_steps_to_one_stager") else {
+        return;
+    };
+    let l = layout();
+    let st = StepStager::builder(&l)
+        .depth(8)
+        .mode(StepMode::Fresh)
+        .build()
+        .unwrap();
+    let steps = 300i64;
+    std::thread::scope(|sc| {
+        for t in 0..8i64 {
+            let (st, l, dev) = (&st, &l, &dev);
+            sc.spawn(move || {
+                let stream = Stream::new(dev).unwrap();
+                let blocks: Vec<_> = (0..steps)
+                    .map(|k| {
+                        let mut s = st.step().unwrap();
+                        fill(&mut s, t * 10_000 + k);
+                        s.commit(stream.handle()).unwrap().block.unwrap()
+                    })
+                    .collect();
+                stream.synchronize().unwrap();
+                for (k, b) in blocks.iter().enumerate() {
+                    check(l, &read_block(dev, b), t * 10_000 + k as i64);
+                }
+            });
+        }
+    });
+    assert_eq!(st.stats().steps, 8 * steps as u64);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn zero_copy_slots_are_device_addressable() {
+    let Some(dev) = gpu_or_skip("zero_copy_slots_are_device_addressable") else {
+        return;
+    };
+    let l = layout();
+    let stream = Stream::new(&dev).unwrap();
+    let st = StepStager::builder(&l)
+        .depth(2)
+        .mode(StepMode::ZeroCopy)
+        .build()
+        .unwrap();
+    for k in 0..20 {
+        let mut s = st.step().unwrap();
+        fill(&mut s, k);
+        let base = s.device_ptr("ids").unwrap();
+        // The device reads the slot in place: a D2H copy from its device address (the copy
+        // engine standing in for a kernel) sees the step's values.
+        let meta = TensorMeta::cuda_1d(dev.ordinal(), base, DType::U8, l.nbytes());
+        // SAFETY: the slot's mapped memory (the layout's bytes from field 0), ours until commit.
+        let view = unsafe { DeviceView::from_meta(meta) };
+        let mut got = vec![0u8; l.nbytes()];
+        pinstage::copy_d2h(&dev, &view, &mut got, stream.handle()).unwrap();
+        drop(view);
+        check(&l, &got, k);
+        assert!(
+            s.put("ids", &[1i32]).is_err(),
+            "host writes after device_ptr are refused"
+        );
+        let c = s.commit(stream.handle()).unwrap();
+        assert_eq!((c.calls, c.bytes), (0, 0));
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn bound_arena_on_the_gpu_is_checked() {
+    let Some(dev) = gpu_or_skip("bound_arena_on_the_gpu_is_checked") else {
+        return;
+    };
+    let l = layout();
+    let buf = DeviceBuffer::new(&dev, l.nbytes() + FIELD_ALIGN).unwrap();
+    let small = buf.view_at(0, DType::U8, l.nbytes() - 1);
+    // SAFETY: refused before use.
+    let r = unsafe { StepStager::builder(&l).bind(&small) }.build();
+    assert!(
+        matches!(r, Err(pinstage::Error::DestinationTooSmall { .. })),
+        "{r:?}"
+    );
+    let mis = buf.view_at(8, DType::U8, l.nbytes());
+    // SAFETY: refused before use.
+    let r = unsafe { StepStager::builder(&l).bind(&mis) }.build();
+    assert!(
+        matches!(r, Err(pinstage::Error::InvalidArgument { .. })),
+        "{r:?}"
+    );
+}

@@ -1,0 +1,633 @@
+"""Step staging from Python: layouts, steps, commits, exports.
+
+Without a GPU the stager works against host memory (slots, arena and fresh blocks are host
+bytes), so the semantics are checked in CI; the `gpu` tests run the same paths on the H200 with
+torch, cupy and JAX consumers, every field of every step checked against poisoned memory.
+"""
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import pinstage
+
+ENGINE = {
+    "input_ids": ("int32", 8192),
+    "positions": ("int64", 8192),
+    "slot_mapping": ("int64", 8192),
+    "seq_lens": ("int32", 256),
+    "query_start_loc": ("int32", 257),
+    "block_table": ("int32", (256, 128)),
+}
+
+
+def engine_values(k, rng=None):
+    """The engine step of the issue (256 tokens, 64 sequences), distinct per step, no zeros."""
+    rng = rng or np.random.default_rng(k)
+    return {
+        "input_ids": rng.integers(1, 50_000, 256, dtype=np.int32),
+        "positions": rng.integers(1, 1 << 40, 256, dtype=np.int64),
+        "slot_mapping": rng.integers(1, 1 << 40, 256, dtype=np.int64),
+        "seq_lens": rng.integers(1, 4096, 64, dtype=np.int32),
+        "query_start_loc": np.cumsum(rng.integers(1, 8, 65, dtype=np.int32)).astype(np.int32),
+        "block_table": rng.integers(1, 1 << 30, (64, 128), dtype=np.int32),
+    }
+
+
+def check_arena(st, vals):
+    for name, v in vals.items():
+        got = st.read_field(name)
+        assert np.array_equal(got[: len(v)], v), name
+
+
+# ---------------------------------------------------------------- CPU (and GPU) semantics
+
+
+def test_layout_describes_its_fields():
+    layout = pinstage.StepLayout(ENGINE)
+    assert layout.names == list(ENGINE)
+    assert len(layout) == 6 and "block_table" in layout and "nope" not in layout
+    offs = [f["offset"] for f in layout.fields]
+    assert offs == sorted(offs) and all(o % 256 == 0 for o in offs)
+    bt = layout.fields[-1]
+    assert bt["shape"] == (256, 128) and bt["nbytes"] == 256 * 128 * 4 and bt["dtype"] == "int32"
+    assert layout.nbytes % 256 == 0 and layout.nbytes >= bt["offset"] + bt["nbytes"]
+    same = pinstage.StepLayout([(n, d, s) for n, (d, s) in ENGINE.items()])
+    assert same.fields == layout.fields
+    assert "block_table: int32[256, 128]" in repr(layout)
+
+
+@pytest.mark.parametrize(
+    "fields, exc",
+    [
+        ({}, pinstage.PinstageValueError),
+        ({"a": ("int32", 0)}, pinstage.PinstageValueError),
+        ({"a": ("int32", (2, 2, 2))}, pinstage.PinstageValueError),
+        ({"a": ("int32", -1)}, pinstage.PinstageValueError),
+        ({"a": ("str", 4)}, pinstage.PinstageTypeError),
+        ({"a": "int32"}, pinstage.PinstageTypeError),
+        ({"": ("int32", 4)}, pinstage.PinstageValueError),
+        ([("a", "int32", 4), ("a", "int8", 4)], pinstage.PinstageValueError),
+        (42, pinstage.PinstageTypeError),
+        ({1: ("int32", 4)}, pinstage.PinstageTypeError),
+    ],
+)
+def test_bad_layouts(fields, exc):
+    with pytest.raises(exc):
+        pinstage.StepLayout(fields)
+
+
+def test_skip_unchanged_names_must_exist():
+    with pytest.raises(pinstage.UnknownFieldError, match="nope"):
+        pinstage.StepLayout({"a": ("int32", 4)}, skip_unchanged=["nope"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc",
+    [
+        (dict(depth=0), pinstage.PinstageValueError),
+        (dict(depth="2"), pinstage.PinstageTypeError),
+        (dict(mode="nope"), pinstage.PinstageValueError),
+        (dict(mode=3), pinstage.PinstageTypeError),
+        (dict(max_gap=-1), pinstage.PinstageValueError),
+        (dict(device=-1), pinstage.PinstageValueError),
+    ],
+)
+def test_bad_stager_arguments(kwargs, exc):
+    with pytest.raises(exc):
+        pinstage.StepStager(pinstage.StepLayout(ENGINE), **kwargs)
+
+
+def test_stager_needs_a_layout():
+    with pytest.raises(pinstage.PinstageTypeError):
+        pinstage.StepStager({"a": ("int32", 4)})
+
+
+def test_steps_commit_every_field_every_step():
+    st = pinstage.StepStager(pinstage.StepLayout(ENGINE), depth=3)
+    for k in range(12):
+        vals = engine_values(k)
+        with st.step() as step:
+            for name in ("input_ids", "positions", "seq_lens", "block_table"):
+                step.put(name, vals[name])
+            step.view("slot_mapping", 256)[:] = vals["slot_mapping"]
+            step.view("query_start_loc", 65)[:] = vals["query_start_loc"]
+        check_arena(st, vals)
+    s = st.stats()
+    assert s["steps"] == 12 and s["aborted"] == 0 and s["copies"] + s["batches"] >= 12
+
+
+def test_stage_in_one_call_with_pads_and_rows():
+    layout = pinstage.StepLayout({"ids": ("int32", 64), "table": ("int32", (8, 4))})
+    st = pinstage.StepStager(layout)
+    st.stage(
+        {"ids": [1, 2, 3], "table": np.array([[1, 2], [3, 4]], np.int32)},
+        pad_values={"ids": -1, "table": 0},
+        rows={"ids": 6, "table": 3},
+    )
+    assert st.read_field("ids")[:6].tolist() == [1, 2, 3, -1, -1, -1]
+    assert st.read_field("table")[:3].tolist() == [[1, 2, 0, 0], [3, 4, 0, 0], [0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize(
+    "call, exc",
+    [
+        (lambda s: s.put("nope", [1]), pinstage.UnknownFieldError),
+        (lambda s: s.put("ids", list(range(65))), pinstage.PinstageValueError),
+        (lambda s: s.put("ids", [1 << 40]), pinstage.PinstageValueError),
+        (lambda s: s.put("ids", [0.5]), pinstage.PinstageValueError),
+        (lambda s: s.put("ids", "abc"), pinstage.PinstageTypeError),
+        (lambda s: s.put("ids", [1], rows=5), pinstage.PinstageValueError),
+        (lambda s: s.put("ids", [1], pad_value=0, rows=65), pinstage.PinstageValueError),
+        (lambda s: s.put("ids", [1], pad_value=2**40), pinstage.PinstageValueError),
+        (lambda s: s.put("table", [1, 2]), pinstage.PinstageValueError),
+        (lambda s: s.put("table", np.ones((2, 5), np.int32), pad_value=0), pinstage.PinstageValueError),
+        (lambda s: s.put("table", np.ones((2, 3), np.int32)), pinstage.PinstageValueError),
+        (lambda s: s.view("ids", 65), pinstage.PinstageValueError),
+        (lambda s: s.view("nope"), KeyError),
+        (lambda s: s.device("ids"), (pinstage.PinstageValueError, pinstage.CudaUnavailableError)),
+    ],
+)
+def test_bad_input_is_typed_writes_nothing_and_releases_the_slot(call, exc):
+    layout = pinstage.StepLayout({"ids": ("int32", 64), "table": ("int32", (8, 4))})
+    st = pinstage.StepStager(layout, depth=1)
+    st.stage({"ids": [7, 8, 9]})
+    with pytest.raises(exc):
+        with st.step() as step:
+            step.put("ids", [100, 200])
+            call(step)
+    # The failed step was released untouched: depth 1, so the next step gets its slot at once,
+    # and the arena still holds the last committed values.
+    assert st.stats()["aborted"] == 1
+    assert st.read_field("ids")[:3].tolist() == [7, 8, 9]
+    st.stage({"ids": [4]})
+    assert st.read_field("ids")[:3].tolist() == [4, 8, 9]
+
+
+def test_views_are_read_only_after_commit_and_abort():
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 64)}), depth=2)
+    step = st.step()
+    v = step.view("ids", 4)
+    v[:] = [1, 2, 3, 4]
+    step.commit()
+    with pytest.raises(ValueError, match="read-only"):
+        v[0] = 5
+    with pytest.raises(ValueError):
+        v.flags.writeable = True
+    step = st.step()
+    w = step.view("ids")
+    step.abort()
+    with pytest.raises(ValueError, match="read-only"):
+        w[:] = 0
+    assert st.read_field("ids")[:4].tolist() == [1, 2, 3, 4]
+
+
+def test_step_state_errors():
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 64)}))
+    step = st.step()
+    step.put("ids", [1])
+    assert step.commit() is None and step.committed
+    for bad in (step.commit, lambda: step.put("ids", [2]), lambda: step.view("ids")):
+        with pytest.raises(pinstage.StepStateError, match="already committed"):
+            bad()
+    step.abort()  # no-op on an ended step
+    aborted = st.step()
+    aborted.abort()
+    with pytest.raises(pinstage.StepStateError, match="aborted"):
+        aborted.commit()
+    assert "committed" in repr(step) and "aborted" in repr(aborted)
+
+
+def test_a_step_belongs_to_its_thread():
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 64)}), depth=1)
+    step = st.step()
+    errors = []
+
+    def other():
+        for call in (lambda: step.put("ids", [1]), step.commit, step.abort):
+            try:
+                call()
+            except pinstage.StepStateError as e:
+                errors.append(str(e))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert len(errors) == 3 and all("thread" in e for e in errors)
+    step.put("ids", [3])
+    step.commit()
+    assert st.read_field("ids")[0] == 3
+
+
+def test_skip_unchanged_sends_nothing_for_unchanged_fields():
+    layout = pinstage.StepLayout({"ids": ("int32", 64), "table": ("int32", (8, 4))}, skip_unchanged=["table"])
+    st = pinstage.StepStager(layout)
+    table = np.arange(1, 9, dtype=np.int32).reshape(2, 4)
+    for k in range(5):
+        st.stage({"table": table, "ids": [k + 1]})
+    s = st.stats()
+    assert s["skipped_fields"] == 4 and s["steps"] == 5
+    assert np.array_equal(st.read_field("table")[:2], table)
+    st.stage({"table": table + 1})
+    assert np.array_equal(st.read_field("table")[:2], table + 1)
+    st.stage({"table": table + 1})
+    assert st.stats()["empty_steps"] == 1  # nothing changed, nothing written: nothing issued
+
+
+def test_fresh_blocks_hold_their_step_and_unpack():
+    layout = pinstage.StepLayout({"ids": ("int32", 16), "pos": ("int64", 16), "t": ("uint8", (2, 3))})
+    st = pinstage.StepStager(layout, mode="fresh", depth=2)
+    kept = []
+    for k in range(10):
+        b = st.stage({"ids": np.arange(16, dtype=np.int32) + k * 100, "pos": [k] * 16, "t": [[k, 1, 2], [3, 4, 5]]})
+        assert b.shape == (layout.nbytes,) and b.dtype == "uint8"
+        kept.append((k, b))
+    if not st.cuda:
+        for k, b in kept:
+            f = layout.unpack(np.from_dlpack(b))
+            assert f["ids"].tolist() == list(range(k * 100, k * 100 + 16))
+            assert f["pos"].tolist() == [k] * 16 and f["t"].tolist() == [[k, 1, 2], [3, 4, 5]]
+    blocks = st.stats()["blocks"]
+    del kept, b
+    gc.collect()
+    for k in range(10):
+        st.stage({"ids": [k]})
+    assert st.stats()["blocks"] == blocks, "released blocks are reused"
+
+
+def test_unpack_checks_its_input():
+    layout = pinstage.StepLayout({"ids": ("int32", 16)})
+    with pytest.raises(pinstage.PinstageValueError, match="nbytes"):
+        layout.unpack(np.zeros(10, np.uint8))
+    with pytest.raises(pinstage.PinstageValueError):
+        layout.unpack(np.zeros(layout.nbytes // 4, np.int32))
+
+
+def test_arena_exports_need_arena_mode():
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16)}), mode="fresh")
+    for bad in (lambda: st.field("ids"), st.arena, lambda: st.read_field("ids")):
+        with pytest.raises(pinstage.PinstageValueError):
+            bad()
+
+
+def test_host_arena_exports_to_numpy_when_no_driver():
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16), "t": ("int64", (2, 2))}))
+    st.stage({"ids": [1, 2, 3], "t": [[5, 6], [7, 8]]})
+    if st.cuda:
+        pytest.skip("the arena is device memory with a driver (the GPU tests import it)")
+    ids = np.from_dlpack(st.field("ids"))
+    assert ids.shape == (16,) and ids[:3].tolist() == [1, 2, 3]
+    assert np.from_dlpack(st.field("t")).tolist() == [[5, 6], [7, 8]]
+    assert np.from_dlpack(st.arena()).shape == (st.layout.nbytes,)
+
+
+def test_bound_host_arena():
+    layout = pinstage.StepLayout({"ids": ("int32", 16)})
+    raw = np.zeros(layout.nbytes + 256, np.uint8)
+    off = (-raw.ctypes.data) % 256
+    arena = raw[off : off + layout.nbytes]
+    st = pinstage.StepStager(layout, arena=arena)
+    st.stage({"ids": [9, 8, 7]})
+    assert arena[:12].view(np.int32).tolist() == [9, 8, 7]
+    for bad, match in ((arena[: layout.nbytes - 1], "bytes"), (raw[off + 4 : off + 4 + layout.nbytes], "aligned")):
+        with pytest.raises(pinstage.PinstageValueError, match=match):
+            pinstage.StepStager(layout, arena=bad)
+    ro = arena.copy()
+    ro.flags.writeable = False
+    with pytest.raises((pinstage.PinstageValueError, BufferError, ValueError)):
+        pinstage.StepStager(layout, arena=ro)
+    with pytest.raises(pinstage.PinstageValueError):
+        pinstage.StepStager(layout, arena=arena, mode="fresh")
+
+
+def test_many_threads_one_stager_every_step_checked():
+    layout = pinstage.StepLayout({"a": ("int64", 512), "b": ("int32", 64)})
+    st = pinstage.StepStager(layout, mode="fresh", depth=4)
+    errors = []
+
+    def worker(t):
+        try:
+            for k in range(200):
+                v = np.arange(512, dtype=np.int64) + t * 1_000_000 + k * 1000
+                with st.step() as step:
+                    step.put("a", v)
+                    step.view("b", 4)[:] = [t, k, 1, 2]
+                if not st.cuda:
+                    f = layout.unpack(np.from_dlpack(step.block))
+                    assert np.array_equal(f["a"], v) and f["b"][:4].tolist() == [t, k, 1, 2], (t, k)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert st.stats()["steps"] == 1600
+
+
+# ---------------------------------------------------------------- GPU
+
+
+torch = None
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["stage", "put", "views"])
+@pytest.mark.parametrize("max_gap", [0, 65536])
+def test_torch_arena_every_field_every_step(gpu, how, max_gap):
+    torch = _torch()
+    layout = pinstage.StepLayout(ENGINE)
+    st = pinstage.StepStager(layout, depth=3, max_gap=max_gap)
+    fields = {n: torch.from_dlpack(st.field(n)) for n in ENGINE}
+    assert fields["block_table"].shape == (256, 128) and fields["positions"].dtype == torch.int64
+    addr = {n: t.data_ptr() for n, t in fields.items()}
+    s = torch.cuda.Stream()
+    for k in range(40):
+        vals = engine_values(k)
+        with torch.cuda.stream(s):
+            for t in fields.values():
+                t.fill_(-77)  # poison every field before every step (on the commit's stream)
+            if how == "stage":
+                st.stage(vals, stream=s)
+            else:
+                with st.step(stream=s) as step:
+                    for name, v in vals.items():
+                        if how == "put":
+                            step.put(name, v)
+                        else:
+                            step.view(name, len(v))[:] = v
+        s.synchronize()
+        for name, v in vals.items():
+            got = fields[name][: len(v)].cpu().numpy()
+            assert np.array_equal(got, v), (k, name)
+    assert {n: t.data_ptr() for n, t in fields.items()} == addr
+    stats = st.stats()
+    assert stats["steps"] == 40
+    if max_gap == 0:
+        assert stats["batches"] == 40 and stats["batch_entries"] == 240, stats
+    else:
+        assert stats["copies"] == 40 and stats["batches"] == 0, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [1, 2, 16])
+def test_slots_never_rewritten_while_their_copy_is_queued(gpu, depth):
+    """The stream is stalled by a sleep kernel (the test's, not pinstage's) before the steps: each
+    step's snapshot, taken on the stream right after its commit, must hold that step's values."""
+    torch = _torch()
+    layout = pinstage.StepLayout(ENGINE)
+    st = pinstage.StepStager(layout, depth=depth)
+    fields = {n: torch.from_dlpack(st.field(n)) for n in ENGINE}
+    s = torch.cuda.Stream()
+    steps = 3 * depth + 2
+    snaps, want = [], []
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(200_000_000)
+        for k in range(steps):
+            vals = engine_values(1000 + k)
+            st.stage(vals, stream=s)
+            snaps.append({n: fields[n][: len(v)].clone() for n, v in vals.items()})
+            want.append(vals)
+    s.synchronize()
+    for k, (snap, vals) in enumerate(zip(snaps, want)):
+        for name, v in vals.items():
+            assert np.array_equal(snap[name].cpu().numpy(), v), (depth, k, name)
+    assert st.stats()["waits"] >= 1
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_sees_each_steps_values(gpu):
+    torch = _torch()
+    layout = pinstage.StepLayout(ENGINE)
+    st = pinstage.StepStager(layout, depth=4)
+    f = {n: torch.from_dlpack(st.field(n)) for n in ENGINE}
+    s = torch.cuda.Stream()
+    out = torch.zeros(4, dtype=torch.int64, device="cuda")
+
+    def work():
+        out[0] = f["input_ids"][:256].to(torch.int64).sum()
+        out[1] = f["positions"][:256].sum() + f["slot_mapping"][:256].sum()
+        out[2] = f["seq_lens"][:64].to(torch.int64).sum() + f["query_start_loc"][:65].to(torch.int64).sum()
+        out[3] = f["block_table"][:64].to(torch.int64).sum()
+
+    st.stage(engine_values(0), stream=s)
+    s.synchronize()
+    with torch.cuda.stream(s):
+        work()  # warm up
+    s.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        work()
+    for k in range(1, 60):
+        vals = engine_values(k)
+        with torch.cuda.stream(s):
+            out.fill_(-1)
+            st.stage(vals, stream=s)
+            g.replay()
+        s.synchronize()
+        want = [
+            int(vals["input_ids"].astype(np.int64).sum()),
+            int(vals["positions"].sum() + vals["slot_mapping"].sum()),
+            int(vals["seq_lens"].astype(np.int64).sum() + vals["query_start_loc"].astype(np.int64).sum()),
+            int(vals["block_table"].astype(np.int64).sum()),
+        ]
+        assert out.cpu().tolist() == want, k
+
+
+@pytest.mark.gpu
+def test_cupy_reads_the_arena(gpu):
+    cp = pytest.importorskip("cupy")
+    layout = pinstage.StepLayout(ENGINE)
+    st = pinstage.StepStager(layout)
+    ids = cp.from_dlpack(st.field("input_ids"))
+    bt = cp.from_dlpack(st.field("block_table"))
+    s = cp.cuda.Stream(non_blocking=True)
+    for k in range(10):
+        vals = engine_values(k)
+        with s:
+            ids.fill(-5)
+            bt.fill(-5)
+            st.stage(vals, stream=s)
+        s.synchronize()
+        assert np.array_equal(cp.asnumpy(ids[:256]), vals["input_ids"])
+        assert np.array_equal(cp.asnumpy(bt[:64]), vals["block_table"])
+
+
+@pytest.mark.gpu
+def test_jax_fresh_steps_keep_their_values(gpu):
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+
+    layout = pinstage.StepLayout(ENGINE)
+    depth = 3
+    st = pinstage.StepStager(layout, mode="fresh", depth=depth)
+
+    @jax.jit
+    def step_fn(packed):
+        f = layout.unpack(packed)
+        return (
+            jnp.sum(f["input_ids"][:256].astype(jnp.int64)),
+            jnp.sum(f["positions"][:256]),
+            jnp.sum(f["block_table"][:64].astype(jnp.int64)),
+        )
+
+    held = []
+    for k in range(4 * depth):
+        vals = engine_values(k)
+        packed = jax.dlpack.from_dlpack(st.stage(vals))
+        got = [int(x) for x in step_fn(packed)]
+        want = [
+            int(vals["input_ids"].astype(np.int64).sum()),
+            int(vals["positions"].sum()),
+            int(vals["block_table"].astype(np.int64).sum()),
+        ]
+        assert got == want, k
+        held.append((packed, vals))
+    # Arrays from step N still hold step N's values after 3x depth later steps.
+    for k, (packed, vals) in enumerate(held):
+        f = layout.unpack(packed)
+        for name, v in vals.items():
+            assert np.array_equal(np.asarray(f[name][: len(v)]), v), (k, name)
+    del held, packed
+    gc.collect()
+
+
+@pytest.mark.gpu
+def test_zero_copy_kernels_read_the_slot(gpu):
+    torch = _torch()
+    layout = pinstage.StepLayout({"ids": ("int32", 1024), "w": ("float32", (64, 16))})
+    st = pinstage.StepStager(layout, mode="zero_copy", depth=2)
+    s = torch.cuda.Stream()
+    results = []
+    for k in range(50):
+        ids = np.arange(1, 301, dtype=np.int32) * (k + 1)
+        w = np.full((10, 16), k + 0.5, np.float32)
+        with st.step(stream=s) as step:
+            step.put("ids", ids)
+            step.put("w", w)
+            t_ids = torch.from_dlpack(step.device("ids"))
+            t_w = torch.from_dlpack(step.device("w"))
+            assert t_ids.shape == (300,) and t_w.shape == (10, 16) and t_ids.is_cuda
+            with pytest.raises(pinstage.StepStateError):
+                step.put("ids", ids)
+            with torch.cuda.stream(s):
+                results.append((t_ids.to(torch.int64).sum(), t_w.sum(), k, int(ids.astype(np.int64).sum())))
+    s.synchronize()
+    for a, b, k, want in results:
+        assert int(a) == want and float(b) == pytest.approx(160 * (k + 0.5)), k
+    assert st.stats()["copies"] == 0 and st.stats()["batches"] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_bound_arena_and_refusals(gpu):
+    torch = _torch()
+    layout = pinstage.StepLayout({"ids": ("int32", 64), "t": ("int64", (4, 4))})
+    arena = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda")
+    st = pinstage.StepStager(layout, arena=arena)
+    st.stage({"ids": [1, 2, 3], "t": [[1, 2, 3, 4]]})
+    torch.cuda.synchronize()
+    assert arena[:12].view(torch.int32).tolist() == [1, 2, 3]
+    assert torch.from_dlpack(st.field("ids")).data_ptr() == arena.data_ptr()
+    with pytest.raises(pinstage.PinstageValueError, match="bytes"):
+        pinstage.StepStager(layout, arena=arena[:-1])
+    with pytest.raises(pinstage.PinstageValueError, match="aligned"):
+        pinstage.StepStager(layout, arena=torch.empty(layout.nbytes + 8, dtype=torch.uint8, device="cuda")[8:])
+    jax = pytest.importorskip("jax")
+    with pytest.raises(pinstage.PinstageValueError, match="JAX"):
+        pinstage.StepStager(layout, arena=jax.numpy.zeros(layout.nbytes, jax.numpy.uint8))
+
+
+@pytest.mark.gpu
+def test_capturing_stream_is_refused_and_releases_the_slot(gpu):
+    torch = _torch()
+    layout = pinstage.StepLayout({"ids": ("int32", 64)})
+    st = pinstage.StepStager(layout, depth=1)
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    x = torch.zeros(1, device="cuda")
+    with torch.cuda.graph(g, stream=s):
+        x.add_(1)
+        with pytest.raises(pinstage.StreamCaptureError):
+            st.stage({"ids": [1]}, stream=s)
+    st.stage({"ids": [5]})
+    torch.cuda.synchronize()
+    assert st.read_field("ids")[0] == 5
+
+
+@pytest.mark.gpu
+def test_many_threads_fresh_blocks_checked_on_the_gpu(gpu):
+    torch = _torch()
+    layout = pinstage.StepLayout({"a": ("int64", 512), "b": ("int32", (4, 8))})
+    st = pinstage.StepStager(layout, mode="fresh", depth=8)
+    errors = []
+
+    def worker(t):
+        try:
+            s = torch.cuda.Stream()
+            kept = []
+            for k in range(150):
+                v = np.arange(512, dtype=np.int64) + t * 1_000_000 + k * 1000
+                b = st.stage({"a": v, "b": np.full((4, 8), t * 1000 + k, np.int32)}, stream=s)
+                kept.append((torch.from_dlpack(b), v, t * 1000 + k))
+            for blk, v, tag in kept:
+                f = layout.unpack(blk)
+                assert np.array_equal(f["a"].cpu().numpy(), v), (t, tag)
+                assert (f["b"].cpu().numpy() == tag).all(), (t, tag)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+
+
+@pytest.mark.gpu
+def test_fresh_blocks_do_not_leak(gpu):
+    torch = _torch()
+    layout = pinstage.StepLayout(ENGINE)
+    st = pinstage.StepStager(layout, mode="fresh", depth=4)
+    vals = engine_values(1)
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    for _ in range(3000):
+        t = torch.from_dlpack(st.stage(vals))
+        del t
+    torch.cuda.synchronize()
+    assert st.stats()["blocks"] <= 16, st.stats()
+    assert torch.cuda.mem_get_info()[0] >= free0 - 64 * layout.nbytes
+
+
+@pytest.mark.two_gpus
+@pytest.mark.gpu
+def test_two_gpus_each_with_its_own_arena(gpu):
+    torch = _torch()
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    layout = pinstage.StepLayout(ENGINE)
+    sts = [pinstage.StepStager(layout, device=d) for d in range(2)]
+    fields = [torch.from_dlpack(st.field("block_table")) for st in sts]
+    assert [f.device.index for f in fields] == [0, 1]
+    for k in range(20):
+        vals = [engine_values(10 * k + d) for d in range(2)]
+        for d, st in enumerate(sts):
+            with torch.cuda.device(d):
+                fields[d].fill_(-3)
+                st.stage(vals[d], stream=torch.cuda.current_stream(d))
+        for d in range(2):
+            torch.cuda.synchronize(d)
+            assert np.array_equal(fields[d][:64].cpu().numpy(), vals[d]["block_table"]), (k, d)
+    t = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda:1")
+    with pytest.raises(pinstage.PinstageValueError, match="device"):
+        pinstage.StepStager(layout, device=0, arena=t)

@@ -1,0 +1,350 @@
+//! Step staging without a GPU: layouts, the commit plan, and whole steps against host memory
+//! (slots, arena and fresh blocks are plain host bytes when there is no driver; on a GPU machine
+//! these tests use a host-bound arena instead, so they run everywhere).
+
+use pinstage::testing::plan;
+use pinstage::{
+    DType, DeviceView, Error, FIELD_ALIGN, StepLayout, StepMode, StepStager, StreamHandle,
+};
+use rstest::rstest;
+
+fn engine() -> StepLayout {
+    StepLayout::builder()
+        .field("input_ids", DType::I32, &[8192])
+        .field("positions", DType::I64, &[8192])
+        .field("slot_mapping", DType::I64, &[8192])
+        .field("seq_lens", DType::I32, &[256])
+        .field("query_start_loc", DType::I32, &[257])
+        .field("block_table", DType::I32, &[256, 128])
+        .build()
+        .unwrap()
+}
+
+/// A stager that commits into host memory: its own host arena without a driver, a bound host
+/// buffer with one. The buffer is returned so it outlives the stager.
+fn host_stager(layout: &StepLayout, depth: usize, max_gap: usize) -> (StepStager, Vec<u8>) {
+    let mut arena = vec![0xA5u8; layout.nbytes() + FIELD_ALIGN];
+    let off = arena.as_ptr().align_offset(FIELD_ALIGN);
+    let b = StepStager::builder(layout).depth(depth).max_gap(max_gap);
+    let st = if pinstage::cuda_available() {
+        let view = DeviceView::host_mut(&mut arena[off..off + layout.nbytes()]);
+        // SAFETY: `arena` is returned to the caller, which drops it after the stager; nothing
+        // else writes it meanwhile.
+        unsafe { b.bind(&view) }.build().unwrap()
+    } else {
+        b.build().unwrap()
+    };
+    (st, arena)
+}
+
+#[test]
+fn layout_places_fields_at_aligned_offsets_in_order() {
+    let l = engine();
+    let mut end = 0;
+    for f in l.fields() {
+        assert_eq!(f.offset() % FIELD_ALIGN, 0, "{}", f.name());
+        assert!(
+            f.offset() >= end,
+            "{} overlaps the previous field",
+            f.name()
+        );
+        end = f.offset() + f.nbytes();
+    }
+    assert_eq!(l.nbytes(), end.next_multiple_of(FIELD_ALIGN));
+    let bt = l.field("block_table").unwrap();
+    assert_eq!((bt.rows(), bt.cols(), bt.row_bytes()), (256, 128, 512));
+    assert_eq!(l.field("query_start_loc").unwrap().nbytes(), 257 * 4);
+    assert_eq!(l.id("seq_lens").unwrap().index(), 3);
+}
+
+#[rstest]
+#[case::no_fields(StepLayout::builder())]
+#[case::empty_name(StepLayout::builder().field("", DType::I32, &[4]))]
+#[case::repeated(StepLayout::builder().field("a", DType::I32, &[4]).field("a", DType::I8, &[4]))]
+#[case::zero_dim(StepLayout::builder().field("a", DType::I32, &[0]))]
+#[case::three_dims(StepLayout::builder().field("a", DType::I32, &[2, 2, 2]))]
+#[case::no_dims(StepLayout::builder().field("a", DType::I32, &[]))]
+fn bad_layouts_are_refused(#[case] b: pinstage::StepLayoutBuilder) {
+    assert!(matches!(b.build(), Err(Error::InvalidArgument { .. })));
+}
+
+#[test]
+fn overflowing_layout_is_refused() {
+    let r = StepLayout::builder()
+        .field("a", DType::I64, &[usize::MAX / 4, 2])
+        .build();
+    assert!(matches!(r, Err(Error::OutOfMemory { .. })));
+}
+
+#[test]
+fn unknown_field_names_the_known_ones() {
+    let e = engine().id("input_id").unwrap_err();
+    assert!(matches!(e, Error::UnknownField { .. }));
+    assert!(e.to_string().contains("input_ids, positions"), "{e}");
+}
+
+#[test]
+fn plan_merges_dense_fields_and_splits_at_untouched_ones() {
+    let l = engine();
+    let f = l.fields();
+    let mut segs = Vec::new();
+    // The engine step: every field written, gaps below 64 KiB: one span.
+    let rows = [256, 256, 256, 64, 65, 64];
+    plan(f, &rows, 64 << 10, &mut segs);
+    assert_eq!(segs.len(), 1);
+    assert_eq!(segs[0].0, 0);
+    assert_eq!(segs[0].0 + segs[0].1, f[5].offset() + 64 * 512);
+    // max_gap 0: exactly the used rows, one span per field.
+    plan(f, &rows, 0, &mut segs);
+    assert_eq!(segs.len(), 6);
+    for (s, (fi, r)) in segs.iter().zip(f.iter().zip(rows)) {
+        assert_eq!(*s, (fi.offset(), r * fi.row_bytes()));
+    }
+    // An untouched field in the middle splits the span, whatever the gap allowance.
+    plan(f, &[256, 0, 256, 64, 65, 64], usize::MAX, &mut segs);
+    assert_eq!(segs.len(), 2);
+    assert_eq!(segs[0], (0, 256 * 4));
+    assert_eq!(segs[1].0, f[2].offset());
+    // Nothing written: nothing sent.
+    plan(f, &[0; 6], usize::MAX, &mut segs);
+    assert!(segs.is_empty());
+    // Only the last field.
+    plan(f, &[0, 0, 0, 0, 0, 3], 0, &mut segs);
+    assert_eq!(segs, vec![(f[5].offset(), 3 * 512)]);
+}
+
+#[test]
+fn plan_gap_allowance_is_inclusive() {
+    let l = StepLayout::builder()
+        .field("a", DType::U8, &[1024])
+        .field("b", DType::U8, &[1024])
+        .build()
+        .unwrap();
+    let mut segs = Vec::new();
+    // a uses 24 bytes: the gap to b is 1000 bytes.
+    plan(l.fields(), &[24, 8], 1000, &mut segs);
+    assert_eq!(segs, vec![(0, 1024 + 8)]);
+    plan(l.fields(), &[24, 8], 999, &mut segs);
+    assert_eq!(segs, vec![(0, 24), (1024, 8)]);
+}
+
+fn read_i32(st: &StepStager, name: &str) -> Vec<i32> {
+    bytemuck::cast_slice(&st.read_field(name).unwrap()).to_vec()
+}
+
+#[test]
+fn steps_commit_values_and_pads_into_the_arena() {
+    let l = engine();
+    let (st, _arena) = host_stager(&l, 3, 64 << 10);
+    for step_no in 1..=10i32 {
+        let ids: Vec<i32> = (0..200).map(|i| step_no * 10_000 + i).collect();
+        let table: Vec<i32> = (0..3 * 100).map(|i| -(step_no * 1000 + i)).collect();
+        let mut s = st.step().unwrap();
+        s.put("input_ids", &ids).unwrap();
+        s.put_padded("block_table", &table, (3, 100), Some(-7), Some(4))
+            .unwrap();
+        let seq = s.field_mut::<i32>("seq_lens", 5).unwrap();
+        seq.copy_from_slice(&[step_no, 2, 3, 4, 5]);
+        assert_eq!(s.used_rows("seq_lens").unwrap(), 5);
+        let c = s.commit(StreamHandle::LEGACY).unwrap();
+        assert!(c.calls >= 1);
+        assert_eq!(read_i32(&st, "input_ids")[..200], ids[..]);
+        assert_eq!(read_i32(&st, "seq_lens")[..5], [step_no, 2, 3, 4, 5]);
+        let bt = read_i32(&st, "block_table");
+        for r in 0..4 {
+            for c in 0..128 {
+                let want = if r < 3 && c < 100 {
+                    table[r * 100 + c]
+                } else {
+                    -7
+                };
+                assert_eq!(bt[r * 128 + c], want, "step {step_no} row {r} col {c}");
+            }
+        }
+    }
+    let s = st.stats();
+    assert_eq!((s.steps, s.aborted), (10, 0));
+}
+
+#[test]
+fn unwritten_fields_keep_their_values() {
+    let l = engine();
+    let (st, _arena) = host_stager(&l, 2, usize::MAX);
+    let mut s = st.step().unwrap();
+    s.put("positions", &[11i64, 12, 13]).unwrap();
+    s.put("seq_lens", &[1i32, 2]).unwrap();
+    s.commit(StreamHandle::LEGACY).unwrap();
+    // The next steps write the fields around `positions` only: even with an unlimited gap the
+    // commit must not cover `positions` with the slot's stale bytes.
+    for k in 0..4 {
+        let mut s = st.step().unwrap();
+        s.put("input_ids", &[k; 50]).unwrap();
+        s.put("slot_mapping", &[k as i64; 50]).unwrap();
+        s.commit(StreamHandle::LEGACY).unwrap();
+        let pos: Vec<i64> = bytemuck::cast_slice(&st.read_field("positions").unwrap()).to_vec();
+        assert_eq!(pos[..3], [11, 12, 13], "step {k}");
+    }
+}
+
+#[test]
+fn skip_unchanged_fields_send_nothing() {
+    let l = StepLayout::builder()
+        .field("ids", DType::I32, &[64])
+        .field_skip_unchanged("table", DType::I32, &[8, 4])
+        .build()
+        .unwrap();
+    let (st, _arena) = host_stager(&l, 2, 0);
+    let table: Vec<i32> = (1..=8).collect();
+    for k in 0..5 {
+        let mut s = st.step().unwrap();
+        s.put("table", &table).unwrap();
+        let c = s.commit(StreamHandle::LEGACY).unwrap();
+        assert_eq!(c.skipped, u32::from(k > 0), "step {k}");
+        assert_eq!(
+            c.calls,
+            u32::from(k == 0),
+            "step {k}: an unchanged step issues nothing"
+        );
+    }
+    // Changed values, or other rows, are sent again.
+    let mut s = st.step().unwrap();
+    s.put("table", &table[..4]).unwrap();
+    assert_eq!(s.commit(StreamHandle::LEGACY).unwrap().skipped, 0);
+    let stats = st.stats();
+    assert_eq!((stats.skipped_fields, stats.empty_steps), (4, 4));
+    assert_eq!(read_i32(&st, "table")[..8], table[..]);
+}
+
+#[rstest]
+#[case::too_many_values(|s: &mut pinstage::Step<'_>| s.put("seq_lens", &[1i32; 257]))]
+#[case::wrong_dtype(|s: &mut pinstage::Step<'_>| s.put("seq_lens", &[1i64; 2]))]
+#[case::unknown(|s: &mut pinstage::Step<'_>| s.put("nope", &[1i32]))]
+#[case::ragged_rows(|s: &mut pinstage::Step<'_>| s.put("block_table", &[1i32; 130]))]
+#[case::missing_pad(|s: &mut pinstage::Step<'_>| s.put_padded("seq_lens", &[1i32; 2], (2, 1), None, Some(5)))]
+#[case::rows_beyond(|s: &mut pinstage::Step<'_>| s.put_padded("seq_lens", &[1i32; 2], (2, 1), Some(0), Some(257)))]
+#[case::cols_beyond(|s: &mut pinstage::Step<'_>| s.put_padded("block_table", &[1i32; 129], (1, 129), Some(0), None))]
+#[case::short_values(|s: &mut pinstage::Step<'_>| s.put_padded("block_table", &[1i32; 5], (2, 3), Some(0), None))]
+#[case::view_beyond(|s: &mut pinstage::Step<'_>| s.field_mut::<i32>("seq_lens", 257).map(|_| ()))]
+fn bad_puts_are_typed_errors_and_write_nothing(
+    #[case] bad: fn(&mut pinstage::Step<'_>) -> pinstage::Result<()>,
+) {
+    let l = engine();
+    let (st, _arena) = host_stager(&l, 1, 64 << 10);
+    let mut s = st.step().unwrap();
+    s.put("seq_lens", &[5i32, 6]).unwrap();
+    assert!(bad(&mut s).is_err());
+    // Nothing changed: the good write is what the commit sends.
+    assert_eq!(s.used_rows("seq_lens").unwrap(), 2);
+    assert_eq!(s.used_rows("block_table").unwrap(), 0);
+    s.commit(StreamHandle::LEGACY).unwrap();
+    assert_eq!(read_i32(&st, "seq_lens")[..2], [5, 6]);
+}
+
+#[test]
+fn a_dropped_step_releases_its_slot_untouched() {
+    let l = engine();
+    let (st, _arena) = host_stager(&l, 1, 64 << 10);
+    let mut s = st.step().unwrap();
+    s.put("seq_lens", &[9i32; 4]).unwrap();
+    drop(s);
+    // depth 1: the next step gets the same slot; nothing was sent.
+    let s = st.step().unwrap();
+    s.commit(StreamHandle::LEGACY).unwrap();
+    assert_eq!(st.stats().aborted, 1);
+    assert_ne!(read_i32(&st, "seq_lens")[..4], [9; 4]);
+}
+
+#[test]
+fn threads_commit_concurrently_into_their_own_slots() {
+    let l = StepLayout::builder()
+        .field("a", DType::I64, &[512])
+        .field("b", DType::I64, &[512])
+        .build()
+        .unwrap();
+    let st = if pinstage::cuda_available() {
+        return; // the fresh-block variant runs on the GPU (tests/gpu_step.rs)
+    } else {
+        StepStager::builder(&l)
+            .depth(4)
+            .mode(StepMode::Fresh)
+            .build()
+            .unwrap()
+    };
+    std::thread::scope(|sc| {
+        for t in 0..8i64 {
+            let st = &st;
+            let l = &l;
+            sc.spawn(move || {
+                for k in 0..500i64 {
+                    let v: Vec<i64> = (0..512).map(|i| t * 1_000_000 + k * 1000 + i).collect();
+                    let mut s = st.step().unwrap();
+                    s.put("a", &v).unwrap();
+                    s.field_mut::<i64>("b", 512).unwrap().copy_from_slice(&v);
+                    let block = s.commit(StreamHandle::LEGACY).unwrap().block.unwrap();
+                    // SAFETY: a host block of the layout's bytes, not rewritten while held.
+                    let got = unsafe { std::slice::from_raw_parts(block.ptr() as *const i64, 512) };
+                    assert_eq!(got[..512], v[..], "thread {t} step {k}");
+                    let b_off = l.field("b").unwrap().offset() / 8;
+                    // SAFETY: as above.
+                    let gb = unsafe {
+                        std::slice::from_raw_parts((block.ptr() as *const i64).add(b_off), 512)
+                    };
+                    assert_eq!(gb, &v[..], "thread {t} step {k}");
+                }
+            });
+        }
+    });
+    assert_eq!(st.stats().steps, 4000);
+    assert!(
+        st.stats().blocks <= 16,
+        "blocks are reused: {}",
+        st.stats().blocks
+    );
+}
+
+#[test]
+fn zero_copy_without_a_driver_refuses_device_addresses() {
+    if pinstage::cuda_available() {
+        return;
+    }
+    let l = engine();
+    let st = StepStager::builder(&l)
+        .mode(StepMode::ZeroCopy)
+        .build()
+        .unwrap();
+    let mut s = st.step().unwrap();
+    s.put("seq_lens", &[1i32]).unwrap();
+    assert!(matches!(
+        s.device_ptr("seq_lens"),
+        Err(Error::CudaUnavailable { .. })
+    ));
+    s.commit(StreamHandle::LEGACY).unwrap();
+}
+
+#[rstest]
+#[case::depth0(StepStager::builder(&engine()).depth(0))]
+#[case::negative_device(StepStager::builder(&engine()).device(-1))]
+fn bad_stager_arguments(#[case] b: pinstage::StepStagerBuilder) {
+    assert!(matches!(b.build(), Err(Error::InvalidArgument { .. })));
+}
+
+#[test]
+fn bound_arenas_are_checked() {
+    let l = engine();
+    let mut small = vec![0u8; l.nbytes() + 2 * FIELD_ALIGN];
+    let off = small.as_ptr().align_offset(FIELD_ALIGN);
+    let short = DeviceView::host_mut(&mut small[off..off + l.nbytes() - 1]);
+    // SAFETY: refused before use.
+    let r = unsafe { StepStager::builder(&l).bind(&short) }.build();
+    assert!(matches!(r, Err(Error::DestinationTooSmall { .. })), "{r:?}");
+    drop(short);
+    let mis = DeviceView::host_mut(&mut small[off + 4..off + 4 + l.nbytes()]);
+    // SAFETY: refused before use.
+    let r = unsafe { StepStager::builder(&l).bind(&mis) }.build();
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+    drop(mis);
+    let ok = DeviceView::host_mut(&mut small[off..off + l.nbytes()]);
+    // SAFETY: refused before use (fresh mode has no arena to bind).
+    let r = unsafe { StepStager::builder(&l).mode(StepMode::Fresh).bind(&ok) }.build();
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+}
