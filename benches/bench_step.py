@@ -300,10 +300,21 @@ def bench_graph(torch, seconds=2.0):
                 pinned[n].numpy()[: len(x)] = x
                 dev[n][: len(x)].copy_(pinned[n][: len(x)], non_blocking=True)
 
+    def busy(v):
+        x = 0
+        for i in range(50):
+            x += i
+
     base = time_graph()
     t_step, n_step = with_load(lambda v: st.stage(v, stream=side))
     base2 = time_graph()
     t_torch, n_torch = with_load(torch_idiom)
+    t_busy, _ = with_load(busy)
+    torch.cuda.synchronize()
+    last = sets[(n_step - 1) % 64]
+    for n, x in last.items():
+        if not np.array_equal(st.read_field(n)[: len(x)], x):
+            raise AssertionError(f"graph load: field {n} wrong after the loop")
     R["graph"] = {
         "graph ms": base,
         "graph ms (again, between loads)": base2,
@@ -311,11 +322,13 @@ def bench_graph(torch, seconds=2.0):
         "steps committed": n_step,
         "beside the torch idiom": t_torch / base - 1,
         "torch idiom steps": n_torch,
+        "beside a Python loop holding the GIL (no GPU work; control)": t_busy / base - 1,
     }
     print(
         f"\n== graph {base:.3f} ms alone ({base2:.3f} ms again); beside steps committed at full rate: "
         f"{100 * (t_step / base - 1):+.2f}% ({n_step} steps); beside the torch idiom "
-        f"{100 * (t_torch / base - 1):+.2f}% ({n_torch} steps)"
+        f"{100 * (t_torch / base - 1):+.2f}% ({n_torch} steps); beside a pure-Python loop (control, "
+        f"no GPU work) {100 * (t_busy / base - 1):+.2f}%"
     )
 
 

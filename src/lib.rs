@@ -78,8 +78,8 @@ pub use host::{
     PoolStats, is_pinned, live_pinned_bytes, release_bounce_buffers, size_class,
 };
 pub use step::{
-    Committed, DEFAULT_MAX_GAP, DEFAULT_STEP_DEPTH, FIELD_ALIGN, Field, FieldId, FieldKey,
-    MAX_FIELDS, Step, StepBlock, StepLayout, StepLayoutBuilder, StepMode, StepStager,
+    AUTO_GAP_BATCH, AUTO_GAP_COPIES, Committed, DEFAULT_STEP_DEPTH, FIELD_ALIGN, Field, FieldId,
+    FieldKey, MAX_FIELDS, Step, StepBlock, StepLayout, StepLayoutBuilder, StepMode, StepStager,
     StepStagerBuilder, StepStats,
 };
 pub use view::{

@@ -10,7 +10,7 @@ use dlpark::{DlpackFlags, Managed};
 use numpy::npyffi::{self, NPY_ARRAY_WRITEABLE};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use super::args::{count_arg, parse_device};
 use super::arrays::array_over;
@@ -237,8 +237,10 @@ impl PyStepLayout {
 ///     arena: a writable, contiguous DLPack tensor of at least ``layout.nbytes`` bytes aligned to
 ///         256 bytes, on ``device`` (or a host array), to commit into instead of pinstage's own
 ///         arena (arena mode only). Kept alive by the stager.
-///     max_gap (int): the largest run of unused bytes between written fields that one copy may
-///         span (default 65536); 0 sends exactly the used rows.
+///     max_gap (int, optional): the largest run of unused bytes between written fields that one
+///         copy may span; 0 sends exactly the used rows. Default: chosen per commit from the
+///         driver's measured costs (4 KiB when the spans can go as one batch, 128 KiB when each
+///         would be a copy of its own: the legacy default stream).
 ///     batch (bool): split spans go as one ``cuMemcpyBatchAsync`` (default True) or as separate
 ///         copies.
 ///
@@ -371,16 +373,14 @@ impl PyStepStager {
             None => crate::DEFAULT_STEP_DEPTH,
         };
         let mode = mode_arg(mode)?;
-        let max_gap = match max_gap {
-            Some(g) => count_arg(g, "max_gap", 0, isize::MAX as usize)?,
-            None => crate::DEFAULT_MAX_GAP,
-        };
         let mut b = StepStager::builder(&layout.get().layout)
             .device(ordinal)
             .depth(depth)
             .mode(mode)
-            .max_gap(max_gap)
             .batch(batch);
+        if let Some(g) = max_gap.filter(|g| !g.is_none()) {
+            b = b.max_gap(count_arg(g, "max_gap", 0, isize::MAX as usize)?);
+        }
         let bound = match arena.filter(|a| !a.is_none()) {
             Some(a) => {
                 let imp = import_destination(a, None)?;
@@ -453,26 +453,37 @@ impl PyStepStager {
         rows: Option<&Bound<'_, PyDict>>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<Py<StepTensor>>> {
-        let step = Self::new_step(slf, stream)?;
+        let me = slf.get();
         let py = slf.py();
-        for (k, v) in fields.iter() {
-            let name: String = k
-                .extract()
-                .map_err(|_| type_err("field names must be str"))?;
-            let pad = match pad_values {
-                Some(p) => p.get_item(&name)?,
-                None => None,
-            };
-            let r = match rows {
-                Some(p) => p.get_item(&name)?,
-                None => None,
-            };
-            if let Err(e) = step.put_inner(py, &name, &v, pad.as_ref(), r.as_ref()) {
-                step.abort_inner();
-                return Err(e);
+        let stream = me.stream_of(stream)?;
+        let st = &me.inner;
+        let mut raw = me.open(py)?;
+        let filled = (|| -> PyResult<()> {
+            for (k, v) in fields.iter() {
+                let name = k
+                    .cast::<PyString>()
+                    .map_err(|_| type_err("field names must be str"))?;
+                let pad = match pad_values {
+                    Some(p) => p.get_item(name)?,
+                    None => None,
+                };
+                let r = match rows {
+                    Some(p) => p.get_item(name)?,
+                    None => None,
+                };
+                put_values(st, &mut raw, &name.to_cow()?, &v, pad.as_ref(), r.as_ref())?;
             }
+            Ok(())
+        })();
+        if let Err(e) = filled {
+            st.abort_raw(raw);
+            return Err(e);
         }
-        step.commit_inner(py)
+        let committed = commit_detached(py, st, raw, stream)?;
+        match committed.block {
+            Some(b) => Ok(Some(Py::new(py, StepTensor::of_block(b))?)),
+            None => Ok(None),
+        }
     }
 
     /// A DLPack producer of field ``name`` in the arena (arena mode): its dtype and capacity shape
@@ -655,6 +666,55 @@ impl PyStepStager {
     }
 }
 
+/// Writes `values` into field `name` of an open step (see ``Step.put``).
+fn put_values(
+    st: &StepStager,
+    raw: &mut RawStep,
+    name: &str,
+    values: &Bound<'_, PyAny>,
+    pad: Option<&Bound<'_, PyAny>>,
+    rows: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let id = st.layout().id(name)?;
+    let f = &st.layout().fields()[id.index()];
+    let vals = to_values(values, f.dtype())?;
+    let dims = vals.shape.as_slice();
+    let shape = match (dims.len(), f.shape().len()) {
+        (1, 1) => (dims[0], 1),
+        (2, 2) => (dims[0], dims[1]),
+        (1, 2) if dims[0] == 0 => (0, f.cols()),
+        _ => {
+            return Err(Error::ShapeMismatch {
+                values: dims.to_vec(),
+                dst: f.shape().iter().map(|&d| d as i64).collect(),
+            }
+            .into());
+        }
+    };
+    let pad = match pad.filter(|p| !p.is_none()) {
+        Some(p) => Some(scalar_bytes(p, f.dtype())?),
+        None => None,
+    };
+    let rows = match rows.filter(|r| !r.is_none()) {
+        Some(r) => Some(count_arg(r, "rows", 0, f.rows())?),
+        None => None,
+    };
+    st.put_raw(raw, id, vals.bytes(), shape, pad.as_deref(), rows)?;
+    Ok(())
+}
+
+/// Commits with the GIL released: the driver calls take a few microseconds, and a thread
+/// staging steps back to back must not keep other threads (one launching a CUDA graph, say)
+/// waiting for the interpreter's switch interval.
+fn commit_detached(
+    py: Python<'_>,
+    st: &StepStager,
+    raw: RawStep,
+    stream: StreamHandle<'static>,
+) -> PyResult<crate::step::Committed> {
+    Ok(py.detach(move || st.commit_raw(raw, stream))?)
+}
+
 struct StepState {
     raw: Option<RawStep>,
     /// numpy views handed out: read-only once the step ends.
@@ -712,41 +772,12 @@ impl PyStep {
 
     fn put_inner(
         &self,
-        py: Python<'_>,
         name: &str,
         values: &Bound<'_, PyAny>,
         pad: Option<&Bound<'_, PyAny>>,
         rows: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let _ = py;
-        self.with_open(|st, raw, _| {
-            let id = st.layout().id(name)?;
-            let f = &st.layout().fields()[id.index()];
-            let vals = to_values(values, f.dtype())?;
-            let dims = vals.shape.as_slice();
-            let shape = match (dims.len(), f.shape().len()) {
-                (1, 1) => (dims[0], 1),
-                (2, 2) => (dims[0], dims[1]),
-                (1, 2) if dims[0] == 0 => (0, f.cols()),
-                _ => {
-                    return Err(Error::ShapeMismatch {
-                        values: dims.to_vec(),
-                        dst: f.shape().iter().map(|&d| d as i64).collect(),
-                    }
-                    .into());
-                }
-            };
-            let pad = match pad.filter(|p| !p.is_none()) {
-                Some(p) => Some(scalar_bytes(p, f.dtype())?),
-                None => None,
-            };
-            let rows = match rows.filter(|r| !r.is_none()) {
-                Some(r) => Some(count_arg(r, "rows", 0, f.rows())?),
-                None => None,
-            };
-            st.put_raw(raw, id, vals.bytes(), shape, pad.as_deref(), rows)?;
-            Ok(())
-        })
+        self.with_open(|st, raw, _| put_values(st, raw, name, values, pad, rows))
     }
 
     /// Ends the step: marks handed-out views read-only.
@@ -782,11 +813,11 @@ impl PyStep {
             .into());
         };
         Self::end(&mut g, py);
-        let committed = st.commit_raw(raw, self.stream)?;
         g.committed = true;
+        let committed = commit_detached(py, st, raw, self.stream)?;
         let block = match committed.block {
             Some(b) => {
-                let t = Py::new(py, StepTensor::of_block(st, b))?;
+                let t = Py::new(py, StepTensor::of_block(b))?;
                 g.block = Some(t.clone_ref(py));
                 Some(t)
             }
@@ -827,7 +858,8 @@ impl PyStep {
         pad_value: Option<&Bound<'_, PyAny>>,
         rows: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        self.put_inner(py, name, values, pad_value, rows)
+        let _ = py;
+        self.put_inner(name, values, pad_value, rows)
     }
 
     /// A writable numpy view of the first ``rows`` rows of field ``name`` in this step's slot,
@@ -1048,9 +1080,8 @@ pub struct StepTensor {
 }
 
 impl StepTensor {
-    fn of_block(st: &StepStager, b: StepBlock) -> Self {
+    fn of_block(b: StepBlock) -> Self {
         let device = b.device().map(|d| d.ordinal());
-        let _ = st;
         let b = Arc::new(b);
         Self {
             ptr: b.ptr(),

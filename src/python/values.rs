@@ -174,7 +174,9 @@ pub(crate) fn to_values<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<V
     let py = values.py();
     if let Ok(arr) = values.cast::<PyUntypedArray>() {
         let want = super::arrays::descr(py, d)?;
-        if arr.dtype().is_equiv_to(&want) && arr.is_c_contiguous() {
+        let have = arr.dtype();
+        // The builtin dtypes are singletons: a pointer compare settles the common case.
+        if (have.as_ptr() == want.as_ptr() || have.is_equiv_to(&want)) && arr.is_c_contiguous() {
             // SAFETY: reading the data pointer of a live, C-contiguous numpy array.
             let ptr = unsafe { (*arr.as_array_ptr()).fields.data as *const u8 };
             let len = arr.len() * d.itemsize();

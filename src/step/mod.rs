@@ -16,9 +16,9 @@ pub use layout::{
     FIELD_ALIGN, Field, FieldId, FieldKey, MAX_FIELDS, StepLayout, StepLayoutBuilder,
 };
 pub use mem::StepBlock;
-pub use plan::DEFAULT_MAX_GAP;
 #[cfg(feature = "testing")]
 pub use plan::plan;
+pub use plan::{AUTO_GAP_BATCH, AUTO_GAP_COPIES};
 #[cfg(feature = "python")]
 pub(crate) use stager::RawStep;
 pub use stager::{

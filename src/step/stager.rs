@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::layout::{FieldId, FieldKey, StepLayout};
 use super::mem::{AlignedBytes, BlockPool, DeviceMem, HostMem, StepBlock, pinned_slots};
-use super::plan::{DEFAULT_MAX_GAP, plan};
+use super::plan::{AUTO_GAP_BATCH, AUTO_GAP_COPIES, plan};
 use crate::cuda::{Current, Device, Event, StreamHandle};
 use crate::driver;
 use crate::error::{Error, Result};
@@ -131,7 +131,7 @@ pub struct StepStagerBuilder {
     device: i32,
     depth: usize,
     mode: StepMode,
-    max_gap: usize,
+    max_gap: Option<usize>,
     batch: bool,
     bound: Option<(u64, usize, MemoryKind, bool)>,
 }
@@ -168,11 +168,13 @@ impl StepStagerBuilder {
         self
     }
 
-    /// The largest run of unused bytes between two written fields that one copy may span
-    /// (default [`DEFAULT_MAX_GAP`]): bytes in such a gap are copied too, so the device's bytes
-    /// past a field's used rows are unspecified after a commit. 0 copies exactly the used rows.
+    /// The largest run of unused bytes between two written fields that one copy may span:
+    /// bytes in such a gap are copied too, so the device's bytes past a field's used rows are
+    /// unspecified after a commit. 0 copies exactly the used rows. Default: chosen per commit
+    /// from the measured costs ([`AUTO_GAP_BATCH`] when the spans can go as one batch,
+    /// [`AUTO_GAP_COPIES`] when each would be a copy of its own).
     pub fn max_gap(mut self, bytes: usize) -> Self {
-        self.max_gap = bytes;
+        self.max_gap = Some(bytes);
         self
     }
 
@@ -229,7 +231,7 @@ pub struct StepStager {
     mem_dev: u64,
     target: Target,
     mirror: Option<parking_lot::Mutex<Vec<Option<Vec<u8>>>>>,
-    max_gap: usize,
+    max_gap: Option<usize>,
     batch: bool,
     stats: Counters,
 }
@@ -260,7 +262,7 @@ impl StepStager {
             device: 0,
             depth: DEFAULT_STEP_DEPTH,
             mode: StepMode::Arena,
-            max_gap: DEFAULT_MAX_GAP,
+            max_gap: None,
             batch: true,
             bound: None,
         }
@@ -764,7 +766,19 @@ impl StepStager {
                 }
             }
         }
-        plan(self.layout.fields(), &sc.send, self.max_gap, &mut sc.segs);
+        if self.mode == StepMode::ZeroCopy {
+            // Nothing is copied: consumers read the slot itself.
+            sc.segs.clear();
+        } else {
+            let max_gap = self
+                .max_gap
+                .unwrap_or(if self.batch && stream.as_raw() > 1 {
+                    AUTO_GAP_BATCH
+                } else {
+                    AUTO_GAP_COPIES
+                });
+            plan(self.layout.fields(), &sc.send, max_gap, &mut sc.segs);
+        }
         let bytes: usize = sc.segs.iter().map(|&(_, n)| n).sum();
         let result = self.send(s.claim, sc, base, stream);
         let (calls, batched, block) = result?;

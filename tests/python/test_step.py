@@ -341,7 +341,7 @@ def _torch():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("how", ["stage", "put", "views"])
-@pytest.mark.parametrize("max_gap", [0, 65536])
+@pytest.mark.parametrize("max_gap", [0, 65536, None])
 def test_torch_arena_every_field_every_step(gpu, how, max_gap):
     torch = _torch()
     layout = pinstage.StepLayout(ENGINE)
@@ -373,6 +373,9 @@ def test_torch_arena_every_field_every_step(gpu, how, max_gap):
     assert stats["steps"] == 40
     if max_gap == 0:
         assert stats["batches"] == 40 and stats["batch_entries"] == 240, stats
+    elif max_gap is None:  # automatic: small gaps merged, the rest one batch per step
+        assert stats["batches"] == 40 and stats["copies"] == 0, stats
+        assert 2 <= stats["batch_entries"] / 40 < 6, stats
     else:
         assert stats["copies"] == 40 and stats["batches"] == 0, stats
 
