@@ -332,15 +332,46 @@ def bench_graph(torch, seconds=2.0):
     )
 
 
+def probe(torch, steps, rounds):
+    """Where the Python step's microseconds go: stage with the automatic plan and with one span,
+    a bare step, and k=1, each on a torch stream and on the legacy stream."""
+    sets = value_sets()
+    s = torch.cuda.Stream()
+    out = {}
+    for name, kw in (("auto plan", {}), ("one span", {"max_gap": 1 << 30}), ("exact spans", {"max_gap": 0})):
+        st = pinstage.StepStager(layout(), depth=8, **kw)
+        for sname, stream in (("torch stream", s), ("legacy", None)):
+            out[f"stage, {name}, {sname}"] = statistics.median(
+                timed(lambda v: st.stage(v, stream=stream), steps, sets) for _ in range(rounds)
+            )
+        torch.cuda.synchronize()
+        out[f"stats {name}"] = st.stats()
+    st = pinstage.StepStager(layout(), depth=8)
+    out["empty step + commit"] = statistics.median(
+        timed(lambda v: st.step(stream=s).commit(), steps, sets) for _ in range(rounds)
+    )
+    L1 = pinstage.StepLayout({"ids": ("int32", 256)})
+    st1 = pinstage.StepStager(L1, depth=8)
+    one = [{"ids": v["input_ids"]} for v in sets]
+    out["k=1 stage"] = statistics.median(timed(lambda v: st1.stage(v, stream=s), steps, one) for _ in range(rounds))
+    torch.cuda.synchronize()
+    for k, v in out.items():
+        print(f"  {k:<40} {v if isinstance(v, dict) else f'{v:8.2f} us'}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--probe", action="store_true", help="the engine step's Python cost alone")
     args = ap.parse_args()
     import torch
 
     print("pinstage", pinstage.__version__, "| torch", torch.__version__, "|", torch.cuda.get_device_name(0))
+    if args.probe:
+        probe(torch, args.steps, args.rounds)
+        return
     bench_engine(torch, args.steps, args.rounds)
     bench_ksweep(torch, args.steps, args.rounds)
     bench_zero_copy(torch, args.steps, args.rounds)

@@ -239,7 +239,7 @@ impl PyStepLayout {
 ///         arena (arena mode only). Kept alive by the stager.
 ///     max_gap (int, optional): the largest run of unused bytes between written fields that one
 ///         copy may span; 0 sends exactly the used rows. Default: chosen per commit from the
-///         driver's measured costs (4 KiB when the spans can go as one batch, 128 KiB when each
+///         driver's measured costs (64 KiB when the spans can go as one batch, 256 KiB when each
 ///         would be a copy of its own: the legacy default stream).
 ///     batch (bool): split spans go as one ``cuMemcpyBatchAsync`` (default True) or as separate
 ///         copies.

@@ -3,14 +3,15 @@
 
 use super::layout::Field;
 
-/// The largest gap one copy spans when the spans can go as one `cuMemcpyBatchAsync`: a batch
-/// entry costs the host less than copying a few more KiB does (the driver's host cost of a copy
-/// grows with its size, and the copy engine's too; benches/RESULTS.md, "step plan crossover").
-pub const AUTO_GAP_BATCH: usize = 4 << 10;
+/// The largest gap one copy spans when the spans could go as one `cuMemcpyBatchAsync`: 64 KiB
+/// cost the copy engine about 1.2 µs at 55 GB/s, less than a batch entry costs the host when the
+/// GPU is idle as the step arrives (about 1.5 µs paced); with this allowance the engine step of
+/// benches/bench_step.py is one copy (benches/RESULTS.md, "step plan").
+pub const AUTO_GAP_BATCH: usize = 64 << 10;
 /// The largest gap one copy spans when each span would be a copy of its own (no batch: the
-/// legacy default stream, or a driver older than CUDA 12.8): a copy costs about 2.6 µs of host
-/// time, more than copying 128 KiB more does.
-pub const AUTO_GAP_COPIES: usize = 128 << 10;
+/// legacy default stream, or a driver older than CUDA 12.8): one more copy costs about 2.6 µs
+/// of host time and as much of the copy engine's, more than copying 256 KiB more does.
+pub const AUTO_GAP_COPIES: usize = 256 << 10;
 
 /// Fills `segs` with `(offset, bytes)` spans covering the used rows of every field with
 /// `rows[i] > 0`, in offset order. Two consecutive written fields share a span when the bytes
