@@ -8,17 +8,17 @@
 //! No panic crosses into Python: pyo3 turns a panic into an exception at the boundary, and the
 //! code here returns typed errors for every bad input instead of panicking.
 
-mod args;
-mod arrays;
+pub(crate) mod args;
+pub(crate) mod arrays;
 mod d2h;
-mod errors;
+pub(crate) mod errors;
 mod h2d;
 pub(crate) mod import;
 mod mirror;
 mod stager;
 mod step;
 pub(crate) mod values;
-mod wait;
+pub(crate) mod wait;
 
 use std::sync::OnceLock;
 

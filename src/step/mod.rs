@@ -7,20 +7,25 @@
 //! the bytes go: a persistent arena (stable addresses for CUDA graphs), a fresh block per step
 //! (immutable consumers such as JAX), or nowhere (zero-copy: kernels read the slot in place).
 
+mod commit;
+mod fill;
 mod layout;
 pub(crate) mod mem;
+mod open;
 mod plan;
+mod send;
 mod stager;
 
 pub use layout::{
     FIELD_ALIGN, Field, FieldId, FieldKey, MAX_FIELDS, StepLayout, StepLayoutBuilder,
 };
 pub use mem::StepBlock;
+#[cfg(feature = "python")]
+pub(crate) use open::RawStep;
+pub use open::Step;
 #[cfg(feature = "testing")]
 pub use plan::plan;
 pub use plan::{AUTO_GAP_BATCH, AUTO_GAP_COPIES};
-#[cfg(feature = "python")]
-pub(crate) use stager::RawStep;
 pub use stager::{
-    Committed, DEFAULT_STEP_DEPTH, Step, StepMode, StepStager, StepStagerBuilder, StepStats,
+    Committed, DEFAULT_STEP_DEPTH, StepMode, StepStager, StepStagerBuilder, StepStats,
 };

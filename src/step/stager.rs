@@ -4,15 +4,15 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::layout::{FieldId, FieldKey, StepLayout};
+use super::layout::{FieldKey, StepLayout};
 use super::mem::{AlignedBytes, BlockPool, DeviceMem, HostMem, StepBlock, pinned_slots};
-use super::plan::{AUTO_GAP_BATCH, AUTO_GAP_COPIES, plan};
-use crate::cuda::{Current, Device, Event, StreamHandle};
+use super::open::{RawStep, Step};
+use super::send::Owner;
+use crate::cuda::{Device, Event, StreamHandle};
 use crate::driver;
 use crate::error::{Error, Result};
-use crate::h2d::ring::{Claim, Release, Ring, SlotOwner};
-use crate::h2d::write::write_padded;
-use crate::view::{DeviceView, Element, MemoryKind};
+use crate::h2d::ring::{Claim, Release, Ring};
+use crate::view::{DeviceView, MemoryKind};
 use std::cell::UnsafeCell;
 
 /// Where committed steps go.
@@ -58,21 +58,21 @@ pub struct StepStats {
 }
 
 #[derive(Default)]
-struct Counters {
-    steps: AtomicU64,
-    copies: AtomicU64,
-    batches: AtomicU64,
-    batch_entries: AtomicU64,
-    bytes: AtomicU64,
-    skipped_fields: AtomicU64,
-    empty_steps: AtomicU64,
-    aborted: AtomicU64,
-    waits: AtomicU64,
-    queries: AtomicU64,
+pub(super) struct Counters {
+    pub(super) steps: AtomicU64,
+    pub(super) copies: AtomicU64,
+    pub(super) batches: AtomicU64,
+    pub(super) batch_entries: AtomicU64,
+    pub(super) bytes: AtomicU64,
+    pub(super) skipped_fields: AtomicU64,
+    pub(super) empty_steps: AtomicU64,
+    pub(super) aborted: AtomicU64,
+    pub(super) waits: AtomicU64,
+    pub(super) queries: AtomicU64,
 }
 
 #[inline]
-fn add(c: &AtomicU64, v: u64) {
+pub(super) fn add(c: &AtomicU64, v: u64) {
     // Relaxed: statistics only.
     c.fetch_add(v, Ordering::Relaxed);
 }
@@ -94,23 +94,23 @@ pub struct Committed {
 
 /// Per-slot state only the slot's owner touches.
 #[derive(Default)]
-struct Scratch {
+pub(super) struct Scratch {
     /// Rows written per field in the open step (0: not written).
-    used: Vec<usize>,
+    pub(super) used: Vec<usize>,
     /// The rows that are sent after skipping unchanged fields.
-    send: Vec<usize>,
-    segs: Vec<(usize, usize)>,
-    dsts: Vec<u64>,
-    srcs: Vec<u64>,
-    sizes: Vec<usize>,
+    pub(super) send: Vec<usize>,
+    pub(super) segs: Vec<(usize, usize)>,
+    pub(super) dsts: Vec<u64>,
+    pub(super) srcs: Vec<u64>,
+    pub(super) sizes: Vec<usize>,
 }
 
-struct StepSlot {
-    event: Option<Event>,
-    scratch: UnsafeCell<Scratch>,
+pub(super) struct StepSlot {
+    pub(super) event: Option<Event>,
+    pub(super) scratch: UnsafeCell<Scratch>,
 }
 
-enum Target {
+pub(super) enum Target {
     /// pinstage's device arena.
     Device(Arc<DeviceMem>),
     /// Host arena (no driver).
@@ -171,8 +171,8 @@ impl StepStagerBuilder {
     /// The largest run of unused bytes between two written fields that one copy may span:
     /// bytes in such a gap are copied too, so the device's bytes past a field's used rows are
     /// unspecified after a commit. 0 copies exactly the used rows. Default: chosen per commit
-    /// from the measured costs ([`AUTO_GAP_BATCH`] when the spans can go as one batch,
-    /// [`AUTO_GAP_COPIES`] when each would be a copy of its own).
+    /// from the measured costs ([`AUTO_GAP_BATCH`](crate::AUTO_GAP_BATCH) when the spans can go as one batch,
+    /// [`AUTO_GAP_COPIES`](crate::AUTO_GAP_COPIES) when each would be a copy of its own).
     pub fn max_gap(mut self, bytes: usize) -> Self {
         self.max_gap = Some(bytes);
         self
@@ -219,21 +219,21 @@ impl StepStagerBuilder {
 /// dense, else one batch), then records the slot's event. A slot is not rewritten before its
 /// copy completed. `Sync`: threads commit steps concurrently, each in its own slot.
 pub struct StepStager {
-    layout: StepLayout,
-    mode: StepMode,
-    ordinal: i32,
-    device: Option<Device>,
-    unavailable: Option<String>,
-    ring: Ring,
-    slots: Box<[StepSlot]>,
-    mem: Arc<HostMem>,
+    pub(super) layout: StepLayout,
+    pub(super) mode: StepMode,
+    pub(super) ordinal: i32,
+    pub(super) device: Option<Device>,
+    pub(super) unavailable: Option<String>,
+    pub(super) ring: Ring,
+    pub(super) slots: Box<[StepSlot]>,
+    pub(super) mem: Arc<HostMem>,
     /// Device address of the slot memory (zero-copy reads); 0 without a driver.
-    mem_dev: u64,
-    target: Target,
-    mirror: Option<parking_lot::Mutex<Vec<Option<Vec<u8>>>>>,
-    max_gap: Option<usize>,
-    batch: bool,
-    stats: Counters,
+    pub(super) mem_dev: u64,
+    pub(super) target: Target,
+    pub(super) mirror: Option<parking_lot::Mutex<Vec<Option<Vec<u8>>>>>,
+    pub(super) max_gap: Option<usize>,
+    pub(super) batch: bool,
+    pub(super) stats: Counters,
 }
 
 // SAFETY: each slot's scratch and bytes are touched only by the thread owning the slot (ring
@@ -548,362 +548,9 @@ impl StepStager {
     }
 
     #[inline]
-    fn slot_base(&self, slot: usize) -> *mut u8 {
+    pub(super) fn slot_base(&self, slot: usize) -> *mut u8 {
         // SAFETY: slot < depth; the slot memory holds depth * nbytes bytes.
         unsafe { self.mem.ptr().add(slot * self.layout.nbytes()) }
-    }
-
-    fn check_open(&self, s: &RawStep) -> Result<()> {
-        if s.frozen {
-            return Err(Error::StepState(
-                "the step's fields were handed to the device (zero-copy): they can no longer be \
-                 written",
-            ));
-        }
-        Ok(())
-    }
-
-    /// Writes `values` (`shape.0` rows of `shape.1` elements, raw bytes of the field's dtype)
-    /// into the leading rows of field `id`; with `pad`, the rest of each of those rows and the
-    /// rows up to `rows` (default: the values' rows) take `pad`. The field's used rows become
-    /// `rows`. Checked before anything is written.
-    pub(crate) fn put_raw(
-        &self,
-        s: &mut RawStep,
-        id: FieldId,
-        values: &[u8],
-        shape: (usize, usize),
-        pad: Option<&[u8]>,
-        rows: Option<usize>,
-    ) -> Result<()> {
-        self.check_open(s)?;
-        let f = &self.layout.fields()[id.0];
-        let item = f.dtype().itemsize();
-        let (r, c) = shape;
-        let dims = || {
-            if f.shape().len() == 1 {
-                vec![r]
-            } else {
-                vec![r, c]
-            }
-        };
-        if r.checked_mul(c).and_then(|n| n.checked_mul(item)) != Some(values.len()) {
-            return Err(Error::RaggedBytes {
-                bytes: values.len(),
-                itemsize: item,
-            });
-        }
-        if c > f.cols() || r > f.rows() {
-            return Err(Error::ShapeMismatch {
-                values: dims(),
-                dst: f.shape().iter().map(|&d| d as i64).collect(),
-            });
-        }
-        if let Some(p) = pad
-            && p.len() != item
-        {
-            return Err(Error::PadSize {
-                got: p.len(),
-                expected: item,
-                dtype: f.dtype(),
-            });
-        }
-        let rows = rows.unwrap_or(r);
-        if rows < r || rows > f.rows() {
-            return Err(Error::arg(
-                "rows",
-                rows,
-                "at least the values' rows and at most the field's capacity",
-            ));
-        }
-        if pad.is_none() && (c < f.cols() || rows > r) {
-            return Err(Error::arg(
-                "pad_value",
-                "None",
-                "a pad value: the values do not fill the rows written",
-            ));
-        }
-        let base = self.field_base(s, id);
-        let row_bytes = f.row_bytes();
-        // SAFETY: we own the slot; rows <= capacity so every write stays in the field; values
-        // may alias the slot (a view of it), so the copies are memmoves.
-        unsafe {
-            if c == f.cols() {
-                write_padded(base, values, pad, rows * row_bytes, true);
-            } else {
-                let vrow = c * item;
-                for i in 0..r {
-                    write_padded(
-                        base.add(i * row_bytes),
-                        &values[i * vrow..(i + 1) * vrow],
-                        pad,
-                        row_bytes,
-                        true,
-                    );
-                }
-                write_padded(
-                    base.add(r * row_bytes),
-                    &[],
-                    pad,
-                    (rows - r) * row_bytes,
-                    false,
-                );
-            }
-            self.set_used(s, id, rows);
-        }
-        Ok(())
-    }
-
-    #[inline]
-    fn field_base(&self, s: &RawStep, id: FieldId) -> *mut u8 {
-        // SAFETY: the field lies within the slot.
-        unsafe {
-            self.slot_base(s.claim.index)
-                .add(self.layout.fields()[id.0].offset())
-        }
-    }
-
-    /// # Safety
-    /// The caller owns the step's slot.
-    #[inline]
-    unsafe fn set_used(&self, s: &RawStep, id: FieldId, rows: usize) {
-        // SAFETY: the caller owns the slot.
-        unsafe { (&mut *self.slots[s.claim.index].scratch.get()).used[id.0] = rows };
-    }
-
-    /// The first `rows` rows of field `id` in the step's slot, marked used: `(address, bytes)`.
-    pub(crate) fn field_raw(
-        &self,
-        s: &mut RawStep,
-        id: FieldId,
-        rows: usize,
-    ) -> Result<(*mut u8, usize)> {
-        self.check_open(s)?;
-        let f = &self.layout.fields()[id.0];
-        if rows > f.rows() {
-            return Err(Error::arg("rows", rows, "at most the field's capacity"));
-        }
-        // SAFETY: we own the slot.
-        unsafe { self.set_used(s, id, rows) };
-        Ok((self.field_base(s, id), rows * f.row_bytes()))
-    }
-
-    /// Rows of field `id` written in the step so far.
-    pub(crate) fn used_raw(&self, s: &RawStep, id: FieldId) -> usize {
-        // SAFETY: we own the slot; a read.
-        unsafe { (&*self.slots[s.claim.index].scratch.get()).used[id.0] }
-    }
-
-    /// Zero-copy mode: the device address of field `id` in the step's slot; the step's fields
-    /// can no longer be written from the host.
-    pub(crate) fn device_ptr_raw(&self, s: &mut RawStep, id: FieldId) -> Result<u64> {
-        if self.mode != StepMode::ZeroCopy {
-            return Err(Error::arg(
-                "mode",
-                format!("{:?}", self.mode),
-                "zero-copy mode for device views of a slot",
-            ));
-        }
-        if self.device.is_none() {
-            return Err(self.unavailable());
-        }
-        s.frozen = true;
-        let off = s.claim.index * self.layout.nbytes() + self.layout.fields()[id.0].offset();
-        Ok(self.mem_dev + off as u64)
-    }
-
-    /// Zero-copy mode: the device address of field `key` in slot `slot` (whatever step owns it).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] in other modes or for a slot out of range,
-    /// [`Error::CudaUnavailable`], [`Error::UnknownField`].
-    pub fn slot_device_ptr(&self, slot: usize, key: impl FieldKey) -> Result<u64> {
-        let f = self.layout.field(key)?;
-        if self.mode != StepMode::ZeroCopy {
-            return Err(Error::arg(
-                "mode",
-                format!("{:?}", self.mode),
-                "zero-copy mode for device views of a slot",
-            ));
-        }
-        if slot >= self.depth() {
-            return Err(Error::arg("slot", slot, "a slot below the depth"));
-        }
-        if self.device.is_none() {
-            return Err(self.unavailable());
-        }
-        Ok(self.mem_dev + (slot * self.layout.nbytes() + f.offset()) as u64)
-    }
-
-    /// Releases a step's slot untouched.
-    pub(crate) fn abort_raw(&self, s: RawStep) {
-        add(&self.stats.aborted, 1);
-        // The slot's last copy is known complete (open) and nothing new was issued.
-        self.ring.release(s.claim.index, Release::Idle);
-    }
-
-    /// Commits a step on `stream` (see [`Step::commit`]). The slot is released in every case.
-    pub(crate) fn commit_raw(&self, s: RawStep, stream: StreamHandle<'_>) -> Result<Committed> {
-        let index = s.claim.index;
-        // SAFETY: we own the slot until the ring releases it below; nothing else touches its
-        // scratch.
-        let sc = unsafe { &mut *self.slots[index].scratch.get() };
-        let base = self.slot_base(index);
-        sc.send.copy_from_slice(&sc.used);
-        // Skip fields whose values equal the last committed ones (mirror held until updated).
-        let mut mirror = self.mirror.as_ref().map(|m| m.lock());
-        let mut skipped = 0u32;
-        if let Some(m) = mirror.as_deref() {
-            for (i, f) in self.layout.fields().iter().enumerate() {
-                let n = sc.send[i] * f.row_bytes();
-                if f.skip_unchanged() && n > 0 {
-                    // SAFETY: the field's used bytes in our slot.
-                    let now = unsafe { std::slice::from_raw_parts(base.add(f.offset()), n) };
-                    if m[i].as_deref() == Some(now) {
-                        sc.send[i] = 0;
-                        skipped += 1;
-                    }
-                }
-            }
-        }
-        if self.mode == StepMode::ZeroCopy {
-            // Nothing is copied: consumers read the slot itself.
-            sc.segs.clear();
-        } else {
-            let max_gap = self
-                .max_gap
-                .unwrap_or(if self.batch && stream.as_raw() > 1 {
-                    AUTO_GAP_BATCH
-                } else {
-                    AUTO_GAP_COPIES
-                });
-            plan(self.layout.fields(), &sc.send, max_gap, &mut sc.segs);
-        }
-        let bytes: usize = sc.segs.iter().map(|&(_, n)| n).sum();
-        let result = self.send(s.claim, sc, base, stream);
-        let (calls, batched, block) = result?;
-        if let Some(m) = mirror.as_deref_mut() {
-            for (i, f) in self.layout.fields().iter().enumerate() {
-                let n = sc.send[i] * f.row_bytes();
-                if f.skip_unchanged() && n > 0 {
-                    // SAFETY: as above; the copy reads these bytes, we only read them too.
-                    let now = unsafe { std::slice::from_raw_parts(base.add(f.offset()), n) };
-                    let slot = m[i].get_or_insert_with(Vec::new);
-                    slot.clear();
-                    slot.extend_from_slice(now);
-                }
-            }
-        }
-        drop(mirror);
-        add(&self.stats.steps, 1);
-        add(&self.stats.skipped_fields, u64::from(skipped));
-        add(&self.stats.bytes, bytes as u64);
-        if calls == 0 && block.is_none() {
-            add(&self.stats.empty_steps, 1);
-        }
-        Ok(Committed {
-            calls,
-            batched,
-            bytes,
-            skipped,
-            block,
-        })
-    }
-
-    /// Issues the planned copies and records the slot's event, releasing the slot.
-    fn send(
-        &self,
-        claim: Claim,
-        sc: &mut Scratch,
-        base: *mut u8,
-        stream: StreamHandle<'_>,
-    ) -> Result<(u32, bool, Option<StepBlock>)> {
-        let release_idle = |e: Error| {
-            self.ring.release(claim.index, Release::Idle);
-            Err(e)
-        };
-        let zero = self.mode == StepMode::ZeroCopy;
-        if sc.segs.is_empty() && self.mode == StepMode::Arena {
-            self.ring.release(claim.index, Release::Idle);
-            return Ok((0, false, None));
-        }
-        let host_dst = match &self.target {
-            Target::Host(h) => Some(h.ptr()),
-            Target::Bound { ptr, host: true } => Some(*ptr as *mut u8),
-            Target::Fresh(_) if self.device.is_none() => None,
-            _ => None,
-        };
-        let Some(device) = &self.device else {
-            // No driver: host arena or host blocks, written now.
-            let block = match &self.target {
-                Target::Fresh(p) => match p.take(None) {
-                    Ok(b) => Some(b),
-                    Err(e) => return release_idle(e),
-                },
-                _ => None,
-            };
-            let dst = host_dst.unwrap_or_else(|| {
-                block
-                    .as_ref()
-                    .map_or(std::ptr::null_mut(), |b| b.ptr() as *mut u8)
-            });
-            if !dst.is_null() && !zero {
-                for &(start, len) in &sc.segs {
-                    // SAFETY: slot and arena both hold the layout's bytes; they never overlap.
-                    unsafe { std::ptr::copy_nonoverlapping(base.add(start), dst.add(start), len) };
-                }
-                add(&self.stats.copies, sc.segs.len() as u64);
-            }
-            self.ring.release(claim.index, Release::Idle);
-            return Ok((if zero { 0 } else { sc.segs.len() as u32 }, false, block));
-        };
-        if let Some(dst) = host_dst {
-            // A bound host arena with a driver: plain host copies.
-            for &(start, len) in &sc.segs {
-                // SAFETY: as above.
-                unsafe { std::ptr::copy_nonoverlapping(base.add(start), dst.add(start), len) };
-            }
-            add(&self.stats.copies, sc.segs.len() as u64);
-            self.ring.release(claim.index, Release::Idle);
-            return Ok((sc.segs.len() as u32, false, None));
-        }
-        let cur = match device.enter_for_copy(stream) {
-            Ok(c) => c,
-            Err(e) => return release_idle(e),
-        };
-        let (dst, block) = match &self.target {
-            Target::Device(d) => (d.ptr(), None),
-            Target::Bound { ptr, .. } => (*ptr, None),
-            Target::Fresh(p) => match p.take(Some(&cur)) {
-                Ok(b) => (b.ptr(), Some(b)),
-                Err(e) => return release_idle(e),
-            },
-            Target::ZeroCopy | Target::Host(_) => (0, None),
-        };
-        let mut send = SendJob {
-            segs: &sc.segs,
-            dsts: &mut sc.dsts,
-            srcs: &mut sc.srcs,
-            sizes: &mut sc.sizes,
-            src: base,
-            dst,
-            stream,
-            zero,
-            batch: self.batch && stream.as_raw() > 1,
-            block: block.as_ref().and_then(|b| b.event()),
-            calls: 0,
-            batched: false,
-        };
-        self.ring.finish(
-            &claim,
-            &mut Owner {
-                st: self,
-                cur: &cur,
-                wait: None,
-                send: Some(&mut send),
-            },
-        )?;
-        Ok((send.calls, send.batched, block))
     }
 
     /// Copies field `key` of the arena into host memory, after every commit issued so far
@@ -951,319 +598,5 @@ impl Drop for StepStager {
                 crate::error::record_drop_error(err);
             }
         }
-    }
-}
-
-/// An open step: a slot owned by this step until it is committed or dropped (dropping releases
-/// it untouched). Not `Send`: a step belongs to the thread that opened it.
-pub struct Step<'s> {
-    stager: &'s StepStager,
-    raw: Option<RawStep>,
-    _not_send: PhantomData<*const ()>,
-}
-
-impl std::fmt::Debug for Step<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Step")
-            .field("slot", &self.raw.as_ref().map(|r| r.claim.index))
-            .finish()
-    }
-}
-
-/// The state of an open step, for the Python layer (which holds the stager in an `Arc`).
-#[derive(Debug)]
-pub(crate) struct RawStep {
-    claim: Claim,
-    /// Zero-copy: device views were handed out, host writes would race the consumer.
-    frozen: bool,
-}
-
-#[cfg(feature = "python")]
-impl RawStep {
-    pub(crate) fn slot(&self) -> usize {
-        self.claim.index
-    }
-}
-
-impl<'s> Step<'s> {
-    fn raw(&mut self) -> &mut RawStep {
-        self.raw.as_mut().expect("present until commit")
-    }
-
-    /// The slot this step owns.
-    pub fn slot(&self) -> usize {
-        self.raw.as_ref().map_or(0, |r| r.claim.index)
-    }
-
-    /// The first `rows` rows of field `key` in the slot, to write in place; the field's used
-    /// rows become `rows` (what the commit sends).
-    ///
-    /// # Errors
-    /// [`Error::UnknownField`], [`Error::DtypeMismatch`] when `T` is not the field's dtype,
-    /// [`Error::InvalidArgument`] for rows beyond the capacity, [`Error::StepState`] after
-    /// zero-copy device addresses were taken.
-    pub fn field_mut<T: Element>(&mut self, key: impl FieldKey, rows: usize) -> Result<&mut [T]> {
-        let st = self.stager;
-        let id = key.id_in(&st.layout)?;
-        let f = &st.layout.fields()[id.0];
-        if f.dtype() != T::DTYPE {
-            return Err(Error::DtypeMismatch {
-                expected: f.dtype(),
-                got: T::DTYPE,
-            });
-        }
-        let (ptr, bytes) = st.field_raw(self.raw(), id, rows)?;
-        // SAFETY: the slot is ours until commit or drop, which need `self` (the borrow ends
-        // first); fields are aligned to 256 bytes; `bytes` is a whole number of elements.
-        Ok(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<T>(), bytes / size_of::<T>()) })
-    }
-
-    /// Writes `values` into field `key`'s leading rows (whole rows: for a 2-D field
-    /// `values.len()` is a multiple of its columns); used rows become the values' rows.
-    ///
-    /// # Errors
-    /// As [`Step::put_padded`].
-    pub fn put<T: Element>(&mut self, key: impl FieldKey, values: &[T]) -> Result<()> {
-        let st = self.stager;
-        let id = key.id_in(&st.layout)?;
-        let cols = st.layout.fields()[id.0].cols();
-        if values.len() % cols != 0 {
-            return Err(Error::ShapeMismatch {
-                values: vec![values.len()],
-                dst: st.layout.fields()[id.0]
-                    .shape()
-                    .iter()
-                    .map(|&d| d as i64)
-                    .collect(),
-            });
-        }
-        self.put_padded(id, values, (values.len() / cols, cols), None, None)
-    }
-
-    /// Writes `values` (`shape.0` rows of `shape.1` elements) into field `key`'s leading rows;
-    /// `pad` fills the rest of those rows and the rows up to `rows` (default: the values' rows),
-    /// which become the field's used rows.
-    ///
-    /// # Errors
-    /// [`Error::UnknownField`], [`Error::DtypeMismatch`], [`Error::ShapeMismatch`] for values
-    /// larger than the capacity, [`Error::RaggedBytes`] when `values` is not `shape`,
-    /// [`Error::InvalidArgument`] for `rows` out of range or a missing pad,
-    /// [`Error::StepState`] after zero-copy device addresses were taken. Nothing is written.
-    pub fn put_padded<T: Element>(
-        &mut self,
-        key: impl FieldKey,
-        values: &[T],
-        shape: (usize, usize),
-        pad: Option<T>,
-        rows: Option<usize>,
-    ) -> Result<()> {
-        let st = self.stager;
-        let id = key.id_in(&st.layout)?;
-        let f = &st.layout.fields()[id.0];
-        if f.dtype() != T::DTYPE {
-            return Err(Error::DtypeMismatch {
-                expected: f.dtype(),
-                got: T::DTYPE,
-            });
-        }
-        let pad = pad.as_ref().map(bytemuck::bytes_of);
-        st.put_raw(
-            self.raw(),
-            id,
-            bytemuck::cast_slice(values),
-            shape,
-            pad,
-            rows,
-        )
-    }
-
-    /// Rows of field `key` written in this step so far (0: not written; the commit leaves its
-    /// device bytes as they are).
-    ///
-    /// # Errors
-    /// [`Error::UnknownField`].
-    pub fn used_rows(&self, key: impl FieldKey) -> Result<usize> {
-        let id = key.id_in(&self.stager.layout)?;
-        Ok(self
-            .stager
-            .used_raw(self.raw.as_ref().expect("present until commit"), id))
-    }
-
-    /// Zero-copy mode: the device address of field `key` in this step's slot, for a kernel to
-    /// read in place; from then on the step's fields can no longer be written from the host.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] in other modes, [`Error::CudaUnavailable`] without a driver,
-    /// [`Error::UnknownField`].
-    pub fn device_ptr(&mut self, key: impl FieldKey) -> Result<u64> {
-        let id = key.id_in(&self.stager.layout)?;
-        let st = self.stager;
-        st.device_ptr_raw(self.raw(), id)
-    }
-
-    /// Commits the step on `stream`: the written fields' used rows go to the arena (or a fresh
-    /// block) in one copy when they are dense (gaps up to the stager's `max_gap`), else in one
-    /// `cuMemcpyBatchAsync` (one copy per span where the driver has no batch or the stream is
-    /// the legacy default stream); then the slot's event is recorded. A step with nothing to
-    /// send issues nothing. Zero-copy: only the event, recorded after the consumer's work
-    /// already queued on `stream`.
-    ///
-    /// # Errors
-    /// [`Error::StreamCapturing`] on a capturing stream, [`Error::Driver`]; the slot is
-    /// released either way.
-    pub fn commit(mut self, stream: StreamHandle<'_>) -> Result<Committed> {
-        let raw = self.raw.take().expect("present until commit");
-        self.stager.commit_raw(raw, stream)
-    }
-}
-
-impl Drop for Step<'_> {
-    fn drop(&mut self) {
-        if let Some(raw) = self.raw.take() {
-            self.stager.abort_raw(raw);
-        }
-    }
-}
-
-/// The copies of one commit.
-struct SendJob<'a> {
-    segs: &'a [(usize, usize)],
-    dsts: &'a mut Vec<u64>,
-    srcs: &'a mut Vec<u64>,
-    sizes: &'a mut Vec<usize>,
-    src: *mut u8,
-    dst: u64,
-    stream: StreamHandle<'a>,
-    zero: bool,
-    batch: bool,
-    block: Option<&'a Event>,
-    calls: u32,
-    batched: bool,
-}
-
-/// How a claimer waits for a slot's event.
-type WaitFn<'w> = dyn FnMut(&Event) -> Result<()> + 'w;
-
-/// The step stager's side of the ring protocol: waiting at open, copies and events at commit.
-struct Owner<'a, 'c, 'd, 'w> {
-    st: &'a StepStager,
-    cur: &'c Current<'d>,
-    wait: Option<&'w mut WaitFn<'w>>,
-    send: Option<&'w mut SendJob<'a>>,
-}
-
-impl Owner<'_, '_, '_, '_> {
-    fn event(&self, slot: usize) -> &Event {
-        self.st.slots[slot]
-            .event
-            .as_ref()
-            .expect("slots have events with a driver")
-    }
-}
-
-impl SlotOwner for Owner<'_, '_, '_, '_> {
-    type Error = Error;
-
-    fn query(&mut self, slot: usize) -> Result<bool> {
-        add(&self.st.stats.queries, 1);
-        self.event(slot).query()
-    }
-
-    #[cold]
-    fn wait(&mut self, slot: usize) -> Result<()> {
-        add(&self.st.stats.waits, 1);
-        let ev = self.st.slots[slot]
-            .event
-            .as_ref()
-            .expect("events with a driver");
-        match self.wait.as_mut() {
-            Some(w) => w(ev),
-            None => ev.synchronize(),
-        }
-    }
-
-    fn fill(&mut self, _slot: usize) -> Result<()> {
-        // The step wrote the slot before the commit.
-        Ok(())
-    }
-
-    fn stream_id(&mut self) -> Option<u64> {
-        self.send
-            .as_ref()
-            .and_then(|j| j.stream.tracking_id(self.cur))
-    }
-
-    fn send(&mut self, _slot: usize) -> Result<()> {
-        let Some(j) = self.send.as_deref_mut() else {
-            return Ok(());
-        };
-        if j.zero || j.segs.is_empty() {
-            return Ok(());
-        }
-        let stream = j.stream;
-        let st = self.st;
-        if j.segs.len() > 1 && j.batch {
-            j.dsts.clear();
-            j.srcs.clear();
-            j.sizes.clear();
-            for &(start, len) in j.segs {
-                j.dsts.push(j.dst + start as u64);
-                // SAFETY: within the slot.
-                j.srcs.push(unsafe { j.src.add(start) } as u64);
-                j.sizes.push(len);
-            }
-            // SAFETY: each source span is in our slot, untouched until the slot's event (recorded
-            // next) completed; each destination span lies in the arena or block of this device;
-            // the driver has the call (checked at build) and the stream is not the legacy one.
-            unsafe { driver::mem::memcpy_batch_htod_async(j.dsts, j.srcs, j.sizes, stream.raw()) }?;
-            add(&st.stats.batches, 1);
-            add(&st.stats.batch_entries, j.segs.len() as u64);
-            j.calls = 1;
-            j.batched = true;
-            return Ok(());
-        }
-        for (k, &(start, len)) in j.segs.iter().enumerate() {
-            // SAFETY: as above, one span at a time.
-            let r = unsafe {
-                driver::mem::memcpy_htod_async(
-                    j.dst + start as u64,
-                    j.src.add(start).cast(),
-                    len,
-                    stream.raw(),
-                )
-            };
-            if let Err(e) = r {
-                if k > 0 {
-                    // Earlier spans were issued: they must finish before the slot is reused
-                    // (released idle on this error).
-                    let _ = stream.synchronize(self.cur);
-                }
-                return Err(e.into());
-            }
-            j.calls += 1;
-            add(&st.stats.copies, 1);
-        }
-        Ok(())
-    }
-
-    fn record(&mut self, slot: usize) -> Result<()> {
-        let stream = self
-            .send
-            .as_ref()
-            .map_or(StreamHandle::LEGACY, |j| j.stream);
-        self.event(slot).record_in(self.cur, stream)?;
-        if let Some(b) = self.send.as_ref().and_then(|j| j.block) {
-            b.record_in(self.cur, stream)?;
-        }
-        Ok(())
-    }
-
-    #[cold]
-    fn settle(&mut self) -> bool {
-        let stream = self
-            .send
-            .as_ref()
-            .map_or(StreamHandle::LEGACY, |j| j.stream);
-        stream.synchronize(self.cur).is_ok()
     }
 }

@@ -144,3 +144,78 @@ def test_module_functions(value):
     p = pinstage.copy_d2h_async(np.arange(3))
     call_ok(lambda: p.wait(timeout=value), "timeout")
     pinstage.set_pool_budget(4 << 30)
+
+
+STEP_LAYOUT = {"ids": ("int32", 16), "t": ("int64", (4, 3))}
+
+
+@SETTINGS
+@given(hostile, st.sampled_from(["fields", "skip_unchanged", "dtype", "shape"]))
+def test_step_layout_constructor(value, param):
+    fields = dict(STEP_LAYOUT)
+    kwargs = {}
+    if param == "fields":
+        fields = value
+    elif param == "skip_unchanged":
+        kwargs["skip_unchanged"] = value
+    elif param == "dtype":
+        fields["ids"] = (value, 16)
+    else:
+        fields["ids"] = ("int32", value)
+    call_ok(lambda: pinstage.StepLayout(fields, **kwargs), param, "fields", "skip_unchanged")
+
+
+@SETTINGS
+@given(hostile, st.sampled_from(["device", "depth", "mode", "arena", "max_gap", "batch"]))
+def test_step_stager_constructor(value, param):
+    layout = pinstage.StepLayout(STEP_LAYOUT)
+    call_ok(lambda: pinstage.StepStager(layout, **{param: value}), param)
+
+
+@SETTINGS
+@given(hostile, st.sampled_from(["name", "values", "pad_value", "rows", "view_rows", "stream"]))
+def test_step_calls_refuse_and_write_nothing(value, param):
+    layout = pinstage.StepLayout(STEP_LAYOUT)
+    stager = pinstage.StepStager(layout, depth=1)
+    stager.stage({"ids": [5, 6, 7]})
+    args = {"name": "ids", "values": [1, 2], "pad_value": 0, "rows": 4, "view_rows": 2, "stream": None}
+    args[param] = value
+
+    def run():
+        with stager.step(stream=args["stream"]) as step:
+            step.put(args["name"], args["values"], args["pad_value"], args["rows"])
+            step.view(args["name"], args["view_rows"])
+
+    try:
+        run()
+    except (ALLOWED + (KeyError,)):
+        # The step was released untouched: the arena still holds the last commit, and the slot
+        # (depth 1) is free again.
+        assert stager.read_field("ids")[:3].tolist() == [5, 6, 7]
+        stager.stage({"ids": [5]})
+        return
+    except (TypeError, ValueError, OverflowError) as e:
+        assert param.replace("view_", "") in str(e) or "name" in str(e), e
+        assert stager.read_field("ids")[:3].tolist() == [5, 6, 7]
+
+
+@SETTINGS
+@given(hostile, st.sampled_from(["fields", "pad_values", "rows", "stream"]))
+def test_step_stage_refuses_and_writes_nothing(value, param):
+    layout = pinstage.StepLayout(STEP_LAYOUT)
+    stager = pinstage.StepStager(layout, depth=1)
+    stager.stage({"ids": [5, 6, 7]})
+    kwargs = {"pad_values": None, "rows": None, "stream": None}
+    fields = {"ids": [1]}
+    if param == "fields":
+        fields = value
+    else:
+        kwargs[param] = value
+    try:
+        stager.stage(fields, **kwargs)
+    except (ALLOWED + (KeyError,)):
+        assert stager.read_field("ids")[:3].tolist() == [5, 6, 7]
+    except (TypeError, ValueError, OverflowError) as e:
+        assert param in str(e) or "fields" in str(e), e
+        assert stager.read_field("ids")[:3].tolist() == [5, 6, 7]
+    stager.stage({"ids": [5]})  # the slot is free again

@@ -2,26 +2,25 @@
 //! `StepTensor` (a DLPack producer of arena fields, fresh blocks and zero-copy slot fields).
 
 use std::sync::Arc;
-use std::thread::ThreadId;
 
-use dlpark::ffi::{DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned};
-use dlpark::python::{CudaStreamRequest, DlpackExporter, ExportRequest, export_dlpack};
-use dlpark::{DlpackFlags, Managed};
-use numpy::npyffi::{self, NPY_ARRAY_WRITEABLE};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
-use super::args::{count_arg, parse_device};
-use super::arrays::array_over;
-use super::errors::{type_err, value_err};
-use super::import::{import_destination, parse_dtype, parse_stream};
-use super::values::{scalar_bytes, to_values};
-use super::wait::wait_interruptibly;
 use crate::cuda::{Event, Stream, StreamHandle};
 use crate::error::Error;
-use crate::step::{RawStep, StepBlock, StepLayout, StepMode, StepStager};
+use crate::python::args::{count_arg, parse_device};
+use crate::python::errors::{type_err, value_err};
+use crate::python::import::{import_destination, parse_dtype, parse_stream};
+use crate::python::wait::wait_interruptibly;
+use crate::step::{RawStep, StepLayout, StepMode, StepStager};
 use crate::view::DType;
+
+mod export;
+mod open;
+
+use export::{Keep, StepTensor, Sync};
+use open::{PyStep, StepState, commit_detached, put_values};
 
 /// How long a claimer polls a busy slot's event with the GIL held before releasing it.
 const SPIN_BEFORE_DETACH: std::time::Duration = std::time::Duration::from_micros(20);
@@ -50,6 +49,48 @@ pub struct PyStepLayout {
     layout: StepLayout,
 }
 
+/// A field-name argument: a str, else a typed error naming the parameter.
+pub(super) fn field_name(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    match obj.cast::<PyString>() {
+        Ok(s) => Ok(s.to_cow()?.into_owned()),
+        Err(_) => Err(type_err(format!(
+            "name must be a str (a field name), got {}",
+            crate::python::import::type_name(obj)
+        ))),
+    }
+}
+
+/// An optional dict argument `param`, else a typed error naming it.
+fn dict_arg<'a, 'py>(
+    obj: Option<&'a Bound<'py, PyAny>>,
+    param: &str,
+) -> PyResult<Option<&'a Bound<'py, PyDict>>> {
+    match obj.filter(|o| !o.is_none()) {
+        None => Ok(None),
+        Some(o) => o.cast::<PyDict>().map(Some).map_err(|_| {
+            type_err(format!(
+                "{param} must be a dict {{field name: ...}}, got {}",
+                crate::python::import::type_name(o)
+            ))
+        }),
+    }
+}
+
+/// `skip_unchanged`: None, one name, or an iterable of names.
+fn skip_names(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<String>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(Vec::new());
+    };
+    let bad = || type_err("skip_unchanged must be a field name or a sequence of field names");
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(vec![s.to_cow()?.into_owned()]);
+    }
+    obj.try_iter()
+        .map_err(|_| bad())?
+        .map(|it| it?.extract::<String>().map_err(|_| bad()))
+        .collect()
+}
+
 fn parse_shape(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<usize>> {
     let dims: Vec<i64> = if let Ok(n) = obj.extract::<i64>() {
         vec![n]
@@ -75,7 +116,7 @@ fn parse_shape(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<usize>> {
 impl PyStepLayout {
     #[new]
     #[pyo3(signature = (fields, *, skip_unchanged=None))]
-    fn new(fields: &Bound<'_, PyAny>, skip_unchanged: Option<Vec<String>>) -> PyResult<Self> {
+    fn new(fields: &Bound<'_, PyAny>, skip_unchanged: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
         let mut entries: Vec<(String, Bound<'_, PyAny>, Bound<'_, PyAny>)> = Vec::new();
         if let Ok(d) = fields.cast::<PyDict>() {
             for (k, v) in d.iter() {
@@ -103,7 +144,7 @@ impl PyStepLayout {
                 entries.push((name, dtype, shape));
             }
         }
-        let skip = skip_unchanged.unwrap_or_default();
+        let skip = skip_names(skip_unchanged)?;
         for s in &skip {
             if !entries.iter().any(|(n, _, _)| n == s) {
                 return Err(Error::UnknownField {
@@ -190,8 +231,8 @@ impl PyStepLayout {
         self.layout.len()
     }
 
-    fn __contains__(&self, name: &str) -> bool {
-        self.layout.id(name).is_ok()
+    fn __contains__(&self, name: &Bound<'_, PyAny>) -> bool {
+        field_name(name).is_ok_and(|n| self.layout.id(&n).is_ok())
     }
 
     fn __repr__(&self) -> String {
@@ -257,12 +298,12 @@ impl PyStepLayout {
 ///     ...     step.put("ids", [1, 2, 3], pad_value=0, rows=8)
 #[pyclass(frozen, name = "StepStager", module = "pinstage._native")]
 pub struct PyStepStager {
-    inner: Arc<StepStager>,
-    layout: Py<PyStepLayout>,
+    pub(super) inner: Arc<StepStager>,
+    pub(super) layout: Py<PyStepLayout>,
     /// A bound arena's producer, alive as long as the stager.
-    _bound: Option<super::import::Imported>,
+    pub(super) _bound: Option<super::import::Imported>,
     /// The stream of fresh-mode commits without a `stream=`.
-    own_stream: Option<Stream>,
+    pub(super) own_stream: Option<Stream>,
 }
 
 fn mode_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<StepMode> {
@@ -351,7 +392,7 @@ impl PyStepStager {
 #[pymethods]
 impl PyStepStager {
     #[new]
-    #[pyo3(signature = (layout, *, device=None, depth=None, mode=None, arena=None, max_gap=None, batch=true))]
+    #[pyo3(signature = (layout, *, device=None, depth=None, mode=None, arena=None, max_gap=None, batch=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -361,8 +402,15 @@ impl PyStepStager {
         mode: Option<&Bound<'_, PyAny>>,
         arena: Option<&Bound<'_, PyAny>>,
         max_gap: Option<&Bound<'_, PyAny>>,
-        batch: bool,
+        batch: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let batch = match batch.filter(|b| !b.is_none()) {
+            None => true,
+            Some(b) => b
+                .cast::<pyo3::types::PyBool>()
+                .map_err(|_| type_err("batch must be a bool"))?
+                .is_true(),
+        };
         let layout = layout
             .cast::<PyStepLayout>()
             .map_err(|_| type_err("layout must be a pinstage.StepLayout"))?
@@ -448,11 +496,15 @@ impl PyStepStager {
     #[pyo3(signature = (fields, *, pad_values=None, rows=None, stream=None))]
     fn stage(
         slf: &Bound<'_, Self>,
-        fields: &Bound<'_, PyDict>,
-        pad_values: Option<&Bound<'_, PyDict>>,
-        rows: Option<&Bound<'_, PyDict>>,
+        fields: &Bound<'_, PyAny>,
+        pad_values: Option<&Bound<'_, PyAny>>,
+        rows: Option<&Bound<'_, PyAny>>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<Py<StepTensor>>> {
+        let fields = dict_arg(Some(fields), "fields")?
+            .ok_or_else(|| type_err("fields must be a dict {field name: values}, got None"))?;
+        let pad_values = dict_arg(pad_values, "pad_values")?;
+        let rows = dict_arg(rows, "rows")?;
         let me = slf.get();
         let py = slf.py();
         let stream = me.stream_of(stream)?;
@@ -501,8 +553,9 @@ impl PyStepStager {
     ///
     /// Example:
     ///     >>> ids = torch.from_dlpack(st.field("ids"))
-    fn field(&self, name: &str) -> PyResult<StepTensor> {
-        let f = self.inner.layout().field(name)?;
+    fn field(&self, name: &Bound<'_, PyAny>) -> PyResult<StepTensor> {
+        let name = field_name(name)?;
+        let f = self.inner.layout().field(name.as_str())?;
         let ptr = self.arena_base()? + f.offset() as u64;
         Ok(StepTensor {
             ptr,
@@ -529,9 +582,11 @@ impl PyStepStager {
     /// Raises:
     ///     PinstageValueError: not zero-copy mode, slot out of range. CudaUnavailableError.
     ///     UnknownFieldError.
-    fn slot_field(&self, slot: usize, name: &str) -> PyResult<StepTensor> {
-        let f = self.inner.layout().field(name)?;
-        let ptr = self.inner.slot_device_ptr(slot, name)?;
+    fn slot_field(&self, slot: &Bound<'_, PyAny>, name: &Bound<'_, PyAny>) -> PyResult<StepTensor> {
+        let slot = count_arg(slot, "slot", 0, self.inner.depth() - 1)?;
+        let name = field_name(name)?;
+        let f = self.inner.layout().field(name.as_str())?;
+        let ptr = self.inner.slot_device_ptr(slot, name.as_str())?;
         Ok(StepTensor {
             ptr,
             dtype: f.dtype(),
@@ -571,11 +626,16 @@ impl PyStepStager {
     ///
     /// Raises:
     ///     KeyError (UnknownFieldError): no such field. PinstageValueError: not arena mode.
-    fn read_field<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+    fn read_field<'py>(
+        &self,
+        py: Python<'py>,
+        name: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let name = field_name(name)?;
         let st = Arc::clone(&self.inner);
-        let name2 = name.to_owned();
+        let name2 = name.clone();
         let bytes = py.detach(move || st.read_field(name2.as_str()))?;
-        let f = self.inner.layout().field(name)?;
+        let f = self.inner.layout().field(name.as_str())?;
         let shape: Vec<i64> = f.shape().iter().map(|&d| d as i64).collect();
         let arr =
             super::arrays::array_on(py, super::arrays::Memory::Vec(bytes), f.dtype(), &shape)?;
@@ -663,569 +723,6 @@ impl PyStepStager {
 
     fn arena_device(&self) -> Option<i32> {
         (!self.inner.arena_is_host()).then_some(self.inner.ordinal())
-    }
-}
-
-/// Writes `values` into field `name` of an open step (see ``Step.put``).
-fn put_values(
-    st: &StepStager,
-    raw: &mut RawStep,
-    name: &str,
-    values: &Bound<'_, PyAny>,
-    pad: Option<&Bound<'_, PyAny>>,
-    rows: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
-    let id = st.layout().id(name)?;
-    let f = &st.layout().fields()[id.index()];
-    let vals = to_values(values, f.dtype())?;
-    let dims = vals.shape.as_slice();
-    let shape = match (dims.len(), f.shape().len()) {
-        (1, 1) => (dims[0], 1),
-        (2, 2) => (dims[0], dims[1]),
-        (1, 2) if dims[0] == 0 => (0, f.cols()),
-        _ => {
-            return Err(Error::ShapeMismatch {
-                values: dims.to_vec(),
-                dst: f.shape().iter().map(|&d| d as i64).collect(),
-            }
-            .into());
-        }
-    };
-    let pad = match pad.filter(|p| !p.is_none()) {
-        Some(p) => Some(scalar_bytes(p, f.dtype())?),
-        None => None,
-    };
-    let rows = match rows.filter(|r| !r.is_none()) {
-        Some(r) => Some(count_arg(r, "rows", 0, f.rows())?),
-        None => None,
-    };
-    st.put_raw(raw, id, vals.bytes(), shape, pad.as_deref(), rows)?;
-    Ok(())
-}
-
-/// Commits with the GIL released: the driver calls take a few microseconds, and a thread
-/// staging steps back to back must not keep other threads (one launching a CUDA graph, say)
-/// waiting for the interpreter's switch interval.
-fn commit_detached(
-    py: Python<'_>,
-    st: &StepStager,
-    raw: RawStep,
-    stream: StreamHandle<'static>,
-) -> PyResult<crate::step::Committed> {
-    Ok(py.detach(move || st.commit_raw(raw, stream))?)
-}
-
-struct StepState {
-    raw: Option<RawStep>,
-    /// numpy views handed out: read-only once the step ends.
-    views: Vec<Py<PyAny>>,
-    block: Option<Py<StepTensor>>,
-    committed: bool,
-}
-
-/// An open step of a ``StepStager``: owns one slot until ``commit`` (or the end of its ``with``
-/// block) or ``abort``. Belongs to the thread that opened it.
-///
-/// Example:
-///     >>> with st.step(stream=s) as step:
-///     ...     step.put("ids", ids)
-///     ...     step.view("table", 64)[:] = table
-#[pyclass(frozen, name = "Step", module = "pinstage._native")]
-pub struct PyStep {
-    stager: Py<PyStepStager>,
-    thread: ThreadId,
-    stream: StreamHandle<'static>,
-    state: Mutex<StepState>,
-}
-
-impl PyStep {
-    fn check_thread(&self) -> PyResult<()> {
-        if std::thread::current().id() != self.thread {
-            return Err(Error::StepState(
-                "this step belongs to the thread that opened it; open a step per thread",
-            )
-            .into());
-        }
-        Ok(())
-    }
-
-    fn with_open<R>(
-        &self,
-        f: impl FnOnce(&StepStager, &mut RawStep, &mut StepState) -> PyResult<R>,
-    ) -> PyResult<R> {
-        self.check_thread()?;
-        let st = &self.stager.get().inner;
-        let mut g = self.state.lock();
-        let state = &mut *g;
-        let Some(mut raw) = state.raw.take() else {
-            return Err(Error::StepState(if state.committed {
-                "this step was already committed"
-            } else {
-                "this step was aborted"
-            })
-            .into());
-        };
-        let r = f(st, &mut raw, state);
-        state.raw = Some(raw);
-        r
-    }
-
-    fn put_inner(
-        &self,
-        name: &str,
-        values: &Bound<'_, PyAny>,
-        pad: Option<&Bound<'_, PyAny>>,
-        rows: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        self.with_open(|st, raw, _| put_values(st, raw, name, values, pad, rows))
-    }
-
-    /// Ends the step: marks handed-out views read-only.
-    fn end(state: &mut StepState, py: Python<'_>) {
-        for v in state.views.drain(..) {
-            let arr = v.bind(py).as_ptr() as *mut npyffi::PyArrayObject;
-            // SAFETY: every entry is a numpy array we made; clearing WRITEABLE is what
-            // `arr.flags.writeable = False` does, with the GIL held.
-            unsafe { (*arr).fields.flags &= !NPY_ARRAY_WRITEABLE };
-        }
-    }
-
-    fn abort_inner(&self) {
-        let st = &self.stager.get().inner;
-        let mut g = self.state.lock();
-        if let Some(raw) = g.raw.take() {
-            st.abort_raw(raw);
-        }
-        Python::attach(|py| Self::end(&mut g, py));
-    }
-
-    fn commit_inner(&self, py: Python<'_>) -> PyResult<Option<Py<StepTensor>>> {
-        self.check_thread()?;
-        let stager = self.stager.get();
-        let st = &stager.inner;
-        let mut g = self.state.lock();
-        let Some(raw) = g.raw.take() else {
-            return Err(Error::StepState(if g.committed {
-                "this step was already committed"
-            } else {
-                "this step was aborted"
-            })
-            .into());
-        };
-        Self::end(&mut g, py);
-        g.committed = true;
-        let committed = commit_detached(py, st, raw, self.stream)?;
-        let block = match committed.block {
-            Some(b) => {
-                let t = Py::new(py, StepTensor::of_block(b))?;
-                g.block = Some(t.clone_ref(py));
-                Some(t)
-            }
-            None => None,
-        };
-        Ok(block)
-    }
-}
-
-#[pymethods]
-impl PyStep {
-    /// Writes ``values`` into field ``name``'s leading rows: ``field[:n] = values`` (2-D:
-    /// ``field[:r, :c] = values``); ``pad_value`` fills the rest of those rows and the rows up to
-    /// ``rows``. The rows sent become ``rows`` (default: the values' rows).
-    ///
-    /// Parameters:
-    ///     name (str): the field.
-    ///     values: a list, tuple or array (numpy, torch CPU tensor...) of numbers that fit the
-    ///         field's dtype; 1-D for a 1-D field, 2-D for a 2-D one. Read before the call returns.
-    ///     pad_value (scalar, optional): needed when the values do not fill the rows sent.
-    ///     rows (int, optional): rows sent, from the values' rows to the capacity.
-    ///
-    /// Raises:
-    ///     UnknownFieldError (a KeyError): no such field. PinstageValueError: more values than the
-    ///         capacity, values that do not fit the dtype, a missing pad, rows out of range.
-    ///         PinstageTypeError: values that are not numbers. StepStateError: a committed or
-    ///         aborted step, another thread, or a zero-copy step whose fields went to the device.
-    ///     Nothing is written when it raises.
-    ///
-    /// Example:
-    ///     >>> step.put("ids", [5, 6, 7], pad_value=0, rows=8)
-    #[pyo3(signature = (name, values, pad_value=None, rows=None))]
-    fn put(
-        &self,
-        py: Python<'_>,
-        name: &str,
-        values: &Bound<'_, PyAny>,
-        pad_value: Option<&Bound<'_, PyAny>>,
-        rows: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        let _ = py;
-        self.put_inner(name, values, pad_value, rows)
-    }
-
-    /// A writable numpy view of the first ``rows`` rows of field ``name`` in this step's slot,
-    /// for planning code to write in place (zero copies); those rows are sent at commit. The view
-    /// turns read-only when the step ends.
-    ///
-    /// Parameters:
-    ///     name (str): the field.
-    ///     rows (int, optional): rows to send (default: the capacity).
-    ///
-    /// Returns:
-    ///     numpy.ndarray: ``(rows,)`` or ``(rows, cols)`` of the field's dtype, over pinned memory.
-    ///
-    /// Raises:
-    ///     UnknownFieldError: no such field. PinstageValueError: rows beyond the capacity.
-    ///     StepStateError: as ``put``.
-    ///
-    /// Example:
-    ///     >>> step.view("ids", 3)[:] = [1, 2, 3]
-    #[pyo3(signature = (name, rows=None))]
-    fn view<'py>(
-        slf: &Bound<'py, Self>,
-        name: &str,
-        rows: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let py = slf.py();
-        let me = slf.get();
-        let owner = me.stager.bind(py).clone().into_any();
-        me.with_open(|st, raw, state| {
-            let id = st.layout().id(name)?;
-            let f = &st.layout().fields()[id.index()];
-            let rows = match rows.filter(|r| !r.is_none()) {
-                Some(r) => count_arg(r, "rows", 0, f.rows())?,
-                None => f.rows(),
-            };
-            let (ptr, _) = st.field_raw(raw, id, rows)?;
-            let mut shape = vec![rows as i64];
-            if f.shape().len() == 2 {
-                shape.push(f.cols() as i64);
-            }
-            // SAFETY: the field's rows lie in the slot memory, which lives as long as the stager
-            // (the array's base keeps the Python stager alive).
-            let arr = unsafe { array_over(owner, ptr, f.dtype(), &shape) }?;
-            state.views.push(arr.clone().unbind());
-            Ok(arr)
-        })
-    }
-
-    /// Rows of field ``name`` that the commit sends (0: not written in this step).
-    ///
-    /// Parameters:
-    ///     name (str): the field.
-    ///
-    /// Returns:
-    ///     int: the rows.
-    ///
-    /// Raises:
-    ///     UnknownFieldError, StepStateError.
-    fn used_rows(&self, name: &str) -> PyResult<usize> {
-        self.with_open(|st, raw, _| Ok(st.used_raw(raw, st.layout().id(name)?)))
-    }
-
-    /// Zero-copy mode: a DLPack producer (CUDA device) of field ``name``'s used rows (or its
-    /// capacity when not written) in this step's pinned slot, for kernels to read in place. From
-    /// then on the step's fields cannot be written from the host; commit after queueing the
-    /// kernels that read it.
-    ///
-    /// Parameters:
-    ///     name (str): the field.
-    ///
-    /// Returns:
-    ///     StepTensor: the slot's field (valid to read until the commit's event completed).
-    ///
-    /// Raises:
-    ///     PinstageValueError: not zero-copy mode. CudaUnavailableError: no driver.
-    ///     UnknownFieldError, StepStateError.
-    fn device(&self, name: &str) -> PyResult<StepTensor> {
-        let stager = self.stager.get();
-        self.with_open(|st, raw, _| {
-            let id = st.layout().id(name)?;
-            let f = &st.layout().fields()[id.index()];
-            let used = st.used_raw(raw, id);
-            let rows = if used == 0 { f.rows() } else { used };
-            let ptr = st.device_ptr_raw(raw, id)?;
-            let mut shape = vec![rows as i64];
-            if f.shape().len() == 2 {
-                shape.push(f.cols() as i64);
-            }
-            Ok(StepTensor {
-                ptr,
-                dtype: f.dtype(),
-                shape,
-                device: Some(st.ordinal()),
-                keep: Keep::Stager(Arc::clone(&stager.inner)),
-                sync: Sync::None,
-            })
-        })
-    }
-
-    /// Commits the step on its stream (see ``StepStager``) and ends it; views turn read-only.
-    ///
-    /// Returns:
-    ///     StepTensor or None: fresh mode: the block holding this step (import it once); else
-    ///     None.
-    ///
-    /// Raises:
-    ///     StepStateError: committed twice, aborted, or another thread. StreamCaptureError: the
-    ///         stream is capturing. CudaDriverError. The slot is released in every case.
-    fn commit(&self, py: Python<'_>) -> PyResult<Option<Py<StepTensor>>> {
-        self.commit_inner(py)
-    }
-
-    /// Ends the step without sending anything; the slot is released untouched. Does nothing on
-    /// an ended step.
-    ///
-    /// Raises:
-    ///     StepStateError: another thread.
-    fn abort(&self) -> PyResult<()> {
-        self.check_thread()?;
-        self.abort_inner();
-        Ok(())
-    }
-
-    /// The slot this step owns (0 to depth - 1); see ``StepStager.slot_field``.
-    #[getter]
-    fn slot(&self) -> PyResult<usize> {
-        self.with_open(|_, raw, _| Ok(raw.slot()))
-    }
-
-    /// Fresh mode, after commit: the step's block (else None).
-    #[getter]
-    fn block(&self, py: Python<'_>) -> Option<Py<StepTensor>> {
-        self.state.lock().block.as_ref().map(|b| b.clone_ref(py))
-    }
-
-    /// Whether the step was committed.
-    #[getter]
-    fn committed(&self) -> bool {
-        self.state.lock().committed
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (exc_type, _exc=None, _tb=None))]
-    fn __exit__(
-        &self,
-        py: Python<'_>,
-        exc_type: Option<&Bound<'_, PyAny>>,
-        _exc: Option<&Bound<'_, PyAny>>,
-        _tb: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<bool> {
-        let failed = exc_type.is_some_and(|t| !t.is_none());
-        let open = self.state.lock().raw.is_some();
-        if failed || !open {
-            if open {
-                self.abort_inner();
-            }
-            return Ok(false);
-        }
-        self.commit_inner(py)?;
-        Ok(false)
-    }
-
-    fn __repr__(&self) -> String {
-        let g = self.state.lock();
-        let state = match (&g.raw, g.committed) {
-            (Some(_), _) => "open",
-            (None, true) => "committed",
-            (None, false) => "aborted",
-        };
-        format!("Step({state})")
-    }
-}
-
-impl Drop for PyStep {
-    fn drop(&mut self) {
-        let g = self.state.get_mut();
-        if let Some(raw) = g.raw.take() {
-            self.stager.get().inner.abort_raw(raw);
-        }
-    }
-}
-
-/// What keeps an export's memory alive.
-enum Keep {
-    Stager(Arc<StepStager>),
-    Block(Arc<StepBlock>),
-}
-
-/// How a consumer's stream is ordered after the writes of the memory.
-enum Sync {
-    /// Wait for every commit issued so far (arena exports).
-    Commits(Arc<StepStager>),
-    /// Wait for the block's copy.
-    Block(Arc<StepBlock>),
-    /// Host-written memory: nothing to wait for.
-    None,
-}
-
-/// A DLPack producer over step memory: an arena field, a whole arena, a fresh block, or a
-/// zero-copy slot field. Import it with ``torch.from_dlpack``, ``cupy.from_dlpack``,
-/// ``jax.dlpack.from_dlpack`` or ``numpy.from_dlpack`` (host memory, no driver); every import
-/// shares the memory and keeps it alive.
-///
-/// Example:
-///     >>> t = torch.from_dlpack(st.field("ids"))
-#[pyclass(frozen, name = "StepTensor", module = "pinstage._native")]
-pub struct StepTensor {
-    ptr: u64,
-    dtype: DType,
-    shape: Vec<i64>,
-    /// CUDA ordinal; None: host memory.
-    device: Option<i32>,
-    keep: Keep,
-    sync: Sync,
-}
-
-impl StepTensor {
-    fn of_block(b: StepBlock) -> Self {
-        let device = b.device().map(|d| d.ordinal());
-        let b = Arc::new(b);
-        Self {
-            ptr: b.ptr(),
-            dtype: DType::U8,
-            shape: vec![b.len() as i64],
-            device,
-            keep: Keep::Block(Arc::clone(&b)),
-            sync: Sync::Block(b),
-        }
-    }
-
-    fn dl_device(&self) -> DLDevice {
-        match self.device {
-            Some(id) => DLDevice {
-                device_type: DLDeviceType(crate::dlpack::DL_CUDA),
-                device_id: id,
-            },
-            None => DLDevice::CPU,
-        }
-    }
-
-    fn managed<M: dlpark::ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
-        let keep: Box<KeepCtx> = Box::new(match &self.keep {
-            Keep::Stager(s) => KeepCtx::Stager(Arc::clone(s)),
-            Keep::Block(b) => KeepCtx::Block(Arc::clone(b)),
-        });
-        let mut init = dlpark::metadata::Dynamic::compact(self.shape.clone())
-            .prepare_as::<M>()
-            .map_err(|e| value_err(format!("DLPack export: {e}")))?
-            .initialize(keep);
-        let (code, bits) = self.dtype.dlpack();
-        init.set_data(self.ptr as *mut std::ffi::c_void);
-        init.set_dtype(dlpark::ffi::DLDataType {
-            code: dlpark::ffi::DLDataTypeCode(code),
-            bits,
-            lanes: 1,
-        });
-        init.set_device(self.dl_device());
-        // SAFETY: data points at `prod(shape)` elements kept alive by the context; shape and
-        // compact strides were written by the metadata builder.
-        Ok(unsafe { init.finish() })
-    }
-
-    fn stream_request(req: &ExportRequest<'_>) -> PyResult<Option<StreamHandle<'static>>> {
-        Ok(match req.cuda_stream()? {
-            CudaStreamRequest::Omitted | CudaStreamRequest::NoSync => None,
-            CudaStreamRequest::LegacyDefault => Some(StreamHandle::LEGACY),
-            CudaStreamRequest::PerThreadDefault => Some(StreamHandle::PER_THREAD),
-            // SAFETY: the consumer's own stream, alive during its import (DLPack contract).
-            CudaStreamRequest::Pointer(p) => Some(unsafe { StreamHandle::from_raw(p) }?),
-        })
-    }
-}
-
-/// The owning context of an export.
-enum KeepCtx {
-    #[allow(dead_code)]
-    Stager(Arc<StepStager>),
-    #[allow(dead_code)]
-    Block(Arc<StepBlock>),
-}
-
-impl DlpackExporter for StepTensor {
-    fn device(&self) -> DLDevice {
-        self.dl_device()
-    }
-
-    fn flags(&self) -> DlpackFlags {
-        DlpackFlags::empty()
-    }
-
-    fn prepare_export(&self, py: Python<'_>, request: &ExportRequest<'_>) -> PyResult<()> {
-        if self.device.is_none() {
-            return Ok(());
-        }
-        let omitted = matches!(request.cuda_stream()?, CudaStreamRequest::Omitted);
-        let stream = Self::stream_request(request)?;
-        py.detach(|| -> crate::Result<()> {
-            match (&self.sync, stream) {
-                (Sync::None, _) => Ok(()),
-                (Sync::Block(b), Some(s)) => b.wait_on(s),
-                (Sync::Block(b), None) if omitted => b.synchronize(),
-                (Sync::Commits(st), Some(s)) => st.order_after_commits(Some(s)),
-                (Sync::Commits(st), None) if omitted => st.order_after_commits(None),
-                _ => Ok(()),
-            }
-        })?;
-        Ok(())
-    }
-
-    fn export_legacy(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensor>> {
-        self.managed()
-    }
-
-    fn export_versioned(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensorVersioned>> {
-        self.managed()
-    }
-}
-
-#[pymethods]
-impl StepTensor {
-    /// The DLPack export (the standard protocol); see the class.
-    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
-    fn __dlpack__(
-        &self,
-        py: Python<'_>,
-        stream: Option<&Bound<'_, PyAny>>,
-        max_version: Option<(u32, u32)>,
-        dl_device: Option<(u32, i32)>,
-        copy: Option<bool>,
-    ) -> PyResult<Py<PyAny>> {
-        let req = ExportRequest::parse(stream, max_version, dl_device, copy)?;
-        export_dlpack(self, py, req)
-    }
-
-    fn __dlpack_device__(&self) -> (u32, i32) {
-        let d = self.dl_device();
-        (d.device_type.0, d.device_id)
-    }
-
-    /// The shape.
-    #[getter]
-    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, &self.shape)
-    }
-
-    /// The dtype's name.
-    #[getter]
-    fn dtype(&self) -> &'static str {
-        self.dtype.name()
-    }
-
-    /// Address of the first byte (device address, or host address without a driver).
-    #[getter]
-    fn address(&self) -> u64 {
-        self.ptr
-    }
-
-    fn __repr__(&self) -> String {
-        let dev = match self.device {
-            Some(i) => format!("cuda:{i}"),
-            None => "cpu".into(),
-        };
-        format!("StepTensor({}{:?}, {dev})", self.dtype.name(), self.shape)
     }
 }
 

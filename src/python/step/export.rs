@@ -1,0 +1,198 @@
+//! `StepTensor`: the DLPack producer of arena fields, fresh blocks and zero-copy slot fields.
+
+use std::sync::Arc;
+
+use dlpark::ffi::{DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned};
+use dlpark::python::{CudaStreamRequest, DlpackExporter, ExportRequest, export_dlpack};
+use dlpark::{DlpackFlags, Managed};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::cuda::StreamHandle;
+use crate::python::errors::value_err;
+use crate::step::{StepBlock, StepStager};
+use crate::view::DType;
+
+/// What keeps an export's memory alive.
+pub(super) enum Keep {
+    Stager(Arc<StepStager>),
+    Block(Arc<StepBlock>),
+}
+
+/// How a consumer's stream is ordered after the writes of the memory.
+pub(super) enum Sync {
+    /// Wait for every commit issued so far (arena exports).
+    Commits(Arc<StepStager>),
+    /// Wait for the block's copy.
+    Block(Arc<StepBlock>),
+    /// Host-written memory: nothing to wait for.
+    None,
+}
+
+/// A DLPack producer over step memory: an arena field, a whole arena, a fresh block, or a
+/// zero-copy slot field. Import it with ``torch.from_dlpack``, ``cupy.from_dlpack``,
+/// ``jax.dlpack.from_dlpack`` or ``numpy.from_dlpack`` (host memory, no driver); every import
+/// shares the memory and keeps it alive.
+///
+/// Example:
+///     >>> t = torch.from_dlpack(st.field("ids"))
+#[pyclass(frozen, name = "StepTensor", module = "pinstage._native")]
+pub struct StepTensor {
+    pub(super) ptr: u64,
+    pub(super) dtype: DType,
+    pub(super) shape: Vec<i64>,
+    /// CUDA ordinal; None: host memory.
+    pub(super) device: Option<i32>,
+    pub(super) keep: Keep,
+    pub(super) sync: Sync,
+}
+
+impl StepTensor {
+    pub(super) fn of_block(b: StepBlock) -> Self {
+        let device = b.device().map(|d| d.ordinal());
+        let b = Arc::new(b);
+        Self {
+            ptr: b.ptr(),
+            dtype: DType::U8,
+            shape: vec![b.len() as i64],
+            device,
+            keep: Keep::Block(Arc::clone(&b)),
+            sync: Sync::Block(b),
+        }
+    }
+
+    fn dl_device(&self) -> DLDevice {
+        match self.device {
+            Some(id) => DLDevice {
+                device_type: DLDeviceType(crate::dlpack::DL_CUDA),
+                device_id: id,
+            },
+            None => DLDevice::CPU,
+        }
+    }
+
+    fn managed<M: dlpark::ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
+        let keep: Box<KeepCtx> = Box::new(match &self.keep {
+            Keep::Stager(s) => KeepCtx::Stager(Arc::clone(s)),
+            Keep::Block(b) => KeepCtx::Block(Arc::clone(b)),
+        });
+        let mut init = dlpark::metadata::Dynamic::compact(self.shape.clone())
+            .prepare_as::<M>()
+            .map_err(|e| value_err(format!("DLPack export: {e}")))?
+            .initialize(keep);
+        let (code, bits) = self.dtype.dlpack();
+        init.set_data(self.ptr as *mut std::ffi::c_void);
+        init.set_dtype(dlpark::ffi::DLDataType {
+            code: dlpark::ffi::DLDataTypeCode(code),
+            bits,
+            lanes: 1,
+        });
+        init.set_device(self.dl_device());
+        // SAFETY: data points at `prod(shape)` elements kept alive by the context; shape and
+        // compact strides were written by the metadata builder.
+        Ok(unsafe { init.finish() })
+    }
+
+    fn stream_request(req: &ExportRequest<'_>) -> PyResult<Option<StreamHandle<'static>>> {
+        Ok(match req.cuda_stream()? {
+            CudaStreamRequest::Omitted | CudaStreamRequest::NoSync => None,
+            CudaStreamRequest::LegacyDefault => Some(StreamHandle::LEGACY),
+            CudaStreamRequest::PerThreadDefault => Some(StreamHandle::PER_THREAD),
+            // SAFETY: the consumer's own stream, alive during its import (DLPack contract).
+            CudaStreamRequest::Pointer(p) => Some(unsafe { StreamHandle::from_raw(p) }?),
+        })
+    }
+}
+
+/// The owning context of an export.
+enum KeepCtx {
+    #[allow(dead_code)]
+    Stager(Arc<StepStager>),
+    #[allow(dead_code)]
+    Block(Arc<StepBlock>),
+}
+
+impl DlpackExporter for StepTensor {
+    fn device(&self) -> DLDevice {
+        self.dl_device()
+    }
+
+    fn flags(&self) -> DlpackFlags {
+        DlpackFlags::empty()
+    }
+
+    fn prepare_export(&self, py: Python<'_>, request: &ExportRequest<'_>) -> PyResult<()> {
+        if self.device.is_none() {
+            return Ok(());
+        }
+        let omitted = matches!(request.cuda_stream()?, CudaStreamRequest::Omitted);
+        let stream = Self::stream_request(request)?;
+        py.detach(|| -> crate::Result<()> {
+            match (&self.sync, stream) {
+                (Sync::None, _) => Ok(()),
+                (Sync::Block(b), Some(s)) => b.wait_on(s),
+                (Sync::Block(b), None) if omitted => b.synchronize(),
+                (Sync::Commits(st), Some(s)) => st.order_after_commits(Some(s)),
+                (Sync::Commits(st), None) if omitted => st.order_after_commits(None),
+                _ => Ok(()),
+            }
+        })?;
+        Ok(())
+    }
+
+    fn export_legacy(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensor>> {
+        self.managed()
+    }
+
+    fn export_versioned(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensorVersioned>> {
+        self.managed()
+    }
+}
+
+#[pymethods]
+impl StepTensor {
+    /// The DLPack export (the standard protocol); see the class.
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__(
+        &self,
+        py: Python<'_>,
+        stream: Option<&Bound<'_, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(u32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        let req = ExportRequest::parse(stream, max_version, dl_device, copy)?;
+        export_dlpack(self, py, req)
+    }
+
+    fn __dlpack_device__(&self) -> (u32, i32) {
+        let d = self.dl_device();
+        (d.device_type.0, d.device_id)
+    }
+
+    /// The shape.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.shape)
+    }
+
+    /// The dtype's name.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype.name()
+    }
+
+    /// Address of the first byte (device address, or host address without a driver).
+    #[getter]
+    fn address(&self) -> u64 {
+        self.ptr
+    }
+
+    fn __repr__(&self) -> String {
+        let dev = match self.device {
+            Some(i) => format!("cuda:{i}"),
+            None => "cpu".into(),
+        };
+        format!("StepTensor({}{:?}, {dev})", self.dtype.name(), self.shape)
+    }
+}

@@ -1,0 +1,402 @@
+//! `Step`: an open step of a `StepStager`, a context manager.
+
+use std::sync::Arc;
+use std::thread::ThreadId;
+
+use numpy::npyffi::{self, NPY_ARRAY_WRITEABLE};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+
+use crate::cuda::StreamHandle;
+use crate::error::Error;
+use crate::python::args::count_arg;
+use crate::python::arrays::array_over;
+use crate::python::values::{scalar_bytes, to_values};
+use crate::step::{RawStep, StepStager};
+
+use super::export::{Keep, StepTensor, Sync};
+use super::{PyStepStager, field_name};
+
+/// Writes `values` into field `name` of an open step (see ``Step.put``).
+pub(super) fn put_values(
+    st: &StepStager,
+    raw: &mut RawStep,
+    name: &str,
+    values: &Bound<'_, PyAny>,
+    pad: Option<&Bound<'_, PyAny>>,
+    rows: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let id = st.layout().id(name)?;
+    let f = &st.layout().fields()[id.index()];
+    let vals = to_values(values, f.dtype())?;
+    let dims = vals.shape.as_slice();
+    let shape = match (dims.len(), f.shape().len()) {
+        (1, 1) => (dims[0], 1),
+        (2, 2) => (dims[0], dims[1]),
+        (1, 2) if dims[0] == 0 => (0, f.cols()),
+        _ => {
+            return Err(Error::ShapeMismatch {
+                values: dims.to_vec(),
+                dst: f.shape().iter().map(|&d| d as i64).collect(),
+            }
+            .into());
+        }
+    };
+    let pad = match pad.filter(|p| !p.is_none()) {
+        Some(p) => Some(scalar_bytes(p, f.dtype())?),
+        None => None,
+    };
+    let rows = match rows.filter(|r| !r.is_none()) {
+        Some(r) => Some(count_arg(r, "rows", 0, f.rows())?),
+        None => None,
+    };
+    st.put_raw(raw, id, vals.bytes(), shape, pad.as_deref(), rows)?;
+    Ok(())
+}
+
+/// Commits with the GIL released: the driver calls take a few microseconds, and a thread
+/// staging steps back to back must not keep other threads (one launching a CUDA graph, say)
+/// waiting for the interpreter's switch interval.
+pub(super) fn commit_detached(
+    py: Python<'_>,
+    st: &StepStager,
+    raw: RawStep,
+    stream: StreamHandle<'static>,
+) -> PyResult<crate::step::Committed> {
+    Ok(py.detach(move || st.commit_raw(raw, stream))?)
+}
+
+pub(super) struct StepState {
+    pub(super) raw: Option<RawStep>,
+    /// numpy views handed out: read-only once the step ends.
+    pub(super) views: Vec<Py<PyAny>>,
+    pub(super) block: Option<Py<StepTensor>>,
+    pub(super) committed: bool,
+}
+
+/// An open step of a ``StepStager``: owns one slot until ``commit`` (or the end of its ``with``
+/// block) or ``abort``. Belongs to the thread that opened it.
+///
+/// Example:
+///     >>> with st.step(stream=s) as step:
+///     ...     step.put("ids", ids)
+///     ...     step.view("table", 64)[:] = table
+#[pyclass(frozen, name = "Step", module = "pinstage._native")]
+pub struct PyStep {
+    pub(super) stager: Py<PyStepStager>,
+    pub(super) thread: ThreadId,
+    pub(super) stream: StreamHandle<'static>,
+    pub(super) state: Mutex<StepState>,
+}
+
+impl PyStep {
+    fn check_thread(&self) -> PyResult<()> {
+        if std::thread::current().id() != self.thread {
+            return Err(Error::StepState(
+                "this step belongs to the thread that opened it; open a step per thread",
+            )
+            .into());
+        }
+        Ok(())
+    }
+
+    fn with_open<R>(
+        &self,
+        f: impl FnOnce(&StepStager, &mut RawStep, &mut StepState) -> PyResult<R>,
+    ) -> PyResult<R> {
+        self.check_thread()?;
+        let st = &self.stager.get().inner;
+        let mut g = self.state.lock();
+        let state = &mut *g;
+        let Some(mut raw) = state.raw.take() else {
+            return Err(Error::StepState(if state.committed {
+                "this step was already committed"
+            } else {
+                "this step was aborted"
+            })
+            .into());
+        };
+        let r = f(st, &mut raw, state);
+        state.raw = Some(raw);
+        r
+    }
+
+    fn put_inner(
+        &self,
+        name: &str,
+        values: &Bound<'_, PyAny>,
+        pad: Option<&Bound<'_, PyAny>>,
+        rows: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        self.with_open(|st, raw, _| put_values(st, raw, name, values, pad, rows))
+    }
+
+    /// Ends the step: marks handed-out views read-only.
+    fn end(state: &mut StepState, py: Python<'_>) {
+        for v in state.views.drain(..) {
+            let arr = v.bind(py).as_ptr() as *mut npyffi::PyArrayObject;
+            // SAFETY: every entry is a numpy array we made; clearing WRITEABLE is what
+            // `arr.flags.writeable = False` does, with the GIL held.
+            unsafe { (*arr).fields.flags &= !NPY_ARRAY_WRITEABLE };
+        }
+    }
+
+    fn abort_inner(&self) {
+        let st = &self.stager.get().inner;
+        let mut g = self.state.lock();
+        if let Some(raw) = g.raw.take() {
+            st.abort_raw(raw);
+        }
+        Python::attach(|py| Self::end(&mut g, py));
+    }
+
+    fn commit_inner(&self, py: Python<'_>) -> PyResult<Option<Py<StepTensor>>> {
+        self.check_thread()?;
+        let stager = self.stager.get();
+        let st = &stager.inner;
+        let mut g = self.state.lock();
+        let Some(raw) = g.raw.take() else {
+            return Err(Error::StepState(if g.committed {
+                "this step was already committed"
+            } else {
+                "this step was aborted"
+            })
+            .into());
+        };
+        Self::end(&mut g, py);
+        g.committed = true;
+        let committed = commit_detached(py, st, raw, self.stream)?;
+        let block = match committed.block {
+            Some(b) => {
+                let t = Py::new(py, StepTensor::of_block(b))?;
+                g.block = Some(t.clone_ref(py));
+                Some(t)
+            }
+            None => None,
+        };
+        Ok(block)
+    }
+}
+
+#[pymethods]
+impl PyStep {
+    /// Writes ``values`` into field ``name``'s leading rows: ``field[:n] = values`` (2-D:
+    /// ``field[:r, :c] = values``); ``pad_value`` fills the rest of those rows and the rows up to
+    /// ``rows``. The rows sent become ``rows`` (default: the values' rows).
+    ///
+    /// Parameters:
+    ///     name (str): the field.
+    ///     values: a list, tuple or array (numpy, torch CPU tensor...) of numbers that fit the
+    ///         field's dtype; 1-D for a 1-D field, 2-D for a 2-D one. Read before the call returns.
+    ///     pad_value (scalar, optional): needed when the values do not fill the rows sent.
+    ///     rows (int, optional): rows sent, from the values' rows to the capacity.
+    ///
+    /// Raises:
+    ///     UnknownFieldError (a KeyError): no such field. PinstageValueError: more values than the
+    ///         capacity, values that do not fit the dtype, a missing pad, rows out of range.
+    ///         PinstageTypeError: values that are not numbers. StepStateError: a committed or
+    ///         aborted step, another thread, or a zero-copy step whose fields went to the device.
+    ///     Nothing is written when it raises.
+    ///
+    /// Example:
+    ///     >>> step.put("ids", [5, 6, 7], pad_value=0, rows=8)
+    #[pyo3(signature = (name, values, pad_value=None, rows=None))]
+    fn put(
+        &self,
+        py: Python<'_>,
+        name: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+        pad_value: Option<&Bound<'_, PyAny>>,
+        rows: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let _ = py;
+        self.put_inner(&field_name(name)?, values, pad_value, rows)
+    }
+
+    /// A writable numpy view of the first ``rows`` rows of field ``name`` in this step's slot,
+    /// for planning code to write in place (zero copies); those rows are sent at commit. The view
+    /// turns read-only when the step ends.
+    ///
+    /// Parameters:
+    ///     name (str): the field.
+    ///     rows (int, optional): rows to send (default: the capacity).
+    ///
+    /// Returns:
+    ///     numpy.ndarray: ``(rows,)`` or ``(rows, cols)`` of the field's dtype, over pinned memory.
+    ///
+    /// Raises:
+    ///     UnknownFieldError: no such field. PinstageValueError: rows beyond the capacity.
+    ///     StepStateError: as ``put``.
+    ///
+    /// Example:
+    ///     >>> step.view("ids", 3)[:] = [1, 2, 3]
+    #[pyo3(signature = (name, rows=None))]
+    fn view<'py>(
+        slf: &Bound<'py, Self>,
+        name: &Bound<'py, PyAny>,
+        rows: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let me = slf.get();
+        let name = field_name(name)?;
+        let name = name.as_str();
+        let owner = me.stager.bind(py).clone().into_any();
+        me.with_open(|st, raw, state| {
+            let id = st.layout().id(name)?;
+            let f = &st.layout().fields()[id.index()];
+            let rows = match rows.filter(|r| !r.is_none()) {
+                Some(r) => count_arg(r, "rows", 0, f.rows())?,
+                None => f.rows(),
+            };
+            let (ptr, _) = st.field_raw(raw, id, rows)?;
+            let mut shape = vec![rows as i64];
+            if f.shape().len() == 2 {
+                shape.push(f.cols() as i64);
+            }
+            // SAFETY: the field's rows lie in the slot memory, which lives as long as the stager
+            // (the array's base keeps the Python stager alive).
+            let arr = unsafe { array_over(owner, ptr, f.dtype(), &shape) }?;
+            state.views.push(arr.clone().unbind());
+            Ok(arr)
+        })
+    }
+
+    /// Rows of field ``name`` that the commit sends (0: not written in this step).
+    ///
+    /// Parameters:
+    ///     name (str): the field.
+    ///
+    /// Returns:
+    ///     int: the rows.
+    ///
+    /// Raises:
+    ///     UnknownFieldError, StepStateError.
+    fn used_rows(&self, name: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let name = field_name(name)?;
+        self.with_open(|st, raw, _| Ok(st.used_raw(raw, st.layout().id(&name)?)))
+    }
+
+    /// Zero-copy mode: a DLPack producer (CUDA device) of field ``name``'s used rows (or its
+    /// capacity when not written) in this step's pinned slot, for kernels to read in place. From
+    /// then on the step's fields cannot be written from the host; commit after queueing the
+    /// kernels that read it.
+    ///
+    /// Parameters:
+    ///     name (str): the field.
+    ///
+    /// Returns:
+    ///     StepTensor: the slot's field (valid to read until the commit's event completed).
+    ///
+    /// Raises:
+    ///     PinstageValueError: not zero-copy mode. CudaUnavailableError: no driver.
+    ///     UnknownFieldError, StepStateError.
+    fn device(&self, name: &Bound<'_, PyAny>) -> PyResult<StepTensor> {
+        let name = field_name(name)?;
+        let name = name.as_str();
+        let stager = self.stager.get();
+        self.with_open(|st, raw, _| {
+            let id = st.layout().id(name)?;
+            let f = &st.layout().fields()[id.index()];
+            let used = st.used_raw(raw, id);
+            let rows = if used == 0 { f.rows() } else { used };
+            let ptr = st.device_ptr_raw(raw, id)?;
+            let mut shape = vec![rows as i64];
+            if f.shape().len() == 2 {
+                shape.push(f.cols() as i64);
+            }
+            Ok(StepTensor {
+                ptr,
+                dtype: f.dtype(),
+                shape,
+                device: Some(st.ordinal()),
+                keep: Keep::Stager(Arc::clone(&stager.inner)),
+                sync: Sync::None,
+            })
+        })
+    }
+
+    /// Commits the step on its stream (see ``StepStager``) and ends it; views turn read-only.
+    ///
+    /// Returns:
+    ///     StepTensor or None: fresh mode: the block holding this step (import it once); else
+    ///     None.
+    ///
+    /// Raises:
+    ///     StepStateError: committed twice, aborted, or another thread. StreamCaptureError: the
+    ///         stream is capturing. CudaDriverError. The slot is released in every case.
+    fn commit(&self, py: Python<'_>) -> PyResult<Option<Py<StepTensor>>> {
+        self.commit_inner(py)
+    }
+
+    /// Ends the step without sending anything; the slot is released untouched. Does nothing on
+    /// an ended step.
+    ///
+    /// Raises:
+    ///     StepStateError: another thread.
+    fn abort(&self) -> PyResult<()> {
+        self.check_thread()?;
+        self.abort_inner();
+        Ok(())
+    }
+
+    /// The slot this step owns (0 to depth - 1); see ``StepStager.slot_field``.
+    #[getter]
+    fn slot(&self) -> PyResult<usize> {
+        self.with_open(|_, raw, _| Ok(raw.slot()))
+    }
+
+    /// Fresh mode, after commit: the step's block (else None).
+    #[getter]
+    fn block(&self, py: Python<'_>) -> Option<Py<StepTensor>> {
+        self.state.lock().block.as_ref().map(|b| b.clone_ref(py))
+    }
+
+    /// Whether the step was committed.
+    #[getter]
+    fn committed(&self) -> bool {
+        self.state.lock().committed
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (exc_type, _exc=None, _tb=None))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let failed = exc_type.is_some_and(|t| !t.is_none());
+        let open = self.state.lock().raw.is_some();
+        if failed || !open {
+            if open {
+                self.abort_inner();
+            }
+            return Ok(false);
+        }
+        self.commit_inner(py)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        let g = self.state.lock();
+        let state = match (&g.raw, g.committed) {
+            (Some(_), _) => "open",
+            (None, true) => "committed",
+            (None, false) => "aborted",
+        };
+        format!("Step({state})")
+    }
+}
+
+impl Drop for PyStep {
+    fn drop(&mut self) {
+        let g = self.state.get_mut();
+        if let Some(raw) = g.raw.take() {
+            self.stager.get().inner.abort_raw(raw);
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! Committing a step: skipping unchanged fields, planning the spans, sending them.
+
+use super::mem::StepBlock;
+use super::open::RawStep;
+use super::plan::{AUTO_GAP_BATCH, AUTO_GAP_COPIES, plan};
+use super::send::{Owner, SendJob};
+use super::stager::{Committed, Scratch, StepMode, StepStager, Target, add};
+use crate::cuda::StreamHandle;
+use crate::error::{Error, Result};
+use crate::h2d::ring::{Claim, Release};
+
+impl StepStager {
+    /// Commits a step on `stream` (see [`Step::commit`]). The slot is released in every case.
+    pub(crate) fn commit_raw(&self, s: RawStep, stream: StreamHandle<'_>) -> Result<Committed> {
+        let index = s.claim.index;
+        // SAFETY: we own the slot until the ring releases it below; nothing else touches its
+        // scratch.
+        let sc = unsafe { &mut *self.slots[index].scratch.get() };
+        let base = self.slot_base(index);
+        sc.send.copy_from_slice(&sc.used);
+        // Skip fields whose values equal the last committed ones (mirror held until updated).
+        let mut mirror = self.mirror.as_ref().map(|m| m.lock());
+        let mut skipped = 0u32;
+        if let Some(m) = mirror.as_deref() {
+            for (i, f) in self.layout.fields().iter().enumerate() {
+                let n = sc.send[i] * f.row_bytes();
+                if f.skip_unchanged() && n > 0 {
+                    // SAFETY: the field's used bytes in our slot.
+                    let now = unsafe { std::slice::from_raw_parts(base.add(f.offset()), n) };
+                    if m[i].as_deref() == Some(now) {
+                        sc.send[i] = 0;
+                        skipped += 1;
+                    }
+                }
+            }
+        }
+        if self.mode == StepMode::ZeroCopy {
+            // Nothing is copied: consumers read the slot itself.
+            sc.segs.clear();
+        } else {
+            let max_gap = self
+                .max_gap
+                .unwrap_or(if self.batch && stream.as_raw() > 1 {
+                    AUTO_GAP_BATCH
+                } else {
+                    AUTO_GAP_COPIES
+                });
+            plan(self.layout.fields(), &sc.send, max_gap, &mut sc.segs);
+        }
+        let bytes: usize = sc.segs.iter().map(|&(_, n)| n).sum();
+        let result = self.send(s.claim, sc, base, stream);
+        let (calls, batched, block) = result?;
+        if let Some(m) = mirror.as_deref_mut() {
+            for (i, f) in self.layout.fields().iter().enumerate() {
+                let n = sc.send[i] * f.row_bytes();
+                if f.skip_unchanged() && n > 0 {
+                    // SAFETY: as above; the copy reads these bytes, we only read them too.
+                    let now = unsafe { std::slice::from_raw_parts(base.add(f.offset()), n) };
+                    let slot = m[i].get_or_insert_with(Vec::new);
+                    slot.clear();
+                    slot.extend_from_slice(now);
+                }
+            }
+        }
+        drop(mirror);
+        add(&self.stats.steps, 1);
+        add(&self.stats.skipped_fields, u64::from(skipped));
+        add(&self.stats.bytes, bytes as u64);
+        if calls == 0 && block.is_none() {
+            add(&self.stats.empty_steps, 1);
+        }
+        Ok(Committed {
+            calls,
+            batched,
+            bytes,
+            skipped,
+            block,
+        })
+    }
+
+    /// Issues the planned copies and records the slot's event, releasing the slot.
+    fn send(
+        &self,
+        claim: Claim,
+        sc: &mut Scratch,
+        base: *mut u8,
+        stream: StreamHandle<'_>,
+    ) -> Result<(u32, bool, Option<StepBlock>)> {
+        let release_idle = |e: Error| {
+            self.ring.release(claim.index, Release::Idle);
+            Err(e)
+        };
+        let zero = self.mode == StepMode::ZeroCopy;
+        if sc.segs.is_empty() && self.mode == StepMode::Arena {
+            self.ring.release(claim.index, Release::Idle);
+            return Ok((0, false, None));
+        }
+        let host_dst = match &self.target {
+            Target::Host(h) => Some(h.ptr()),
+            Target::Bound { ptr, host: true } => Some(*ptr as *mut u8),
+            Target::Fresh(_) if self.device.is_none() => None,
+            _ => None,
+        };
+        let Some(device) = &self.device else {
+            // No driver: host arena or host blocks, written now.
+            let block = match &self.target {
+                Target::Fresh(p) => match p.take(None) {
+                    Ok(b) => Some(b),
+                    Err(e) => return release_idle(e),
+                },
+                _ => None,
+            };
+            let dst = host_dst.unwrap_or_else(|| {
+                block
+                    .as_ref()
+                    .map_or(std::ptr::null_mut(), |b| b.ptr() as *mut u8)
+            });
+            if !dst.is_null() && !zero {
+                for &(start, len) in &sc.segs {
+                    // SAFETY: slot and arena both hold the layout's bytes; they never overlap.
+                    unsafe { std::ptr::copy_nonoverlapping(base.add(start), dst.add(start), len) };
+                }
+                add(&self.stats.copies, sc.segs.len() as u64);
+            }
+            self.ring.release(claim.index, Release::Idle);
+            return Ok((if zero { 0 } else { sc.segs.len() as u32 }, false, block));
+        };
+        if let Some(dst) = host_dst {
+            // A bound host arena with a driver: plain host copies.
+            for &(start, len) in &sc.segs {
+                // SAFETY: as above.
+                unsafe { std::ptr::copy_nonoverlapping(base.add(start), dst.add(start), len) };
+            }
+            add(&self.stats.copies, sc.segs.len() as u64);
+            self.ring.release(claim.index, Release::Idle);
+            return Ok((sc.segs.len() as u32, false, None));
+        }
+        let cur = match device.enter_for_copy(stream) {
+            Ok(c) => c,
+            Err(e) => return release_idle(e),
+        };
+        let (dst, block) = match &self.target {
+            Target::Device(d) => (d.ptr(), None),
+            Target::Bound { ptr, .. } => (*ptr, None),
+            Target::Fresh(p) => match p.take(Some(&cur)) {
+                Ok(b) => (b.ptr(), Some(b)),
+                Err(e) => return release_idle(e),
+            },
+            Target::ZeroCopy | Target::Host(_) => (0, None),
+        };
+        let mut send = SendJob {
+            segs: &sc.segs,
+            dsts: &mut sc.dsts,
+            srcs: &mut sc.srcs,
+            sizes: &mut sc.sizes,
+            src: base,
+            dst,
+            stream,
+            zero,
+            batch: self.batch && stream.as_raw() > 1,
+            block: block.as_ref().and_then(|b| b.event()),
+            calls: 0,
+            batched: false,
+        };
+        self.ring.finish(
+            &claim,
+            &mut Owner {
+                st: self,
+                cur: &cur,
+                wait: None,
+                send: Some(&mut send),
+            },
+        )?;
+        Ok((send.calls, send.batched, block))
+    }
+}
