@@ -20,7 +20,7 @@ mod export;
 mod open;
 
 use export::{Keep, StepTensor, Sync};
-use open::{PyStep, StepState, commit_detached, put_values};
+use open::{PyStep, StepState, commit_detached, put_id};
 
 /// How long a claimer polls a busy slot's event with the GIL held before releasing it.
 const SPIN_BEFORE_DETACH: std::time::Duration = std::time::Duration::from_micros(20);
@@ -304,6 +304,9 @@ pub struct PyStepStager {
     pub(super) _bound: Option<super::import::Imported>,
     /// The stream of fresh-mode commits without a `stream=`.
     pub(super) own_stream: Option<Stream>,
+    /// The field names as interned Python strings, in layout order: a dict key that is one of
+    /// these objects (string literals are interned) resolves by pointer, without decoding.
+    pub(super) names: Vec<Py<PyString>>,
 }
 
 fn mode_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<StepMode> {
@@ -444,11 +447,17 @@ impl PyStepStager {
             (StepMode::Fresh, Some(d)) => Some(Stream::new(d)?),
             _ => None,
         };
+        let names = inner
+            .layout()
+            .iter()
+            .map(|f| PyString::intern(py, f.name()).unbind())
+            .collect();
         Ok(Self {
             inner: Arc::new(inner),
             layout: layout.unbind(),
             _bound: bound,
             own_stream,
+            names,
         })
     }
 
@@ -523,7 +532,11 @@ impl PyStepStager {
                     Some(p) => p.get_item(name)?,
                     None => None,
                 };
-                put_values(st, &mut raw, &name.to_cow()?, &v, pad.as_ref(), r.as_ref())?;
+                let id = match me.names.iter().position(|n| n.as_ptr() == name.as_ptr()) {
+                    Some(i) => crate::step::FieldId::from_index(i),
+                    None => st.layout().id(&name.to_cow()?)?,
+                };
+                put_id(st, &mut raw, id, &v, pad.as_ref(), r.as_ref())?;
             }
             Ok(())
         })();

@@ -26,7 +26,18 @@ pub(super) fn put_values(
     pad: Option<&Bound<'_, PyAny>>,
     rows: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    let id = st.layout().id(name)?;
+    put_id(st, raw, st.layout().id(name)?, values, pad, rows)
+}
+
+/// [`put_values`] for a resolved field.
+pub(super) fn put_id(
+    st: &StepStager,
+    raw: &mut RawStep,
+    id: crate::step::FieldId,
+    values: &Bound<'_, PyAny>,
+    pad: Option<&Bound<'_, PyAny>>,
+    rows: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
     let f = &st.layout().fields()[id.index()];
     let vals = to_values(values, f.dtype())?;
     let dims = vals.shape.as_slice();
