@@ -199,12 +199,18 @@ fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
         ));
     }
     if obj.is_instance_of::<pyo3::types::PyInt>() {
-        return obj.extract::<usize>().map_err(|_| {
+        let h = obj.extract::<usize>().map_err(|_| {
             value_err(format!(
                 "stream={}: an int stream handle must be >= 0",
                 obj.repr().map(|r| r.to_string()).unwrap_or_default()
             ))
-        });
+        })?;
+        if h > 2 && h % 8 == 0 && h >= 0x1_0000 && !stream_memory_readable(h) {
+            return Err(value_err(format!(
+                "stream={h:#x}: no memory at that address, so it is not a live stream handle"
+            )));
+        }
+        return Ok(h);
     }
     if obj.hasattr(pyo3::intern!(py, "__cuda_stream__"))? {
         // A closed stream object (cuda.core's Stream.close()) refuses to give its handle or
@@ -458,4 +464,41 @@ pub(crate) fn import_destination(
         return Err(crate::Error::ReadOnly.into());
     }
     Ok(imp)
+}
+
+/// Handles whose memory was found readable recently: a stream is long-lived, so the check below
+/// runs once per handle, not once per call.
+static READABLE: [std::sync::atomic::AtomicUsize; 8] =
+    [const { std::sync::atomic::AtomicUsize::new(0) }; 8];
+
+/// Whether the process can read the first bytes at `addr`: an int handed in as a stream that
+/// points at no memory would make the driver fault (a segfault, not an error), so it is refused
+/// first. `process_vm_readv` reports an unmapped address as an error instead of faulting. A
+/// mapped address that is not a live stream cannot be detected (the API documents that int
+/// handles must be live streams).
+fn stream_memory_readable(addr: usize) -> bool {
+    use std::sync::atomic::Ordering::Relaxed;
+    if READABLE.iter().any(|a| a.load(Relaxed) == addr) {
+        return true;
+    }
+    let mut buf = [0u8; 64];
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: reads our own process's memory into `buf` through the kernel, which checks the
+    // remote range and fails with EFAULT instead of faulting; `local` is our buffer.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    // EFAULT: nothing mapped there. Any other failure (a sandbox refusing the call) proves
+    // nothing: the handle is used as given, as documented.
+    let ok = n > 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EFAULT);
+    if ok {
+        let slot = addr / 8 % READABLE.len();
+        READABLE[slot].store(addr, Relaxed);
+    }
+    ok
 }

@@ -633,3 +633,15 @@ def test_two_gpus_each_with_its_own_arena(gpu):
     t = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda:1")
     with pytest.raises(pinstage.PinstageValueError, match="device"):
         pinstage.StepStager(layout, device=0, arena=t)
+
+
+def test_an_int_stream_pointing_at_no_memory_is_refused():
+    """The driver would dereference it (a segfault on a GPU machine): refused before any use."""
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16)}), depth=1)
+    for bad in (2**40, 10**9, 2**63):
+        with pytest.raises(pinstage.PinstageValueError, match="stream"):
+            st.stage({"ids": [1]}, stream=bad)
+        with pytest.raises(pinstage.PinstageValueError, match="stream"):
+            st.step(stream=bad)
+    st.stage({"ids": [2]})  # nothing was held
+    assert st.read_field("ids")[0] == 2
