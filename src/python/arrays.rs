@@ -316,6 +316,15 @@ pub(crate) fn writable_numpy(obj: &Bound<'_, PyAny>) -> PyResult<(usize, usize)>
     if !a.is_c_contiguous() {
         return Err(value_err("dst must be C-contiguous"));
     }
+    if a.dtype().has_object() {
+        // Its bytes are Python object pointers: writing raw bytes there would corrupt the
+        // interpreter's memory.
+        return Err(type_err(format!(
+            "dst holds Python objects (dtype {}): pinstage writes raw bytes into arrays of \
+             numbers only",
+            a.dtype()
+        )));
+    }
     // SAFETY: reading fields of a live numpy array object.
     let (data, flags) = unsafe {
         (

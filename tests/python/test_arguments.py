@@ -295,3 +295,20 @@ def test_pool_calls_work_without_a_driver():
     pinstage.empty_cache()
     pinstage.set_pool_budget(4 << 30)
     assert pinstage.pool_stats()["budget_bytes"] == 4 << 30
+
+
+@pytest.mark.parametrize(
+    "dst",
+    [
+        lambda: np.array([None, None], dtype=object),
+        lambda: np.zeros(2, dtype=[("a", object), ("b", np.int64)]),
+    ],
+)
+def test_copy_d2h_never_writes_raw_bytes_over_python_objects(dst):
+    """An object array's bytes are pointers: a raw copy into it would corrupt the interpreter
+    (the argument fuzzer found this: a later print of the array segfaulted)."""
+    d = dst()
+    before = d.copy()
+    with pytest.raises(pinstage.PinstageTypeError, match="Python objects"):
+        pinstage.copy_d2h(np.arange(4, dtype=np.int32), d)
+    assert repr(d) == repr(before)

@@ -563,6 +563,7 @@ impl PyStepStager {
     ///
     /// Raises:
     ///     KeyError (UnknownFieldError): no such field. PinstageValueError: not arena mode.
+    ///     CudaUnavailableError: no driver (unless the arena is a bound host buffer).
     ///
     /// Example:
     ///     >>> ids = torch.from_dlpack(st.field("ids"))
@@ -616,7 +617,8 @@ impl PyStepStager {
     ///     StepTensor: ``layout.nbytes`` bytes.
     ///
     /// Raises:
-    ///     PinstageValueError: not arena mode.
+    ///     PinstageValueError: not arena mode. CudaUnavailableError: no driver (unless the arena
+    ///     is a bound host buffer).
     fn arena(&self) -> PyResult<StepTensor> {
         Ok(StepTensor {
             ptr: self.arena_base()?,
@@ -726,12 +728,18 @@ impl PyStepStager {
 
 impl PyStepStager {
     fn arena_base(&self) -> PyResult<u64> {
-        self.inner.arena_ptr().ok_or_else(|| {
+        let base = self.inner.arena_ptr().ok_or_else(|| {
             value_err(format!(
                 "this StepStager is in {:?} mode: only arena mode has a persistent arena",
                 self.mode()
             ))
-        })
+        })?;
+        if !self.inner.has_cuda() && self._bound.is_none() {
+            // Without a driver the arena is host memory standing in for the device's: steps and
+            // `read_field` work, a device export does not.
+            return Err(self.inner.unavailable().into());
+        }
+        Ok(base)
     }
 
     fn arena_device(&self) -> Option<i32> {
