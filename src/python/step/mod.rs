@@ -13,8 +13,10 @@ use crate::python::args::{count_arg, parse_device};
 use crate::python::errors::{type_err, value_err};
 use crate::python::import::{import_destination, parse_dtype, parse_stream};
 use crate::python::wait::wait_interruptibly;
+use crate::step::FieldId;
 use crate::step::{RawStep, StepLayout, StepMode, StepStager};
 use crate::view::DType;
+use numpy::npyffi;
 
 mod export;
 mod open;
@@ -307,6 +309,8 @@ pub struct PyStepStager {
     /// The field names as interned Python strings, in layout order: a dict key that is one of
     /// these objects (string literals are interned) resolves by pointer, without decoding.
     pub(super) names: Vec<Py<PyString>>,
+    /// Each field's numpy dtype, for the exact-array fast path of `stage`.
+    pub(super) descrs: Vec<Option<Py<numpy::PyArrayDescr>>>,
 }
 
 fn mode_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<StepMode> {
@@ -452,12 +456,23 @@ impl PyStepStager {
             .iter()
             .map(|f| PyString::intern(py, f.name()).unbind())
             .collect();
+        let descrs = inner
+            .layout()
+            .iter()
+            // bfloat16 without ml_dtypes has no numpy dtype: that field takes the general path.
+            .map(|f| {
+                crate::python::arrays::descr(py, f.dtype())
+                    .ok()
+                    .map(Bound::unbind)
+            })
+            .collect();
         Ok(Self {
             inner: Arc::new(inner),
             layout: layout.unbind(),
             _bound: bound,
             own_stream,
             names,
+            descrs,
         })
     }
 
@@ -536,6 +551,9 @@ impl PyStepStager {
                     Some(i) => crate::step::FieldId::from_index(i),
                     None => st.layout().id(&name.to_cow()?)?,
                 };
+                if pad.is_none() && r.is_none() && me.put_exact(&mut raw, id, &v)? {
+                    continue;
+                }
                 put_id(st, &mut raw, id, &v, pad.as_ref(), r.as_ref())?;
             }
             Ok(())
@@ -727,6 +745,47 @@ impl PyStepStager {
 }
 
 impl PyStepStager {
+    /// The common case of `stage`, without building a `Values`: a C-contiguous numpy array of
+    /// exactly the field's dtype (the same descriptor object) and rank. Returns whether it
+    /// applied; `false` sends the call down the general path (which checks everything).
+    fn put_exact(&self, raw: &mut RawStep, id: FieldId, v: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let py = v.py();
+        // SAFETY: numpy's type check on a live object, GIL held.
+        if unsafe { npyffi::PyArray_Check(py, v.as_ptr()) } == 0 {
+            return Ok(false);
+        }
+        let f = &self.inner.layout().fields()[id.index()];
+        let Some(want) = &self.descrs[id.index()] else {
+            return Ok(false);
+        };
+        let want = want.as_ptr() as *mut npyffi::PyArray_Descr;
+        // SAFETY: `v` is a live numpy array (checked); we read its fields with the GIL held and
+        // keep `v` alive while its data is read.
+        let (data, nd, dims, descr, flags) = unsafe {
+            let a = &(*(v.as_ptr() as *mut npyffi::PyArrayObject)).fields;
+            (a.data, a.nd, a.dimensions, a.descr, a.flags)
+        };
+        if descr != want
+            || flags & npyffi::NPY_ARRAY_C_CONTIGUOUS == 0
+            || nd as usize != f.shape().len()
+        {
+            return Ok(false);
+        }
+        // SAFETY: `nd` dimensions of a live array.
+        let dims = unsafe { std::slice::from_raw_parts(dims, nd as usize) };
+        let rows = dims[0] as usize;
+        let cols = if nd == 2 { dims[1] as usize } else { 1 };
+        if cols != f.cols() {
+            return Ok(false);
+        }
+        let bytes = rows * cols * f.dtype().itemsize();
+        // SAFETY: a C-contiguous array of `rows * cols` elements of the field's dtype.
+        let values = unsafe { std::slice::from_raw_parts(data as *const u8, bytes) };
+        self.inner
+            .put_raw(raw, id, values, (rows, cols), None, None)?;
+        Ok(true)
+    }
+
     fn arena_base(&self) -> PyResult<u64> {
         let base = self.inner.arena_ptr().ok_or_else(|| {
             value_err(format!(
