@@ -155,6 +155,20 @@ pub enum Error {
         /// The layout's field names, comma-separated.
         known: String,
     },
+    /// A pinned pool's `max_outstanding_bytes` would be passed.
+    #[error(
+        "the pinned pool's budget is exhausted: {requested} more bytes would pass \
+         max_outstanding_bytes = {budget} ({outstanding} bytes are handed out); free arrays from \
+         the pool, raise the budget, or use empty_host, which falls back to pageable memory"
+    )]
+    PoolExhausted {
+        /// The pool's `max_outstanding_bytes`.
+        budget: usize,
+        /// Bytes handed out now.
+        outstanding: usize,
+        /// The block size asked for (its size class).
+        requested: usize,
+    },
     /// A step was used in a way its state forbids: after commit, twice, from another thread.
     #[error("{0}")]
     StepState(&'static str),

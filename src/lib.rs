@@ -53,6 +53,7 @@ mod driver;
 mod error;
 mod h2d;
 mod host;
+mod nvtx;
 mod step;
 mod sync;
 mod view;
@@ -77,6 +78,7 @@ pub use host::{
     BOUNCE_CHUNK, BOUNCE_DEPTH, DEFAULT_BUDGET, PinnedBuffer, PinnedFlags, PinnedPool, PoolBlock,
     PoolStats, is_pinned, live_pinned_bytes, release_bounce_buffers, size_class,
 };
+pub use nvtx::{NvtxRange, nvtx_available};
 pub use step::{
     AUTO_GAP_BATCH, AUTO_GAP_COPIES, Committed, DEFAULT_STEP_DEPTH, FIELD_ALIGN, Field, FieldId,
     FieldKey, MAX_FIELDS, Step, StepBlock, StepLayout, StepLayoutBuilder, StepMode, StepStager,

@@ -106,6 +106,7 @@ pub(crate) unsafe fn start_d2h(
     len: usize,
     stream: StreamHandle,
 ) -> Result<(D2HPath, Option<Event>)> {
+    let _range = crate::nvtx::NvtxRange::new(c"pinstage.copy_d2h");
     check_src(device, src, len)?;
     let n = src.nbytes();
     if n == 0 {

@@ -40,6 +40,7 @@ pub unsafe fn start_h2d(
     len: usize,
     stream: StreamHandle,
 ) -> Result<(H2DPath, Option<Event>)> {
+    let _range = crate::nvtx::NvtxRange::new(c"pinstage.copy_h2d");
     if dst.is_read_only() {
         return Err(Error::ReadOnly);
     }

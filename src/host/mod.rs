@@ -11,10 +11,21 @@ pub use pool::{DEFAULT_BUDGET, PinnedPool, PoolBlock, PoolStats, size_class};
 
 /// `vec![0u8; len]`, refused with [`crate::Error::OutOfMemory`] instead of aborting the process
 /// when the memory cannot be had.
+///
+/// The zeros come from `alloc_zeroed` (calloc: fresh pages from the OS are zero already), so a
+/// large block costs nothing until it is written.
 pub(crate) fn zeroed_vec(len: usize, what: &'static str) -> crate::Result<Vec<u8>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len)
-        .map_err(|_| crate::Error::OutOfMemory { what, bytes: len })?;
-    v.resize(len, 0);
-    Ok(v)
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let oom = || crate::Error::OutOfMemory { what, bytes: len };
+    let layout = std::alloc::Layout::array::<u8>(len).map_err(|_| oom())?;
+    // SAFETY: a non-zero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(oom());
+    }
+    // SAFETY: `ptr` comes from the global allocator with the layout of `[u8; len]`, all `len`
+    // bytes initialised (zero); the Vec takes ownership with capacity `len`.
+    Ok(unsafe { Vec::from_raw_parts(ptr, len, len) })
 }

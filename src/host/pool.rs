@@ -36,6 +36,10 @@ pub struct PoolStats {
     pub peak_bytes: usize,
     /// The budget.
     pub budget_bytes: usize,
+    /// The most pinned bytes handed out at once (`usize::MAX`: no limit); past it, requests are
+    /// refused ([`PinnedPool::try_acquire_pinned`]) or served by pageable memory
+    /// ([`PinnedPool::acquire`]).
+    pub max_outstanding_bytes: usize,
 }
 
 struct State {
@@ -83,11 +87,37 @@ impl PinnedPool {
                     free: BTreeMap::new(),
                     stats: PoolStats {
                         budget_bytes: budget,
+                        max_outstanding_bytes: usize::MAX,
                         ..PoolStats::default()
                     },
                 }),
             }),
         }
+    }
+
+    /// A pool that caches every block returned to it (until [`PinnedPool::empty_cache`]) and
+    /// hands out at most `max_outstanding` pinned bytes at once (`None`: no limit).
+    pub fn with_max_outstanding(device: &Device, max_outstanding: Option<usize>) -> Self {
+        let pool = Self::new(device, usize::MAX);
+        pool.inner.state.lock().stats.max_outstanding_bytes = max_outstanding.unwrap_or(usize::MAX);
+        pool
+    }
+
+    /// A pinned block of at least `len` bytes (cached or newly pinned), or `None` when handing
+    /// it out would pass the pool's `max_outstanding_bytes` (nothing is counted then).
+    ///
+    /// # Errors
+    /// [`crate::Error::Driver`] / [`crate::Error::OutOfMemory`] when the memory cannot be pinned.
+    pub fn try_acquire_pinned(&self, len: usize) -> Result<Option<PoolBlock>> {
+        let class = size_class(len);
+        {
+            let st = self.inner.state.lock();
+            if st.stats.in_use_bytes.saturating_add(class) > st.stats.max_outstanding_bytes {
+                return Ok(None);
+            }
+        }
+        let b = self.acquire(len)?;
+        Ok(b.is_pinned().then_some(b))
     }
 
     /// The device.
@@ -101,7 +131,9 @@ impl PinnedPool {
         let evicted;
         {
             let mut st = self.inner.state.lock();
-            if let Some(buf) = st.free.get_mut(&class).and_then(Vec::pop) {
+            let fits =
+                st.stats.in_use_bytes.saturating_add(class) <= st.stats.max_outstanding_bytes;
+            if let Some(buf) = st.free.get_mut(&class).filter(|_| fits).and_then(Vec::pop) {
                 st.stats.hits += 1;
                 st.stats.cached_bytes -= class;
                 st.stats.in_use_bytes += class;
@@ -109,7 +141,14 @@ impl PinnedPool {
             }
             // Make room within the budget by evicting cached blocks, largest first.
             evicted = Self::evict_until(&mut st, class);
-            if st.stats.in_use_bytes + st.stats.cached_bytes + class > st.stats.budget_bytes {
+            if st
+                .stats
+                .in_use_bytes
+                .saturating_add(st.stats.cached_bytes)
+                .saturating_add(class)
+                > st.stats.budget_bytes
+                || st.stats.in_use_bytes.saturating_add(class) > st.stats.max_outstanding_bytes
+            {
                 st.stats.pageable_fallbacks += 1;
                 drop(st);
                 drop(evicted);
@@ -182,7 +221,12 @@ impl PinnedPool {
     /// cached. Returns them, to be dropped outside the lock.
     fn evict_until(st: &mut State, extra: usize) -> Vec<PinnedBuffer> {
         let mut evicted = Vec::new();
-        while st.stats.in_use_bytes + st.stats.cached_bytes + extra > st.stats.budget_bytes
+        while st
+            .stats
+            .in_use_bytes
+            .saturating_add(st.stats.cached_bytes)
+            .saturating_add(extra)
+            > st.stats.budget_bytes
             && st.stats.cached_bytes > 0
         {
             let (&c, list) = st.free.iter_mut().next_back().expect("cached bytes > 0");

@@ -205,30 +205,36 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
 ///     nbytes (int): bytes to pin, at least ``prod(shape) * itemsize``.
 ///     dtype: a numpy, torch, jax or cupy dtype, or its name (``"int32"``).
 ///     shape (int | sequence of int): the array's shape.
+///     pool (PinnedPool, optional): take the block from this pool; it returns there when the last
+///         view of the array is gone, and serves the next request of its size class.
 ///     device (int | str | device, optional): the CUDA device whose context pins it (default 0).
 ///
 /// Returns:
-///     numpy.ndarray: C-contiguous; its ``base`` (a ``PinnedBlock``) frees the memory when the last
-///     view of it is gone.
+///     numpy.ndarray: C-contiguous; its ``base`` (a ``PinnedBlock``) frees the memory (or returns
+///     it to the pool) when the last view of it is gone.
 ///
 /// Raises:
 ///     PinstageValueError: ``nbytes`` negative or too small for ``shape``, a negative dimension,
 ///         a device that does not exist. PinstageTypeError: an unknown dtype, a shape that is not
-///         ints. CudaUnavailableError: no driver. CudaDriverError: the driver cannot pin the memory.
+///         ints, a pool that is not a PinnedPool. CudaUnavailableError: no driver.
+///         CudaDriverError: the driver cannot pin the memory. PoolExhaustedError (a RuntimeError):
+///         the pool's ``max_outstanding_bytes`` would be passed; the message names it.
 ///
 /// Example:
 ///     >>> a = pinstage.alloc_pinned_numpy(64, "float32", (4, 4))
 ///     >>> pinstage.is_pinned(a)
 ///     True
 #[pyfunction]
-#[pyo3(signature = (nbytes, dtype, shape, *, device=None))]
+#[pyo3(signature = (nbytes, dtype, shape, pool=None, *, device=None))]
 fn alloc_pinned_numpy<'py>(
     py: Python<'py>,
     nbytes: &Bound<'py, PyAny>,
     dtype: &Bound<'py, PyAny>,
     shape: &Bound<'py, PyAny>,
+    pool: Option<&Bound<'py, PyAny>>,
     device: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
+    let pool = super::pool::pool_arg(pool)?;
     let nbytes = super::args::count_arg(nbytes, "nbytes", 0, isize::MAX as usize)?;
     let device = super::args::parse_device(device)?;
     let dtype = super::import::parse_dtype(dtype)?;
@@ -243,6 +249,23 @@ fn alloc_pinned_numpy<'py>(
         )));
     }
     let state = super::device_state(device)?;
+    if let Some(pool) = pool {
+        let Some(p) = pool.get().pool() else {
+            return Err(crate::Error::unavailable("the pool was made without a driver").into());
+        };
+        return match py.detach(|| p.try_acquire_pinned(nbytes))? {
+            Some(block) => array_on(py, Memory::Pool(block), dtype, &shape),
+            None => {
+                let s = p.stats();
+                Err(crate::Error::PoolExhausted {
+                    budget: s.max_outstanding_bytes,
+                    outstanding: s.in_use_bytes,
+                    requested: crate::size_class(nbytes),
+                }
+                .into())
+            }
+        };
+    }
     let buf = py.detach(|| PinnedBuffer::new(&state.device, nbytes, PinnedFlags::PORTABLE))?;
     array_on(py, Memory::Pinned(buf), dtype, &shape)
 }
@@ -277,6 +300,7 @@ fn empty_pinned<'py>(
         &nbytes.into_pyobject(py)?.into_any(),
         &dtype,
         &PyTuple::new(py, &s)?.into_any(),
+        None,
         device,
     )
 }

@@ -24,7 +24,9 @@ fn start<'py>(
     src: &Bound<'py, PyAny>,
     dst: Option<&Bound<'py, PyAny>>,
     stream: Option<&Bound<'py, PyAny>>,
+    pool: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<(Bound<'py, PyAny>, Option<Event>, Imported)> {
+    let pool = super::pool::pool_arg(pool)?;
     let s = parse_stream(stream)?;
     let imp = import(src, s)?;
     let view = &imp.view;
@@ -50,9 +52,10 @@ fn start<'py>(
             (array, ptr as *mut u8, len)
         }
         None => {
-            let mem = match state {
-                Some(state) => Memory::Pool(py.detach(|| state.pool.acquire(nbytes))?),
-                None => Memory::Vec(crate::host::zeroed_vec(nbytes, "host result")?),
+            let mem = match (pool.and_then(|p| p.get().pool()), state) {
+                (Some(p), _) => Memory::Pool(py.detach(|| p.acquire(nbytes))?),
+                (None, Some(state)) => Memory::Pool(py.detach(|| state.pool.acquire(nbytes))?),
+                (None, None) => Memory::Vec(crate::host::zeroed_vec(nbytes, "host result")?),
             };
             let block = PinnedBlock::new(mem);
             let ptr = block.ptr();
@@ -104,6 +107,9 @@ fn wait_event(py: Python<'_>, ev: &Event) -> PyResult<()> {
 ///         result lives in a block of the pinned pool (pageable memory past the pool's budget).
 ///     stream: the stream the copy is ordered on (see the README's "Rules"); None: the producer's
 ///         current stream, else the legacy default stream.
+///     pool (PinnedPool, optional): without ``dst``, the result's block comes from this pool
+///         (pageable memory past its ``max_outstanding_bytes``) instead of the device's result
+///         pool; it returns there when the result is collected.
 ///
 /// Returns:
 ///     numpy.ndarray: writable, of ``src``'s shape and dtype (bfloat16 through ``ml_dtypes``).
@@ -122,14 +128,15 @@ fn wait_event(py: Python<'_>, ev: &Event) -> PyResult<()> {
 ///     >>> host.tolist()
 ///     [0, 1, 2, 3]
 #[pyfunction]
-#[pyo3(signature = (src, dst=None, *, stream=None))]
+#[pyo3(signature = (src, dst=None, *, stream=None, pool=None))]
 fn copy_d2h<'py>(
     py: Python<'py>,
     src: &Bound<'py, PyAny>,
     dst: Option<&Bound<'py, PyAny>>,
     stream: Option<&Bound<'py, PyAny>>,
+    pool: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let (array, event, imp) = start(py, src, dst, stream)?;
+    let (array, event, imp) = start(py, src, dst, stream, pool)?;
     if let Some(ev) = event {
         wait_event(py, &ev)?;
     }
@@ -261,14 +268,15 @@ impl Drop for PendingCopy {
 ///     >>> p.wait().tolist()
 ///     [1.0, 1.0, 1.0]
 #[pyfunction]
-#[pyo3(signature = (src, dst=None, *, stream=None))]
+#[pyo3(signature = (src, dst=None, *, stream=None, pool=None))]
 fn copy_d2h_async<'py>(
     py: Python<'py>,
     src: &Bound<'py, PyAny>,
     dst: Option<&Bound<'py, PyAny>>,
     stream: Option<&Bound<'py, PyAny>>,
+    pool: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<PendingCopy> {
-    let (array, event, imp) = start(py, src, dst, stream)?;
+    let (array, event, imp) = start(py, src, dst, stream, pool)?;
     Ok(PendingCopy {
         event: Mutex::new(event),
         array: array.unbind(),

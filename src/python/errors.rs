@@ -3,7 +3,8 @@
 //! Exceptions (all subclasses of `pinstage.PinstageError`):
 //! `CudaUnavailableError(RuntimeError)`, `CudaDriverError(RuntimeError)`,
 //! `StreamCaptureError(RuntimeError)`, `PinstageValueError(ValueError)`,
-//! `PinstageTypeError(TypeError)`, `StepStateError(RuntimeError)`, `UnknownFieldError(KeyError)`.
+//! `PinstageTypeError(TypeError)`, `StepStateError(RuntimeError)`, `UnknownFieldError(KeyError)`,
+//! `PoolExhaustedError(RuntimeError)`.
 
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -34,6 +35,9 @@ class PinstageTypeError(PinstageError, TypeError):
 class StepStateError(PinstageError, RuntimeError):
     """A step used after its commit or abort, committed twice, or used from another thread."""
 
+class PoolExhaustedError(PinstageError, RuntimeError):
+    """A PinnedPool's max_outstanding_bytes would be passed (the message names the budget)."""
+
 class UnknownFieldError(PinstageError, KeyError):
     """A step layout has no field of that name."""
 
@@ -63,6 +67,7 @@ pub(crate) enum Kind {
     Type,
     StepState,
     UnknownField,
+    PoolExhausted,
 }
 
 impl Kind {
@@ -75,6 +80,7 @@ impl Kind {
             Kind::Type => "PinstageTypeError",
             Kind::StepState => "StepStateError",
             Kind::UnknownField => "UnknownFieldError",
+            Kind::PoolExhausted => "PoolExhaustedError",
         }
     }
 }
@@ -110,6 +116,7 @@ impl From<Error> for PyErr {
             Error::StreamCapturing => Kind::Capture,
             Error::StepState(_) => Kind::StepState,
             Error::UnknownField { .. } => Kind::UnknownField,
+            Error::PoolExhausted { .. } => Kind::PoolExhausted,
             Error::Interrupted => {
                 return pyo3::exceptions::PyKeyboardInterrupt::new_err(e.to_string());
             }
@@ -136,6 +143,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "PinstageTypeError",
         "StepStateError",
         "UnknownFieldError",
+        "PoolExhaustedError",
     ] {
         let cls = defs.getattr(name)?;
         cls.setattr("__module__", "pinstage")?;

@@ -15,6 +15,7 @@ pub(crate) mod errors;
 mod h2d;
 pub(crate) mod import;
 mod mirror;
+mod pool;
 mod stager;
 mod step;
 pub(crate) mod values;
@@ -138,6 +139,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     d2h::register(m)?;
     h2d::register(m)?;
     step::register(m)?;
+    pool::register(m)?;
     #[cfg(feature = "lab")]
     crate::lab::python::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -12,6 +12,7 @@ use crate::h2d::ring::{Claim, Release};
 impl StepStager {
     /// Commits a step on `stream` (see [`Step::commit`]). The slot is released in every case.
     pub(crate) fn commit_raw(&self, s: RawStep, stream: StreamHandle<'_>) -> Result<Committed> {
+        let _range = crate::nvtx::NvtxRange::new(c"pinstage.step.commit");
         let index = s.claim.index;
         // SAFETY: we own the slot until the ring releases it below; nothing else touches its
         // scratch.

@@ -219,3 +219,27 @@ def test_step_stage_refuses_and_writes_nothing(value, param):
         assert param in str(e) or "fields" in str(e), e
         assert stager.read_field("ids")[:3].tolist() == [5, 6, 7]
     stager.stage({"ids": [5]})  # the slot is free again
+
+
+@SETTINGS
+@given(hostile, st.sampled_from(["max_outstanding_bytes", "device"]))
+def test_pinned_pool_constructor(value, param):
+    call_ok(lambda: pinstage.PinnedPool(**{param: value}), param)
+
+
+@SETTINGS
+@given(hostile, st.sampled_from(["shape", "dtype", "pool", "device"]))
+def test_empty_host(value, param):
+    args = {"shape": 4, "dtype": "int32", "pool": None, "device": None}
+    args[param] = value
+    call_ok(lambda: pinstage.empty_host(args["shape"], args["dtype"], pool=args["pool"], device=args["device"]), param)
+
+
+@SETTINGS
+@given(hostile)
+def test_nvtx_range(value):
+    def run():
+        with pinstage.nvtx_range(value):
+            pass
+
+    call_ok(run, "name")

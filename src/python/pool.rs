@@ -1,0 +1,270 @@
+//! `PinnedPool` (a pool of pinned blocks with an outstanding-bytes limit), `empty_host`, and
+//! `nvtx_range`.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use super::args::{count_arg, parse_device};
+use super::arrays::{Memory, array_on, numel, parse_shape};
+use super::errors::value_err;
+use crate::error::Error;
+use crate::host::PinnedPool;
+
+/// A pool of pinned host blocks for ``alloc_pinned_numpy(pool=)``, ``empty_host(pool=)`` and
+/// ``copy_d2h(pool=)``: a block returns to the pool when the last array over it is collected and
+/// serves the next request of its size class (sizes rounded up by at most 25%). At most
+/// ``max_outstanding_bytes`` pinned bytes are handed out at once: past it
+/// ``alloc_pinned_numpy`` raises ``PoolExhaustedError`` (a ``RuntimeError`` naming the budget),
+/// while ``empty_host`` and ``copy_d2h`` fall back to pageable memory. Works without a driver
+/// (nothing is pinned then: ``empty_host`` gives pageable arrays, the counters stay 0).
+///
+/// Parameters:
+///     max_outstanding_bytes (int, optional): the limit (>= 0); None: no limit.
+///     device: the device whose context pins the memory (default 0; pinned memory is usable from
+///         every device).
+///
+/// Raises:
+///     PinstageValueError: a negative limit, a device that does not exist. PinstageTypeError: a
+///         limit that is not an int.
+///
+/// Example:
+///     >>> pool = pinstage.PinnedPool(max_outstanding_bytes=1 << 30)
+///     >>> a = pinstage.alloc_pinned_numpy(4096, "float32", 1024, pool=pool)
+///     >>> pool.outstanding_bytes
+///     4096
+#[pyclass(frozen, name = "PinnedPool", module = "pinstage._native")]
+pub(crate) struct PyPinnedPool {
+    pool: Option<PinnedPool>,
+    max: Option<usize>,
+}
+
+impl PyPinnedPool {
+    pub(crate) fn pool(&self) -> Option<&PinnedPool> {
+        self.pool.as_ref()
+    }
+}
+
+#[pymethods]
+impl PyPinnedPool {
+    #[new]
+    #[pyo3(signature = (max_outstanding_bytes=None, *, device=None))]
+    fn new(
+        py: Python<'_>,
+        max_outstanding_bytes: Option<&Bound<'_, PyAny>>,
+        device: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let max = match max_outstanding_bytes.filter(|m| !m.is_none()) {
+            Some(m) => Some(count_arg(
+                m,
+                "max_outstanding_bytes",
+                0,
+                isize::MAX as usize,
+            )?),
+            None => None,
+        };
+        let ordinal = parse_device(device)?;
+        let pool = match super::device_state(ordinal) {
+            Ok(state) => Some(PinnedPool::with_max_outstanding(&state.device, max)),
+            Err(Error::CudaUnavailable { .. }) => None,
+            Err(e) => return Err(e.into()),
+        };
+        let _ = py;
+        Ok(Self { pool, max })
+    }
+
+    /// Pinned bytes handed out now (blocks whose arrays are alive), in size-class bytes.
+    #[getter]
+    fn outstanding_bytes(&self) -> usize {
+        self.pool.as_ref().map_or(0, |p| p.stats().in_use_bytes)
+    }
+
+    /// Pinned bytes cached for reuse now.
+    #[getter]
+    fn pooled_bytes(&self) -> usize {
+        self.pool.as_ref().map_or(0, |p| p.stats().cached_bytes)
+    }
+
+    /// The limit given (None: none).
+    #[getter]
+    fn max_outstanding_bytes(&self) -> Option<usize> {
+        self.max
+    }
+
+    /// Frees the cached blocks (blocks in use stay, and return to the pool later).
+    fn clear(&self, py: Python<'_>) {
+        if let Some(p) = &self.pool {
+            py.detach(|| p.empty_cache());
+        }
+    }
+
+    /// Counters: ``hits``, ``misses``, ``pageable_fallbacks``, ``evictions``,
+    /// ``outstanding_bytes``, ``pooled_bytes``, ``peak_bytes``.
+    ///
+    /// Returns:
+    ///     dict: the counters.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.pool.as_ref().map(|p| p.stats()).unwrap_or_default();
+        let d = PyDict::new(py);
+        d.set_item("hits", s.hits)?;
+        d.set_item("misses", s.misses)?;
+        d.set_item("pageable_fallbacks", s.pageable_fallbacks)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("outstanding_bytes", s.in_use_bytes)?;
+        d.set_item("pooled_bytes", s.cached_bytes)?;
+        d.set_item("peak_bytes", s.peak_bytes)?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "PinnedPool(max_outstanding_bytes={}, outstanding_bytes={}, pooled_bytes={})",
+            self.max.map_or("None".to_owned(), |m| m.to_string()),
+            self.outstanding_bytes(),
+            self.pooled_bytes()
+        )
+    }
+}
+
+/// Parses a `pool=` argument.
+pub(crate) fn pool_arg<'a, 'py>(
+    obj: Option<&'a Bound<'py, PyAny>>,
+) -> PyResult<Option<&'a Bound<'py, PyPinnedPool>>> {
+    match obj.filter(|o| !o.is_none()) {
+        None => Ok(None),
+        Some(o) => o.cast::<PyPinnedPool>().map(Some).map_err(|_| {
+            super::errors::type_err(format!(
+                "pool must be a pinstage.PinnedPool, got {}",
+                super::import::type_name(o)
+            ))
+        }),
+    }
+}
+
+/// A block of `nbytes` from `pool` (pinned, or pageable past its limit), or from the device's
+/// result pool, or pageable memory without a driver.
+pub(crate) fn host_block(
+    py: Python<'_>,
+    pool: Option<&Bound<'_, PyPinnedPool>>,
+    nbytes: usize,
+    device: i32,
+) -> PyResult<Memory> {
+    if let Some(p) = pool.and_then(|p| p.get().pool()) {
+        return Ok(Memory::Pool(py.detach(|| p.acquire(nbytes))?));
+    }
+    if pool.is_none() && crate::cuda_available() {
+        let state = super::device_state(device)?;
+        return Ok(Memory::Pool(py.detach(|| state.pool.acquire(nbytes))?));
+    }
+    Ok(Memory::Vec(crate::host::zeroed_vec(nbytes, "host array")?))
+}
+
+/// ``numpy.empty(shape, dtype)`` on pinned memory when it can be had: from ``pool`` (or the
+/// device's result pool), recycled when the array is collected; pageable memory past the pool's
+/// limit or without a driver (``pinstage.is_pinned`` tells which). Never raises for lack of
+/// pinned memory.
+///
+/// Parameters:
+///     shape (int | tuple of int): the shape.
+///     dtype: a numpy/torch/jax dtype or its name (default float64).
+///     pool (PinnedPool, optional): the pool to draw from.
+///     device: the device whose result pool serves it without ``pool`` (default 0).
+///
+/// Returns:
+///     numpy.ndarray: C-contiguous, uninitialised.
+///
+/// Raises:
+///     PinstageValueError: a negative dimension, a device that does not exist.
+///     PinstageTypeError: an unknown dtype, a ``pool`` that is not a PinnedPool.
+///
+/// Example:
+///     >>> pinstage.empty_host((2, 3), "int32").shape
+///     (2, 3)
+#[pyfunction]
+#[pyo3(signature = (shape, dtype=None, *, pool=None, device=None))]
+pub(crate) fn empty_host<'py>(
+    py: Python<'py>,
+    shape: &Bound<'py, PyAny>,
+    dtype: Option<&Bound<'py, PyAny>>,
+    pool: Option<&Bound<'py, PyAny>>,
+    device: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let d = match dtype.filter(|d| !d.is_none()) {
+        Some(d) => super::import::parse_dtype(d)?,
+        None => crate::DType::F64,
+    };
+    let s = parse_shape(shape)?;
+    let pool = pool_arg(pool)?;
+    let device = parse_device(device)?;
+    let nbytes = numel(&s)?
+        .checked_mul(d.itemsize())
+        .ok_or_else(|| value_err(format!("shape {s:?} overflows")))?;
+    let mem = host_block(py, pool, nbytes, device)?;
+    array_on(py, mem, d, &s)
+}
+
+/// An NVTX range for Nsight Systems, as a context manager: ``with pinstage.nvtx_range("step"):``.
+/// NVTX is loaded at run time (``libnvToolsExt``, shipped with the CUDA toolkit); without it this
+/// does nothing. pinstage's own copies (``copy_d2h``, ``copy_h2d``, step commits) are ranges too.
+/// Ranges are per thread: leave the block on the thread that entered it.
+///
+/// Parameters:
+///     name (str): the range's name.
+///
+/// Raises:
+///     PinstageTypeError: a name that is not a str.
+///
+/// Example:
+///     >>> with pinstage.nvtx_range("plan step"):
+///     ...     pass
+#[pyclass(frozen, name = "nvtx_range", module = "pinstage._native")]
+pub(crate) struct NvtxRangeCtx {
+    name: std::ffi::CString,
+    depth: std::sync::atomic::AtomicUsize,
+}
+
+#[pymethods]
+impl NvtxRangeCtx {
+    #[new]
+    fn new(name: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let s = name
+            .cast::<pyo3::types::PyString>()
+            .map_err(|_| super::errors::type_err("nvtx_range(name): name must be a str"))?
+            .to_cow()?
+            .replace('\0', " ");
+        Ok(Self {
+            name: std::ffi::CString::new(s).expect("NULs replaced"),
+            depth: std::sync::atomic::AtomicUsize::new(0),
+        })
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        let me = slf.get();
+        if crate::nvtx::push(&me.name) {
+            me.depth.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, PyTuple>) -> bool {
+        let d = &self.depth;
+        if d.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+            d.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            crate::nvtx::pop();
+        }
+        false
+    }
+
+    /// Whether NVTX was found (ranges reach a profiler when one is attached).
+    #[staticmethod]
+    fn available() -> bool {
+        crate::nvtx_available()
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyPinnedPool>()?;
+    m.add_class::<NvtxRangeCtx>()?;
+    m.add_function(wrap_pyfunction!(empty_host, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,142 @@
+"""PinnedPool (max_outstanding_bytes, outstanding_bytes, pooled_bytes, clear), alloc_pinned_numpy
+and copy_d2h with pool=, empty_host, nvtx_range. Without a driver: the accounting, the pageable
+fallbacks and the typed errors; on a GPU (`gpu`): pinned blocks, recycling, the budget."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import pinstage
+
+
+def test_empty_host_works_everywhere():
+    a = pinstage.empty_host((3, 4), "int32")
+    assert a.shape == (3, 4) and a.dtype == np.int32 and a.flags.c_contiguous and a.flags.writeable
+    a[:] = 7
+    assert (a == 7).all()
+    b = pinstage.empty_host(5)
+    assert b.dtype == np.float64 and b.shape == (5,)
+    pool = pinstage.PinnedPool(max_outstanding_bytes=0)
+    c = pinstage.empty_host(16, "uint8", pool=pool)  # past the budget: pageable, never an error
+    assert not pinstage.is_pinned(c) and c.shape == (16,)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc",
+    [
+        (dict(max_outstanding_bytes=-1), pinstage.PinstageValueError),
+        (dict(max_outstanding_bytes="1"), pinstage.PinstageTypeError),
+        (dict(max_outstanding_bytes=1.5), pinstage.PinstageTypeError),
+        (dict(device=-1), pinstage.PinstageValueError),
+    ],
+)
+def test_pool_arguments(kwargs, exc):
+    with pytest.raises(exc):
+        pinstage.PinnedPool(**kwargs)
+
+
+def test_pool_accounting_without_allocations():
+    pool = pinstage.PinnedPool(max_outstanding_bytes=1 << 20)
+    assert pool.max_outstanding_bytes == 1 << 20
+    assert pool.outstanding_bytes == 0 and pool.pooled_bytes == 0
+    pool.clear()
+    assert pinstage.PinnedPool().max_outstanding_bytes is None
+    assert "max_outstanding_bytes=1048576" in repr(pool)
+    assert set(pool.stats()) >= {"hits", "misses", "pageable_fallbacks", "outstanding_bytes", "pooled_bytes"}
+
+
+@pytest.mark.parametrize("bad", [3, "pool", object()])
+def test_pool_argument_must_be_a_pool(bad):
+    with pytest.raises(pinstage.PinstageTypeError, match="PinnedPool"):
+        pinstage.empty_host(4, pool=bad)
+    with pytest.raises(pinstage.PinstageTypeError, match="PinnedPool"):
+        pinstage.copy_d2h(np.arange(4), pool=bad)
+
+
+def test_copy_d2h_with_a_pool_without_a_driver_is_a_host_copy():
+    pool = pinstage.PinnedPool()
+    src = np.arange(10, dtype=np.int64)
+    out = pinstage.copy_d2h(src, pool=pool)
+    assert out.tolist() == list(range(10))
+    out2 = pinstage.copy_d2h_async(src * 2, pool=pool).wait()
+    assert out2.tolist() == [2 * i for i in range(10)]
+
+
+def test_nvtx_range_is_a_context_manager():
+    with pinstage.nvtx_range("outer"):
+        with pinstage.nvtx_range("inner"):
+            x = 1
+    assert x == 1
+    assert isinstance(pinstage.nvtx_range.available(), bool)
+    with pytest.raises(pinstage.PinstageTypeError):
+        pinstage.nvtx_range(3)
+    with pytest.raises(ZeroDivisionError):
+        with pinstage.nvtx_range("raises"):
+            1 / 0
+
+
+def test_alloc_pinned_numpy_with_a_pool_needs_a_driver():
+    if pinstage.cuda_available():
+        pytest.skip("a driver is present (the GPU tests cover the pinned path)")
+    with pytest.raises(pinstage.CudaUnavailableError):
+        pinstage.alloc_pinned_numpy(64, "int32", 16, pool=pinstage.PinnedPool())
+
+
+@pytest.mark.gpu
+def test_pool_recycles_blocks_and_counts_bytes(gpu):
+    pool = pinstage.PinnedPool(max_outstanding_bytes=1 << 20)
+    a = pinstage.alloc_pinned_numpy(4096, "float32", 1024, pool=pool)
+    assert pinstage.is_pinned(a) and a.shape == (1024,)
+    a[:] = np.arange(1024)
+    assert pool.outstanding_bytes == 4096 and pool.pooled_bytes == 0
+    addr = a.ctypes.data
+    del a
+    gc.collect()
+    assert pool.outstanding_bytes == 0 and pool.pooled_bytes == 4096
+    b = pinstage.alloc_pinned_numpy(4096, "int32", (32, 32), pool=pool)
+    assert b.ctypes.data == addr, "the collected array's block serves the next request"
+    assert pool.stats()["hits"] == 1 and pool.stats()["misses"] == 1
+    del b
+    gc.collect()
+    pool.clear()
+    assert pool.pooled_bytes == 0 and pool.outstanding_bytes == 0
+
+
+@pytest.mark.gpu
+def test_past_the_budget_alloc_raises_and_the_others_fall_back(gpu):
+    torch = pytest.importorskip("torch")
+    pool = pinstage.PinnedPool(max_outstanding_bytes=64 << 10)
+    keep = [pinstage.alloc_pinned_numpy(32 << 10, "uint8", 32 << 10, pool=pool) for _ in range(2)]
+    assert pool.outstanding_bytes == 64 << 10
+    with pytest.raises(pinstage.PoolExhaustedError, match="max_outstanding_bytes = 65536") as e:
+        pinstage.alloc_pinned_numpy(4096, "uint8", 4096, pool=pool)
+    assert isinstance(e.value, RuntimeError)
+    h = pinstage.empty_host(4096, "uint8", pool=pool)
+    assert not pinstage.is_pinned(h)
+    src = torch.arange(1000, dtype=torch.int32, device="cuda")
+    out = pinstage.copy_d2h(src, pool=pool)
+    assert not pinstage.is_pinned(out) and out.tolist() == list(range(1000))
+    assert pool.outstanding_bytes == 64 << 10 and pool.stats()["pageable_fallbacks"] >= 2
+    del keep
+    gc.collect()
+    out = pinstage.copy_d2h(src, pool=pool)
+    assert pinstage.is_pinned(out) and out.tolist() == list(range(1000))
+    h = pinstage.empty_host(4096, "uint8", pool=pool)
+    assert pinstage.is_pinned(h)
+
+
+@pytest.mark.gpu
+def test_pool_blocks_survive_many_cycles_without_growth(gpu):
+    torch = pytest.importorskip("torch")
+    pool = pinstage.PinnedPool()
+    src = torch.arange(1 << 16, dtype=torch.float32, device="cuda")
+    base = pinstage.pinned_bytes()
+    for k in range(200):
+        src.add_(1)
+        out = pinstage.copy_d2h(src, pool=pool)
+        assert out[0] == k + 1 and out[-1] == (1 << 16) - 1 + k + 1
+        del out
+    assert pool.stats()["misses"] <= 2, pool.stats()
+    assert pinstage.pinned_bytes() - base <= 2 * (1 << 18)
+    pool.clear()
