@@ -76,7 +76,7 @@ pub use h2d::{
 };
 pub use host::{
     BOUNCE_CHUNK, BOUNCE_DEPTH, DEFAULT_BUDGET, PinnedBuffer, PinnedFlags, PinnedPool, PoolBlock,
-    PoolStats, is_pinned, live_pinned_bytes, release_bounce_buffers, size_class,
+    PoolStats, Registered, is_pinned, live_pinned_bytes, release_bounce_buffers, size_class,
 };
 pub use nvtx::{NvtxRange, nvtx_available};
 pub use step::{

@@ -14,6 +14,41 @@ pub(crate) const HOSTALLOC_WRITECOMBINED: u32 = sys::CU_MEMHOSTALLOC_WRITECOMBIN
 /// `CU_MEMHOSTALLOC_DEVICEMAP`: mapped into the device's address space (kernels may read it).
 pub(crate) const HOSTALLOC_DEVICEMAP: u32 = sys::CU_MEMHOSTALLOC_DEVICEMAP;
 
+/// [cuMemHostRegister](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+/// (`PORTABLE`, plus `READ_ONLY` when asked): page-locks existing host memory in place.
+///
+/// # Safety
+/// 1. A context is current; `ptr..ptr+bytes` is host memory that stays mapped until
+///    [`mem_host_unregister`].
+pub(crate) unsafe fn mem_host_register(
+    ptr: *mut c_void,
+    bytes: usize,
+    read_only: bool,
+) -> DResult<()> {
+    let flags = sys::CU_MEMHOSTREGISTER_PORTABLE
+        | if read_only {
+            sys::CU_MEMHOSTREGISTER_READ_ONLY
+        } else {
+            0
+        };
+    // SAFETY: caller's contract.
+    check("cuMemHostRegister", unsafe {
+        sys::cuMemHostRegister_v2(ptr, bytes, flags)
+    })
+}
+
+/// [cuMemHostUnregister](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
+///
+/// # Safety
+/// 1. A context is current; `ptr` was registered by [`mem_host_register`] and no copy in flight
+///    uses it.
+pub(crate) unsafe fn mem_host_unregister(ptr: *mut c_void) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuMemHostUnregister", unsafe {
+        sys::cuMemHostUnregister(ptr)
+    })
+}
+
 /// [cuMemHostGetDevicePointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html):
 /// the device address of mapped pinned memory (equal to the host address under unified
 /// addressing).

@@ -44,6 +44,11 @@ impl DriverError {
         self.code as u32
     }
 
+    /// Whether the memory was already registered (`CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`).
+    pub fn is_already_registered(&self) -> bool {
+        self.code == sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    }
+
     /// Whether the driver ran out of memory (`CUDA_ERROR_OUT_OF_MEMORY`).
     pub fn is_out_of_memory(&self) -> bool {
         self.code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY

@@ -3,11 +3,13 @@
 pub(crate) mod bounce;
 mod pinned;
 mod pool;
+mod registered;
 
 pub use bounce::{BOUNCE_CHUNK, BOUNCE_DEPTH, release_bounce_buffers};
 
 pub use pinned::{PinnedBuffer, PinnedFlags, is_pinned, live_pinned_bytes};
 pub use pool::{DEFAULT_BUDGET, PinnedPool, PoolBlock, PoolStats, size_class};
+pub use registered::Registered;
 
 /// `vec![0u8; len]`, refused with [`crate::Error::OutOfMemory`] instead of aborting the process
 /// when the memory cannot be had.

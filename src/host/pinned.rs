@@ -14,6 +14,14 @@ pub fn live_pinned_bytes() -> usize {
     LIVE_BYTES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+pub(crate) fn count_pinned(bytes: usize) {
+    LIVE_BYTES.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+}
+
+pub(crate) fn uncount_pinned(bytes: usize) {
+    LIVE_BYTES.fetch_sub(bytes, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Allocation flags for [`PinnedBuffer`]. `PORTABLE` is always set: the memory is pinned for
 /// every context, so buffers work with any framework's context on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

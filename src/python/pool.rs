@@ -266,5 +266,136 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPinnedPool>()?;
     m.add_class::<NvtxRangeCtx>()?;
     m.add_function(wrap_pyfunction!(empty_host, m)?)?;
+    m.add_class::<PinnedRegion>()?;
+    m.add_function(wrap_pyfunction!(pin, m)?)?;
     Ok(())
+}
+
+/// An array page-locked in place by ``pin``: ``unpin()`` (or leaving its ``with`` block)
+/// unregisters it. It keeps the array alive while pinned.
+///
+/// Example:
+///     >>> with pinstage.pin(batch) as a:       # a is batch, pinned
+///     ...     pinstage.copy_h2d(dst, a).wait()
+#[pyclass(frozen, name = "PinnedRegion", module = "pinstage._native")]
+pub(crate) struct PinnedRegion {
+    reg: parking_lot::Mutex<Option<crate::host::Registered>>,
+    array: Py<PyAny>,
+    nbytes: usize,
+}
+
+#[pymethods]
+impl PinnedRegion {
+    /// Unregisters the memory (the array stays, pageable again). Call it only once the copies
+    /// that read or write the array completed (``PendingCopy.wait()``). Does nothing when done.
+    fn unpin(&self, py: Python<'_>) {
+        let taken = self.reg.lock().take();
+        py.detach(move || drop(taken));
+    }
+
+    /// Whether the memory is still registered.
+    #[getter]
+    fn pinned(&self) -> bool {
+        self.reg.lock().is_some()
+    }
+
+    /// Bytes registered.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.nbytes
+    }
+
+    /// The array.
+    #[getter]
+    fn array(&self, py: Python<'_>) -> Py<PyAny> {
+        self.array.clone_ref(py)
+    }
+
+    fn __enter__(&self, py: Python<'_>) -> Py<PyAny> {
+        self.array.clone_ref(py)
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) -> bool {
+        self.unpin(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "PinnedRegion(nbytes={}, pinned={})",
+            self.nbytes,
+            self.pinned()
+        )
+    }
+}
+
+/// Page-locks an existing numpy array in place (``cuMemHostRegister``, at its exact size): copies
+/// from and into it then run as one DMA at the link's rate, without a bounce buffer. Registering
+/// costs about 1 ms for 4 MiB and 26 ms for 1 GiB on the H200 (``cuMemHostAlloc``: 2.8 and 561 ms).
+///
+/// Parameters:
+///     array (numpy.ndarray): C- or F-contiguous, of numbers; read-only arrays are registered
+///         read-only (the device only reads them).
+///     device: the device whose context registers it (default 0; usable from every device).
+///
+/// Returns:
+///     PinnedRegion: ``unpin()``, or use it as a context manager (it yields the array).
+///
+/// Raises:
+///     PinstageTypeError: not a numpy array, or an array of Python objects. PinstageValueError: an
+///         empty or non-contiguous array, memory that is page-locked already (pinned memory, or
+///         pages shared with another registration). CudaUnavailableError: no driver.
+///         CudaDriverError: memory the driver cannot lock.
+///
+/// Example:
+///     >>> region = pinstage.pin(batch)
+///     >>> pinstage.is_pinned(batch)
+///     True
+///     >>> region.unpin()
+#[pyfunction]
+#[pyo3(signature = (array, *, device=None))]
+pub(crate) fn pin(
+    py: Python<'_>,
+    array: &Bound<'_, PyAny>,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PinnedRegion> {
+    use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+    let a = array.cast::<PyUntypedArray>().map_err(|_| {
+        super::errors::type_err(format!(
+            "pin(array): a numpy array, got {}",
+            super::import::type_name(array)
+        ))
+    })?;
+    if a.dtype().has_object() {
+        return Err(super::errors::type_err(
+            "pin(array): an array of Python objects has nothing to copy",
+        ));
+    }
+    if !(a.is_c_contiguous() || a.is_fortran_contiguous()) {
+        return Err(value_err("pin(array): the array must be contiguous"));
+    }
+    let nbytes = a.len() * a.dtype().itemsize();
+    if nbytes == 0 {
+        return Err(value_err("pin(array): the array is empty"));
+    }
+    // SAFETY: reading fields of a live numpy array.
+    let (data, flags) = unsafe {
+        let f = &(*a.as_array_ptr()).fields;
+        (f.data as usize, f.flags)
+    };
+    let read_only = flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0;
+    let state = super::device_state(parse_device(device)?)?;
+    let addr = data;
+    let reg = py.detach(move || {
+        // SAFETY: the array's memory stays mapped while the region lives: the region holds the
+        // array, and numpy does not move an array's data (resizing an array with references is
+        // refused).
+        unsafe { crate::host::Registered::new(&state.device, addr as *mut u8, nbytes, read_only) }
+    })?;
+    Ok(PinnedRegion {
+        reg: parking_lot::Mutex::new(Some(reg)),
+        array: array.clone().unbind(),
+        nbytes,
+    })
 }

@@ -243,3 +243,15 @@ def test_nvtx_range(value):
             pass
 
     call_ok(run, "name")
+
+
+@SETTINGS
+@given(hostile, st.sampled_from(["array", "device"]))
+def test_pin(value, param):
+    args = {"array": np.zeros(8), "device": None}
+    args[param] = value
+
+    def run():
+        pinstage.pin(args["array"], device=args["device"]).unpin()
+
+    call_ok(run, param, "array")

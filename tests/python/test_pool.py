@@ -140,3 +140,72 @@ def test_pool_blocks_survive_many_cycles_without_growth(gpu):
     assert pool.stats()["misses"] <= 2, pool.stats()
     assert pinstage.pinned_bytes() - base <= 2 * (1 << 18)
     pool.clear()
+
+
+@pytest.mark.parametrize(
+    "make, exc",
+    [
+        (lambda: [1, 2, 3], pinstage.PinstageTypeError),
+        (lambda: np.array([None], dtype=object), pinstage.PinstageTypeError),
+        (lambda: np.zeros((4, 4))[:, ::2], pinstage.PinstageValueError),
+        (lambda: np.zeros(0), pinstage.PinstageValueError),
+    ],
+)
+def test_pin_refuses_bad_arrays(make, exc):
+    with pytest.raises(exc):
+        pinstage.pin(make())
+
+
+def test_pin_needs_a_driver():
+    if pinstage.cuda_available():
+        pytest.skip("a driver is present")
+    with pytest.raises(pinstage.CudaUnavailableError):
+        pinstage.pin(np.zeros(16))
+
+
+@pytest.mark.gpu
+def test_pin_in_place_copies_and_unpins(gpu):
+    torch = pytest.importorskip("torch")
+    a = np.arange(1 << 22, dtype=np.float32)  # 16 MiB, pageable
+    assert not pinstage.is_pinned(a)
+    base = pinstage.pinned_bytes()
+    region = pinstage.pin(a)
+    assert region.pinned and region.nbytes == a.nbytes and pinstage.is_pinned(a)
+    assert pinstage.pinned_bytes() - base == a.nbytes
+    dst = torch.full((1 << 22,), -1.0, device="cuda")
+    pinstage.copy_h2d(dst, a).wait()
+    assert torch.equal(dst.cpu(), torch.from_numpy(a))
+    back = np.full_like(a, -1)
+    with pinstage.pin(back) as b:
+        assert b is back and pinstage.is_pinned(back)
+        pinstage.copy_d2h(dst * 2, b)
+    assert not pinstage.is_pinned(back) and (back == a * 2).all()
+    with pytest.raises(pinstage.PinstageValueError, match="page-locked"):
+        pinstage.pin(a)  # already pinned
+    region.unpin()
+    region.unpin()  # idempotent
+    assert not region.pinned and not pinstage.is_pinned(a)
+    assert pinstage.pinned_bytes() == base
+    ro = np.arange(4096, dtype=np.int64)
+    ro.flags.writeable = False
+    with pinstage.pin(ro):
+        t = torch.empty(4096, dtype=torch.int64, device="cuda")
+        pinstage.copy_h2d(t, ro).wait()
+        assert t.cpu().tolist() == ro.tolist()
+    with pytest.raises(pinstage.PinstageValueError, match="page-locked"):
+        pinstage.pin(pinstage.empty_pinned(1024))
+
+
+@pytest.mark.gpu
+def test_pin_unpin_cycles_do_not_leak(gpu):
+    base = pinstage.pinned_bytes()
+    arrays = [np.ones(4096 // 8) * k for k in range(4)]
+    for k in range(10_000):
+        r = pinstage.pin(arrays[k % 4])
+        r.unpin()
+    assert pinstage.pinned_bytes() == base
+    assert not any(pinstage.is_pinned(a) for a in arrays)
+    r = pinstage.pin(arrays[0])
+    del r
+    gc.collect()
+    assert not pinstage.is_pinned(arrays[0]), "a collected region unpins"
