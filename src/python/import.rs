@@ -471,31 +471,40 @@ pub(crate) fn import_destination(
 static READABLE: [std::sync::atomic::AtomicUsize; 8] =
     [const { std::sync::atomic::AtomicUsize::new(0) }; 8];
 
-/// Whether the process can read the first bytes at `addr`: an int handed in as a stream that
-/// points at no memory would make the driver fault (a segfault, not an error), so it is refused
-/// first. `process_vm_readv` reports an unmapped address as an error instead of faulting. A
-/// mapped address that is not a live stream cannot be detected (the API documents that int
-/// handles must be live streams).
+/// Whether `addr` can be a stream object: it must lie in readable, writable, private memory that
+/// is anonymous or the heap (where the driver allocates its stream objects), not in a mapping of
+/// a file or of a device (`/dev/nvidia*`: pinned and unified memory). An int handed in as a stream
+/// that points elsewhere would make the driver fault (a segfault, not an error), so it is refused
+/// first. This is a best-effort check: a handle inside the heap that is not a live stream cannot
+/// be detected (the API documents that int handles must be live streams).
 fn stream_memory_readable(addr: usize) -> bool {
     use std::sync::atomic::Ordering::Relaxed;
     if READABLE.iter().any(|a| a.load(Relaxed) == addr) {
         return true;
     }
-    let mut buf = [0u8; 64];
-    let local = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        // No /proc: nothing can be checked; the handle is used as given, as documented.
+        return true;
     };
-    let remote = libc::iovec {
-        iov_base: addr as *mut libc::c_void,
-        iov_len: buf.len(),
-    };
-    // SAFETY: reads our own process's memory into `buf` through the kernel, which checks the
-    // remote range and fails with EFAULT instead of faulting; `local` is our buffer.
-    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
-    // EFAULT: nothing mapped there. Any other failure (a sandbox refusing the call) proves
-    // nothing: the handle is used as given, as documented.
-    let ok = n > 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EFAULT);
+    let ok = maps.lines().any(|line| {
+        let mut parts = line.split_whitespace();
+        let (Some(range), Some(perms)) = (parts.next(), parts.next()) else {
+            return false;
+        };
+        let path = parts.nth(3).unwrap_or("");
+        let Some((lo, hi)) = range.split_once('-') else {
+            return false;
+        };
+        let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+        else {
+            return false;
+        };
+        (lo..hi).contains(&addr)
+            && addr.checked_add(64).is_some_and(|end| end <= hi)
+            && perms.starts_with("rw")
+            && perms.ends_with('p')
+            && (path.is_empty() || path == "[heap]" || path.starts_with("[anon"))
+    });
     if ok {
         let slot = addr / 8 % READABLE.len();
         READABLE[slot].store(addr, Relaxed);

@@ -639,7 +639,7 @@ def test_two_gpus_each_with_its_own_arena(gpu):
 def test_an_int_stream_pointing_at_no_memory_is_refused():
     """The driver would dereference it (a segfault on a GPU machine): refused before any use."""
     st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16)}), depth=1)
-    for bad in (2**40, 10**9, 2**63):
+    for bad in (2**40, 10**9, 2**63, 2**48 + 8):
         with pytest.raises(pinstage.PinstageValueError, match="stream"):
             st.stage({"ids": [1]}, stream=bad)
         with pytest.raises(pinstage.PinstageValueError, match="stream"):
