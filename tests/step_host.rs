@@ -348,3 +348,162 @@ fn bound_arenas_are_checked() {
     let r = unsafe { StepStager::builder(&l).mode(StepMode::Fresh).bind(&ok) }.build();
     assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
 }
+
+#[test]
+fn layout_accessors_describe_each_field() {
+    let l = StepLayout::builder()
+        .field("a", DType::I32, &[4])
+        .field_skip_unchanged("b", DType::I64, &[2, 3])
+        .build()
+        .unwrap();
+    let names: Vec<&str> = l.fields().iter().map(|f| f.name()).collect();
+    assert_eq!(names, ["a", "b"]);
+    assert_eq!(l.field("a").unwrap().shape(), &[4]);
+    assert_eq!(l.field("b").unwrap().shape(), &[2, 3]);
+    assert!(!l.field("a").unwrap().skip_unchanged());
+    assert!(l.field("b").unwrap().skip_unchanged());
+    assert_eq!(l.field("b").unwrap().dtype(), DType::I64);
+    // An id past the last field is refused, not used.
+    let past = pinstage::FieldId::from_index(2);
+    assert!(matches!(l.field(past), Err(Error::UnknownField { .. })));
+    assert_eq!(
+        l.field(pinstage::FieldId::from_index(1)).unwrap().name(),
+        "b"
+    );
+}
+
+#[test]
+fn the_field_count_limit_is_exact() {
+    let mut b = StepLayout::builder();
+    for i in 0..pinstage::MAX_FIELDS {
+        b = b.field(format!("f{i}"), DType::U8, &[1]);
+    }
+    let at_limit = b.clone().build();
+    assert!(at_limit.is_ok());
+    let over = b.field("one more", DType::U8, &[1]).build();
+    assert!(matches!(over, Err(Error::InvalidArgument { .. })));
+}
+
+#[test]
+fn without_skip_unchanged_fields_every_write_is_sent() {
+    let l = StepLayout::builder()
+        .field("ids", DType::I32, &[8])
+        .build()
+        .unwrap();
+    let (st, _arena) = host_stager(&l, 1, 0);
+    for _ in 0..3 {
+        let mut s = st.step().unwrap();
+        s.put("ids", &[1i32, 2]).unwrap();
+        let c = s.commit(StreamHandle::LEGACY).unwrap();
+        assert_eq!((c.calls, c.skipped), (1, 0));
+    }
+}
+
+#[test]
+fn the_automatic_plan_sends_the_engine_step_in_one_copy() {
+    let l = engine();
+    // The default gap allowance (no max_gap): without a driver, or on the legacy stream, the
+    // engine step's gaps (at most 62 KiB) are spanned by one copy.
+    let st = if pinstage::cuda_available() {
+        return;
+    } else {
+        StepStager::builder(&l).build().unwrap()
+    };
+    let mut s = st.step().unwrap();
+    s.put("input_ids", &[1i32; 256]).unwrap();
+    s.put("positions", &[2i64; 256]).unwrap();
+    s.put("slot_mapping", &[3i64; 256]).unwrap();
+    s.put("seq_lens", &[4i32; 64]).unwrap();
+    s.put("query_start_loc", &[5i32; 65]).unwrap();
+    s.put("block_table", &[6i32; 64 * 128]).unwrap();
+    assert_eq!(s.commit(StreamHandle::LEGACY).unwrap().calls, 1);
+    assert!(pinstage::AUTO_GAP_BATCH >= 32 << 10 && pinstage::AUTO_GAP_COPIES >= 64 << 10);
+}
+
+#[test]
+fn padding_stays_inside_its_field() {
+    // `t` is exactly 256 bytes, so `u` starts right after it: any write past `t` lands in `u`.
+    let l = StepLayout::builder()
+        .field("t", DType::I32, &[8, 8])
+        .field("u", DType::I32, &[64])
+        .build()
+        .unwrap();
+    assert_eq!(l.field("u").unwrap().offset(), 256);
+    let (st, _arena) = host_stager(&l, 1, 0);
+    let mut s = st.step().unwrap();
+    s.put("u", &[77i32; 64]).unwrap();
+    let vals: Vec<i32> = (1..=10).collect();
+    s.put_padded("t", &vals, (2, 5), Some(-1), Some(8)).unwrap();
+    s.commit(StreamHandle::LEGACY).unwrap();
+    let t = read_i32(&st, "t");
+    for r in 0..8 {
+        for c in 0..8 {
+            let want = if r < 2 && c < 5 { vals[r * 5 + c] } else { -1 };
+            assert_eq!(t[r * 8 + c], want, "t[{r}, {c}]");
+        }
+    }
+    assert_eq!(
+        read_i32(&st, "u"),
+        vec![77; 64],
+        "u was overwritten by t's padding"
+    );
+}
+
+#[test]
+fn rows_below_the_values_rows_are_refused() {
+    let l = engine();
+    let (st, _arena) = host_stager(&l, 1, 0);
+    let mut s = st.step().unwrap();
+    let r = s.put_padded("seq_lens", &[1i32; 4], (4, 1), Some(0), Some(3));
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+    assert_eq!(s.used_rows("seq_lens").unwrap(), 0);
+}
+
+#[test]
+fn slot_device_addresses_are_checked() {
+    let l = engine();
+    if pinstage::cuda_available() {
+        return; // the addresses themselves are checked on the GPU (tests/gpu_step.rs)
+    }
+    let zc = StepStager::builder(&l)
+        .depth(2)
+        .mode(StepMode::ZeroCopy)
+        .build()
+        .unwrap();
+    assert!(matches!(
+        zc.slot_device_ptr(0, "seq_lens"),
+        Err(Error::CudaUnavailable { .. })
+    ));
+    assert!(matches!(
+        zc.slot_device_ptr(2, "seq_lens"),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        zc.slot_device_ptr(0, "nope"),
+        Err(Error::UnknownField { .. })
+    ));
+    let arena = StepStager::builder(&l).build().unwrap();
+    assert!(matches!(
+        arena.slot_device_ptr(0, "seq_lens"),
+        Err(Error::InvalidArgument { .. })
+    ));
+}
+
+#[test]
+fn shape_errors_name_the_values_shape() {
+    let l = engine();
+    let (st, _arena) = host_stager(&l, 1, 0);
+    let mut s = st.step().unwrap();
+    match s.put_padded("block_table", &[1i32; 129], (1, 129), Some(0), None) {
+        Err(Error::ShapeMismatch { values, dst }) => {
+            assert_eq!((values, dst), (vec![1, 129], vec![256, 128]));
+        }
+        other => panic!("{other:?}"),
+    }
+    match s.put("seq_lens", &[1i32; 257]) {
+        Err(Error::ShapeMismatch { values, dst }) => {
+            assert_eq!((values, dst), (vec![257], vec![256]));
+        }
+        other => panic!("{other:?}"),
+    }
+}
