@@ -224,6 +224,7 @@ fn skip_unchanged_fields_send_nothing() {
 #[case::rows_beyond(|s: &mut pinstage::Step<'_>| s.put_padded("seq_lens", &[1i32; 2], (2, 1), Some(0), Some(257)))]
 #[case::cols_beyond(|s: &mut pinstage::Step<'_>| s.put_padded("block_table", &[1i32; 129], (1, 129), Some(0), None))]
 #[case::short_values(|s: &mut pinstage::Step<'_>| s.put_padded("block_table", &[1i32; 5], (2, 3), Some(0), None))]
+#[case::partial_rows_without_pad(|s: &mut pinstage::Step<'_>| s.put_padded("block_table", &[1i32; 6], (2, 3), None, None))]
 #[case::view_beyond(|s: &mut pinstage::Step<'_>| s.field_mut::<i32>("seq_lens", 257).map(|_| ()))]
 fn bad_puts_are_typed_errors_and_write_nothing(
     #[case] bad: fn(&mut pinstage::Step<'_>) -> pinstage::Result<()>,
