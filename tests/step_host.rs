@@ -418,7 +418,7 @@ fn the_automatic_plan_sends_the_engine_step_in_one_copy() {
     s.put("query_start_loc", &[5i32; 65]).unwrap();
     s.put("block_table", &[6i32; 64 * 128]).unwrap();
     assert_eq!(s.commit(StreamHandle::LEGACY).unwrap().calls, 1);
-    assert!(pinstage::AUTO_GAP_BATCH >= 32 << 10 && pinstage::AUTO_GAP_COPIES >= 64 << 10);
+    const { assert!(pinstage::AUTO_GAP_BATCH >= 32 << 10 && pinstage::AUTO_GAP_COPIES >= 64 << 10) };
 }
 
 #[test]
