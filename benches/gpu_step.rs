@@ -57,6 +57,47 @@ fn read(st: &StepStager, arena: &DeviceBuffer, l: &StepLayout, name: &str, n: us
     out
 }
 
+/// Host ns per engine step through `st` (median of [`ROUNDS`] batches of [`ITERS`] steps, values
+/// changing every step); the arena is poisoned before each batch and its last step checked after.
+fn engine_rounds(
+    st: &StepStager,
+    arena: &DeviceBuffer,
+    l: &StepLayout,
+    sets: &[Vals],
+    stream: &Stream,
+) -> f64 {
+    let ids = l.id("input_ids").unwrap();
+    let mut ns = Vec::new();
+    for _ in 0..ROUNDS {
+        st.order_after_commits(None).unwrap();
+        arena.upload(0, &vec![0xEE; l.nbytes()]).unwrap();
+        let t0 = Instant::now();
+        for i in 0..ITERS {
+            let v = &sets[i % 64];
+            let mut s = st.step().unwrap();
+            s.put(ids, &v.ids).unwrap();
+            s.put("positions", &v.pos).unwrap();
+            s.put("slot_mapping", &v.slots).unwrap();
+            s.put("seq_lens", &v.lens).unwrap();
+            s.put("query_start_loc", &v.qsl).unwrap();
+            s.put("block_table", &v.table).unwrap();
+            s.commit(stream.handle()).unwrap();
+        }
+        ns.push(t0.elapsed().as_nanos() as f64 / ITERS as f64);
+        let last = &sets[(ITERS - 1) % 64];
+        assert_eq!(
+            read(st, arena, l, "block_table", 64 * 512),
+            bytemuck::cast_slice::<i32, u8>(&last.table),
+            "block_table after the timed batch"
+        );
+        assert_eq!(
+            read(st, arena, l, "input_ids", 1024),
+            bytemuck::cast_slice::<i32, u8>(&last.ids)
+        );
+    }
+    median(ns)
+}
+
 fn main() {
     let Ok(dev) = Device::new(0) else {
         eprintln!("SKIP gpu_step: no GPU");
@@ -71,36 +112,8 @@ fn main() {
     let st = unsafe { StepStager::builder(&l).depth(8).bind(&view) }
         .build()
         .unwrap();
-    let ids = l.id("input_ids").unwrap();
     let used: usize = 256 * 4 + 256 * 8 * 2 + 64 * 4 + 65 * 4 + 64 * 512;
-    let mut step_ns = Vec::new();
-    for _ in 0..ROUNDS {
-        arena.upload(0, &vec![0xEE; l.nbytes()]).unwrap();
-        let t0 = Instant::now();
-        for i in 0..ITERS {
-            let v = &sets[i % 64];
-            let mut s = st.step().unwrap();
-            s.put(ids, &v.ids).unwrap();
-            s.put("positions", &v.pos).unwrap();
-            s.put("slot_mapping", &v.slots).unwrap();
-            s.put("seq_lens", &v.lens).unwrap();
-            s.put("query_start_loc", &v.qsl).unwrap();
-            s.put("block_table", &v.table).unwrap();
-            s.commit(stream.handle()).unwrap();
-        }
-        step_ns.push(t0.elapsed().as_nanos() as f64 / ITERS as f64);
-        let last = &sets[(ITERS - 1) % 64];
-        assert_eq!(
-            read(&st, &arena, &l, "block_table", 64 * 512),
-            bytemuck::cast_slice::<i32, u8>(&last.table),
-            "block_table after the timed batch"
-        );
-        assert_eq!(
-            read(&st, &arena, &l, "input_ids", 1024),
-            bytemuck::cast_slice::<i32, u8>(&last.ids)
-        );
-    }
-    let step = median(step_ns);
+    let step = engine_rounds(&st, &arena, &l, &sets, &stream);
     let planned = st.stats();
     // The same step sent as one copy over every gap (the whole span).
     // SAFETY: as above.
@@ -112,28 +125,7 @@ fn main() {
     }
     .build()
     .unwrap();
-    let mut span_ns = Vec::new();
-    for _ in 0..ROUNDS {
-        let t0 = Instant::now();
-        for i in 0..ITERS {
-            let v = &sets[i % 64];
-            let mut s = st_span.step().unwrap();
-            s.put(ids, &v.ids).unwrap();
-            s.put("positions", &v.pos).unwrap();
-            s.put("slot_mapping", &v.slots).unwrap();
-            s.put("seq_lens", &v.lens).unwrap();
-            s.put("query_start_loc", &v.qsl).unwrap();
-            s.put("block_table", &v.table).unwrap();
-            s.commit(stream.handle()).unwrap();
-        }
-        span_ns.push(t0.elapsed().as_nanos() as f64 / ITERS as f64);
-        let last = &sets[(ITERS - 1) % 64];
-        assert_eq!(
-            read(&st_span, &arena, &l, "block_table", 64 * 512),
-            bytemuck::cast_slice::<i32, u8>(&last.table)
-        );
-    }
-    let span_step = median(span_ns);
+    let span_step = engine_rounds(&st_span, &arena, &l, &sets, &stream);
     drop(st_span);
     let (floor_used, floor_six) =
         pinstage::lab::step_floor(&dev, &stream, used, 6, ITERS, ROUNDS).unwrap();
@@ -204,6 +196,7 @@ fn main() {
     }
 
     // Zero-copy: the step's bookkeeping and its event, fields written in place.
+    let ids = l.id("input_ids").unwrap();
     let zc = StepStager::builder(&l)
         .depth(8)
         .mode(StepMode::ZeroCopy)

@@ -213,29 +213,8 @@ pub(crate) unsafe fn memcpy_batch_async_one(
     bytes: usize,
     stream: CUstream,
 ) -> DResult<()> {
-    let mut dsts = [dst];
-    let mut srcs = [src as CUdeviceptr];
-    let mut sizes = [bytes];
-    // SAFETY: a plain C struct of enums and integers; all-zero is a valid value for each field
-    // (location type INVALID: no hint).
-    let mut attr: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
-    attr.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
-    let mut idx = [0usize];
-    let mut fail = usize::MAX;
-    // SAFETY: caller's contract; every array holds `count` = 1 entries and outlives the call.
-    check("cuMemcpyBatchAsync", unsafe {
-        sys::cuMemcpyBatchAsync(
-            dsts.as_mut_ptr(),
-            srcs.as_mut_ptr(),
-            sizes.as_mut_ptr(),
-            1,
-            &mut attr,
-            idx.as_mut_ptr(),
-            1,
-            &mut fail,
-            stream,
-        )
-    })
+    // SAFETY: caller's contract, for the one entry.
+    unsafe { memcpy_batch_htod_async(&mut [dst], &mut [src as CUdeviceptr], &mut [bytes], stream) }
 }
 
 /// [cuMemcpy2DAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) from

@@ -234,27 +234,8 @@ impl Ring {
         let depth = self.states.len();
         let mut misses = 0usize;
         loop {
-            // Relaxed: see the module docs; the ticket publishes nothing.
-            let t = self.ticket.fetch_add(1, Ordering::Relaxed);
-            let index = t % depth;
-            let state = &self.states[index];
-            // Relaxed: a hint only, the CAS below decides.
-            let cur = state.load(Ordering::Relaxed);
-            if cur & KIND_MASK != WRITING
-                && state
-                    // Acquire on success: see the previous owner's writes. Relaxed on failure.
-                    .compare_exchange(
-                        cur,
-                        SlotState(cur).with_kind(WRITING).0,
-                        CLAIM_ORDER,
-                        Ordering::Relaxed,
-                    )
-                    .is_ok()
-            {
-                return Claim {
-                    index,
-                    prev: SlotState(cur),
-                };
+            if let Some(c) = self.claim_next() {
+                return c;
             }
             misses += 1;
             if misses >= depth {
@@ -262,6 +243,31 @@ impl Ring {
                 yield_now();
             }
         }
+    }
+
+    /// One claim attempt: the slot the next ticket names, unless another thread is writing it.
+    #[inline]
+    fn claim_next(&self) -> Option<Claim> {
+        // Relaxed: see the module docs; the ticket publishes nothing.
+        let t = self.ticket.fetch_add(1, Ordering::Relaxed);
+        let index = t % self.states.len();
+        let state = &self.states[index];
+        // Relaxed: a hint only, the CAS below decides.
+        let cur = state.load(Ordering::Relaxed);
+        (cur & KIND_MASK != WRITING
+            && state
+                // Acquire on success: see the previous owner's writes. Relaxed on failure.
+                .compare_exchange(
+                    cur,
+                    SlotState(cur).with_kind(WRITING).0,
+                    CLAIM_ORDER,
+                    Ordering::Relaxed,
+                )
+                .is_ok())
+        .then_some(Claim {
+            index,
+            prev: SlotState(cur),
+        })
     }
 
     /// Gives an owned slot back.
@@ -462,29 +468,7 @@ impl Ring {
     /// every slot owned (the caller may then block in [`Ring::claim`], e.g. without the GIL).
     #[cfg(any(feature = "python", feature = "testing"))]
     pub fn try_claim(&self) -> Option<Claim> {
-        for _ in 0..self.states.len() {
-            // Relaxed: see `claim`.
-            let t = self.ticket.fetch_add(1, Ordering::Relaxed);
-            let index = t % self.states.len();
-            let state = &self.states[index];
-            let cur = state.load(Ordering::Relaxed);
-            if cur & KIND_MASK != WRITING
-                && state
-                    .compare_exchange(
-                        cur,
-                        SlotState(cur).with_kind(WRITING).0,
-                        CLAIM_ORDER,
-                        Ordering::Relaxed,
-                    )
-                    .is_ok()
-            {
-                return Some(Claim {
-                    index,
-                    prev: SlotState(cur),
-                });
-            }
-        }
-        None
+        (0..self.states.len()).find_map(|_| self.claim_next())
     }
 
     /// For a fresh `claim`: learns that the slot's last copy completed (the stream's watermark,

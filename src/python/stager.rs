@@ -11,7 +11,7 @@ use super::errors::{type_err, value_err};
 use super::import::{Imported, import_destination, parse_dtype, parse_stream, type_name};
 use super::mirror::PyMirror;
 use super::values::{check_shape, scalar_bytes, to_values};
-use super::wait::wait_interruptibly;
+use super::wait::{slot_wait, take_interrupt};
 use crate::cuda::{Event, StreamHandle};
 use crate::h2d::write::PARALLEL_WRITE_MIN;
 use crate::view::DType;
@@ -66,11 +66,6 @@ pub struct PyStager {
     device: i32,
 }
 
-/// How long a claimer polls a busy slot's event with the GIL held before it releases the GIL.
-/// A slot's small copy completes within microseconds; giving the GIL away for that (and queueing
-/// to get it back behind other threads) costs more than the wait itself.
-const SPIN_BEFORE_DETACH: std::time::Duration = std::time::Duration::from_micros(20);
-
 impl PyStager {
     fn stager(&self) -> PyResult<Arc<Stager>> {
         self.inner
@@ -105,35 +100,18 @@ impl PyStager {
                 }
                 c.copy(values)
             })
+            .map_err(PyErr::from)
         } else {
             let mut interrupt: Option<PyErr> = None;
             let r = {
-                let mut wait = |ev: &Event| -> crate::Result<()> {
-                    let t0 = std::time::Instant::now();
-                    while t0.elapsed() < SPIN_BEFORE_DETACH {
-                        if ev.query()? {
-                            return Ok(());
-                        }
-                        std::hint::spin_loop();
-                    }
-                    match wait_interruptibly(py, ev, None) {
-                        Ok(_) => Ok(()),
-                        Err(e) => {
-                            interrupt = Some(e);
-                            Err(Error::Interrupted)
-                        }
-                    }
-                };
+                let mut wait = |ev: &Event| slot_wait(py, ev, &mut interrupt);
                 let mut c = options(stager.to(view), stream, pad).wait_with(&mut wait);
                 if let Some(m) = guard.as_deref_mut() {
                     c = c.mirror(m);
                 }
                 c.copy(values)
             };
-            if let (Err(Error::Interrupted), Some(e)) = (&r, interrupt) {
-                return Err(e);
-            }
-            r
+            r.map_err(|e| take_interrupt(e, interrupt))
         }?;
         Ok(outcome.wrote())
     }

@@ -49,3 +49,42 @@ pub(crate) fn wait_interruptibly(
         }
     }
 }
+
+/// How long a claimer polls a busy slot's event with the GIL held before it releases the GIL.
+/// A slot's small copy completes within microseconds; giving the GIL away for that (and queueing
+/// to get it back behind other threads) costs more than the wait itself.
+const SPIN_BEFORE_DETACH: Duration = Duration::from_micros(20);
+
+/// The wait of a claimer whose slot's last copy still runs (the stager's and the step stager's):
+/// polls the event briefly with the GIL held, then waits with it released, answering Ctrl-C.
+/// A Python exception raised meanwhile (KeyboardInterrupt) is kept in `interrupt` and reported
+/// to the core as [`crate::Error::Interrupted`]; [`take_interrupt`] turns it back.
+pub(crate) fn slot_wait(
+    py: Python<'_>,
+    ev: &Event,
+    interrupt: &mut Option<PyErr>,
+) -> crate::Result<()> {
+    let t0 = Instant::now();
+    while t0.elapsed() < SPIN_BEFORE_DETACH {
+        if ev.query()? {
+            return Ok(());
+        }
+        std::hint::spin_loop();
+    }
+    match wait_interruptibly(py, ev, None) {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            *interrupt = Some(e);
+            Err(crate::Error::Interrupted)
+        }
+    }
+}
+
+/// The Python exception behind an [`crate::Error::Interrupted`] from [`slot_wait`], else the
+/// core error as it is.
+pub(crate) fn take_interrupt(e: crate::Error, interrupt: Option<PyErr>) -> PyErr {
+    match (e, interrupt) {
+        (crate::Error::Interrupted, Some(py_err)) => py_err,
+        (e, _) => e.into(),
+    }
+}

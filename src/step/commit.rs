@@ -99,7 +99,6 @@ impl StepStager {
         let host_dst = match &self.target {
             Target::Host(h) => Some(h.ptr()),
             Target::Bound { ptr, host: true } => Some(*ptr as *mut u8),
-            Target::Fresh(_) if self.device.is_none() => None,
             _ => None,
         };
         let Some(device) = &self.device else {

@@ -81,7 +81,6 @@ impl HostMem {
 /// every DLPack export of a field.
 pub(crate) struct DeviceMem {
     ptr: CUdeviceptr,
-    len: usize,
     device: Device,
 }
 
@@ -100,7 +99,6 @@ impl DeviceMem {
         })?;
         Ok(Self {
             ptr,
-            len,
             device: cur.device().clone(),
         })
     }
@@ -112,10 +110,10 @@ impl DeviceMem {
 
 impl Drop for DeviceMem {
     fn drop(&mut self) {
-        let _ = self.len;
         match self.device.enter() {
             // SAFETY: allocated in `new`; the stager waited for its copies before dropping its
-            // reference, and exports drop theirs when their consumer is done with the memory.
+            // reference, exports drop theirs when their consumer is done with the memory, and
+            // the block pool drops a block only once its copy completed and nobody holds it.
             Ok(_cur) => on_drop(unsafe { driver::mem::mem_free(self.ptr) }),
             Err(Error::Driver(e)) => on_drop::<()>(Err(e)),
             Err(_) => {}
@@ -123,10 +121,11 @@ impl Drop for DeviceMem {
     }
 }
 
-/// One fresh block: device memory (or host bytes without a driver) and the event recorded
-/// after the copy that last filled it.
+/// One fresh block: device memory (or host bytes without a driver), which it owns, and the
+/// event recorded after the copy that last filled it.
 pub(crate) struct BlockMem {
     ptr: u64,
+    _device: Option<DeviceMem>,
     _host: Option<AlignedBytes>,
     pub(crate) event: Option<Event>,
 }
@@ -173,20 +172,18 @@ impl BlockPool {
         let mem = match cur {
             Some(cur) => {
                 let d = DeviceMem::new(cur, self.bytes)?;
-                let event = Event::new_in(cur)?;
-                // The pool frees blocks itself (Drop below): take the pointer out of `d`.
-                let ptr = d.ptr;
-                std::mem::forget(d);
                 BlockMem {
-                    ptr,
+                    ptr: d.ptr(),
+                    _device: Some(d),
                     _host: None,
-                    event: Some(event),
+                    event: Some(Event::new_in(cur)?),
                 }
             }
             None => {
                 let host = AlignedBytes::new(self.bytes, "step block")?;
                 BlockMem {
                     ptr: host.ptr() as u64,
+                    _device: None,
                     _host: Some(host),
                     event: None,
                 }
@@ -207,25 +204,16 @@ impl BlockPool {
 
 impl Drop for BlockPool {
     fn drop(&mut self) {
-        let free = std::mem::take(self.free.get_mut());
-        let Some(device) = &self.device else { return };
-        let cur = match device.enter() {
-            Ok(c) => c,
-            Err(Error::Driver(e)) => return on_drop::<()>(Err(e)),
-            Err(_) => return,
-        };
-        for b in free {
+        for b in std::mem::take(self.free.get_mut()) {
             if let Some(e) = &b.event
                 && let Err(Error::Driver(err)) = e.synchronize()
             {
-                // Never free memory a copy may still write.
+                // Never free memory a copy may still write: leak it, record the error.
                 on_drop::<()>(Err(err));
-                continue;
+                std::mem::forget(b);
             }
-            // SAFETY: a block's memory from `mem_alloc`, its copy complete, nobody holds it.
-            on_drop(unsafe { driver::mem::mem_free(b.ptr) });
+            // Else the block's memory is freed as it drops: its copy completed, nobody holds it.
         }
-        drop(cur);
     }
 }
 

@@ -3,14 +3,17 @@
 
 use super::layout::Field;
 
-/// The largest gap one copy spans when the spans could go as one `cuMemcpyBatchAsync`: 64 KiB
-/// cost the copy engine about 1.2 µs at 55 GB/s, less than a batch entry costs the host when the
-/// GPU is idle as the step arrives (about 1.5 µs paced); with this allowance the engine step of
-/// benches/bench_step.py is one copy (benches/RESULTS.md, "step plan").
+/// The largest gap one copy spans when the spans could go as one `cuMemcpyBatchAsync`. In the
+/// crossover of `benches/gpu_step.rs` (benches/RESULTS.md, "plan's crossover") a batch of two
+/// beats one copy over the gap from about 16 KiB in a loop; from Python the engine step of
+/// `benches/bench_step.py`, whose gaps reach 62 KiB, cost less as one copy than as a batch of four
+/// (`bench_step.py --probe`). 64 KiB keeps that step one copy.
 pub const AUTO_GAP_BATCH: usize = 64 << 10;
 /// The largest gap one copy spans when each span would be a copy of its own (no batch: the
-/// legacy default stream, or a driver older than CUDA 12.8): one more copy costs about 2.6 µs
-/// of host time and as much of the copy engine's, more than copying 256 KiB more does.
+/// legacy default stream, or a driver older than CUDA 12.8). In the same crossover a second copy
+/// costs about 2.2 µs more host time than one; one copy over a 64 KiB gap beats two copies, one
+/// over 256 KiB no longer does in a loop (the copy engine's time shows). This is that upper
+/// bound.
 pub const AUTO_GAP_COPIES: usize = 256 << 10;
 
 /// Fills `segs` with `(offset, bytes)` spans covering the used rows of every field with

@@ -13,14 +13,19 @@ use crate::python::errors::value_err;
 use crate::step::{StepBlock, StepStager};
 use crate::view::DType;
 
-/// What keeps an export's memory alive.
+/// What keeps an export's memory alive (a clone goes into each DLPack capsule as its owner).
+#[derive(Clone)]
+#[allow(
+    dead_code,
+    reason = "held for ownership only: dropping the last clone frees the memory"
+)]
 pub(super) enum Keep {
     Stager(Arc<StepStager>),
     Block(Arc<StepBlock>),
 }
 
 /// How a consumer's stream is ordered after the writes of the memory.
-pub(super) enum Sync {
+pub(super) enum Order {
     /// Wait for every commit issued so far (arena exports).
     Commits(Arc<StepStager>),
     /// Wait for the block's copy.
@@ -44,7 +49,7 @@ pub struct StepTensor {
     /// CUDA ordinal; None: host memory.
     pub(super) device: Option<i32>,
     pub(super) keep: Keep,
-    pub(super) sync: Sync,
+    pub(super) sync: Order,
 }
 
 impl StepTensor {
@@ -57,7 +62,7 @@ impl StepTensor {
             shape: vec![b.len() as i64],
             device,
             keep: Keep::Block(Arc::clone(&b)),
-            sync: Sync::Block(b),
+            sync: Order::Block(b),
         }
     }
 
@@ -72,10 +77,7 @@ impl StepTensor {
     }
 
     fn managed<M: dlpark::ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
-        let keep: Box<KeepCtx> = Box::new(match &self.keep {
-            Keep::Stager(s) => KeepCtx::Stager(Arc::clone(s)),
-            Keep::Block(b) => KeepCtx::Block(Arc::clone(b)),
-        });
+        let keep = Box::new(self.keep.clone());
         let mut init = dlpark::metadata::Dynamic::compact(self.shape.clone())
             .prepare_as::<M>()
             .map_err(|e| value_err(format!("DLPack export: {e}")))?
@@ -104,14 +106,6 @@ impl StepTensor {
     }
 }
 
-/// The owning context of an export.
-enum KeepCtx {
-    #[allow(dead_code)]
-    Stager(Arc<StepStager>),
-    #[allow(dead_code)]
-    Block(Arc<StepBlock>),
-}
-
 impl DlpackExporter for StepTensor {
     fn device(&self) -> DLDevice {
         self.dl_device()
@@ -129,11 +123,11 @@ impl DlpackExporter for StepTensor {
         let stream = Self::stream_request(request)?;
         py.detach(|| -> crate::Result<()> {
             match (&self.sync, stream) {
-                (Sync::None, _) => Ok(()),
-                (Sync::Block(b), Some(s)) => b.wait_on(s),
-                (Sync::Block(b), None) if omitted => b.synchronize(),
-                (Sync::Commits(st), Some(s)) => st.order_after_commits(Some(s)),
-                (Sync::Commits(st), None) if omitted => st.order_after_commits(None),
+                (Order::None, _) => Ok(()),
+                (Order::Block(b), Some(s)) => b.wait_on(s),
+                (Order::Block(b), None) if omitted => b.synchronize(),
+                (Order::Commits(st), Some(s)) => st.order_after_commits(Some(s)),
+                (Order::Commits(st), None) if omitted => st.order_after_commits(None),
                 _ => Ok(()),
             }
         })?;

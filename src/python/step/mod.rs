@@ -12,7 +12,7 @@ use crate::error::Error;
 use crate::python::args::{count_arg, parse_device};
 use crate::python::errors::{type_err, value_err};
 use crate::python::import::{import_destination, parse_dtype, parse_stream};
-use crate::python::wait::wait_interruptibly;
+use crate::python::wait::{slot_wait, take_interrupt};
 use crate::step::FieldId;
 use crate::step::{RawStep, StepLayout, StepMode, StepStager};
 use crate::view::DType;
@@ -21,11 +21,8 @@ use numpy::npyffi;
 mod export;
 mod open;
 
-use export::{Keep, StepTensor, Sync};
+use export::{Keep, Order, StepTensor};
 use open::{PyStep, StepState, commit_detached, put_id};
-
-/// How long a claimer polls a busy slot's event with the GIL held before releasing it.
-const SPIN_BEFORE_DETACH: std::time::Duration = std::time::Duration::from_micros(20);
 
 /// Named fields placed in one arena: each a dtype and a capacity shape ``(rows,)`` or
 /// ``(rows, cols)``, at offsets aligned to 256 bytes, in declaration order. A ``StepStager``
@@ -353,29 +350,10 @@ impl PyStepStager {
             None => py.detach(|| st.claim_blocking()),
         };
         let mut interrupt: Option<PyErr> = None;
-        let r = {
-            let mut wait = |ev: &Event| -> crate::Result<()> {
-                let t0 = std::time::Instant::now();
-                while t0.elapsed() < SPIN_BEFORE_DETACH {
-                    if ev.query()? {
-                        return Ok(());
-                    }
-                    std::hint::spin_loop();
-                }
-                match wait_interruptibly(py, ev, None) {
-                    Ok(_) => Ok(()),
-                    Err(e) => {
-                        interrupt = Some(e);
-                        Err(Error::Interrupted)
-                    }
-                }
-            };
-            st.open(Some(claim), &mut wait)
-        };
-        match (r, interrupt) {
-            (Err(Error::Interrupted), Some(e)) => Err(e),
-            (r, _) => Ok(r?),
-        }
+        let r = st.open(Some(claim), &mut |ev: &Event| {
+            slot_wait(py, ev, &mut interrupt)
+        });
+        r.map_err(|e| take_interrupt(e, interrupt))
     }
 
     fn new_step(slf: &Bound<'_, Self>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<PyStep> {
@@ -595,7 +573,7 @@ impl PyStepStager {
             shape: f.shape().iter().map(|&d| d as i64).collect(),
             device: self.arena_device(),
             keep: Keep::Stager(Arc::clone(&self.inner)),
-            sync: Sync::Commits(Arc::clone(&self.inner)),
+            sync: Order::Commits(Arc::clone(&self.inner)),
         })
     }
 
@@ -625,7 +603,7 @@ impl PyStepStager {
             shape: f.shape().iter().map(|&d| d as i64).collect(),
             device: Some(self.inner.ordinal()),
             keep: Keep::Stager(Arc::clone(&self.inner)),
-            sync: Sync::None,
+            sync: Order::None,
         })
     }
 
@@ -644,7 +622,7 @@ impl PyStepStager {
             shape: vec![self.inner.layout().nbytes() as i64],
             device: self.arena_device(),
             keep: Keep::Stager(Arc::clone(&self.inner)),
-            sync: Sync::Commits(Arc::clone(&self.inner)),
+            sync: Order::Commits(Arc::clone(&self.inner)),
         })
     }
 

@@ -14,7 +14,7 @@ use crate::python::arrays::array_over;
 use crate::python::values::{scalar_bytes, to_values};
 use crate::step::{RawStep, StepStager};
 
-use super::export::{Keep, StepTensor, Sync};
+use super::export::{Keep, Order, StepTensor};
 use super::{PyStepStager, field_name};
 
 /// Writes `values` into field `name` of an open step (see ``Step.put``).
@@ -214,13 +214,11 @@ impl PyStep {
     #[pyo3(signature = (name, values, pad_value=None, rows=None))]
     fn put(
         &self,
-        py: Python<'_>,
         name: &Bound<'_, PyAny>,
         values: &Bound<'_, PyAny>,
         pad_value: Option<&Bound<'_, PyAny>>,
         rows: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let _ = py;
         self.put_inner(&field_name(name)?, values, pad_value, rows)
     }
 
@@ -321,7 +319,7 @@ impl PyStep {
                 shape,
                 device: Some(st.ordinal()),
                 keep: Keep::Stager(Arc::clone(&stager.inner)),
-                sync: Sync::None,
+                sync: Order::None,
             })
         })
     }
