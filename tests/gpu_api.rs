@@ -139,6 +139,7 @@ fn gpu_pinned_typed_views_pool_budget_and_bounce_cache() {
     );
 
     // A pageable D2H fills the bounce cache; releasing it frees the pinned bounce buffers.
+    pinstage::release_bounce_buffers();
     let src = DeviceBuffer::new(&dev, 1 << 20).unwrap();
     src.upload(0, &vec![3u8; 1 << 20]).unwrap();
     let mut out = vec![0u8; 1 << 20];

@@ -2,10 +2,9 @@
 //! fills one while the CPU drains another.
 
 use super::issue_d2h;
-use crate::cuda::{Current, Event, StreamHandle};
+use crate::cuda::{Current, StreamHandle};
 use crate::error::Result;
-use crate::host::PinnedBuffer;
-use crate::host::bounce::{self, BOUNCE_CHUNK, BOUNCE_DEPTH, parallel_copy};
+use crate::host::bounce::{self, BOUNCE_CHUNK, BOUNCE_DEPTH, BounceSlot, parallel_copy};
 
 pub(super) fn bounce(
     cur: &Current<'_>,
@@ -14,27 +13,32 @@ pub(super) fn bounce(
     stream: StreamHandle,
 ) -> Result<()> {
     let device = cur.device();
-    let mut bufs: Vec<PinnedBuffer> = bounce::take(device)?;
-    let events = (0..BOUNCE_DEPTH)
-        .map(|_| Event::new_in(cur))
-        .collect::<Result<Vec<_>>>()?;
+    let mut bufs: Vec<BounceSlot> = bounce::take(cur, BOUNCE_DEPTH, BOUNCE_CHUNK)?;
+    // A cached slot may still be read by an earlier H2D copy.
+    for s in &bufs {
+        if let Err(e) = s.busy.synchronize() {
+            bounce::give_back(device, bufs);
+            return Err(e);
+        }
+    }
     let chunks: Vec<(usize, usize)> = (0..dst.len())
         .step_by(BOUNCE_CHUNK)
         .map(|off| (off, BOUNCE_CHUNK.min(dst.len() - off)))
         .collect();
     // Chunk i goes through bounce buffer i % BOUNCE_DEPTH. Chunk i + BOUNCE_DEPTH is issued as
     // soon as chunk i was drained, so the copy engine fills buffers while the CPU drains others.
-    let issue = |i: usize, bufs: &mut [PinnedBuffer]| -> Result<()> {
+    let issue = |i: usize, bufs: &mut [BounceSlot]| -> Result<()> {
         let (off, len) = chunks[i];
-        let k = i % BOUNCE_DEPTH;
-        // SAFETY: buffer k is idle (never used, or chunk i - BOUNCE_DEPTH was drained after its
-        // event completed); src + off..+len lies within the source.
+        let slot = &mut bufs[i % BOUNCE_DEPTH];
+        let to = slot.buf.as_mut_ptr();
+        // SAFETY: buffer k is idle (its previous copy completed, and chunk i - BOUNCE_DEPTH was
+        // drained); src + off..+len lies within the source.
         unsafe {
             issue_d2h(
                 cur,
-                &events[k],
+                &slot.busy,
                 src + off as u64,
-                bufs[k].as_mut_ptr(),
+                to,
                 len,
                 stream,
             )
@@ -46,8 +50,8 @@ pub(super) fn bounce(
             break;
         }
         let k = i % BOUNCE_DEPTH;
-        result = events[k].synchronize().and_then(|()| {
-            parallel_copy(&mut dst[off..off + len], &bufs[k].as_slice()[..len]);
+        result = bufs[k].busy.synchronize().and_then(|()| {
+            parallel_copy(&mut dst[off..off + len], &bufs[k].buf.as_slice()[..len]);
             match i + BOUNCE_DEPTH {
                 next if next < chunks.len() => issue(next, &mut bufs),
                 _ => Ok(()),
@@ -55,8 +59,8 @@ pub(super) fn bounce(
         });
     }
     // Whatever happened, no copy may still write a buffer that goes back to the cache.
-    for ev in &events {
-        if let Err(crate::Error::Driver(e)) = ev.synchronize() {
+    for s in &bufs {
+        if let Err(crate::Error::Driver(e)) = s.busy.synchronize() {
             // The result reports the first failure; a later one of the same context is kept.
             crate::error::record_drop_error(e);
         }

@@ -1,11 +1,13 @@
 //! Host-to-device copies of whole arrays at line rate: a pinned source goes as one DMA; a
-//! pageable one through the pinned bounce ring, several threads filling one buffer while the
-//! copy engine drains another.
+//! pageable one through pinned bounce slots, several threads filling slots while the copy
+//! engine drains others.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crate::cuda::{Current, Device, Event, StreamHandle};
 use crate::driver;
 use crate::error::{Error, Result};
-use crate::host::bounce::{self, BOUNCE_CHUNK, BOUNCE_DEPTH, parallel_copy};
+use crate::host::bounce::{self, BounceSlot};
 use crate::view::{DeviceView, MemoryKind};
 
 /// How a host-to-device copy was carried out.
@@ -13,7 +15,8 @@ use crate::view::{DeviceView, MemoryKind};
 pub enum H2DPath {
     /// One DMA straight from pinned memory; the source may change only once it completed.
     Pinned,
-    /// Through the pinned bounce ring; the source was read before the call returned.
+    /// Through pinned bounce slots; the source was read before the call returned (the event
+    /// says when the device copy completed).
     Bounced,
     /// The destination was host memory: a plain memcpy.
     Host,
@@ -23,16 +26,16 @@ pub enum H2DPath {
 
 /// Starts copying `src` into `dst` (all of it: the sizes must be equal). A pinned source gets
 /// one truly asynchronous DMA and the event that says when the source may change; a pageable
-/// one is copied through the bounce ring, read completely before this returns (`None`), as is a
-/// host destination.
+/// one is copied through pinned bounce slots and read completely before this returns (its event
+/// says when the device copy completed); a host destination is a memcpy (`None`).
 ///
 /// # Errors
 /// [`Error::ReadOnly`], [`Error::DestinationTooSmall`] (sizes differ), [`Error::WrongDevice`],
 /// [`Error::CudaUnavailable`], [`Error::StreamCapturing`], [`Error::Driver`].
 ///
 /// # Safety
-/// 1. `src..src+len` is readable host memory that nothing writes until the returned event
-///    completed (or until return when `None`).
+/// 1. `src..src+len` is readable host memory that nothing writes until this returned and, for
+///    [`H2DPath::Pinned`], until the returned event completed.
 pub unsafe fn start_h2d(
     device: Option<&Device>,
     dst: &DeviceView<'_>,
@@ -84,8 +87,8 @@ pub unsafe fn start_h2d(
     }
     // SAFETY: caller's contract: `len` readable bytes, unchanged until we return.
     let src = unsafe { std::slice::from_raw_parts(src, len) };
-    upload_bounced(&cur, src, dst.ptr(), stream)?;
-    Ok((H2DPath::Bounced, None))
+    let done = upload_bounced(&cur, src, dst.ptr(), stream)?;
+    Ok((H2DPath::Bounced, Some(done)))
 }
 
 /// Issues one H2D copy and records `ev` after it.
@@ -112,62 +115,132 @@ unsafe fn issue(
     Ok(())
 }
 
-/// Chunk `i` goes through bounce buffer `i % BOUNCE_DEPTH`: the CPU fills it (several threads)
-/// once that buffer's previous copy completed, then issues its copy, so the copy engine drains
-/// one buffer while the CPU fills the next. Returns once every copy completed (the buffers go
-/// back to the cache).
-fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle) -> Result<()> {
-    let device = cur.device();
-    let mut bufs = bounce::take(device)?;
-    let events = (0..BOUNCE_DEPTH)
-        .map(|_| Event::new_in(cur))
-        .collect::<Result<Vec<_>>>();
-    let events = match events {
-        Ok(e) => e,
-        Err(e) => {
-            bounce::give_back(device, bufs);
-            return Err(e);
-        }
+/// The pageable path. Piece `i` of the source goes through bounce slot `i % slots` once piece
+/// `i - slots`'s copy completed. Several workers (pinstage's copy threads and the caller) each
+/// claim the next piece, fill its slot, issue its copy and record the slot's event, so a worker
+/// the OS deschedules delays only its own piece while the others keep the copy engine busy.
+/// Returns once every piece was read from `src`; the last copies may still be in flight: the
+/// returned event completes after all of them (the slots go back to the cache guarded by their
+/// own events).
+fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle) -> Result<Event> {
+    let tune = bounce::h2d_tuning();
+    let pool = bounce::workers();
+    let threads = pool.map_or(1, |p| p.current_num_threads() + 1);
+    let workers = tune.workers_for(src.len()).min(threads);
+    if src.len() < tune.driver_below {
+        let done = Event::new_in(cur)?;
+        // SAFETY: `src` pageable: the driver stages it before returning; `dst` holds `len`
+        // bytes of this device (checked by the caller).
+        unsafe { issue(cur, &done, dst, src.as_ptr(), src.len(), stream) }?;
+        return Ok(done);
+    }
+    let pieces = tune.cut(src.len(), workers);
+    let nslots = tune.slots.min(pieces.len());
+    let done = Event::new_in(cur)?;
+    let slots = bounce::take(cur, nslots, tune.max_piece)?;
+    let job = Upload {
+        src,
+        dst,
+        pieces: &pieces,
+        nt: src.len() <= tune.nt_upto,
+        slots: &slots,
+        issued: (0..nslots).map(|_| AtomicUsize::new(0)).collect(),
+        next: AtomicUsize::new(0),
+        failed: AtomicBool::new(false),
+        error: parking_lot::Mutex::new(None),
+        stream,
     };
-    let mut result = Ok(());
-    for (i, (piece, off)) in src
-        .chunks(BOUNCE_CHUNK)
-        .zip((0..src.len()).step_by(BOUNCE_CHUNK))
-        .enumerate()
-    {
-        let k = i % BOUNCE_DEPTH;
-        result = (if i >= BOUNCE_DEPTH {
-            events[k].synchronize()
-        } else {
-            Ok(())
-        })
-        .and_then(|()| {
-            parallel_copy(&mut bufs[k].as_mut_slice()[..piece.len()], piece);
-            // SAFETY: buffer k holds `piece` and is not touched again until its event
-            // completed; dst + off..+len lies within the destination (sizes checked).
-            unsafe {
-                issue(
-                    cur,
-                    &events[k],
-                    dst + off as u64,
-                    bufs[k].as_ptr(),
-                    piece.len(),
-                    stream,
-                )
+    let device = cur.device();
+    match pool {
+        Some(pool) if workers > 1 && pieces.len() > 1 => pool.in_place_scope(|scope| {
+            for _ in 1..workers.min(pieces.len()) {
+                scope.spawn(|_| match device.enter() {
+                    Ok(c) => job.work(&c),
+                    Err(e) => job.fail(e),
+                });
             }
-        });
-        if result.is_err() {
-            break;
+            job.work(cur);
+        }),
+        _ => job.work(cur),
+    }
+    let error = job.error.into_inner();
+    drop(job.issued);
+    bounce::give_back(device, slots);
+    if let Some(e) = error {
+        return Err(e);
+    }
+    if let Err(e) = done.record_in(cur, stream) {
+        // The copies cannot be tracked: wait for the stream so the caller's view is complete.
+        let _ = stream.synchronize(cur);
+        return Err(e);
+    }
+    Ok(done)
+}
+
+/// One pageable upload shared by its workers.
+struct Upload<'a, 's> {
+    src: &'a [u8],
+    dst: u64,
+    /// (offset, bytes) of each piece.
+    pieces: &'a [(usize, usize)],
+    nt: bool,
+    slots: &'a [BounceSlot],
+    /// Per slot: how many of its pieces were issued (or given up after a failure). Piece `i`
+    /// is slot `i % slots`'s use number `i / slots`; it waits until the use before it was
+    /// issued, then for that copy's event.
+    issued: Vec<AtomicUsize>,
+    next: AtomicUsize,
+    failed: AtomicBool,
+    error: parking_lot::Mutex<Option<Error>>,
+    stream: StreamHandle<'s>,
+}
+
+impl Upload<'_, '_> {
+    fn fail(&self, e: Error) {
+        self.failed.store(true, Ordering::Relaxed);
+        self.error.lock().get_or_insert(e);
+    }
+
+    /// Claims pieces until none is left (or one failed). Every claimed piece marks its slot
+    /// issued, even after a failure, so no worker waits forever for it.
+    fn work(&self, cur: &Current<'_>) {
+        let n = self.slots.len();
+        // Relaxed: the failure flag only stops new claims early; the error itself is under a lock.
+        while !self.failed.load(Ordering::Relaxed) {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            if i >= self.pieces.len() {
+                break;
+            }
+            let (s, round) = (i % n, i / n);
+            let backoff = crossbeam_utils::Backoff::new();
+            // Acquire: pairs with the Release below; the earlier use's record happened before.
+            while self.issued[s].load(Ordering::Acquire) < round {
+                backoff.snooze();
+            }
+            if !self.failed.load(Ordering::Relaxed)
+                && let Err(e) = self.send(cur, i, s)
+            {
+                self.fail(e);
+            }
+            self.issued[s].store(round + 1, Ordering::Release);
         }
     }
-    // Whatever happened, no copy may still read a buffer that goes back to the cache.
-    for ev in &events {
-        if let Err(Error::Driver(e)) = ev.synchronize() {
-            crate::error::record_drop_error(e);
-        }
+
+    /// Fills slot `s` with piece `i` once the slot's last copy completed, issues the piece's
+    /// copy and records the slot's event after it.
+    fn send(&self, cur: &Current<'_>, i: usize, s: usize) -> Result<()> {
+        let slot = &self.slots[s];
+        slot.busy.synchronize()?;
+        let (off, n) = self.pieces[i];
+        let to = slot.buf.as_ptr() as *mut u8;
+        // SAFETY: slot `s` is this worker's alone until it marks the slot issued (the claim
+        // protocol above), and its last copy completed; it holds `max_piece >= n` bytes and is
+        // page-aligned; the source piece lies within `src`.
+        unsafe { bounce::fill(to, self.src.as_ptr().add(off), n, self.nt) };
+        // SAFETY: the slot stays untouched until its event completed (recorded next, or the
+        // stream is synchronized); dst + off..+n lies within the destination (sizes checked).
+        unsafe { issue(cur, &slot.busy, self.dst + off as u64, to, n, self.stream) }
     }
-    bounce::give_back(device, bufs);
-    result
 }
 
 /// Copies `src` into `dst` (equal sizes) and waits until the source may change: a pinned source

@@ -1,29 +1,46 @@
-//! Pinned bounce buffers shared by both directions' pageable paths (a per-device cache, so a
-//! pageable copy does not pay `cuMemHostAlloc`), and the multi-threaded host copy that fills or
-//! drains them.
+//! Pinned bounce slots shared by both directions' pageable paths (a per-device cache, so a
+//! pageable copy does not pay `cuMemHostAlloc`), pinstage's copy workers, and the
+//! multi-threaded host copy that drains D2H slots.
+
+use std::sync::OnceLock;
 
 use parking_lot::Mutex;
 
 use super::{PinnedBuffer, PinnedFlags};
-use crate::cuda::Device;
-use crate::error::Result;
+use crate::cuda::{Current, Device, Event};
+use crate::error::{Error, Result};
 
-/// Bytes per bounce chunk.
+/// Bytes per D2H bounce chunk.
 pub const BOUNCE_CHUNK: usize = 8 << 20;
-/// Bounce buffers in flight.
+/// D2H bounce chunks in flight.
 pub const BOUNCE_DEPTH: usize = 3;
 
-static BOUNCE: Mutex<Vec<(i32, PinnedBuffer)>> = Mutex::new(Vec::new());
+/// A pinned bounce buffer and the event recorded after the last copy that used it: nobody
+/// touches the buffer before that event completed.
+pub(crate) struct BounceSlot {
+    pub(crate) buf: PinnedBuffer,
+    pub(crate) busy: Event,
+}
 
-/// [`BOUNCE_DEPTH`] buffers of [`BOUNCE_CHUNK`] bytes for `device`, from the cache or new; owned
-/// by the caller until [`give_back`].
-pub(crate) fn take(device: &Device) -> Result<Vec<PinnedBuffer>> {
-    let mut bufs: Vec<PinnedBuffer> = {
-        let mut cache = BOUNCE.lock();
-        let mut mine = Vec::with_capacity(BOUNCE_DEPTH);
+impl BounceSlot {
+    fn len(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+/// Cached slots: (device ordinal, slot). A slot's copy may still be in flight (its event says).
+static CACHE: Mutex<Vec<(i32, BounceSlot)>> = Mutex::new(Vec::new());
+
+/// `count` slots of `size` bytes for the current device, from the cache or new; owned by the
+/// caller until [`give_back`]. Cached slots may still be busy: wait for `busy` before use.
+pub(crate) fn take(cur: &Current<'_>, count: usize, size: usize) -> Result<Vec<BounceSlot>> {
+    let device = cur.device();
+    let mut slots: Vec<BounceSlot> = {
+        let mut cache = CACHE.lock();
+        let mut mine = Vec::with_capacity(count);
         let mut i = 0;
-        while i < cache.len() && mine.len() < BOUNCE_DEPTH {
-            if cache[i].0 == device.ordinal() {
+        while i < cache.len() && mine.len() < count {
+            if cache[i].0 == device.ordinal() && cache[i].1.len() == size {
                 mine.push(cache.swap_remove(i).1);
             } else {
                 i += 1;
@@ -31,28 +48,41 @@ pub(crate) fn take(device: &Device) -> Result<Vec<PinnedBuffer>> {
         }
         mine
     };
-    while bufs.len() < BOUNCE_DEPTH {
-        match PinnedBuffer::new(device, BOUNCE_CHUNK, PinnedFlags::PORTABLE) {
-            Ok(b) => bufs.push(b),
+    while slots.len() < count {
+        let slot = PinnedBuffer::new(device, size, PinnedFlags::PORTABLE).and_then(|buf| {
+            Ok(BounceSlot {
+                buf,
+                busy: Event::new_in(cur)?,
+            })
+        });
+        match slot {
+            Ok(s) => slots.push(s),
             Err(e) => {
-                give_back(device, bufs);
+                give_back(device, slots);
                 return Err(e);
             }
         }
     }
-    Ok(bufs)
+    Ok(slots)
 }
 
-/// Returns buffers to the cache. The caller has waited for every copy that used them.
-pub(crate) fn give_back(device: &Device, bufs: Vec<PinnedBuffer>) {
-    BOUNCE
+/// Returns slots to the cache; their last copies may still be in flight (each slot's event).
+pub(crate) fn give_back(device: &Device, slots: Vec<BounceSlot>) {
+    CACHE
         .lock()
-        .extend(bufs.into_iter().map(|b| (device.ordinal(), b)));
+        .extend(slots.into_iter().map(|s| (device.ordinal(), s)));
 }
 
-/// Frees the cached bounce buffers.
+/// Frees the cached bounce slots once their last copies completed.
 pub fn release_bounce_buffers() {
-    BOUNCE.lock().clear();
+    let slots = std::mem::take(&mut *CACHE.lock());
+    for (_, slot) in slots {
+        if let Err(Error::Driver(e)) = slot.busy.synchronize() {
+            // A copy that may still read the buffer: never free it, record why.
+            crate::error::record_drop_error(e);
+            std::mem::forget(slot.buf);
+        }
+    }
 }
 
 /// Copies `src` into `dst` with several threads: one core cannot keep up with the copy engine
@@ -67,4 +97,221 @@ pub(crate) fn parallel_copy(dst: &mut [u8], src: &[u8]) {
     dst.par_chunks_mut(PIECE)
         .zip(src.par_chunks(PIECE))
         .for_each(|(d, s)| d.copy_from_slice(s));
+}
+
+/// Most threads pinstage's copy workers run on.
+const MAX_WORKER_THREADS: usize = 12;
+
+/// pinstage's own copy threads (not the global rayon pool, which the caller's code may keep
+/// busy). `None` when no thread could be started: the bounced paths then run on the caller's
+/// thread alone.
+pub(crate) fn workers() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let n = std::thread::available_parallelism()
+            .map_or(4, |n| n.get())
+            .clamp(1, MAX_WORKER_THREADS);
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("pinstage-copy-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
+/// How the pageable H2D path cuts a copy: at most `workers` threads (the caller's included),
+/// pieces of at most `max_piece` bytes, `slots` bounce slots of `max_piece` bytes each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct H2DTuning {
+    /// Threads filling slots (the calling thread is one of them).
+    pub(crate) workers: usize,
+    /// Largest piece (and the size of every slot).
+    pub(crate) max_piece: usize,
+    /// Smallest piece a copy is cut into (a copy smaller than this is one piece).
+    pub(crate) min_piece: usize,
+    /// Slots: the copies in flight plus the slots being filled.
+    pub(crate) slots: usize,
+    /// The first pieces start at `min_piece` and double up to the piece size, so the copy
+    /// engine starts early.
+    pub(crate) ramp: bool,
+    /// Copies of at most this many bytes fill slots with non-temporal stores (x86-64): faster
+    /// while the source sits in the caches, slower for sources far larger than them.
+    pub(crate) nt_upto: usize,
+    /// Copies below this many bytes go to the driver's own pageable path.
+    pub(crate) driver_below: usize,
+}
+
+impl H2DTuning {
+    /// The defaults.
+    pub(crate) const DEFAULT: Self = Self {
+        workers: 8,
+        max_piece: 4 << 20,
+        min_piece: 128 << 10,
+        slots: 12,
+        ramp: true,
+        nt_upto: 128 << 20,
+        driver_below: 0,
+    };
+
+    /// Workers for a copy of `len` bytes: one per 2 MiB, at least 4 (waking more costs more
+    /// than they bring to a small copy), at most `workers`.
+    pub(crate) fn workers_for(&self, len: usize) -> usize {
+        (len >> 21).clamp(4, 64).min(self.workers)
+    }
+
+    /// The pieces (offset, bytes) of a copy of `len > 0` bytes: about two per worker, between
+    /// `min_piece` and `max_piece`, multiples of 64 KiB (the last one excepted); with `ramp`,
+    /// the first ones smaller.
+    pub(crate) fn cut(&self, len: usize, workers: usize) -> Vec<(usize, usize)> {
+        let want = len.div_ceil(2 * workers.max(1));
+        let piece = want
+            .clamp(self.min_piece, self.max_piece)
+            .next_multiple_of(64 << 10)
+            .min(self.max_piece);
+        let mut out = Vec::with_capacity(len.div_ceil(piece) + 8);
+        let (mut off, mut size) = (0, if self.ramp { self.min_piece.min(piece) } else { piece });
+        while off < len {
+            let n = size.min(len - off);
+            out.push((off, n));
+            off += n;
+            size = (size * 2).min(piece);
+        }
+        out
+    }
+}
+
+static TUNING: Mutex<H2DTuning> = Mutex::new(H2DTuning::DEFAULT);
+
+/// The pageable H2D path's current tuning.
+pub(crate) fn h2d_tuning() -> H2DTuning {
+    *TUNING.lock()
+}
+
+/// Sets the pageable H2D path's tuning (the laboratory's experiments; values are clamped to
+/// sane ranges: 1..=64 workers, pieces of 64 KiB..=64 MiB, 2..=64 slots).
+#[cfg_attr(not(feature = "lab"), allow(dead_code))]
+pub(crate) fn set_h2d_tuning(t: H2DTuning) {
+    let max_piece = t.max_piece.clamp(64 << 10, 64 << 20).next_multiple_of(64 << 10);
+    *TUNING.lock() = H2DTuning {
+        workers: t.workers.clamp(1, 64),
+        max_piece,
+        min_piece: t.min_piece.clamp(64 << 10, max_piece).next_multiple_of(64 << 10),
+        slots: t.slots.clamp(2, 64),
+        ..t
+    };
+}
+
+/// Copies `n` bytes from `src` to `dst`; with `nt` (x86-64), by non-temporal stores, which
+/// skip reading the destination's cache lines first and leave the caches to the source, then
+/// a store fence so a DMA issued next reads every byte.
+///
+/// # Safety
+/// 1. `src..src+n` readable, `dst..dst+n` writable, not overlapping; with `nt`, `dst` is
+///    16-byte aligned.
+pub(crate) unsafe fn fill(dst: *mut u8, src: *const u8, n: usize, nt: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if nt {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        debug_assert_eq!(dst as usize % 16, 0);
+        let mut i = 0;
+        // SAFETY: the caller's ranges; every access lies below `n`; `dst + i` stays 16-byte
+        // aligned (i is a multiple of 64); SSE2 is part of x86-64.
+        unsafe {
+            while i + 64 <= n {
+                let s = src.add(i).cast::<__m128i>();
+                let d = dst.add(i).cast::<__m128i>();
+                let (a, b) = (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)));
+                let (c, e) = (_mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
+                _mm_stream_si128(d, a);
+                _mm_stream_si128(d.add(1), b);
+                _mm_stream_si128(d.add(2), c);
+                _mm_stream_si128(d.add(3), e);
+                i += 64;
+            }
+            std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i);
+            _mm_sfence();
+        }
+        return;
+    }
+    let _ = nt;
+    // SAFETY: the caller's ranges.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(pieces: &[(usize, usize)], len: usize) {
+        let mut off = 0;
+        for &(o, n) in pieces {
+            assert_eq!(o, off);
+            assert!(n > 0);
+            off += n;
+        }
+        assert_eq!(off, len);
+    }
+
+    #[test]
+    fn cut_gives_two_pieces_per_worker_within_bounds() {
+        let t = H2DTuning {
+            ramp: false,
+            ..H2DTuning::DEFAULT
+        };
+        let sizes = |len, w| {
+            let p = t.cut(len, w);
+            check(&p, len);
+            (p[0].1, p.len())
+        };
+        assert_eq!(sizes(1, 8), (1, 1));
+        assert_eq!(sizes(1 << 20, 8), (128 << 10, 8));
+        assert_eq!(sizes(16 << 20, 8), (1 << 20, 16));
+        assert_eq!(sizes(64 << 20, 8), (4 << 20, 16));
+        assert_eq!(sizes(1 << 30, 8), (4 << 20, 256));
+        assert_eq!(sizes((1 << 30) + 1, 8), (4 << 20, 257));
+        for (len, w) in [(3_000_001, 3), (12345, 1), (7 << 20, 5)] {
+            let p = t.cut(len, w);
+            check(&p, len);
+            assert!(p[..p.len() - 1].iter().all(|&(_, n)| n % (64 << 10) == 0));
+        }
+    }
+
+    #[test]
+    fn ramp_starts_small_and_doubles() {
+        let t = H2DTuning {
+            ramp: true,
+            ..H2DTuning::DEFAULT
+        };
+        let p = t.cut(64 << 20, 8);
+        check(&p, 64 << 20);
+        let sizes: Vec<usize> = p.iter().take(7).map(|&(_, n)| n >> 10).collect();
+        assert_eq!(sizes, [128, 256, 512, 1024, 2048, 4096, 4096]);
+        // A copy smaller than the smallest piece is one piece.
+        assert_eq!(t.cut(1000, 8), [(0, 1000)]);
+    }
+
+    #[test]
+    fn workers_grow_with_the_copy() {
+        let t = H2DTuning::DEFAULT;
+        assert_eq!(t.workers_for(1), 4);
+        assert_eq!(t.workers_for(4 << 20), 4);
+        assert_eq!(t.workers_for(12 << 20), 6);
+        assert_eq!(t.workers_for(1 << 30), t.workers);
+    }
+
+    #[test]
+    fn fill_copies_every_byte_both_ways() {
+        let src: Vec<u8> = (0..5000u32).map(|i| (i * 7 + 3) as u8).collect();
+        for nt in [false, true] {
+            for n in [0, 1, 63, 64, 65, 4999, 5000] {
+                let mut dst = vec![0xEEu8; 5008 + 16];
+                let off = dst.as_ptr().align_offset(16);
+                // SAFETY: both ranges hold n bytes; the destination is 16-byte aligned.
+                unsafe { fill(dst.as_mut_ptr().add(off), src.as_ptr(), n, nt) };
+                assert_eq!(&dst[off..off + n], &src[..n], "nt={nt} n={n}");
+                assert!(dst[off + n..].iter().all(|&b| b == 0xEE), "nt={nt} n={n}");
+            }
+        }
+    }
 }

@@ -59,7 +59,46 @@ fn profile_copy_path<'py>(
     Ok(out)
 }
 
+/// Sets the pageable H2D path's tuning and returns the previous one as a dict; no arguments:
+/// the defaults (see `host::bounce::H2DTuning`).
+#[pyfunction]
+#[pyo3(name = "_set_h2d_tuning", signature = (workers=None, max_piece=None, min_piece=None, slots=None, ramp=None, nt_upto=None, driver_below=None))]
+#[allow(clippy::too_many_arguments)]
+fn set_h2d_tuning<'py>(
+    py: Python<'py>,
+    workers: Option<usize>,
+    max_piece: Option<usize>,
+    min_piece: Option<usize>,
+    slots: Option<usize>,
+    ramp: Option<bool>,
+    nt_upto: Option<usize>,
+    driver_below: Option<usize>,
+) -> PyResult<Bound<'py, PyDict>> {
+    use crate::host::bounce::{H2DTuning, h2d_tuning};
+    let old = h2d_tuning();
+    let d = H2DTuning::DEFAULT;
+    crate::host::bounce::set_h2d_tuning(H2DTuning {
+        workers: workers.unwrap_or(d.workers),
+        max_piece: max_piece.unwrap_or(d.max_piece),
+        min_piece: min_piece.unwrap_or(d.min_piece),
+        slots: slots.unwrap_or(d.slots),
+        ramp: ramp.unwrap_or(d.ramp),
+        nt_upto: nt_upto.unwrap_or(d.nt_upto),
+        driver_below: driver_below.unwrap_or(d.driver_below),
+    });
+    let out = PyDict::new(py);
+    out.set_item("workers", old.workers)?;
+    out.set_item("max_piece", old.max_piece)?;
+    out.set_item("min_piece", old.min_piece)?;
+    out.set_item("slots", old.slots)?;
+    out.set_item("ramp", old.ramp)?;
+    out.set_item("nt_upto", old.nt_upto)?;
+    out.set_item("driver_below", old.driver_below)?;
+    Ok(out)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(set_h2d_tuning, m)?)?;
     m.add_function(wrap_pyfunction!(driver_costs, m)?)?;
     m.add_function(wrap_pyfunction!(profile_copy_path, m)?)?;
     Ok(())

@@ -25,10 +25,11 @@ unsafe impl Send for SendPtr {}
 ///         (torch), else the legacy default stream.
 ///
 /// Returns:
-///     PendingCopy: ``wait()`` returns ``dst``. A PAGEABLE ``src`` was read completely before
-///     ``copy_h2d`` returned (copied through pinned bounce buffers by several threads while the
-///     copy engine drains them; the handle is already done), so it may be changed at once. A
-///     PINNED ``src`` goes as one DMA: change it only once ``done()`` is True or ``wait()``
+///     PendingCopy: ``wait()`` waits for the device copy and returns ``dst``. A PAGEABLE
+///     ``src`` was read completely before ``copy_h2d`` returned (copied through pinned bounce
+///     slots by several threads while the copy engine drains them), so it may be changed at
+///     once; the last pieces may still be on their way to ``dst`` (ordered on ``stream``).
+///     A PINNED ``src`` goes as one DMA: change it only once ``done()`` is True or ``wait()``
 ///     returned. The handle keeps ``src`` alive; dropping it waits for the copy.
 ///
 /// Raises:
@@ -97,8 +98,8 @@ fn copy_h2d(
     let stream = s.unwrap_or(to.stream);
     let (ptr, len) = (SendPtr(from.view.ptr() as *const u8), from.view.nbytes());
     let view = &to.view;
-    // A pageable source of any size is copied with the GIL released (the bounce ring's threads
-    // fill buffers while the copy engine drains them).
+    // A pageable source of any size is copied with the GIL released (pinstage's copy threads
+    // fill bounce slots while the copy engine drains them).
     let (path, event) = py.detach(move || {
         let ptr = ptr;
         // SAFETY: the source is host memory of `len` bytes kept alive by `from` (and, when
@@ -106,7 +107,7 @@ fn copy_h2d(
         // change a pinned source before then (documented).
         unsafe { crate::start_h2d(device, view, ptr.0, len, stream) }
     })?;
-    debug_assert!(event.is_some() == (path == H2DPath::Pinned));
+    debug_assert!(event.is_some() == matches!(path, H2DPath::Pinned | H2DPath::Bounced));
     drop(to);
     Ok(PendingCopy::new(event, dst.clone().unbind(), from))
 }
