@@ -71,8 +71,9 @@ pub use d2h::{D2HPath, HostRegion, PendingCopy, copy_d2h, copy_d2h_async};
 pub use driver::{DISABLE_ENV, DriverError, Probe, probe};
 pub use error::{DropErrors, Error, Result, drop_errors};
 pub use h2d::{
-    Copy, CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, H2DMirror, H2DPath, MAX_DEPTH, PinnedStager,
-    PinnedStagerBuilder, RawCopy, Stager, StagerBuilder, StagerStats, WaitFn, copy_h2d, start_h2d,
+    Copy, CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, DevicePoolStats, FreshMem, H2DMirror, H2DPath,
+    MAX_DEPTH, PinnedStager, PinnedStagerBuilder, RawCopy, Stager, StagerBuilder, StagerStats,
+    WaitFn, copy_h2d, device_pool_stats, start_h2d, start_to_device, to_device, trim_device_pools,
 };
 pub use host::{
     BOUNCE_CHUNK, BOUNCE_DEPTH, DEFAULT_BUDGET, PinnedBuffer, PinnedFlags, PinnedPool, PoolBlock,

@@ -6,6 +6,8 @@
 - ``copy_d2h`` / ``copy_d2h_async``: device-to-host into pinned memory, from torch, jax,
   cupy or numpy tensors; a transparent numpy fallback where no CUDA driver exists.
 - ``copy_h2d``: a whole host array (pinned or pageable) into a device tensor at line rate.
+- ``to_device``: a fresh torch, cupy or JAX device array filled from a host array at the same
+  rates (JAX: one DLPack import of memory pinstage allocated).
 - ``StepLayout`` / ``StepStager``: all of an engine step's small inputs in ONE driver call per
   step, into a persistent device arena (stable addresses for CUDA graphs), a fresh block per
   step (JAX), or read in place by kernels (zero-copy).
@@ -14,6 +16,7 @@
 from ._native import (
     CudaDriverError,
     CudaUnavailableError,
+    DeviceArray,
     H2DMirror,
     PendingCopy,
     PinnedBlock,
@@ -39,6 +42,7 @@ from ._native import (
     copy_h2d,
     cuda_available,
     device_count,
+    device_pool_stats,
     driver_info,
     empty_cache,
     empty_host,
@@ -49,11 +53,13 @@ from ._native import (
     pinned_bytes,
     pool_stats,
     set_pool_budget,
+    to_device,
 )
 
 __all__ = [
     "CudaDriverError",
     "CudaUnavailableError",
+    "DeviceArray",
     "H2DMirror",
     "PendingCopy",
     "PinnedBlock",
@@ -79,6 +85,7 @@ __all__ = [
     "copy_h2d",
     "cuda_available",
     "device_count",
+    "device_pool_stats",
     "driver_info",
     "empty_cache",
     "empty_host",
@@ -89,4 +96,5 @@ __all__ = [
     "pinned_bytes",
     "pool_stats",
     "set_pool_budget",
+    "to_device",
 ]

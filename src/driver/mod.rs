@@ -21,6 +21,7 @@ pub(crate) use sys::{CUcontext, CUdevice, CUdeviceptr, CUevent, CUstream};
 pub(crate) mod ctx;
 pub(crate) mod event;
 pub(crate) mod mem;
+pub(crate) mod pool;
 pub(crate) mod stream;
 
 /// A failed CUDA driver call: the call's name and the `CUresult` it returned.

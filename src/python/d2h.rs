@@ -164,6 +164,14 @@ impl PendingCopy {
             src: Mutex::new(Some(src)),
         }
     }
+
+    /// Whether the copy completed (never blocks).
+    pub(crate) fn is_done(&self) -> crate::Result<bool> {
+        match &*self.event.lock() {
+            Some(ev) => ev.query(),
+            None => Ok(true),
+        }
+    }
 }
 
 #[pymethods]
@@ -173,10 +181,7 @@ impl PendingCopy {
     /// Raises:
     ///     CudaDriverError: the copy failed.
     fn done(&self) -> PyResult<bool> {
-        match &*self.event.lock() {
-            Some(ev) => ev.query().map_err(PyErr::from),
-            None => Ok(true),
-        }
+        Ok(self.is_done()?)
     }
 
     /// Waits for the copy with the GIL released and returns the result array.
@@ -323,8 +328,8 @@ fn pool_stats<'py>(
     Ok(d)
 }
 
-/// Frees the pool's cached blocks (blocks in use stay) and the D2H bounce buffers, on every
-/// device. Works without a driver. Never raises.
+/// Frees the pool's cached blocks (blocks in use stay), the bounce buffers, and the device
+/// memory ``to_device`` keeps for reuse, on every device. Works without a driver. Never raises.
 #[pyfunction]
 fn empty_cache(py: Python<'_>) {
     py.detach(|| {
@@ -334,6 +339,9 @@ fn empty_cache(py: Python<'_>) {
             }
         }
         crate::release_bounce_buffers();
+        if let Err(crate::Error::Driver(e)) = crate::trim_device_pools() {
+            crate::error::record_drop_error(e);
+        }
     });
 }
 

@@ -4,7 +4,8 @@ use pyo3::prelude::*;
 
 use super::d2h::PendingCopy;
 use super::errors::{type_err, value_err};
-use super::import::{describe, import, import_destination, parse_stream};
+use super::import::{Imported, describe, import, import_destination, parse_stream};
+use crate::cuda::StreamHandle;
 use crate::view::MemoryKind;
 use crate::{Error, H2DPath};
 
@@ -53,6 +54,18 @@ fn copy_h2d(
 ) -> PyResult<PendingCopy> {
     let s = parse_stream(stream)?;
     let to = import_destination(dst, s)?;
+    let from = import_host_source(src)?;
+    check_match(&from, &to)?;
+    let stream = s.unwrap_or(to.stream);
+    let (_, event) = start(py, &from, &to, stream)?;
+    drop(to);
+    Ok(PendingCopy::new(event, dst.clone().unbind(), from))
+}
+
+/// Imports a host array for an H2D copy: anything with DLPack on the CPU, or an object numpy
+/// can view (``__array__`` / ``__array_interface__``).
+pub(super) fn import_host_source(src: &Bound<'_, PyAny>) -> PyResult<Imported> {
+    let py = src.py();
     let from_obj = if src.hasattr(pyo3::intern!(py, "__dlpack__"))? {
         src.clone()
     } else if src.hasattr(pyo3::intern!(py, "__array__"))?
@@ -69,11 +82,16 @@ fn copy_h2d(
     let from = import(&from_obj, None)?;
     if from.view.memory() != MemoryKind::Host {
         return Err(type_err(format!(
-            "src is {}, on a CUDA device: copy_h2d takes a host array (device-to-device copies \
-             are the framework's)",
+            "src is {}, on a CUDA device: pinstage copies host arrays to the device \
+             (device-to-device copies are the framework's)",
             describe(src)
         )));
     }
+    Ok(from)
+}
+
+/// Refuses a source and a destination of different dtypes or sizes.
+fn check_match(from: &Imported, to: &Imported) -> PyResult<()> {
     if from.view.dtype() != to.view.dtype() {
         return Err(Error::DtypeMismatch {
             expected: to.view.dtype(),
@@ -91,11 +109,20 @@ fn copy_h2d(
             to.view.shape()
         )));
     }
+    Ok(())
+}
+
+/// Starts the copy of `from` into `to` on `stream` with the GIL released.
+pub(super) fn start(
+    py: Python<'_>,
+    from: &Imported,
+    to: &Imported,
+    stream: StreamHandle<'static>,
+) -> PyResult<(H2DPath, Option<crate::Event>)> {
     let device = match to.view.memory() {
         MemoryKind::Cuda(id) => Some(&super::device_state(id)?.device),
         MemoryKind::Host => None,
     };
-    let stream = s.unwrap_or(to.stream);
     let (ptr, len) = (SendPtr(from.view.ptr() as *const u8), from.view.nbytes());
     let view = &to.view;
     // A pageable source of any size is copied with the GIL released (pinstage's copy threads
@@ -103,13 +130,12 @@ fn copy_h2d(
     let (path, event) = py.detach(move || {
         let ptr = ptr;
         // SAFETY: the source is host memory of `len` bytes kept alive by `from` (and, when
-        // pinned, by the returned handle until the event completed); the caller promises not to
-        // change a pinned source before then (documented).
+        // pinned, by the caller until the event completed); the caller promises not to change
+        // a pinned source before then (documented).
         unsafe { crate::start_h2d(device, view, ptr.0, len, stream) }
     })?;
     debug_assert!(event.is_some() == matches!(path, H2DPath::Pinned | H2DPath::Bounced));
-    drop(to);
-    Ok(PendingCopy::new(event, dst.clone().unbind(), from))
+    Ok((path, event))
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

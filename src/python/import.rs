@@ -456,7 +456,7 @@ pub(crate) fn import_destination(
         return Err(value_err(format!(
             "dst is {}: JAX arrays are immutable (JAX may share their buffers), so pinstage \
              never writes into one; copy into a torch or cupy tensor, or make a new JAX array \
-             with jax.device_put",
+             with pinstage.to_device(src, \"jax\")",
             describe(dst)
         )));
     }

@@ -12,6 +12,7 @@ pub(crate) mod args;
 pub(crate) mod arrays;
 mod d2h;
 pub(crate) mod errors;
+mod fresh;
 mod h2d;
 pub(crate) mod import;
 mod mirror;
@@ -138,6 +139,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     stager::register(m)?;
     d2h::register(m)?;
     h2d::register(m)?;
+    fresh::register(m)?;
     step::register(m)?;
     pool::register(m)?;
     #[cfg(feature = "lab")]

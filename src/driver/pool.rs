@@ -1,0 +1,97 @@
+//! Stream-ordered device memory: a memory pool of pinstage's own, allocations and frees ordered
+//! on a stream.
+
+use cudarc::driver::sys;
+
+use super::{CUdeviceptr, CUstream, DResult, check};
+
+pub(crate) use sys::CUmemoryPool;
+
+/// [cuMemPoolCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+/// of device memory on `ordinal`, then its release threshold set to keep every byte it holds
+/// (freed memory stays in the pool for the next allocation until [`pool_trim`]).
+///
+/// # Safety
+/// 1. A context must be current on this thread.
+pub(crate) unsafe fn pool_create(ordinal: i32) -> DResult<CUmemoryPool> {
+    // SAFETY: plain C data; all-zero is "no handle types, no flags" for every other field.
+    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+    props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    props.location.id = ordinal;
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: valid out-pointer and properties; a context is current (caller).
+    check("cuMemPoolCreate", unsafe {
+        sys::cuMemPoolCreate(&mut pool, &props)
+    })?;
+    let mut keep: u64 = u64::MAX;
+    // SAFETY: our live pool; the attribute takes a cuuint64_t.
+    let set = check("cuMemPoolSetAttribute", unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&raw mut keep).cast(),
+        )
+    });
+    if let Err(e) = set {
+        // SAFETY: nothing was allocated from the pool.
+        let _ = unsafe { sys::cuMemPoolDestroy(pool) };
+        return Err(e);
+    }
+    Ok(pool)
+}
+
+/// [cuMemAllocFromPoolAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+///
+/// # Safety
+/// 1. `pool` is live; `stream` a live stream of the pool's device's current context.
+pub(crate) unsafe fn alloc_async(
+    bytes: usize,
+    pool: CUmemoryPool,
+    stream: CUstream,
+) -> DResult<CUdeviceptr> {
+    let mut ptr = 0;
+    // SAFETY: valid out-pointer; caller's contract.
+    check("cuMemAllocFromPoolAsync", unsafe {
+        sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, pool, stream)
+    })?;
+    Ok(ptr)
+}
+
+/// [cuMemFreeAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+///
+/// # Safety
+/// 1. `ptr` came from [`alloc_async`], is freed once, and no work outside `stream`'s order
+///    uses it any more.
+pub(crate) unsafe fn free_async(ptr: CUdeviceptr, stream: CUstream) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(ptr, stream) })
+}
+
+/// [cuMemPoolTrimTo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html):
+/// gives the pool's unused memory back to the device, keeping `keep` bytes.
+///
+/// # Safety
+/// 1. `pool` is live.
+pub(crate) unsafe fn pool_trim(pool: CUmemoryPool, keep: usize) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuMemPoolTrimTo", unsafe { sys::cuMemPoolTrimTo(pool, keep) })
+}
+
+/// Bytes of device memory the pool holds (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`).
+///
+/// # Safety
+/// 1. `pool` is live.
+pub(crate) unsafe fn pool_reserved(pool: CUmemoryPool) -> DResult<u64> {
+    let mut v: u64 = 0;
+    // SAFETY: our live pool; the attribute writes a cuuint64_t.
+    check("cuMemPoolGetAttribute", unsafe {
+        sys::cuMemPoolGetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+            (&raw mut v).cast(),
+        )
+    })?;
+    Ok(v)
+}

@@ -1,0 +1,521 @@
+//! `to_device`: a fresh device array for torch, cupy or JAX (or any DLPack consumer), filled
+//! from a host array at the rates of `copy_h2d`.
+
+use std::sync::Arc;
+
+use dlpark::ffi::{DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned};
+use dlpark::python::{CudaStreamRequest, DlpackExporter, ExportRequest, export_dlpack};
+use dlpark::{DlpackFlags, Managed};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyModule, PyString, PyTuple};
+
+use super::d2h::PendingCopy;
+use super::errors::{type_err, value_err};
+use super::h2d::{import_host_source, start};
+use super::import::{Imported, describe, import_destination, parse_stream, type_name};
+use crate::cuda::StreamHandle;
+use crate::view::DType;
+use crate::{FreshMem, H2DPath};
+
+/// Where a result goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Framework {
+    Torch,
+    Cupy,
+    Jax,
+    Dlpack,
+}
+
+impl Framework {
+    fn name(self) -> &'static str {
+        match self {
+            Framework::Torch => "torch",
+            Framework::Cupy => "cupy",
+            Framework::Jax => "jax",
+            Framework::Dlpack => "dlpack",
+        }
+    }
+
+    fn parse(f: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let name = if let Ok(m) = f.cast::<PyModule>() {
+            m.name()?.to_string()
+        } else if f.is_instance_of::<PyString>() {
+            f.extract::<String>()?
+        } else {
+            return Err(type_err(format!(
+                "framework must be 'torch', 'cupy', 'jax' or 'dlpack' (or the module), got {}",
+                type_name(f)
+            )));
+        };
+        Ok(match name.as_str() {
+            "torch" => Framework::Torch,
+            "cupy" => Framework::Cupy,
+            "jax" | "jax.numpy" => Framework::Jax,
+            "dlpack" => Framework::Dlpack,
+            other => {
+                return Err(value_err(format!(
+                    "unknown framework '{other}': to_device makes torch, cupy or jax arrays, or \
+                     'dlpack' for pinstage's own DLPack producer (numpy arrays live on the host)"
+                )));
+            }
+        })
+    }
+
+    /// The framework of an array to imitate.
+    fn of_array(like: &Bound<'_, PyAny>) -> PyResult<Self> {
+        if super::import::is_jax_array(like) {
+            return Ok(Framework::Jax);
+        }
+        let module: String = like.get_type().module()?.to_string();
+        let root = module.split('.').next().unwrap_or("");
+        match root {
+            "torch" => Ok(Framework::Torch),
+            "cupy" => Ok(Framework::Cupy),
+            "jax" | "jaxlib" => Ok(Framework::Jax),
+            "pinstage" => Ok(Framework::Dlpack),
+            _ => Err(type_err(format!(
+                "like must be a torch, cupy or jax array, got {}",
+                describe(like)
+            ))),
+        }
+    }
+}
+
+/// A source whose copy was still in flight when `to_device` returned.
+enum Lingering {
+    /// A torch or cupy result's copy (its handle keeps the source alive).
+    Copy(Py<PendingCopy>),
+    /// A pinned source of pool memory's fill.
+    Fresh(
+        Arc<FreshMem>,
+        #[allow(dead_code, reason = "held for ownership: the DMA reads it")] Imported,
+    ),
+}
+
+impl Lingering {
+    fn is_done(&self) -> bool {
+        match self {
+            Lingering::Copy(p) => p.get().is_done().unwrap_or(true),
+            Lingering::Fresh(m, _) => m.ready().query().unwrap_or(true),
+        }
+    }
+}
+
+/// Pinned sources whose copies were still in flight when `to_device` returned: kept alive here
+/// until their copies completed (looked at on every call).
+static LINGERING: Mutex<Vec<Lingering>> = Mutex::new(Vec::new());
+
+fn linger(l: Lingering) {
+    if !l.is_done() {
+        LINGERING.lock().push(l);
+    }
+}
+
+fn reap_lingering(_py: Python<'_>) {
+    let done: Vec<Lingering> = {
+        let mut l = LINGERING.lock();
+        if l.is_empty() {
+            return;
+        }
+        let (done, keep) = std::mem::take(&mut *l)
+            .into_iter()
+            .partition(Lingering::is_done);
+        *l = keep;
+        done
+    };
+    // Dropped with the GIL held (`_py`), outside the lock: a source's deleter may need both.
+    drop(done);
+}
+
+/// The CUDA ordinal of an array to imitate, if it lives on a CUDA device.
+fn device_of(like: &Bound<'_, PyAny>) -> PyResult<Option<i32>> {
+    let py = like.py();
+    if !like.hasattr(pyo3::intern!(py, "__dlpack_device__"))? {
+        return Ok(None);
+    }
+    let (kind, id): (u32, i32) = like
+        .call_method0(pyo3::intern!(py, "__dlpack_device__"))?
+        .extract()?;
+    Ok((kind == crate::dlpack::DL_CUDA || kind == crate::dlpack::DL_CUDA_MANAGED).then_some(id))
+}
+
+/// The framework's current device.
+fn default_device(py: Python<'_>, fw: Framework) -> PyResult<i32> {
+    Ok(match fw {
+        Framework::Torch => py
+            .import("torch")?
+            .getattr("cuda")?
+            .call_method0("current_device")?
+            .extract()?,
+        Framework::Cupy => py
+            .import("cupy")?
+            .getattr("cuda")?
+            .getattr("runtime")?
+            .call_method0("getDevice")?
+            .extract()?,
+        Framework::Jax | Framework::Dlpack => 0,
+    })
+}
+
+/// Makes a fresh device array holding a copy of a host array, for torch, cupy or JAX.
+///
+/// Parameters:
+///     src: a C-contiguous host array (numpy, a torch CPU tensor, anything with DLPack on the
+///         CPU), pinned or pageable. The result has its dtype and shape.
+///     framework: ``"torch"``, ``"cupy"``, ``"jax"`` (or the module itself), or ``"dlpack"``
+///         for a :class:`DeviceArray` that any DLPack consumer imports. Give this or ``like``.
+///     like: an array whose framework (and CUDA device) the result imitates.
+///     device: the CUDA device (an int, ``"cuda:N"``, a torch or cupy device); default:
+///         ``like``'s device, else the framework's current device (device 0 for JAX and
+///         ``"dlpack"``).
+///     stream: torch and cupy only: the stream the copy is ordered on; None: the framework's
+///         current stream, so the result is ready for the framework's next operation.
+///
+/// Returns:
+///     A ``torch.Tensor`` / ``cupy.ndarray`` from the framework's own allocator, filled on its
+///     current stream; a ``jax.Array`` over memory pinstage allocated from a stream-ordered pool
+///     of its own and filled on pinstage's stream, imported once through DLPack (JAX's work
+///     waits for the copy on the device; the memory returns to the pool when JAX frees the
+///     array); or a :class:`DeviceArray`. A pageable ``src`` was read completely when this
+///     returns and may change at once; a pinned ``src`` is read by one DMA in flight: do not
+///     change it until the result is ready (e.g. the stream synchronised); pinstage keeps it
+///     alive until then.
+///
+/// Raises:
+///     PinstageValueError: an unknown framework, ``framework`` and ``like`` disagreeing,
+///         a bad device, ``stream`` for JAX. PinstageTypeError: ``src`` not a host array, a
+///         dtype the framework lacks (cupy: bfloat16). CudaUnavailableError: no driver.
+///         ImportError: the framework is not installed. CudaDriverError: the copy failed.
+///
+/// Example:
+///     >>> x = pinstage.to_device(numpy.arange(4, dtype=numpy.float32), "jax")
+///     >>> t = pinstage.to_device(batch, like=model_param)    # torch, on the param's device
+#[pyfunction]
+#[pyo3(signature = (src, framework=None, *, like=None, device=None, stream=None))]
+fn to_device<'py>(
+    py: Python<'py>,
+    src: &Bound<'py, PyAny>,
+    framework: Option<&Bound<'py, PyAny>>,
+    like: Option<&Bound<'py, PyAny>>,
+    device: Option<&Bound<'py, PyAny>>,
+    stream: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let _range = crate::nvtx::NvtxRange::new(c"pinstage.to_device");
+    reap_lingering(py);
+    let framework = framework.filter(|f| !f.is_none());
+    let like = like.filter(|l| !l.is_none());
+    let fw = match (framework, like) {
+        (None, None) => {
+            return Err(value_err(
+                "to_device needs framework= ('torch', 'cupy', 'jax', 'dlpack') or like= (an \
+                 array to imitate)",
+            ));
+        }
+        (Some(f), None) => Framework::parse(f)?,
+        (None, Some(l)) => Framework::of_array(l)?,
+        (Some(f), Some(l)) => {
+            let (a, b) = (Framework::parse(f)?, Framework::of_array(l)?);
+            if a != b {
+                return Err(value_err(format!(
+                    "framework='{}' but like is a {} array",
+                    a.name(),
+                    b.name()
+                )));
+            }
+            a
+        }
+    };
+    let s = parse_stream(stream)?;
+    if s.is_some() && matches!(fw, Framework::Jax | Framework::Dlpack) {
+        return Err(value_err(
+            "stream= applies to torch and cupy results; a JAX or DLPack result is filled on \
+             pinstage's stream and its consumers wait for it on the device through DLPack",
+        ));
+    }
+    let from = import_host_source(src)?;
+    let ordinal = match device.filter(|d| !d.is_none()) {
+        Some(d) => super::args::parse_device(Some(d))?,
+        None => match like.map(device_of).transpose()?.flatten() {
+            Some(d) => d,
+            None => {
+                // No driver: say so before asking a framework about its devices.
+                crate::driver::probe().map_err(crate::Error::unavailable)?;
+                default_device(py, fw)?
+            }
+        },
+    };
+    let dev = &super::device_state(ordinal)?.device;
+    let dtype = from.view.dtype();
+    let shape: Vec<i64> = from.view.shape().to_vec();
+    match fw {
+        Framework::Torch | Framework::Cupy => {
+            let dst = empty_like_framework(py, fw, dtype, &shape, ordinal)?;
+            let to = import_destination(&dst, s)?;
+            let stream = s.unwrap_or(to.stream);
+            let (_, event) = start(py, &from, &to, stream)?;
+            drop(to);
+            linger(Lingering::Copy(Py::new(
+                py,
+                PendingCopy::new(event, dst.clone().unbind(), from),
+            )?));
+            Ok(dst)
+        }
+        Framework::Jax | Framework::Dlpack => {
+            let arr = fresh(py, dev, from, dtype, shape)?;
+            let arr = Bound::new(py, arr)?;
+            if fw == Framework::Dlpack {
+                return Ok(arr.into_any());
+            }
+            py.import("jax")?
+                .getattr("dlpack")?
+                .call_method1("from_dlpack", (arr,))
+        }
+    }
+}
+
+/// Fills fresh pool memory from `from` (pinstage's stream); a pinned source lingers until its
+/// copy completed.
+fn fresh(
+    py: Python<'_>,
+    dev: &crate::Device,
+    from: Imported,
+    dtype: DType,
+    shape: Vec<i64>,
+) -> PyResult<DeviceArray> {
+    struct SendPtr(*const u8);
+    // SAFETY: the memory is kept alive by `from`, held by this frame.
+    unsafe impl Send for SendPtr {}
+    let (ptr, len) = (SendPtr(from.view.ptr() as *const u8), from.view.nbytes());
+    let (mem, path) = py.detach(move || {
+        let ptr = ptr;
+        // SAFETY: `len` readable host bytes kept alive by `from`; a pinned one lingers below
+        // until its copy completed (the documented contract: unchanged until then).
+        unsafe { crate::start_to_device(dev, ptr.0, len) }
+    })?;
+    let mem = Arc::new(mem);
+    if path == H2DPath::Pinned {
+        // The DMA still reads `from`: it lingers until the fill completed.
+        linger(Lingering::Fresh(Arc::clone(&mem), from));
+    }
+    Ok(DeviceArray { mem, dtype, shape })
+}
+
+/// `torch.empty` / `cupy.empty` on CUDA device `ordinal`.
+fn empty_like_framework<'py>(
+    py: Python<'py>,
+    fw: Framework,
+    dtype: DType,
+    shape: &[i64],
+    ordinal: i32,
+) -> PyResult<Bound<'py, PyAny>> {
+    let shape = PyTuple::new(py, shape)?;
+    match fw {
+        Framework::Torch => {
+            let torch = py.import("torch")?;
+            let kw = PyDict::new(py);
+            kw.set_item("dtype", torch.getattr(dtype.name())?)?;
+            kw.set_item(
+                "device",
+                torch.call_method1("device", ("cuda", ordinal))?,
+            )?;
+            torch.call_method("empty", (shape,), Some(&kw))
+        }
+        _ => {
+            if dtype == DType::BF16 {
+                return Err(type_err(
+                    "cupy has no bfloat16 arrays: make a torch or jax array instead",
+                ));
+            }
+            let cupy = py.import("cupy")?;
+            let dev = cupy.getattr("cuda")?.call_method1("Device", (ordinal,))?;
+            dev.call_method0("__enter__")?;
+            let kw = PyDict::new(py);
+            kw.set_item("dtype", dtype.name())?;
+            let out = cupy.call_method("empty", (shape,), Some(&kw));
+            dev.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
+            out
+        }
+    }
+}
+
+/// Device memory pinstage allocated and filled (``to_device(src, "dlpack")``): a DLPack producer
+/// any framework imports (``torch.from_dlpack``, ``cupy.from_dlpack``,
+/// ``jax.dlpack.from_dlpack``); an importer's stream waits for the fill on the device. The
+/// memory returns to pinstage's pool when this object and every import are gone: an importer
+/// must not release its import while its own work on it is still queued.
+#[pyclass(frozen, name = "DeviceArray", module = "pinstage._native")]
+pub struct DeviceArray {
+    mem: Arc<FreshMem>,
+    dtype: DType,
+    shape: Vec<i64>,
+}
+
+impl DeviceArray {
+    fn dl_device(&self) -> DLDevice {
+        DLDevice {
+            device_type: DLDeviceType(crate::dlpack::DL_CUDA),
+            device_id: self.mem.device().ordinal(),
+        }
+    }
+
+    fn managed<M: dlpark::ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
+        let keep = Box::new(Arc::clone(&self.mem));
+        let mut init = dlpark::metadata::Dynamic::compact(self.shape.clone())
+            .prepare_as::<M>()
+            .map_err(|e| value_err(format!("DLPack export: {e}")))?
+            .initialize(keep);
+        let (code, bits) = self.dtype.dlpack();
+        init.set_data(self.mem.ptr() as *mut std::ffi::c_void);
+        init.set_dtype(dlpark::ffi::DLDataType {
+            code: dlpark::ffi::DLDataTypeCode(code),
+            bits,
+            lanes: 1,
+        });
+        init.set_device(self.dl_device());
+        // SAFETY: data points at `prod(shape)` elements kept alive by the context (the Arc);
+        // shape and compact strides were written by the metadata builder.
+        Ok(unsafe { init.finish() })
+    }
+}
+
+impl DlpackExporter for DeviceArray {
+    fn device(&self) -> DLDevice {
+        self.dl_device()
+    }
+
+    fn flags(&self) -> DlpackFlags {
+        DlpackFlags::empty()
+    }
+
+    fn prepare_export(&self, py: Python<'_>, request: &ExportRequest<'_>) -> PyResult<()> {
+        let stream = match request.cuda_stream()? {
+            CudaStreamRequest::NoSync => return Ok(()),
+            CudaStreamRequest::Omitted => None,
+            CudaStreamRequest::LegacyDefault => Some(StreamHandle::LEGACY),
+            CudaStreamRequest::PerThreadDefault => Some(StreamHandle::PER_THREAD),
+            // SAFETY: the consumer's own stream, alive during its import (DLPack contract).
+            CudaStreamRequest::Pointer(p) => Some(unsafe { StreamHandle::from_raw(p) }?),
+        };
+        let ready = self.mem.ready();
+        py.detach(|| match stream {
+            Some(s) => ready.wait_on(s),
+            None => ready.synchronize(),
+        })?;
+        Ok(())
+    }
+
+    fn export_legacy(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensor>> {
+        self.managed()
+    }
+
+    fn export_versioned(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensorVersioned>> {
+        self.managed()
+    }
+}
+
+#[pymethods]
+impl DeviceArray {
+    /// The DLPack export (the standard protocol); see the class.
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__(
+        &self,
+        py: Python<'_>,
+        stream: Option<&Bound<'_, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(u32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        let req = ExportRequest::parse(stream, max_version, dl_device, copy)?;
+        export_dlpack(self, py, req)
+    }
+
+    fn __dlpack_device__(&self) -> (u32, i32) {
+        let d = self.dl_device();
+        (d.device_type.0, d.device_id)
+    }
+
+    /// The shape.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.shape)
+    }
+
+    /// The dtype's name.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype.name()
+    }
+
+    /// The CUDA ordinal.
+    #[getter]
+    fn device(&self) -> i32 {
+        self.mem.device().ordinal()
+    }
+
+    /// Bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// Device address of the first byte.
+    #[getter]
+    fn address(&self) -> u64 {
+        self.mem.ptr()
+    }
+
+    /// Whether the fill completed (never blocks).
+    fn ready(&self) -> PyResult<bool> {
+        Ok(self.mem.ready().query()?)
+    }
+
+    /// Waits (GIL released) until the fill completed.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let ready = self.mem.ready();
+        py.detach(|| ready.synchronize())?;
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "DeviceArray({}{:?}, cuda:{})",
+            self.dtype.name(),
+            self.shape,
+            self.mem.device().ordinal()
+        )
+    }
+}
+
+/// Device memory ``to_device`` holds for JAX and DLPack results on one device.
+///
+/// Returns:
+///     dict: ``live_arrays`` and ``live_bytes`` (results not yet released by their consumers),
+///     ``reserved_bytes`` (device memory pinstage's pool holds: live results and memory kept
+///     for reuse; ``empty_cache()`` gives the unused part back). Zeros before the first use,
+///     and without a driver.
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn device_pool_stats<'py>(
+    py: Python<'py>,
+    device: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let ordinal = super::args::parse_device(device)?;
+    let s = if crate::cuda_available() {
+        crate::device_pool_stats(&super::device_state(ordinal)?.device)?
+    } else {
+        crate::DevicePoolStats::default()
+    };
+    let d = PyDict::new(py);
+    d.set_item("live_arrays", s.live_arrays)?;
+    d.set_item("live_bytes", s.live_bytes)?;
+    d.set_item("reserved_bytes", s.reserved_bytes)?;
+    Ok(d)
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(to_device, m)?)?;
+    m.add_function(wrap_pyfunction!(device_pool_stats, m)?)?;
+    m.add_class::<DeviceArray>()?;
+    Ok(())
+}

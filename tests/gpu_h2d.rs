@@ -1,0 +1,207 @@
+//! GPU tests of whole-array host-to-device copies (`copy_h2d`, the pageable bounce path) and of
+//! fresh device memory (`to_device`).
+
+mod common;
+
+use std::sync::Mutex;
+
+use common::{POISON, gpu_or_skip, values};
+use pinstage::testing::DeviceBuffer;
+use pinstage::{
+    DType, DeviceView, H2DPath, PinnedBuffer, PinnedFlags, StreamHandle, TensorMeta, copy_d2h,
+    copy_h2d,
+};
+use rstest::rstest;
+
+/// The pool statistics tests read must not see other tests' arrays.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A poisoned device buffer one byte longer than `bytes` (the tail must stay poisoned).
+fn poisoned(dev: &pinstage::Device, bytes: usize) -> DeviceBuffer {
+    let buf = DeviceBuffer::new(dev, bytes + 1).unwrap();
+    buf.upload(0, &vec![POISON; bytes + 1]).unwrap();
+    buf
+}
+
+fn check(buf: &DeviceBuffer, data: &[u8]) {
+    let mut out = vec![0u8; data.len() + 1];
+    buf.download(0, &mut out).unwrap();
+    assert!(out[..data.len()] == *data, "values differ");
+    assert_eq!(out[data.len()], POISON, "the byte past the copy was written");
+}
+
+#[rstest]
+#[case::one(1)]
+#[case::odd(4097)]
+#[case::mib(1 << 20)]
+#[case::more_pieces_than_slots((20 << 20) + 12345)]
+#[case::past_the_non_temporal_limit((129 << 20) + 7)]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_h2d_pageable_and_pinned(#[case] bytes: usize) {
+    let Some(dev) = gpu_or_skip("gpu_h2d_pageable_and_pinned") else {
+        return;
+    };
+    let data = values(DType::U8, bytes, bytes as u64 + 11);
+    let buf = poisoned(&dev, bytes);
+    let dst = buf.view_at(0, DType::U8, bytes);
+    let path = copy_h2d(Some(&dev), &dst, &data, StreamHandle::LEGACY).unwrap();
+    assert_eq!(path, H2DPath::Bounced);
+    check(&buf, &data);
+
+    let other = values(DType::U8, bytes, bytes as u64 + 12);
+    let mut pinned = PinnedBuffer::new(&dev, bytes, PinnedFlags::PORTABLE).unwrap();
+    pinned.as_mut_slice().copy_from_slice(&other);
+    let buf = poisoned(&dev, bytes);
+    let dst = buf.view_at(0, DType::U8, bytes);
+    let path = copy_h2d(Some(&dev), &dst, pinned.as_slice(), StreamHandle::LEGACY).unwrap();
+    assert_eq!(path, H2DPath::Pinned);
+    check(&buf, &other);
+}
+
+/// Eight threads, each copying its own values through the shared bounce slots and copy
+/// threads, every copy checked (a slot reused before its copy completed, or a piece lost,
+/// shows as a wrong byte).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_h2d_threads_share_the_bounce_slots() {
+    let Some(dev) = gpu_or_skip("gpu_h2d_threads_share_the_bounce_slots") else {
+        return;
+    };
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let dev = &dev;
+            s.spawn(move || {
+                let stream = pinstage::Stream::new(dev).unwrap();
+                for i in 0..12u64 {
+                    let bytes = (3 << 20) + (t as usize * 4099) + i as usize * 17;
+                    let data = values(DType::U8, bytes, t * 1000 + i + 1);
+                    let buf = poisoned(dev, bytes);
+                    let dst = buf.view_at(0, DType::U8, bytes);
+                    copy_h2d(Some(dev), &dst, &data, stream.handle()).unwrap();
+                    check(&buf, &data);
+                }
+            });
+        }
+    });
+}
+
+/// `start_h2d` from pageable memory returns once the source was read: changing it right after
+/// the call does not change what lands, with the stream stalled (the copies still queued).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_h2d_pageable_source_may_change_at_once() {
+    let Some(dev) = gpu_or_skip("gpu_h2d_pageable_source_may_change_at_once") else {
+        return;
+    };
+    let stream = pinstage::Stream::new(&dev).unwrap();
+    // Few enough pieces for the bounce slots: with the stream stalled, no slot comes free.
+    let bytes = 6 << 20;
+    let data = values(DType::U8, bytes, 77);
+    let mut src = data.clone();
+    let buf = poisoned(&dev, bytes);
+    let dst = buf.view_at(0, DType::U8, bytes);
+    // Everything allocated before the stall (pinned allocations may synchronize the device).
+    copy_h2d(Some(&dev), &dst, &src, stream.handle()).unwrap();
+    buf.upload(0, &vec![POISON; bytes + 1]).unwrap();
+    let gate = common::stall(&stream);
+    // SAFETY: `src` lives until after the event completed; pageable: read before return.
+    let (path, ev) =
+        unsafe { pinstage::start_h2d(Some(&dev), &dst, src.as_ptr(), bytes, stream.handle()) }
+            .unwrap();
+    assert_eq!(path, H2DPath::Bounced);
+    assert!(!ev.as_ref().unwrap().query().unwrap(), "the copies wait behind the stall");
+    src.fill(0x11);
+    gate.release();
+    ev.expect("a bounced copy's event").synchronize().unwrap();
+    check(&buf, &data);
+}
+
+fn read_fresh(dev: &pinstage::Device, mem: &pinstage::FreshMem) -> Vec<u8> {
+    mem.ready().synchronize().unwrap();
+    // SAFETY: `mem` holds `len` bytes of this device, filled (ready) and alive while we read.
+    let view = unsafe {
+        DeviceView::from_meta(TensorMeta::cuda_1d(
+            dev.ordinal(),
+            mem.ptr(),
+            DType::U8,
+            mem.len(),
+        ))
+    };
+    let mut out = vec![POISON; mem.len()];
+    copy_d2h(dev, &view, &mut out, StreamHandle::LEGACY).unwrap();
+    out
+}
+
+/// `to_device` from pageable and pinned memory; the pool's counts follow the results; memory a
+/// released result held is reused for a later one, poisoned first so a copy that did not happen
+/// shows.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_to_device_fills_fresh_memory_and_releases_it() {
+    let Some(dev) = gpu_or_skip("gpu_to_device_fills_fresh_memory_and_releases_it") else {
+        return;
+    };
+    let _serial = serial();
+    let base = pinstage::device_pool_stats(&dev).unwrap();
+    for bytes in [0usize, 1, 4097, (9 << 20) + 3] {
+        // Poison: a released result of the same size first, so the pool hands its memory back.
+        let poison = pinstage::to_device(&dev, &vec![POISON; bytes]).unwrap();
+        assert_eq!(read_fresh(&dev, &poison), vec![POISON; bytes]);
+        drop(poison);
+        let data = values(DType::U8, bytes, bytes as u64 + 5);
+        let mem = pinstage::to_device(&dev, &data).unwrap();
+        assert_eq!(mem.len(), bytes);
+        assert_eq!(mem.ptr() % 256, 0, "pool memory is 256-byte aligned");
+        assert!(read_fresh(&dev, &mem) == data, "pageable: values differ");
+        let s = pinstage::device_pool_stats(&dev).unwrap();
+        assert_eq!(s.live_arrays, base.live_arrays + 1);
+        assert_eq!(s.live_bytes, base.live_bytes + bytes as u64);
+        assert!(s.reserved_bytes >= bytes as u64);
+
+        let other = values(DType::U8, bytes, bytes as u64 + 6);
+        let mut pinned = PinnedBuffer::new(&dev, bytes.max(1), PinnedFlags::PORTABLE).unwrap();
+        pinned.as_mut_slice()[..bytes].copy_from_slice(&other);
+        let mem2 = pinstage::to_device(&dev, &pinned.as_slice()[..bytes]).unwrap();
+        assert!(read_fresh(&dev, &mem2) == other, "pinned: values differ");
+        drop((mem, mem2));
+    }
+    let s = pinstage::device_pool_stats(&dev).unwrap();
+    assert_eq!((s.live_arrays, s.live_bytes), (base.live_arrays, base.live_bytes));
+    pinstage::trim_device_pools().unwrap();
+    let s = pinstage::device_pool_stats(&dev).unwrap();
+    assert!(
+        s.reserved_bytes <= base.reserved_bytes.max(32 << 20),
+        "trim gave the memory back: {s:?}"
+    );
+}
+
+/// 100,000 results made and dropped: none stays counted and the pool does not grow.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_to_device_many_results_leave_nothing() {
+    let Some(dev) = gpu_or_skip("gpu_to_device_many_results_leave_nothing") else {
+        return;
+    };
+    let _serial = serial();
+    let base = pinstage::device_pool_stats(&dev).unwrap();
+    let pinned_before = pinstage::live_pinned_bytes();
+    let data = values(DType::U8, 1000, 3);
+    let mut peak = 0;
+    for i in 0..100_000u32 {
+        let mem = pinstage::to_device(&dev, &data).unwrap();
+        if i % 10_000 == 0 {
+            assert!(read_fresh(&dev, &mem) == data);
+            peak = peak.max(pinstage::device_pool_stats(&dev).unwrap().reserved_bytes);
+        }
+    }
+    let s = pinstage::device_pool_stats(&dev).unwrap();
+    assert_eq!((s.live_arrays, s.live_bytes), (base.live_arrays, base.live_bytes));
+    assert!(peak <= base.reserved_bytes + (64 << 20), "the pool grew to {peak} bytes");
+    // The bounce slots are a cache made once; nothing else pinned stays.
+    pinstage::release_bounce_buffers();
+    assert!(pinstage::live_pinned_bytes() <= pinned_before);
+}

@@ -1,0 +1,267 @@
+"""to_device: fresh torch, cupy, JAX and DLPack device arrays from host arrays (GPU), and every
+refusal (everywhere)."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import pinstage
+from conftest import np_dtype, rand_values
+
+POISON = 0xA5
+
+
+# --- everywhere ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(), ValueError, "needs framework= .* or like="),
+        (dict(framework="numpy"), ValueError, "unknown framework 'numpy'"),
+        (dict(framework="tensorflow"), ValueError, "unknown framework"),
+        (dict(framework=3), TypeError, "framework must be"),
+        (dict(like=np.zeros(3)), TypeError, "like must be a torch, cupy or jax array"),
+        (dict(framework="jax", stream=0), ValueError, "stream= applies to torch and cupy"),
+        (dict(framework="dlpack", stream=1), ValueError, "stream= applies to torch and cupy"),
+        (dict(framework="torch", device=True), TypeError, "device must be"),
+        (dict(framework="torch", device=-1), ValueError, "device=-1"),
+    ],
+)
+def test_refusals_are_typed(kwargs, exc, match):
+    with pytest.raises(exc, match=match) as info:
+        pinstage.to_device(np.arange(4, dtype=np.int32), **kwargs)
+    assert isinstance(info.value, pinstage.PinstageError)
+
+
+def test_source_must_be_a_host_array():
+    with pytest.raises(TypeError, match="src must be a host array") as info:
+        pinstage.to_device([1, 2, 3], "torch")
+    assert isinstance(info.value, pinstage.PinstageError)
+    with pytest.raises(ValueError, match="not contiguous"):
+        pinstage.to_device(np.zeros(8, np.int32)[::2], "jax")
+
+
+def test_without_a_driver_cuda_unavailable():
+    if pinstage.cuda_available():
+        pytest.skip("a driver is present")
+    for fw in ("torch", "cupy", "jax", "dlpack"):
+        with pytest.raises(pinstage.CudaUnavailableError):
+            pinstage.to_device(np.arange(4, dtype=np.int32), fw)
+    assert pinstage.device_pool_stats() == {"live_arrays": 0, "live_bytes": 0, "reserved_bytes": 0}
+
+
+def test_framework_and_like_must_agree():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="framework='jax' but like is a torch array"):
+        pinstage.to_device(np.arange(4, dtype=np.int32), "jax", like=torch.zeros(2))
+
+
+# --- on a GPU --------------------------------------------------------------------------------
+
+SIZES = [0, 1, 4097, 3 * (1 << 20) + 5]  # elements
+DTYPES = ["int32", "float64", "uint8", "bool", "complex64", "float16", "int64", "bfloat16"]
+
+
+def to_numpy(x, fw):
+    if fw == "torch":
+        import torch
+
+        if x.dtype == torch.bfloat16:
+            return x.view(torch.int16).cpu().numpy()
+        return x.cpu().numpy()
+    if fw == "cupy":
+        import cupy
+
+        return cupy.asnumpy(x)
+    if fw == "jax":
+        if str(x.dtype) == "bfloat16":
+            import jax
+
+            return np.asarray(jax.lax.bitcast_convert_type(x, np.int16))
+        return np.asarray(x)
+    import torch  # dlpack: imported by torch
+
+    return to_numpy(torch.from_dlpack(x), "torch")
+
+
+def poison_pool(fw, nbytes):
+    """Make, then drop, a result of the same size full of POISON: the allocator (torch's,
+    cupy's or pinstage's pool) hands that memory to the next result, so a copy that did not
+    happen shows."""
+    x = pinstage.to_device(np.full(nbytes, POISON, np.uint8), fw)
+    if nbytes:
+        assert (to_numpy(x, fw) == POISON).all()
+    del x
+    gc.collect()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fw", ["torch", "cupy", "jax", "dlpack"])
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("pinned", [False, True])
+def test_every_framework_dtype_and_size(gpu, fw, name, n, pinned):
+    dt = np_dtype(name)
+    src = rand_values(name, n, seed=n * 7 + len(name)).reshape(-1, 1) if n else np.empty((0, 1), dt)
+    if pinned:
+        host = pinstage.empty_pinned(src.shape, dt)
+        host[...] = src
+        src = host
+    expect = src
+    if name == "bfloat16":
+        # numpy cannot export bfloat16 through DLPack: the source is a torch CPU tensor.
+        torch = pytest.importorskip("torch")
+        src = torch.from_numpy(src.view(np.int16)).view(torch.bfloat16)
+        if pinned:
+            src = src.pin_memory()
+        if fw == "cupy":
+            with pytest.raises(TypeError, match="cupy has no bfloat16"):
+                pinstage.to_device(src, fw)
+            return
+    poison_pool(fw, expect.nbytes)
+    x = pinstage.to_device(src, fw)
+    assert tuple(x.shape) == expect.shape
+    if fw == "jax":  # JAX's dtype rules apply to its arrays (64-bit types without jax_enable_x64)
+        import jax
+
+        expect = expect.astype(jax.dtypes.canonicalize_dtype(expect.dtype))
+    expect = expect.view(np.int16) if name == "bfloat16" else expect
+    got = to_numpy(x, fw)
+    assert got.dtype == expect.dtype
+    assert got.tobytes() == expect.tobytes()
+    if fw == "jax":
+        import jax
+
+        assert x.devices() == {jax.devices("gpu")[0]}
+    if fw == "dlpack":
+        assert isinstance(x, pinstage.DeviceArray)
+        assert x.device == 0 and x.nbytes == expect.nbytes and x.dtype == name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fw", ["torch", "cupy", "jax", "dlpack"])
+def test_pageable_source_may_change_at_once(gpu, fw):
+    torch = pytest.importorskip("torch")
+    n = 24 << 20  # 96 MiB of int32: many pieces, some in flight when the call returns
+    vals = np.arange(n, dtype=np.int32) * 3 + 1
+    src = vals.copy()
+    poison_pool(fw, src.nbytes)
+    if fw in ("torch", "cupy"):
+        torch.cuda._sleep(50_000_000)  # the framework's stream is busy: the copies queue
+    x = pinstage.to_device(src, fw)
+    src[:] = -7  # documented: a pageable source may change as soon as the call returned
+    np.testing.assert_array_equal(to_numpy(x, fw), vals)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fw", ["torch", "jax"])
+def test_pinned_source_is_kept_alive_until_its_copy_completed(gpu, fw):
+    torch = pytest.importorskip("torch")
+    n = 8 << 20
+    vals = np.arange(n, dtype=np.int32) - 12345
+    src = pinstage.empty_pinned(n, np.int32)
+    src[:] = vals
+    before = pinstage.pinned_bytes()
+    if fw == "torch":
+        torch.cuda._sleep(100_000_000)
+    x = pinstage.to_device(src, fw)
+    del src  # pinstage holds the source until its DMA completed
+    gc.collect()
+    np.testing.assert_array_equal(to_numpy(x, fw), vals)
+    torch.cuda.synchronize()
+    pinstage.to_device(np.zeros(1, np.int8), "dlpack")  # a later call lets the source go
+    gc.collect()
+    assert pinstage.pinned_bytes() <= before
+
+
+@pytest.mark.gpu
+def test_torch_result_is_ordered_on_the_current_stream(gpu):
+    torch = pytest.importorskip("torch")
+    s = torch.cuda.Stream()
+    vals = np.random.default_rng(3).random(1 << 22, dtype=np.float32)
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)
+        x = pinstage.to_device(vals, "torch")
+        y = x * 2  # same stream: after the copy
+    s.synchronize()
+    np.testing.assert_array_equal(y.cpu().numpy(), vals * 2)
+    assert x.device == torch.device("cuda", 0) and x.dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_jax_result_feeds_a_jitted_function(gpu):
+    jax = pytest.importorskip("jax")
+    vals = np.random.default_rng(4).integers(-1000, 1000, 1 << 24, dtype=np.int32)
+    f = jax.jit(lambda a: (a * 3 + 1).sum(dtype=np.int64))
+    for _ in range(3):
+        poison_pool("jax", vals.nbytes)
+        x = pinstage.to_device(vals, "jax")
+        assert int(f(x)) == int((vals.astype(np.int64) * 3 + 1).sum())
+        del x
+
+
+@pytest.mark.gpu
+def test_like_picks_framework_and_device(gpu):
+    torch = pytest.importorskip("torch")
+    cp = pytest.importorskip("cupy")
+    jnp = pytest.importorskip("jax.numpy")
+    vals = np.arange(10, dtype=np.int16)
+    t = pinstage.to_device(vals, like=torch.zeros(1, device="cuda"))
+    assert isinstance(t, torch.Tensor) and t.is_cuda
+    c = pinstage.to_device(vals, like=cp.zeros(1))
+    assert isinstance(c, cp.ndarray)
+    j = pinstage.to_device(vals, like=jnp.zeros(1))
+    assert type(j).__module__.startswith("jax")
+    cpu_like = pinstage.to_device(vals, like=torch.zeros(1))  # a CPU tensor: the current device
+    assert cpu_like.is_cuda
+    m = pinstage.to_device(vals, torch, device="cuda:0")  # the module itself names the framework
+    for r, fw in ((t, "torch"), (c, "cupy"), (j, "jax"), (cpu_like, "torch"), (m, "torch")):
+        np.testing.assert_array_equal(to_numpy(r, fw), vals)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fw", ["jax", "dlpack", "torch"])
+def test_many_results_dropped_leave_nothing(gpu, fw):
+    """100,000 results made and dropped: pinstage's pool counts return to their baseline and
+    neither its reserve nor pinned memory grows."""
+    torch = pytest.importorskip("torch")
+    gc.collect()
+    base = pinstage.device_pool_stats()
+    pinned = pinstage.pinned_bytes()
+    torch_base = torch.cuda.memory_allocated()
+    vals = np.arange(256, dtype=np.int32)
+    n = 100_000 if fw != "jax" else 20_000
+    for i in range(n):
+        x = pinstage.to_device(vals, fw)
+        if i % 5000 == 0:
+            np.testing.assert_array_equal(to_numpy(x, fw), vals)
+        del x
+    gc.collect()
+    s = pinstage.device_pool_stats()
+    assert (s["live_arrays"], s["live_bytes"]) == (base["live_arrays"], base["live_bytes"])
+    assert s["reserved_bytes"] <= base["reserved_bytes"] + (64 << 20)
+    assert pinstage.pinned_bytes() <= pinned
+    assert torch.cuda.memory_allocated() == torch_base
+    pinstage.empty_cache()
+    assert pinstage.device_pool_stats()["reserved_bytes"] <= max(base["reserved_bytes"], 32 << 20)
+
+
+@pytest.mark.gpu
+@pytest.mark.two_gpus
+def test_two_gpus_to_device(gpu):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.fail("needs two GPUs (run with -m 'not two_gpus' on one GPU)")
+    vals = np.random.default_rng(9).random(1 << 20, dtype=np.float32)
+    for fw in ("torch", "cupy", "jax", "dlpack"):
+        x = pinstage.to_device(vals, fw, device=1)
+        np.testing.assert_array_equal(to_numpy(x, fw), vals)
+        if fw == "torch":
+            assert x.device == torch.device("cuda", 1)
+        if fw == "dlpack":
+            assert x.device == 1
+    t1 = torch.zeros(1, device="cuda:1")
+    np.testing.assert_array_equal(pinstage.to_device(vals, like=t1).cpu().numpy(), vals)
+    assert pinstage.to_device(vals, like=t1).device == torch.device("cuda", 1)
