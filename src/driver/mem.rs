@@ -24,10 +24,16 @@ pub(crate) unsafe fn mem_host_register(
     ptr: *mut c_void,
     bytes: usize,
     read_only: bool,
+    mapped: bool,
 ) -> DResult<()> {
     let flags = sys::CU_MEMHOSTREGISTER_PORTABLE
         | if read_only {
             sys::CU_MEMHOSTREGISTER_READ_ONLY
+        } else {
+            0
+        }
+        | if mapped {
+            sys::CU_MEMHOSTREGISTER_DEVICEMAP
         } else {
             0
         };

@@ -49,7 +49,7 @@ pub(crate) fn take(cur: &Current<'_>, count: usize, size: usize) -> Result<Vec<B
         mine
     };
     while slots.len() < count {
-        let slot = PinnedBuffer::new(device, size, PinnedFlags::PORTABLE).and_then(|buf| {
+        let slot = PinnedBuffer::alloc(device, size, PinnedFlags::PORTABLE).and_then(|buf| {
             Ok(BounceSlot {
                 buf,
                 busy: Event::new_in(cur)?,

@@ -1,6 +1,7 @@
 //! Host memory: page-locked blocks ([`PinnedBuffer`]) and a pool of them ([`PinnedPool`]).
 
 pub(crate) mod bounce;
+pub(crate) mod mapped;
 mod pinned;
 mod pool;
 mod registered;
@@ -8,6 +9,8 @@ mod registered;
 pub use bounce::{BOUNCE_CHUNK, BOUNCE_DEPTH, release_bounce_buffers};
 
 pub use pinned::{PinnedBuffer, PinnedFlags, is_pinned, live_pinned_bytes};
+#[cfg(feature = "lab")]
+pub(crate) use pinned::set_pin_by_register;
 pub use pool::{DEFAULT_BUDGET, PinnedPool, PoolBlock, PoolStats, size_class};
 pub use registered::Registered;
 

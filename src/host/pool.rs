@@ -1,6 +1,8 @@
-//! A pool of pinned blocks, so repeated D2H results do not pay `cuMemHostAlloc` each time.
+//! A pool of pinned blocks, so repeated D2H results do not pay for pinning each time.
 //!
-//! Size classes: 4 KiB minimum, then four classes per power of two (at most 25% waste). A byte
+//! Blocks are registered pages ([`PinnedBuffer::alloc`]) at the request's size rounded up to
+//! whole 4 KiB pages (less than a page of waste); a cached block serves the next request of the
+//! same page count. A byte
 //! budget bounds the pinned bytes the pool holds (cached and in use); past it, cached blocks are
 //! evicted, and if that is not enough the request is served by pageable memory (counted).
 
@@ -66,15 +68,10 @@ impl std::fmt::Debug for PinnedPool {
     }
 }
 
-/// The size class that serves `len` bytes.
+/// The size class that serves `len` bytes: whole 4 KiB pages, so a block wastes less than a
+/// page (a cached block serves requests of the same page count).
 pub fn size_class(len: usize) -> usize {
-    const MIN: usize = 4096;
-    if len <= MIN {
-        return MIN;
-    }
-    let top = usize::BITS - 1 - len.leading_zeros(); // floor(log2(len))
-    let quarter = (1usize << top) / 4;
-    len.div_ceil(quarter) * quarter
+    len.max(1).next_multiple_of(super::mapped::PAGE)
 }
 
 impl PinnedPool {
@@ -164,7 +161,7 @@ impl PinnedPool {
             st.stats.peak_bytes = st.stats.peak_bytes.max(total);
         }
         drop(evicted); // free outside the lock
-        match PinnedBuffer::new(&self.inner.device, class, PinnedFlags::PORTABLE) {
+        match PinnedBuffer::alloc(&self.inner.device, class, PinnedFlags::PORTABLE) {
             Ok(buf) => Ok(self.block(buf, len)),
             Err(e) => {
                 self.inner.state.lock().stats.in_use_bytes -= class;

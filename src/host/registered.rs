@@ -52,7 +52,7 @@ impl Registered {
             ));
         }
         // SAFETY: the context is current; the caller keeps the memory mapped until drop.
-        match unsafe { driver::mem::mem_host_register(ptr.cast(), len, read_only) } {
+        match unsafe { driver::mem::mem_host_register(ptr.cast(), len, read_only, false) } {
             Ok(()) => {}
             Err(e) if e.is_already_registered() => {
                 return Err(Error::arg(

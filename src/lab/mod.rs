@@ -407,3 +407,64 @@ pub fn step_floor(
     };
     Ok((med(&mut one), med(&mut many)))
 }
+
+/// What pinned memory costs to get and give back, per size in `sizes` (bytes): `cuMemHostAlloc`
+/// and `cuMemFreeHost`; pinstage's registered pages split into mapping + populating (several
+/// threads), `cuMemHostRegister`, `cuMemHostUnregister` and unmapping. Milliseconds, one
+/// round each (after one warm-up round of the smallest size).
+///
+/// # Errors
+/// Driver errors.
+pub fn pinned_costs(sizes: &[usize]) -> Result<Vec<(String, f64)>> {
+    use std::time::Instant;
+    use crate::host::mapped::MappedPages;
+    let dev = Device::new(0)?;
+    let cur = dev.enter()?;
+    let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
+    let mut out = Vec::new();
+    let warm = sizes.iter().copied().min().unwrap_or(4096);
+    drop(PinnedBuffer::new(&dev, warm, PinnedFlags::PORTABLE)?);
+    drop(PinnedBuffer::new_registered(&dev, warm, PinnedFlags::PORTABLE)?);
+    for &n in sizes {
+        let mib = n as f64 / (1 << 20) as f64;
+        let t = Instant::now();
+        let b = PinnedBuffer::new(&dev, n, PinnedFlags::PORTABLE)?;
+        out.push((format!("{mib} MiB cuMemHostAlloc ms"), ms(t)));
+        let t = Instant::now();
+        drop(b);
+        out.push((format!("{mib} MiB cuMemFreeHost ms"), ms(t)));
+        let t = Instant::now();
+        let pages = MappedPages::new(n)?;
+        out.push((format!("{mib} MiB map + populate ms"), ms(t)));
+        let t = Instant::now();
+        // SAFETY: our own mapping, unregistered below before it is unmapped; context current.
+        unsafe {
+            crate::driver::mem::mem_host_register(pages.as_ptr().cast(), pages.len(), false, false)
+        }?;
+        out.push((format!("{mib} MiB cuMemHostRegister ms"), ms(t)));
+        let t = Instant::now();
+        // SAFETY: registered just above; no copy used it.
+        unsafe { crate::driver::mem::mem_host_unregister(pages.as_ptr().cast()) }?;
+        out.push((format!("{mib} MiB cuMemHostUnregister ms"), ms(t)));
+        let t = Instant::now();
+        drop(pages);
+        out.push((format!("{mib} MiB unmap ms"), ms(t)));
+        let t = Instant::now();
+        let b = PinnedBuffer::new_registered(&dev, n, PinnedFlags::PORTABLE)?;
+        out.push((format!("{mib} MiB registered pages, all ms"), ms(t)));
+        drop(b);
+        // The driver faulting the pages in itself, one thread.
+        let t = Instant::now();
+        let pages = MappedPages::new_untouched(n)?;
+        // SAFETY: as above.
+        unsafe {
+            crate::driver::mem::mem_host_register(pages.as_ptr().cast(), pages.len(), false, false)
+        }?;
+        out.push((format!("{mib} MiB untouched map + cuMemHostRegister ms"), ms(t)));
+        // SAFETY: registered just above; no copy used it.
+        unsafe { crate::driver::mem::mem_host_unregister(pages.as_ptr().cast()) }?;
+        drop(pages);
+    }
+    drop(cur);
+    Ok(out)
+}

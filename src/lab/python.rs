@@ -97,7 +97,24 @@ fn set_h2d_tuning<'py>(
     Ok(out)
 }
 
+/// What pinned memory costs per size (see [`super::pinned_costs`]), in ms.
+#[pyfunction]
+#[pyo3(name = "_pinned_costs")]
+fn pinned_costs(py: Python<'_>, sizes: Vec<usize>) -> PyResult<Vec<(String, f64)>> {
+    Ok(py.detach(|| super::pinned_costs(&sizes))?)
+}
+
+/// Whether pinstage's pools, bounce slots and pinned arrays register pages (True, the default)
+/// or call `cuMemHostAlloc`; returns the previous setting.
+#[pyfunction]
+#[pyo3(name = "_set_pin_by_register")]
+fn set_pin_by_register(on: bool) -> bool {
+    crate::host::set_pin_by_register(on)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(pinned_costs, m)?)?;
+    m.add_function(wrap_pyfunction!(set_pin_by_register, m)?)?;
     m.add_function(wrap_pyfunction!(set_h2d_tuning, m)?)?;
     m.add_function(wrap_pyfunction!(driver_costs, m)?)?;
     m.add_function(wrap_pyfunction!(profile_copy_path, m)?)?;

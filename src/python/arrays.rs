@@ -266,7 +266,7 @@ fn alloc_pinned_numpy<'py>(
             }
         };
     }
-    let buf = py.detach(|| PinnedBuffer::new(&state.device, nbytes, PinnedFlags::PORTABLE))?;
+    let buf = py.detach(|| PinnedBuffer::alloc(&state.device, nbytes, PinnedFlags::PORTABLE))?;
     array_on(py, Memory::Pinned(buf), dtype, &shape)
 }
 

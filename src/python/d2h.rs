@@ -26,6 +26,7 @@ fn start<'py>(
     stream: Option<&Bound<'py, PyAny>>,
     pool: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<(Bound<'py, PyAny>, Option<Event>, Imported)> {
+    super::linger::reap(py);
     let pool = super::pool::pool_arg(pool)?;
     let s = parse_stream(stream)?;
     let imp = import(src, s)?;
@@ -145,8 +146,9 @@ fn copy_d2h<'py>(
 }
 
 /// A copy in flight (from ``copy_d2h_async`` or ``copy_h2d``): ``done()``,
-/// ``wait(timeout=None)``. It keeps the source and the destination alive; dropping it waits for
-/// the copy first.
+/// ``wait(timeout=None)``. It keeps the source and the destination alive; dropped before the
+/// copy completed, it leaves them to pinstage, which lets them go once the copy completed
+/// (never blocking the drop).
 #[pyclass(frozen, module = "pinstage._native")]
 pub(crate) struct PendingCopy {
     event: Mutex<Option<Event>>,
@@ -250,11 +252,16 @@ impl PendingCopy {
 
 impl Drop for PendingCopy {
     fn drop(&mut self) {
-        // Never release the source (or let the destination die) while the copy runs.
-        if let Some(ev) = self.event.get_mut().take()
-            && let Err(crate::Error::Driver(e)) = ev.synchronize()
-        {
-            crate::error::record_drop_error(e);
+        // Never release the source (or let the destination die) while the copy runs: they
+        // linger until it completed, without blocking here.
+        if let Some(ev) = self.event.get_mut().take() {
+            // A pyclass drops with the GIL held (attach only confirms it).
+            let array = Python::attach(|py| std::mem::replace(&mut self.array, py.None()));
+            super::linger::linger(super::linger::Lingering {
+                until: super::linger::Until::Event(ev),
+                array: Some(array),
+                src: self.src.get_mut().take(),
+            });
         }
     }
 }
@@ -266,7 +273,8 @@ impl Drop for PendingCopy {
 ///
 /// Returns:
 ///     PendingCopy: ``done()`` and ``wait(timeout=None)``; the source and the destination are kept
-///     alive, and dropping it waits for the copy.
+///     alive until the copy completed, even when the handle is dropped first (dropping it never
+///     blocks).
 ///
 /// Example:
 ///     >>> p = pinstage.copy_d2h_async(torch.ones(3, device="cuda"))
@@ -332,6 +340,7 @@ fn pool_stats<'py>(
 /// memory ``to_device`` keeps for reuse, on every device. Works without a driver. Never raises.
 #[pyfunction]
 fn empty_cache(py: Python<'_>) {
+    super::linger::reap(py);
     py.detach(|| {
         if let Some(table) = super::DEVICES.get() {
             for s in table.iter().filter_map(|s| s.get()) {

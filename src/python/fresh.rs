@@ -6,14 +6,13 @@ use std::sync::Arc;
 use dlpark::ffi::{DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned};
 use dlpark::python::{CudaStreamRequest, DlpackExporter, ExportRequest, export_dlpack};
 use dlpark::{DlpackFlags, Managed};
-use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyModule, PyString, PyTuple};
 
-use super::d2h::PendingCopy;
 use super::errors::{type_err, value_err};
 use super::h2d::{import_host_source, start};
 use super::import::{Imported, describe, import_destination, parse_stream, type_name};
+use super::linger::{Lingering, Until, linger};
 use crate::cuda::StreamHandle;
 use crate::view::DType;
 use crate::{FreshMem, H2DPath};
@@ -80,52 +79,6 @@ impl Framework {
             ))),
         }
     }
-}
-
-/// A source whose copy was still in flight when `to_device` returned.
-enum Lingering {
-    /// A torch or cupy result's copy (its handle keeps the source alive).
-    Copy(Py<PendingCopy>),
-    /// A pinned source of pool memory's fill.
-    Fresh(
-        Arc<FreshMem>,
-        #[allow(dead_code, reason = "held for ownership: the DMA reads it")] Imported,
-    ),
-}
-
-impl Lingering {
-    fn is_done(&self) -> bool {
-        match self {
-            Lingering::Copy(p) => p.get().is_done().unwrap_or(true),
-            Lingering::Fresh(m, _) => m.ready().query().unwrap_or(true),
-        }
-    }
-}
-
-/// Pinned sources whose copies were still in flight when `to_device` returned: kept alive here
-/// until their copies completed (looked at on every call).
-static LINGERING: Mutex<Vec<Lingering>> = Mutex::new(Vec::new());
-
-fn linger(l: Lingering) {
-    if !l.is_done() {
-        LINGERING.lock().push(l);
-    }
-}
-
-fn reap_lingering(_py: Python<'_>) {
-    let done: Vec<Lingering> = {
-        let mut l = LINGERING.lock();
-        if l.is_empty() {
-            return;
-        }
-        let (done, keep) = std::mem::take(&mut *l)
-            .into_iter()
-            .partition(Lingering::is_done);
-        *l = keep;
-        done
-    };
-    // Dropped with the GIL held (`_py`), outside the lock: a source's deleter may need both.
-    drop(done);
 }
 
 /// The CUDA ordinal of an array to imitate, if it lives on a CUDA device.
@@ -202,7 +155,7 @@ fn to_device<'py>(
     stream: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let _range = crate::nvtx::NvtxRange::new(c"pinstage.to_device");
-    reap_lingering(py);
+    super::linger::reap(py);
     let framework = framework.filter(|f| !f.is_none());
     let like = like.filter(|l| !l.is_none());
     let fw = match (framework, like) {
@@ -255,10 +208,13 @@ fn to_device<'py>(
             let stream = s.unwrap_or(to.stream);
             let (_, event) = start(py, &from, &to, stream)?;
             drop(to);
-            linger(Lingering::Copy(Py::new(
-                py,
-                PendingCopy::new(event, dst.clone().unbind(), from),
-            )?));
+            if let Some(ev) = event {
+                linger(Lingering {
+                    until: Until::Event(ev),
+                    array: None,
+                    src: Some(from),
+                });
+            }
             Ok(dst)
         }
         Framework::Jax | Framework::Dlpack => {
@@ -296,7 +252,11 @@ fn fresh(
     let mem = Arc::new(mem);
     if path == H2DPath::Pinned {
         // The DMA still reads `from`: it lingers until the fill completed.
-        linger(Lingering::Fresh(Arc::clone(&mem), from));
+        linger(Lingering {
+            until: Until::Fresh(Arc::clone(&mem)),
+            array: None,
+            src: Some(from),
+        });
     }
     Ok(DeviceArray { mem, dtype, shape })
 }

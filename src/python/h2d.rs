@@ -31,7 +31,8 @@ unsafe impl Send for SendPtr {}
 ///     slots by several threads while the copy engine drains them), so it may be changed at
 ///     once; the last pieces may still be on their way to ``dst`` (ordered on ``stream``).
 ///     A PINNED ``src`` goes as one DMA: change it only once ``done()`` is True or ``wait()``
-///     returned. The handle keeps ``src`` alive; dropping it waits for the copy.
+///     returned. The handle keeps ``src`` alive (dropped early, it leaves ``src`` to pinstage
+///     until the copy completed, without blocking).
 ///
 /// Raises:
 ///     PinstageTypeError: dtypes differ, ``src`` is not a host array, not a DLPack producer.
@@ -52,6 +53,7 @@ fn copy_h2d(
     src: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PendingCopy> {
+    super::linger::reap(py);
     let s = parse_stream(stream)?;
     let to = import_destination(dst, s)?;
     let from = import_host_source(src)?;

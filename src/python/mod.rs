@@ -13,6 +13,7 @@ pub(crate) mod arrays;
 mod d2h;
 pub(crate) mod errors;
 mod fresh;
+mod linger;
 mod h2d;
 pub(crate) mod import;
 mod mirror;

@@ -12,7 +12,7 @@ use crate::host::PinnedPool;
 
 /// A pool of pinned host blocks for ``alloc_pinned_numpy(pool=)``, ``empty_host(pool=)`` and
 /// ``copy_d2h(pool=)``: a block returns to the pool when the last array over it is collected and
-/// serves the next request of its size class (sizes rounded up by at most 25%). At most
+/// serves the next request of its size (whole 4 KiB pages: less than a page of waste). At most
 /// ``max_outstanding_bytes`` pinned bytes are handed out at once: past it
 /// ``alloc_pinned_numpy`` raises ``PoolExhaustedError`` (a ``RuntimeError`` naming the budget),
 /// while ``empty_host`` and ``copy_d2h`` fall back to pageable memory. Works without a driver

@@ -539,10 +539,20 @@ def test_lifetimes_drop_while_in_flight(gpu):
     torch = pytest.importorskip("torch")
 
     big = torch.randn(32 << 20, device="cuda")
+    big2 = torch.randn(32 << 20, device="cuda")
+    side = torch.cuda.Stream()
     for _ in range(3):
-        torch.cuda._sleep(20_000_000)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)
         p = pinstage.copy_d2h_async(big)
-        del p  # waits for the copy before releasing the block and the source
+        t0 = time.perf_counter()
+        del p  # never blocks: pinstage keeps the block and the source until the copy completed
+        assert time.perf_counter() - t0 < 0.005
+        # A result of the same size on an idle stream: had the block in flight gone back to the
+        # pool, this copy would get it and the queued one would overwrite it later.
+        other = pinstage.copy_d2h(big2, stream=side)
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(other, big2.cpu().numpy())
         torch.cuda._sleep(20_000_000)
         dst = pinstage.empty_pinned(big.numel(), np.float32)
         p = pinstage.copy_d2h_async(big, dst)

@@ -228,6 +228,7 @@ def test_many_results_dropped_leave_nothing(gpu, fw):
     neither its reserve nor pinned memory grows."""
     torch = pytest.importorskip("torch")
     gc.collect()
+    pinstage.empty_cache()  # the bounce slots are a cache: measure without them
     base = pinstage.device_pool_stats()
     pinned = pinstage.pinned_bytes()
     torch_base = torch.cuda.memory_allocated()
@@ -242,9 +243,9 @@ def test_many_results_dropped_leave_nothing(gpu, fw):
     s = pinstage.device_pool_stats()
     assert (s["live_arrays"], s["live_bytes"]) == (base["live_arrays"], base["live_bytes"])
     assert s["reserved_bytes"] <= base["reserved_bytes"] + (64 << 20)
-    assert pinstage.pinned_bytes() <= pinned
     assert torch.cuda.memory_allocated() == torch_base
     pinstage.empty_cache()
+    assert pinstage.pinned_bytes() <= pinned
     assert pinstage.device_pool_stats()["reserved_bytes"] <= max(base["reserved_bytes"], 32 << 20)
 
 

@@ -1,0 +1,193 @@
+//! Host pages straight from the kernel for registered pinned memory: an anonymous mapping at the
+//! page-rounded size, aligned to 2 MiB and advised to use transparent huge pages where the
+//! system offers them, populated by pinstage's copy threads before it is registered.
+
+use std::ptr::NonNull;
+
+use crate::error::{Error, Result};
+
+/// The base page size pinstage rounds to.
+pub(crate) const PAGE: usize = 4096;
+/// A transparent huge page (x86-64, aarch64 with 4 KiB pages).
+const HUGE: usize = 2 << 20;
+
+/// An anonymous private mapping of `len` bytes (a multiple of [`PAGE`]), every page touched;
+/// unmapped when dropped.
+pub(crate) struct MappedPages {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: uniquely owned plain memory.
+unsafe impl Send for MappedPages {}
+// SAFETY: `&MappedPages` hands out only the address.
+unsafe impl Sync for MappedPages {}
+
+impl MappedPages {
+    /// Maps at least `len` bytes (rounded up to whole pages), populated.
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] when the kernel refuses the mapping.
+    pub(crate) fn new(len: usize) -> Result<Self> {
+        let pages = Self::new_untouched(len)?;
+        pages.populate();
+        Ok(pages)
+    }
+
+    /// [`MappedPages::new`] without touching the pages (the laboratory compares).
+    pub(crate) fn new_untouched(len: usize) -> Result<Self> {
+        let oom = || Error::OutOfMemory {
+            what: "host pages to pin",
+            bytes: len,
+        };
+        let len = len
+            .max(1)
+            .checked_next_multiple_of(PAGE)
+            .filter(|l| l.checked_add(HUGE).is_some())
+            .ok_or_else(oom)?;
+        // Touching more pages than the system (or this process's cgroup) can give would wake
+        // the kernel's OOM killer instead of failing: refuse first.
+        if available_bytes().is_some_and(|avail| len > avail / 10 * 9) {
+            return Err(oom());
+        }
+        let huge = len >= HUGE;
+        // Reserve 2 MiB more address space when huge pages may serve, to align the start.
+        let reserve = if huge { len + HUGE } else { len };
+        // SAFETY: a fresh anonymous private mapping; no existing memory is touched.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                reserve,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(oom());
+        }
+        let base = base.cast::<u8>();
+        let start = if huge {
+            let lead = base.align_offset(HUGE);
+            // SAFETY: both trimmed ranges lie within our reservation and are unmapped once.
+            unsafe {
+                if lead > 0 {
+                    libc::munmap(base.cast(), lead);
+                }
+                let tail = HUGE - lead;
+                libc::munmap(base.add(lead + len).cast(), tail);
+                let start = base.add(lead);
+                // Advice only: without transparent huge pages the mapping keeps small pages.
+                libc::madvise(start.cast(), len, libc::MADV_HUGEPAGE);
+                start
+            }
+        } else {
+            base
+        };
+        Ok(Self {
+            ptr: NonNull::new(start).ok_or_else(oom)?,
+            len,
+        })
+    }
+
+    /// Touches every page with several threads (the kernel zeroes each on first touch; one
+    /// core alone would take several times longer).
+    fn populate(&self) {
+        let addr = self.ptr.as_ptr() as usize;
+        let touch = |chunk: usize| {
+            let from = chunk * HUGE;
+            let to = (from + HUGE).min(self.len);
+            let mut off = from;
+            while off < to {
+                // SAFETY: inside our mapping; a volatile write so the touch is not elided.
+                unsafe { std::ptr::write_volatile((addr + off) as *mut u8, 0) };
+                off += PAGE;
+            }
+        };
+        let chunks = self.len.div_ceil(HUGE);
+        match super::bounce::workers() {
+            Some(pool) if chunks > 1 => pool.install(|| {
+                use rayon::prelude::*;
+                (0..chunks).into_par_iter().for_each(touch);
+            }),
+            _ => (0..chunks).for_each(touch),
+        }
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// Memory the kernel can still give this process: `MemAvailable`, and the cgroup's limit less
+/// its usage where one is set. `None` when neither can be read.
+fn available_bytes() -> Option<usize> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+            .map(|kb| kb.saturating_mul(1024))
+    });
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+    };
+    let cgroup = read("/sys/fs/cgroup/memory.max")
+        .zip(read("/sys/fs/cgroup/memory.current"))
+        .map(|(max, cur)| max.saturating_sub(cur));
+    match (meminfo, cgroup) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+impl Drop for MappedPages {
+    fn drop(&mut self) {
+        // SAFETY: our mapping, unmapped once; its registration (if any) was dropped first.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn more_than_the_system_has_is_refused_not_touched() {
+        let avail = available_bytes().expect("linux reports available memory");
+        assert!(avail > 0);
+        assert!(matches!(
+            MappedPages::new(avail.saturating_mul(2)),
+            Err(Error::OutOfMemory { .. })
+        ));
+        for len in [usize::MAX / 2, usize::MAX - 5, usize::MAX] {
+            assert!(matches!(
+                MappedPages::new(len),
+                Err(Error::OutOfMemory { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn mappings_are_page_rounded_zeroed_and_writable() {
+        for len in [1, 4096, 4097, (2 << 20) + 1, 9 << 20] {
+            let m = MappedPages::new(len).unwrap();
+            assert_eq!(m.len() % PAGE, 0);
+            assert!(m.len() >= len && m.len() - len < PAGE);
+            if len >= HUGE {
+                assert_eq!(m.as_ptr() as usize % HUGE, 0, "huge mappings start 2 MiB aligned");
+            }
+            // SAFETY: the mapping holds `len` bytes.
+            let s = unsafe { std::slice::from_raw_parts_mut(m.as_ptr(), m.len()) };
+            assert!(s.iter().all(|&b| b == 0));
+            s.fill(0x5A);
+            assert!(s.iter().all(|&b| b == 0x5A));
+        }
+    }
+}

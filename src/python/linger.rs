@@ -1,0 +1,65 @@
+//! What must outlive a dropped handle: the source (and destination) of a copy still in flight.
+//! A dropped `PendingCopy`, or a `to_device` whose pinned source is still being read, leaves
+//! them here instead of blocking; every later pinstage call that starts a copy (and
+//! `empty_cache`) drops those whose copies completed, with the GIL held.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+
+use super::import::Imported;
+use crate::{Event, FreshMem};
+
+/// What says the copy completed.
+pub(crate) enum Until {
+    Event(Event),
+    Fresh(Arc<FreshMem>),
+}
+
+impl Until {
+    fn done(&self) -> bool {
+        // A failed copy (an error) no longer reads or writes anything.
+        match self {
+            Until::Event(e) => e.query().unwrap_or(true),
+            Until::Fresh(m) => m.ready().query().unwrap_or(true),
+        }
+    }
+}
+
+/// Objects kept alive until `until` completed.
+pub(crate) struct Lingering {
+    pub(crate) until: Until,
+    #[allow(dead_code, reason = "held for ownership: the copy writes it")]
+    pub(crate) array: Option<Py<PyAny>>,
+    #[allow(dead_code, reason = "held for ownership: the copy reads it")]
+    pub(crate) src: Option<Imported>,
+}
+
+static LINGERING: Mutex<Vec<Lingering>> = Mutex::new(Vec::new());
+
+/// Keeps `l`'s objects alive until its copy completed (at once dropped if it has).
+pub(crate) fn linger(l: Lingering) {
+    if !l.until.done() {
+        LINGERING.lock().push(l);
+        return;
+    }
+    drop(l);
+}
+
+/// Drops what lingers for copies that completed. Needs the GIL (sources' deleters may).
+pub(crate) fn reap(_py: Python<'_>) {
+    let done: Vec<Lingering> = {
+        let mut l = LINGERING.lock();
+        if l.is_empty() {
+            return;
+        }
+        let (done, keep) = std::mem::take(&mut *l)
+            .into_iter()
+            .partition(|x| x.until.done());
+        *l = keep;
+        done
+    };
+    // Outside the lock: a deleter may start another pinstage call.
+    drop(done);
+}
