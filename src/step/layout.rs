@@ -168,11 +168,14 @@ impl StepLayout {
     /// # Errors
     /// [`Error::UnknownField`] when there is none.
     pub fn id(&self, name: &str) -> Result<FieldId> {
-        self.inner
-            .by_name
-            .get(name)
-            .map(|&i| FieldId(i))
-            .ok_or_else(|| self.unknown(name))
+        // A few fields: comparing names beats hashing one (SipHash).
+        const SCAN: usize = 16;
+        let found = if self.inner.fields.len() <= SCAN {
+            self.inner.fields.iter().position(|f| f.name() == name)
+        } else {
+            self.inner.by_name.get(name).copied()
+        };
+        found.map(FieldId).ok_or_else(|| self.unknown(name))
     }
 
     /// The field `key` names.

@@ -131,6 +131,28 @@ def test_stage_in_one_call_with_pads_and_rows():
     assert st.read_field("table")[:3].tolist() == [[1, 2, 0, 0], [3, 4, 0, 0], [0, 0, 0, 0]]
 
 
+@pytest.mark.parametrize("k", [3, 9, 40])
+def test_stage_resolves_names_interned_or_built(k):
+    """Literal (interned) names resolve by pointer, names built at run time through the
+    name table; both reach the right field, and an unknown name is refused with the slot freed."""
+    layout = pinstage.StepLayout({f"f{i}": ("int32", 8) for i in range(k)})
+    st = pinstage.StepStager(layout, depth=1)
+    for rnd in range(3):
+        built = {"".join(["f", str(i)]): np.full(8, rnd * 100 + i, np.int32) for i in range(k)}
+        st.stage(built)
+        for i in range(k):
+            assert st.read_field(f"f{i}").tolist() == [rnd * 100 + i] * 8
+    literal = {"f0": np.arange(8, dtype=np.int32), "f2": np.arange(8, dtype=np.int32) + 5}
+    st.stage(literal)
+    assert st.read_field("f2").tolist() == list(range(5, 13))
+    with pytest.raises(pinstage.UnknownFieldError, match="f99"):
+        st.stage({"f99": np.zeros(8, np.int32)})
+    with pytest.raises(pinstage.UnknownFieldError):
+        st.stage({"".join(["f", "9", "9", "9"]): np.zeros(8, np.int32)})
+    st.stage({"f1": np.ones(8, np.int32)})  # depth 1: the refusals released the slot
+    assert st.read_field("f1").tolist() == [1] * 8
+
+
 @pytest.mark.parametrize(
     "call, exc",
     [

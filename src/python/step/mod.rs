@@ -306,6 +306,9 @@ pub struct PyStepStager {
     /// The field names as interned Python strings, in layout order: a dict key that is one of
     /// these objects (string literals are interned) resolves by pointer, without decoding.
     pub(super) names: Vec<Py<PyString>>,
+    /// `{name: index}`: any other str key resolves through Python's dict, with the hash the str
+    /// object caches (no decoding, no allocation).
+    pub(super) name_index: Py<PyDict>,
     /// Each field's numpy dtype, for the exact-array fast path of `stage`.
     pub(super) descrs: Vec<Option<Py<numpy::PyArrayDescr>>>,
 }
@@ -429,11 +432,15 @@ impl PyStepStager {
             (StepMode::Fresh, Some(d)) => Some(Stream::new(d)?),
             _ => None,
         };
-        let names = inner
+        let names: Vec<Py<PyString>> = inner
             .layout()
             .iter()
             .map(|f| PyString::intern(py, f.name()).unbind())
             .collect();
+        let name_index = PyDict::new(py);
+        for (i, n) in names.iter().enumerate() {
+            name_index.set_item(n.bind(py), i)?;
+        }
         let descrs = inner
             .layout()
             .iter()
@@ -450,6 +457,7 @@ impl PyStepStager {
             _bound: bound,
             own_stream,
             names,
+            name_index: name_index.unbind(),
             descrs,
         })
     }
@@ -525,10 +533,7 @@ impl PyStepStager {
                     Some(p) => p.get_item(name)?,
                     None => None,
                 };
-                let id = match me.names.iter().position(|n| n.as_ptr() == name.as_ptr()) {
-                    Some(i) => crate::step::FieldId::from_index(i),
-                    None => st.layout().id(&name.to_cow()?)?,
-                };
+                let id = me.field_id(&name)?;
                 if pad.is_none() && r.is_none() && me.put_exact(&mut raw, id, &v)? {
                     continue;
                 }
@@ -723,6 +728,21 @@ impl PyStepStager {
 }
 
 impl PyStepStager {
+    /// The field a str names: by pointer for the interned names of a small layout (string
+    /// literals), else through the `{name: index}` dict.
+    fn field_id(&self, name: &Bound<'_, PyString>) -> PyResult<FieldId> {
+        if self.names.len() <= 8
+            && let Some(i) = self.names.iter().position(|n| n.as_ptr() == name.as_ptr())
+        {
+            return Ok(FieldId::from_index(i));
+        }
+        match self.name_index.bind(name.py()).get_item(name)? {
+            Some(i) => Ok(FieldId::from_index(i.extract()?)),
+            // Not a field (the layout says which names exist).
+            None => Ok(self.inner.layout().id(&name.to_cow()?)?),
+        }
+    }
+
     /// The common case of `stage`, without building a `Values`: a C-contiguous numpy array of
     /// exactly the field's dtype (the same descriptor object) and rank. Returns whether it
     /// applied; `false` sends the call down the general path (which checks everything).
