@@ -18,13 +18,16 @@ struct SendPtr(*mut u8);
 // SAFETY: the memory is kept alive by the result array held in the caller's frame.
 unsafe impl Send for SendPtr {}
 
-/// Starts a copy; returns the result array and the event to wait on (None: done).
+/// Starts a copy; returns the result array and the event to wait on (None: done). With `wait`,
+/// the copy is waited for in the same GIL release that issued it (one hand-over, not two) and
+/// the event is None.
 fn start<'py>(
     py: Python<'py>,
     src: &Bound<'py, PyAny>,
     dst: Option<&Bound<'py, PyAny>>,
     stream: Option<&Bound<'py, PyAny>>,
     pool: Option<&Bound<'py, PyAny>>,
+    wait: bool,
 ) -> PyResult<(Bound<'py, PyAny>, Option<Event>, Imported)> {
     super::linger::reap(py);
     let pool = super::pool::pool_arg(pool)?;
@@ -79,23 +82,22 @@ fn start<'py>(
             let state = state.expect("a CUDA source has a device state");
             let stream = s.unwrap_or(imp.stream);
             let p = SendPtr(ptr);
-            py.detach(move || {
+            py.detach(move || -> crate::Result<Option<Event>> {
                 let p = p;
                 // SAFETY: the destination (the result array's memory) is kept alive by the
                 // array, which the caller holds until the event completed.
-                unsafe { crate::d2h::start_d2h(&state.device, view, p.0, len, stream) }
+                let (_, ev) =
+                    unsafe { crate::d2h::start_d2h(&state.device, view, p.0, len, stream) }?;
+                match ev {
+                    Some(ev) if wait => ev.synchronize().map(|()| None),
+                    ev => Ok(ev),
+                }
             })?
-            .1
         }
     };
     Ok((array, event, imp))
 }
 
-/// Blocks until the copy completed, GIL released (not interruptible: the result array must not
-/// be handed back, nor its memory recycled, while the copy may still write it).
-fn wait_event(py: Python<'_>, ev: &Event) -> PyResult<()> {
-    Ok(py.detach(|| ev.synchronize())?)
-}
 
 /// Copies any DLPack tensor (torch, jax, cupy, numpy) to host memory and waits.
 ///
@@ -137,10 +139,8 @@ fn copy_d2h<'py>(
     stream: Option<&Bound<'py, PyAny>>,
     pool: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let (array, event, imp) = start(py, src, dst, stream, pool)?;
-    if let Some(ev) = event {
-        wait_event(py, &ev)?;
-    }
+    let (array, event, imp) = start(py, src, dst, stream, pool, true)?;
+    debug_assert!(event.is_none(), "waited for in start");
     drop(imp);
     Ok(array)
 }
@@ -289,7 +289,7 @@ fn copy_d2h_async<'py>(
     stream: Option<&Bound<'py, PyAny>>,
     pool: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<PendingCopy> {
-    let (array, event, imp) = start(py, src, dst, stream, pool)?;
+    let (array, event, imp) = start(py, src, dst, stream, pool, false)?;
     Ok(PendingCopy {
         event: Mutex::new(event),
         array: array.unbind(),

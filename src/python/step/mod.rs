@@ -533,7 +533,7 @@ impl PyStepStager {
                     Some(p) => p.get_item(name)?,
                     None => None,
                 };
-                let id = me.field_id(&name)?;
+                let id = me.field_id(name)?;
                 if pad.is_none() && r.is_none() && me.put_exact(&mut raw, id, &v)? {
                     continue;
                 }

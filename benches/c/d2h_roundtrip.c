@@ -1,0 +1,74 @@
+// The driver's floor for one small device-to-host copy and learning that it landed, from C:
+// cuMemcpyDtoHAsync into pinned memory on a non-blocking stream, then either cuEventRecord +
+// cuEventSynchronize, or cuStreamWriteValue32 of a pinned flag after the copy and a spin on it.
+// Prints the median host microseconds per round trip for each size.
+// Build: nvcc -O2 -o d2h_roundtrip benches/c/d2h_roundtrip.c -lcuda
+#include <cuda.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *s_; \
+    cuGetErrorName(r_, &s_); fprintf(stderr, "%s: %s\n", #x, s_); exit(1); } } while (0)
+
+static double now_us(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
+}
+
+static int cmp(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(void) {
+    enum { N = 5000 };
+    static double ts[N];
+    size_t sizes[] = {1024, 65536, 1 << 20};
+    CUdevice dev;
+    CUcontext ctx;
+    CUstream s;
+    CUevent ev;
+    CUdeviceptr src;
+    unsigned char *dst;
+    volatile unsigned int *flag;
+    CUdeviceptr flag_dev;
+    CHECK(cuInit(0));
+    CHECK(cuDeviceGet(&dev, 0));
+    CHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
+    CHECK(cuCtxSetCurrent(ctx));
+    CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CHECK(cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
+    CHECK(cuMemAlloc(&src, 1 << 20));
+    CHECK(cuMemsetD8(src, 0x5A, 1 << 20));
+    CHECK(cuMemHostAlloc((void **)&dst, 1 << 20, CU_MEMHOSTALLOC_PORTABLE));
+    CHECK(cuMemHostAlloc((void **)&flag, 4096, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP));
+    CHECK(cuMemHostGetDevicePointer(&flag_dev, (void *)flag, 0));
+    CHECK(cuCtxSynchronize());
+    for (int k = 0; k < 3; k++) {
+        size_t n = sizes[k];
+        for (int mode = 0; mode < 2; mode++) {
+            for (int i = -200; i < N; i++) {
+                dst[0] = 0; dst[n - 1] = 0;
+                *flag = 0;
+                double t0 = now_us();
+                CHECK(cuMemcpyDtoHAsync(dst, src, n, s));
+                if (mode == 0) {
+                    CHECK(cuEventRecord(ev, s));
+                    CHECK(cuEventSynchronize(ev));
+                } else {
+                    CHECK(cuStreamWriteValue32(s, flag_dev, 1, CU_STREAM_WRITE_VALUE_DEFAULT));
+                    while (*flag != 1) { }
+                }
+                double t1 = now_us();
+                if (dst[0] != 0x5A || dst[n - 1] != 0x5A) { fprintf(stderr, "wrong result\n"); return 1; }
+                if (i >= 0) ts[i] = t1 - t0;
+            }
+            qsort(ts, N, sizeof(double), cmp);
+            printf("C d2h %zu B %s: %.2f us\n", n, mode == 0 ? "event sync" : "spin on a written flag", ts[N / 2]);
+        }
+    }
+    return 0;
+}
