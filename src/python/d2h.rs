@@ -35,7 +35,7 @@ fn start<'py>(
     let imp = import(src, s)?;
     let view = &imp.view;
     let (dtype, shape, nbytes) = (view.dtype(), view.shape().to_vec(), view.nbytes());
-    descr(py, dtype)?; // fail early (bfloat16 without ml_dtypes) before any copy
+    let want = descr(py, dtype)?; // fail early (bfloat16 without ml_dtypes) before any copy
     let state = match view.memory() {
         MemoryKind::Cuda(id) => Some(super::device_state(id)?),
         MemoryKind::Host if crate::cuda_available() => Some(super::device_state(0)?),
@@ -50,9 +50,20 @@ fn start<'py>(
                      {shape:?})"
                 )));
             }
-            // SAFETY: dst is a live writable numpy array of `len >= nbytes` bytes; it is the
-            // new array's base, so it outlives it.
-            let array = unsafe { array_over(d.clone(), ptr as *mut u8, dtype, &shape) }?;
+            // A `dst` of the source's dtype and shape is the result itself (no new view).
+            use numpy::{PyArrayDescrMethods, PyUntypedArrayMethods};
+            let same = d.cast::<numpy::PyUntypedArray>().is_ok_and(|a| {
+                a.dtype().is_equiv_to(&want)
+                    && a.shape().len() == shape.len()
+                    && a.shape().iter().zip(&shape).all(|(&x, &y)| x as i64 == y)
+            });
+            let array = if same {
+                d.clone()
+            } else {
+                // SAFETY: dst is a live writable numpy array of `len >= nbytes` bytes; it is
+                // the new array's base, so it outlives it.
+                unsafe { array_over(d.clone(), ptr as *mut u8, dtype, &shape) }?
+            };
             (array, ptr as *mut u8, len)
         }
         None => {
@@ -106,7 +117,8 @@ fn start<'py>(
 ///     dst (numpy.ndarray, optional): a writable, C-contiguous array used as a raw region of at
 ///         least ``src.nbytes`` bytes (pinned: one DMA; pageable: a pinned bounce ring). Its dtype
 ///         and shape do not matter: the RESULT is the returned array, a view of ``dst``'s memory in
-///         ``src``'s dtype and shape, and ``dst`` itself then holds those bytes. Without ``dst`` the
+///         ``src``'s dtype and shape (``dst`` itself when it has them already), and ``dst`` then
+///         holds those bytes. Without ``dst`` the
 ///         result lives in a block of the pinned pool (pageable memory past the pool's budget).
 ///     stream: the stream the copy is ordered on (see the README's "Rules"); None: the producer's
 ///         current stream, else the legacy default stream.

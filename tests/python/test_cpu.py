@@ -154,6 +154,13 @@ def test_copy_d2h_numpy_fallback_and_dst():
     r = pinstage.copy_d2h(src, dst)
     assert r.base is dst or r.base.base is dst
     np.testing.assert_array_equal(r, src)
+    same = np.full((10, 100), -1, np.float32)  # src's dtype and shape: the result is dst itself
+    assert pinstage.copy_d2h(src, same) is same
+    np.testing.assert_array_equal(same, src)
+    for other in (np.full((100, 10), -1, np.float32), np.full((10, 100), -1, np.int32)):
+        r = pinstage.copy_d2h(src, other)  # another shape or dtype: a view in src's
+        assert r is not other and r.shape == src.shape and r.dtype == src.dtype
+        np.testing.assert_array_equal(r, src)
     with pytest.raises(ValueError, match="dst holds 10 bytes"):
         pinstage.copy_d2h(src, np.zeros(10, np.uint8))
     with pytest.raises(TypeError, match="dst must be a numpy array"):
