@@ -432,7 +432,7 @@ def test_wrong_device_and_pageable_dst(gpu):
     out = pinstage.copy_d2h(src, dst)
     np.testing.assert_array_equal(dst, np.arange(10_000_000))
     assert out is dst  # dst has src's dtype and shape: it is the result
-    view = pinstage.copy_d2h(src[:1000], np.full(8000, -1, np.uint8))  # another dtype: a view
+    view = pinstage.copy_d2h(src[:1000], np.full(8000, 0xFF, np.uint8))  # another dtype: a view
     assert view.dtype == np.int64 and view.base is not None
     np.testing.assert_array_equal(view, np.arange(1000))
     st = pinstage.PinnedStager(torch.int64, 16, 2, device=0)
