@@ -31,7 +31,11 @@ fn check(buf: &DeviceBuffer, data: &[u8]) {
     let mut out = vec![0u8; data.len() + 1];
     buf.download(0, &mut out).unwrap();
     assert!(out[..data.len()] == *data, "values differ");
-    assert_eq!(out[data.len()], POISON, "the byte past the copy was written");
+    assert_eq!(
+        out[data.len()],
+        POISON,
+        "the byte past the copy was written"
+    );
 }
 
 #[rstest]
@@ -113,7 +117,10 @@ fn gpu_h2d_pageable_source_may_change_at_once() {
         unsafe { pinstage::start_h2d(Some(&dev), &dst, src.as_ptr(), bytes, stream.handle()) }
             .unwrap();
     assert_eq!(path, H2DPath::Bounced);
-    assert!(!ev.as_ref().unwrap().query().unwrap(), "the copies wait behind the stall");
+    assert!(
+        !ev.as_ref().unwrap().query().unwrap(),
+        "the copies wait behind the stall"
+    );
     src.fill(0x11);
     gate.release();
     ev.expect("a bounced copy's event").synchronize().unwrap();
@@ -170,7 +177,10 @@ fn gpu_to_device_fills_fresh_memory_and_releases_it() {
         drop((mem, mem2));
     }
     let s = pinstage::device_pool_stats(&dev).unwrap();
-    assert_eq!((s.live_arrays, s.live_bytes), (base.live_arrays, base.live_bytes));
+    assert_eq!(
+        (s.live_arrays, s.live_bytes),
+        (base.live_arrays, base.live_bytes)
+    );
     pinstage::trim_device_pools().unwrap();
     let s = pinstage::device_pool_stats(&dev).unwrap();
     assert!(
@@ -199,8 +209,14 @@ fn gpu_to_device_many_results_leave_nothing() {
         }
     }
     let s = pinstage::device_pool_stats(&dev).unwrap();
-    assert_eq!((s.live_arrays, s.live_bytes), (base.live_arrays, base.live_bytes));
-    assert!(peak <= base.reserved_bytes + (64 << 20), "the pool grew to {peak} bytes");
+    assert_eq!(
+        (s.live_arrays, s.live_bytes),
+        (base.live_arrays, base.live_bytes)
+    );
+    assert!(
+        peak <= base.reserved_bytes + (64 << 20),
+        "the pool grew to {peak} bytes"
+    );
     // The bounce slots are a cache made once; nothing else pinned stays.
     pinstage::release_bounce_buffers();
     assert!(pinstage::live_pinned_bytes() <= pinned_before);

@@ -33,16 +33,7 @@ pub(super) fn bounce(
         let to = slot.buf.as_mut_ptr();
         // SAFETY: buffer k is idle (its previous copy completed, and chunk i - BOUNCE_DEPTH was
         // drained); src + off..+len lies within the source.
-        unsafe {
-            issue_d2h(
-                cur,
-                &slot.busy,
-                src + off as u64,
-                to,
-                len,
-                stream,
-            )
-        }
+        unsafe { issue_d2h(cur, &slot.busy, src + off as u64, to, len, stream) }
     };
     let mut result = (0..chunks.len().min(BOUNCE_DEPTH)).try_for_each(|i| issue(i, &mut bufs));
     for (i, &(off, len)) in chunks.iter().enumerate() {

@@ -66,7 +66,9 @@ pub(crate) unsafe fn alloc_async(
 ///    uses it any more.
 pub(crate) unsafe fn free_async(ptr: CUdeviceptr, stream: CUstream) -> DResult<()> {
     // SAFETY: caller's contract.
-    check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(ptr, stream) })
+    check("cuMemFreeAsync", unsafe {
+        sys::cuMemFreeAsync(ptr, stream)
+    })
 }
 
 /// [cuMemPoolTrimTo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html):
@@ -76,7 +78,9 @@ pub(crate) unsafe fn free_async(ptr: CUdeviceptr, stream: CUstream) -> DResult<(
 /// 1. `pool` is live.
 pub(crate) unsafe fn pool_trim(pool: CUmemoryPool, keep: usize) -> DResult<()> {
     // SAFETY: caller's contract.
-    check("cuMemPoolTrimTo", unsafe { sys::cuMemPoolTrimTo(pool, keep) })
+    check("cuMemPoolTrimTo", unsafe {
+        sys::cuMemPoolTrimTo(pool, keep)
+    })
 }
 
 /// Bytes of device memory the pool holds (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`).

@@ -83,17 +83,18 @@ impl DevicePool {
         self.reap(cur)?;
         let bytes = len.max(1).next_multiple_of(FRESH_ALIGN);
         // SAFETY: our live pool and stream, the device's context current.
-        let ptr = unsafe { driver::pool::alloc_async(bytes, self.pool, self.stream.handle().raw()) }
-            .map_err(|e| {
-                if e.is_out_of_memory() {
-                    Error::OutOfMemory {
-                        what: "device array",
-                        bytes: len,
+        let ptr =
+            unsafe { driver::pool::alloc_async(bytes, self.pool, self.stream.handle().raw()) }
+                .map_err(|e| {
+                    if e.is_out_of_memory() {
+                        Error::OutOfMemory {
+                            what: "device array",
+                            bytes: len,
+                        }
+                    } else {
+                        Error::Driver(e)
                     }
-                } else {
-                    Error::Driver(e)
-                }
-            })?;
+                })?;
         debug_assert_eq!(ptr % FRESH_ALIGN as u64, 0);
         Ok(ptr)
     }

@@ -14,11 +14,11 @@ mod upload;
 pub(crate) mod write;
 
 pub use copy::{Copy, PinnedStager, PinnedStagerBuilder, RawCopy, WaitFn};
+pub use fresh::{
+    DevicePoolStats, FreshMem, device_pool_stats, start_to_device, to_device, trim_device_pools,
+};
 pub use mirror::H2DMirror;
 pub use stager::{
     CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, MAX_DEPTH, Stager, StagerBuilder, StagerStats,
-};
-pub use fresh::{
-    DevicePoolStats, FreshMem, device_pool_stats, start_to_device, to_device, trim_device_pools,
 };
 pub use upload::{H2DPath, copy_h2d, start_h2d};

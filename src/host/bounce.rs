@@ -170,7 +170,14 @@ impl H2DTuning {
             .next_multiple_of(64 << 10)
             .min(self.max_piece);
         let mut out = Vec::with_capacity(len.div_ceil(piece) + 8);
-        let (mut off, mut size) = (0, if self.ramp { self.min_piece.min(piece) } else { piece });
+        let (mut off, mut size) = (
+            0,
+            if self.ramp {
+                self.min_piece.min(piece)
+            } else {
+                piece
+            },
+        );
         while off < len {
             let n = size.min(len - off);
             out.push((off, n));
@@ -192,11 +199,17 @@ pub(crate) fn h2d_tuning() -> H2DTuning {
 /// sane ranges: 1..=64 workers, pieces of 64 KiB..=64 MiB, 2..=64 slots).
 #[cfg_attr(not(feature = "lab"), allow(dead_code))]
 pub(crate) fn set_h2d_tuning(t: H2DTuning) {
-    let max_piece = t.max_piece.clamp(64 << 10, 64 << 20).next_multiple_of(64 << 10);
+    let max_piece = t
+        .max_piece
+        .clamp(64 << 10, 64 << 20)
+        .next_multiple_of(64 << 10);
     *TUNING.lock() = H2DTuning {
         workers: t.workers.clamp(1, 64),
         max_piece,
-        min_piece: t.min_piece.clamp(64 << 10, max_piece).next_multiple_of(64 << 10),
+        min_piece: t
+            .min_piece
+            .clamp(64 << 10, max_piece)
+            .next_multiple_of(64 << 10),
         slots: t.slots.clamp(2, 64),
         ..t
     };

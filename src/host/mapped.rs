@@ -181,7 +181,11 @@ mod tests {
             assert_eq!(m.len() % PAGE, 0);
             assert!(m.len() >= len && m.len() - len < PAGE);
             if len >= HUGE {
-                assert_eq!(m.as_ptr() as usize % HUGE, 0, "huge mappings start 2 MiB aligned");
+                assert_eq!(
+                    m.as_ptr() as usize % HUGE,
+                    0,
+                    "huge mappings start 2 MiB aligned"
+                );
             }
             // SAFETY: the mapping holds `len` bytes.
             let s = unsafe { std::slice::from_raw_parts_mut(m.as_ptr(), m.len()) };

@@ -416,15 +416,19 @@ pub fn step_floor(
 /// # Errors
 /// Driver errors.
 pub fn pinned_costs(sizes: &[usize]) -> Result<Vec<(String, f64)>> {
-    use std::time::Instant;
     use crate::host::mapped::MappedPages;
+    use std::time::Instant;
     let dev = Device::new(0)?;
     let cur = dev.enter()?;
     let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
     let mut out = Vec::new();
     let warm = sizes.iter().copied().min().unwrap_or(4096);
     drop(PinnedBuffer::new(&dev, warm, PinnedFlags::PORTABLE)?);
-    drop(PinnedBuffer::new_registered(&dev, warm, PinnedFlags::PORTABLE)?);
+    drop(PinnedBuffer::new_registered(
+        &dev,
+        warm,
+        PinnedFlags::PORTABLE,
+    )?);
     for &n in sizes {
         let mib = n as f64 / (1 << 20) as f64;
         let t = Instant::now();
@@ -460,7 +464,10 @@ pub fn pinned_costs(sizes: &[usize]) -> Result<Vec<(String, f64)>> {
         unsafe {
             crate::driver::mem::mem_host_register(pages.as_ptr().cast(), pages.len(), false, false)
         }?;
-        out.push((format!("{mib} MiB untouched map + cuMemHostRegister ms"), ms(t)));
+        out.push((
+            format!("{mib} MiB untouched map + cuMemHostRegister ms"),
+            ms(t),
+        ));
         // SAFETY: registered just above; no copy used it.
         unsafe { crate::driver::mem::mem_host_unregister(pages.as_ptr().cast()) }?;
         drop(pages);

@@ -109,7 +109,6 @@ fn start<'py>(
     Ok((array, event, imp))
 }
 
-
 /// Copies any DLPack tensor (torch, jax, cupy, numpy) to host memory and waits.
 ///
 /// Parameters:

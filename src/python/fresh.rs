@@ -275,10 +275,7 @@ fn empty_like_framework<'py>(
             let torch = py.import("torch")?;
             let kw = PyDict::new(py);
             kw.set_item("dtype", torch.getattr(dtype.name())?)?;
-            kw.set_item(
-                "device",
-                torch.call_method1("device", ("cuda", ordinal))?,
-            )?;
+            kw.set_item("device", torch.call_method1("device", ("cuda", ordinal))?)?;
             torch.call_method("empty", (shape,), Some(&kw))
         }
         _ => {
