@@ -62,25 +62,26 @@ fn pool_of(cur: &Current<'_>) -> Result<Arc<DevicePool>> {
 }
 
 impl DevicePool {
-    /// Gives released memory back to the pool, ordered on pinstage's stream.
+    /// Gives released memory back to the pool, ordered on pinstage's stream. What the driver
+    /// refuses stays released for the next attempt (the error is returned).
     fn reap(&self, _cur: &Current<'_>) -> Result<()> {
         let released = std::mem::take(&mut *self.released.lock());
-        let mut result = Ok(());
         for (i, &ptr) in released.iter().enumerate() {
             // SAFETY: `ptr` came from this pool and was released by its last owner (no work
             // outside our stream's order uses it: the consumer's deleter said so); once each.
             if let Err(e) = unsafe { driver::pool::free_async(ptr, self.stream.handle().raw()) } {
-                // Keep what was not freed for the next attempt.
-                self.released.lock().extend_from_slice(&released[i + 1..]);
-                result = Err(e.into());
-                break;
+                self.released.lock().extend_from_slice(&released[i..]);
+                return Err(e.into());
             }
         }
-        result
+        Ok(())
     }
 
     fn alloc(&self, cur: &Current<'_>, len: usize) -> Result<u64> {
-        self.reap(cur)?;
+        if let Err(Error::Driver(e)) = self.reap(cur) {
+            // Not this allocation's failure: it is recorded, the memory stays for a later reap.
+            crate::error::record_drop_error(e);
+        }
         let bytes = len.max(1).next_multiple_of(FRESH_ALIGN);
         // SAFETY: our live pool and stream, the device's context current.
         let ptr =

@@ -126,7 +126,13 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     let tune = bounce::h2d_tuning();
     let pool = bounce::workers();
     let threads = pool.map_or(1, |p| p.current_num_threads() + 1);
-    let workers = tune.workers_for(src.len()).min(threads);
+    // The per-thread default stream is a different stream on every thread: the pieces must all
+    // be issued from the caller's thread, where the returned event is recorded.
+    let workers = if stream == StreamHandle::PER_THREAD {
+        1
+    } else {
+        tune.workers_for(src.len()).min(threads)
+    };
     if src.len() < tune.driver_below {
         let done = Event::new_in(cur)?;
         // SAFETY: `src` pageable: the driver stages it before returning; `dst` holds `len`
@@ -177,6 +183,15 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     Ok(done)
 }
 
+/// Stores `.1` into `.0` (Release: the piece's record happened before) when dropped.
+struct Issued<'a>(&'a AtomicUsize, usize);
+
+impl Drop for Issued<'_> {
+    fn drop(&mut self) {
+        self.0.store(self.1, Ordering::Release);
+    }
+}
+
 /// One pageable upload shared by its workers.
 struct Upload<'a, 's> {
     src: &'a [u8],
@@ -217,12 +232,14 @@ impl Upload<'_, '_> {
             while self.issued[s].load(Ordering::Acquire) < round {
                 backoff.snooze();
             }
+            // Marks the slot issued when this iteration ends, even by a panic unwinding it, so
+            // no other worker waits forever for this piece.
+            let _mark = Issued(&self.issued[s], round + 1);
             if !self.failed.load(Ordering::Relaxed)
                 && let Err(e) = self.send(cur, i, s)
             {
                 self.fail(e);
             }
-            self.issued[s].store(round + 1, Ordering::Release);
         }
     }
 
@@ -232,7 +249,7 @@ impl Upload<'_, '_> {
         let slot = &self.slots[s];
         slot.busy.synchronize()?;
         let (off, n) = self.pieces[i];
-        let to = slot.buf.as_ptr() as *mut u8;
+        let to = slot.buf.shared_mut_ptr();
         // SAFETY: slot `s` is this worker's alone until it marks the slot issued (the claim
         // protocol above), and its last copy completed; it holds `max_piece >= n` bytes and is
         // page-aligned; the source piece lies within `src`.

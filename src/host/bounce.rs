@@ -66,23 +66,45 @@ pub(crate) fn take(cur: &Current<'_>, count: usize, size: usize) -> Result<Vec<B
     Ok(slots)
 }
 
+/// Slots the cache keeps per device (12 for one pageable H2D, 3 for a D2H, and room for a few
+/// concurrent copies); more are freed as they come back.
+const CACHE_PER_DEVICE: usize = 32;
+
 /// Returns slots to the cache; their last copies may still be in flight (each slot's event).
+/// Past [`CACHE_PER_DEVICE`] the extra slots are freed once their copies completed.
 pub(crate) fn give_back(device: &Device, slots: Vec<BounceSlot>) {
-    CACHE
-        .lock()
-        .extend(slots.into_iter().map(|s| (device.ordinal(), s)));
+    let extra: Vec<BounceSlot> = {
+        let mut cache = CACHE.lock();
+        let mut have = cache.iter().filter(|(o, _)| *o == device.ordinal()).count();
+        let mut extra = Vec::new();
+        for s in slots {
+            if have < CACHE_PER_DEVICE {
+                cache.push((device.ordinal(), s));
+                have += 1;
+            } else {
+                extra.push(s);
+            }
+        }
+        extra
+    };
+    free_after_copies(extra.into_iter());
+}
+
+/// Frees slots once their last copies completed (never under a copy: a failed wait leaks the
+/// buffer and records the error).
+fn free_after_copies(slots: impl Iterator<Item = BounceSlot>) {
+    for slot in slots {
+        if let Err(Error::Driver(e)) = slot.busy.synchronize() {
+            crate::error::record_drop_error(e);
+            std::mem::forget(slot.buf);
+        }
+    }
 }
 
 /// Frees the cached bounce slots once their last copies completed.
 pub fn release_bounce_buffers() {
     let slots = std::mem::take(&mut *CACHE.lock());
-    for (_, slot) in slots {
-        if let Err(Error::Driver(e)) = slot.busy.synchronize() {
-            // A copy that may still read the buffer: never free it, record why.
-            crate::error::record_drop_error(e);
-            std::mem::forget(slot.buf);
-        }
-    }
+    free_after_copies(slots.into_iter().map(|(_, s)| s));
 }
 
 /// Copies `src` into `dst` with several threads: one core cannot keep up with the copy engine

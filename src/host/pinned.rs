@@ -171,8 +171,11 @@ impl PinnedBuffer {
     /// As [`PinnedBuffer::new`].
     pub fn alloc(device: &Device, len: usize, flags: PinnedFlags) -> Result<Self> {
         if PIN_BY_REGISTER.load(std::sync::atomic::Ordering::Relaxed) && !flags.write_combined {
-            if let Ok(b) = Self::new_registered(device, len, flags) {
-                return Ok(b);
+            match Self::new_registered(device, len, flags) {
+                Ok(b) => return Ok(b),
+                // More than the system can give: the driver would not do better.
+                Err(e @ Error::OutOfMemory { .. }) => return Err(e),
+                Err(_) => {}
             }
         }
         Self::new(device, len, flags)
@@ -210,6 +213,13 @@ impl PinnedBuffer {
 
     /// Start of the block, for writing.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Start of the block, for writing through a shared reference: for owners whose own
+    /// protocol gives one writer at a time exclusive use of the bytes (the bounce slots' claims).
+    /// No `&[u8]` of those bytes may be alive while they are written.
+    pub(crate) fn shared_mut_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
 

@@ -1,5 +1,6 @@
 //! `copy_d2h`, `copy_d2h_async`, `PendingCopy` and the result pool.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -162,7 +163,9 @@ fn copy_d2h<'py>(
 /// (never blocking the drop).
 #[pyclass(frozen, module = "pinstage._native")]
 pub(crate) struct PendingCopy {
-    event: Mutex<Option<Event>>,
+    /// The copy's event until a wait saw it complete. Shared, so threads waiting at once all
+    /// wait on it (none may see `None` while the copy still runs).
+    event: Mutex<Option<Arc<Event>>>,
     /// The result array (D2H) or the destination (H2D), handed back by `wait`.
     array: Py<PyAny>,
     /// The source, kept alive (a pinned H2D source unchanged) until the copy completed.
@@ -172,7 +175,7 @@ pub(crate) struct PendingCopy {
 impl PendingCopy {
     pub(crate) fn new(event: Option<Event>, array: Py<PyAny>, src: Imported) -> Self {
         Self {
-            event: Mutex::new(event),
+            event: Mutex::new(event.map(Arc::new)),
             array,
             src: Mutex::new(Some(src)),
         }
@@ -240,17 +243,18 @@ impl PendingCopy {
                     })?,
             ),
         };
-        let ev = self.event.lock().take();
+        let ev = self.event.lock().clone();
         if let Some(ev) = ev {
             let done = wait_interruptibly(py, &ev, deadline);
             if !matches!(done, Ok(true)) {
-                *self.event.lock() = Some(ev);
                 done?;
                 return Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
                     "the copy did not complete within {} s",
                     timeout.unwrap_or_default()
                 )));
             }
+            // Completed: every waiter may let the event go.
+            *self.event.lock() = None;
         }
         drop(self.src.lock().take());
         Ok(self.array.clone_ref(py))
@@ -269,7 +273,7 @@ impl Drop for PendingCopy {
             // A pyclass drops with the GIL held (attach only confirms it).
             let array = Python::attach(|py| std::mem::replace(&mut self.array, py.None()));
             super::linger::linger(super::linger::Lingering {
-                until: super::linger::Until::Event(ev),
+                until: super::linger::Until::Shared(ev),
                 array: Some(array),
                 src: self.src.get_mut().take(),
             });
@@ -301,11 +305,7 @@ fn copy_d2h_async<'py>(
     pool: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<PendingCopy> {
     let (array, event, imp) = start(py, src, dst, stream, pool, false)?;
-    Ok(PendingCopy {
-        event: Mutex::new(event),
-        array: array.unbind(),
-        src: Mutex::new(Some(imp)),
-    })
+    Ok(PendingCopy::new(event, array.unbind(), imp))
 }
 
 /// Counters of the pinned pool behind ``copy_d2h`` results, for ``device`` (default 0).
@@ -326,6 +326,7 @@ fn pool_stats<'py>(
     py: Python<'py>,
     device: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    super::linger::reap(py);
     let ordinal = super::args::parse_device(device)?;
     let s = if crate::cuda_available() {
         super::device_state(ordinal)?.pool.stats()

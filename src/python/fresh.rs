@@ -117,7 +117,8 @@ fn default_device(py: Python<'_>, fw: Framework) -> PyResult<i32> {
 ///     src: a C-contiguous host array (numpy, a torch CPU tensor, anything with DLPack on the
 ///         CPU), pinned or pageable. The result has its dtype and shape.
 ///     framework: ``"torch"``, ``"cupy"``, ``"jax"`` (or the module itself), or ``"dlpack"``
-///         for a :class:`DeviceArray` that any DLPack consumer imports. Give this or ``like``.
+///         for a :class:`DeviceArray` that any DLPack consumer imports (see its rule on
+///         releasing imports). Give this or ``like``.
 ///     like: an array whose framework (and CUDA device) the result imitates.
 ///     device: the CUDA device (an int, ``"cuda:N"``, a torch or cupy device); default:
 ///         ``like``'s device, else the framework's current device (device 0 for JAX and
@@ -299,8 +300,11 @@ fn empty_like_framework<'py>(
 /// Device memory pinstage allocated and filled (``to_device(src, "dlpack")``): a DLPack producer
 /// any framework imports (``torch.from_dlpack``, ``cupy.from_dlpack``,
 /// ``jax.dlpack.from_dlpack``); an importer's stream waits for the fill on the device. The
-/// memory returns to pinstage's pool when this object and every import are gone: an importer
-/// must not release its import while its own work on it is still queued.
+/// memory returns to pinstage's pool when this object and every import are gone, and a later
+/// ``to_device`` may then write it on pinstage's stream: an import must outlive the work its
+/// framework queued on it. JAX keeps that rule by itself (it releases an import only after its
+/// work on it completed); torch and cupy release an import as soon as the array is collected, so
+/// for them use ``to_device(src, "torch")`` / ``"cupy"`` (their own allocators, stream-safe).
 #[pyclass(frozen, name = "DeviceArray", module = "pinstage._native")]
 pub struct DeviceArray {
     mem: Arc<FreshMem>,

@@ -14,6 +14,7 @@ use crate::{Event, FreshMem};
 /// What says the copy completed.
 pub(crate) enum Until {
     Event(Event),
+    Shared(Arc<Event>),
     Fresh(Arc<FreshMem>),
 }
 
@@ -22,6 +23,7 @@ impl Until {
         // A failed copy (an error) no longer reads or writes anything.
         match self {
             Until::Event(e) => e.query().unwrap_or(true),
+            Until::Shared(e) => e.query().unwrap_or(true),
             Until::Fresh(m) => m.ready().query().unwrap_or(true),
         }
     }

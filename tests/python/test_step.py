@@ -144,6 +144,7 @@ def test_stage_resolves_names_interned_or_built(k):
             assert st.read_field(f"f{i}").tolist() == [rnd * 100 + i] * 8
     literal = {"f0": np.arange(8, dtype=np.int32), "f2": np.arange(8, dtype=np.int32) + 5}
     st.stage(literal)
+    assert st.read_field("f0").tolist() == list(range(8))
     assert st.read_field("f2").tolist() == list(range(5, 13))
     with pytest.raises(pinstage.UnknownFieldError, match="f99"):
         st.stage({"f99": np.zeros(8, np.int32)})
