@@ -174,8 +174,37 @@ mod tests {
         }
     }
 
+    /// The tests that map memory run one at a time: an address range just unmapped must not be
+    /// mapped again by another test before it is looked at.
+    static MAPS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// How many of the mapping's pages are resident (`mincore`); `None` when the range is not
+    /// mapped.
+    fn resident(ptr: *mut u8, len: usize) -> Option<usize> {
+        let mut v = vec![0u8; len.div_ceil(PAGE)];
+        // SAFETY: `v` holds one byte per page of the range; mincore only reads the page tables.
+        let rc = unsafe { libc::mincore(ptr.cast(), len, v.as_mut_ptr()) };
+        (rc == 0).then(|| v.iter().filter(|&&b| b & 1 == 1).count())
+    }
+
+    #[test]
+    fn populated_before_use_and_unmapped_when_dropped() {
+        let _one = MAPS.lock().unwrap_or_else(|e| e.into_inner());
+        for len in [4096, 3 << 20, (4 << 20) + 4096] {
+            let m = MappedPages::new(len).unwrap();
+            let pages = m.len() / PAGE;
+            assert_eq!(resident(m.as_ptr(), m.len()), Some(pages), "every page touched");
+            let (ptr, l) = (m.as_ptr(), m.len());
+            drop(m);
+            assert_eq!(resident(ptr, l), None, "the mapping is gone");
+        }
+        let u = MappedPages::new_untouched(3 << 20).unwrap();
+        assert_eq!(resident(u.as_ptr(), u.len()), Some(0), "untouched: nothing resident");
+    }
+
     #[test]
     fn mappings_are_page_rounded_zeroed_and_writable() {
+        let _one = MAPS.lock().unwrap_or_else(|e| e.into_inner());
         for len in [1, 4096, 4097, (2 << 20) + 1, 9 << 20] {
             let m = MappedPages::new(len).unwrap();
             assert_eq!(m.len() % PAGE, 0);
