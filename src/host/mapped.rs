@@ -193,13 +193,21 @@ mod tests {
         for len in [4096, 3 << 20, (4 << 20) + 4096] {
             let m = MappedPages::new(len).unwrap();
             let pages = m.len() / PAGE;
-            assert_eq!(resident(m.as_ptr(), m.len()), Some(pages), "every page touched");
+            assert_eq!(
+                resident(m.as_ptr(), m.len()),
+                Some(pages),
+                "every page touched"
+            );
             let (ptr, l) = (m.as_ptr(), m.len());
             drop(m);
             assert_eq!(resident(ptr, l), None, "the mapping is gone");
         }
         let u = MappedPages::new_untouched(3 << 20).unwrap();
-        assert_eq!(resident(u.as_ptr(), u.len()), Some(0), "untouched: nothing resident");
+        assert_eq!(
+            resident(u.as_ptr(), u.len()),
+            Some(0),
+            "untouched: nothing resident"
+        );
     }
 
     #[test]
