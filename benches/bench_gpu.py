@@ -215,7 +215,7 @@ def bench_small(torch, cuda_drv, calls=20000, rounds=3):
     def run(name, fn, prime=None):
         """Two figures per implementation; `dst` is poisoned before each timed batch (and, for
         the mirror-hit rows, `prime` writes the values the mirror then reports), and checked
-        after it. Loop (the goal's figure, as the issue's peers were
+        after it. Loop (the goal's figure, as the peers were
         measured): `calls` calls back to back, wall time / calls. Paced: calls 10 us apart, so
         the GPU is idle when each call arrives, as an engine issues a step's few copies among
         other work; each call timed alone (less the clock's own cost), the median over groups

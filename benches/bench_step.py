@@ -1,4 +1,4 @@
-"""Step staging on the GPU, side by side with its peers in one run (issue: step staging).
+"""Step staging on the GPU, side by side with its peers in one run.
 
 Host microseconds per step, loop (steps back to back), values changing every step (64 value
 sets cycled). Every timed batch starts on poisoned device fields and its result is checked
