@@ -31,6 +31,22 @@ def median_gbs(nbytes, ts):
     return nbytes / statistics.median(ts) / GB
 
 
+def timed_into(torch, name, nb, fn, dst, ref, reps):
+    """Seconds per call of `fn`, `reps` calls, each into `dst` poisoned first, synchronised
+    before and after, and checked against `ref` after the timing."""
+    ts = []
+    for _ in range(reps):
+        dst.fill_(POISON)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+        if not torch.equal(dst, ref):
+            raise AssertionError(f"{name} at {nb} bytes: wrong result")
+    return ts
+
+
 def bench_copy(torch, cp, sizes, reps):
     print("== copy into an existing tensor, GB/s")
     for nb in sizes:
@@ -54,17 +70,7 @@ def bench_copy(torch, cp, sizes, reps):
         row = {}
         for name, fn in impls.items():
             fn()
-            ts = []
-            for _ in range(reps):
-                dst.fill_(POISON)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                ts.append(time.perf_counter() - t0)
-                if not torch.equal(dst, ref):
-                    raise AssertionError(f"{name} at {nb} bytes: wrong result")
-            row[name] = median_gbs(nb, ts)
+            row[name] = median_gbs(nb, timed_into(torch, name, nb, fn, dst, ref, reps))
         RESULTS["copy"][nb] = row
         print(f"  {nb:>13,d} B: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
         del tpin, pin, ref, dst
@@ -160,17 +166,7 @@ def bench_pinned_small(torch, reps=300):
             ("pinstage copy_h2d from pinned", lambda: pinstage.copy_h2d(dst, pin)),
             ("torch copy_ from pinned", lambda: dst.copy_(tpin, non_blocking=True)),
         ):
-            ts = []
-            for _ in range(reps):
-                dst.fill_(POISON)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                ts.append(time.perf_counter() - t0)
-                if not torch.equal(dst, ref):
-                    raise AssertionError(f"{name} at {nb} bytes: wrong result")
-            row[name] = statistics.median(ts) * 1e6
+            row[name] = statistics.median(timed_into(torch, name, nb, fn, dst, ref, reps)) * 1e6
         RESULTS["pinned small"][nb] = row
         a, b = row["pinstage copy_h2d from pinned"], row["torch copy_ from pinned"]
         print(f"  {nb >> 10:>5} KiB: copy_h2d {a:.1f} us ({nb / a / 1e3:.2f} GB/s), torch {b:.1f} us "

@@ -175,19 +175,11 @@ pub unsafe fn start_to_device(
 ) -> Result<(FreshMem, H2DPath)> {
     let cur = device.enter()?;
     let pool = pool_of(&cur)?;
+    let ready = Event::new_in(&cur)?;
     let ptr = pool.alloc(&cur, len)?;
-    // Relaxed: statistics.
+    // Relaxed: statistics (`FreshMem`'s drop takes them back).
     pool.live_arrays.fetch_add(1, Ordering::Relaxed);
     pool.live_bytes.fetch_add(len as u64, Ordering::Relaxed);
-    let ready = match Event::new_in(&cur) {
-        Ok(e) => e,
-        Err(e) => {
-            pool.live_arrays.fetch_sub(1, Ordering::Relaxed);
-            pool.live_bytes.fetch_sub(len as u64, Ordering::Relaxed);
-            pool.released.lock().push(ptr);
-            return Err(e);
-        }
-    };
     // From here on, dropping `mem` releases the memory (on an error too).
     let mut mem = FreshMem {
         ptr,

@@ -273,7 +273,7 @@ impl Drop for PendingCopy {
             // A pyclass drops with the GIL held (attach only confirms it).
             let array = Python::attach(|py| std::mem::replace(&mut self.array, py.None()));
             super::linger::linger(super::linger::Lingering {
-                until: super::linger::Until::Shared(ev),
+                until: super::linger::Until::Event(ev),
                 array: Some(array),
                 src: self.src.get_mut().take(),
             });

@@ -10,10 +10,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyModule, PyString, PyTuple};
 
 use super::errors::{type_err, value_err};
-use super::h2d::{import_host_source, start};
+use super::h2d::{SendPtr, import_host_source, start};
 use super::import::{Imported, describe, import_destination, parse_stream, type_name};
 use super::linger::{Lingering, Until, linger};
-use crate::cuda::StreamHandle;
+use super::step::export::{consumer_stream, managed_tensor};
 use crate::view::DType;
 use crate::{FreshMem, H2DPath};
 
@@ -207,11 +207,12 @@ fn to_device<'py>(
             let dst = empty_like_framework(py, fw, dtype, &shape, ordinal)?;
             let to = import_destination(&dst, s)?;
             let stream = s.unwrap_or(to.stream);
-            let (_, event) = start(py, &from, &to, stream)?;
+            let (path, event) = start(py, &from, &to, stream)?;
             drop(to);
-            if let Some(ev) = event {
+            // Only a pinned source is still read after the call (one DMA in flight).
+            if let (H2DPath::Pinned, Some(ev)) = (path, event) {
                 linger(Lingering {
-                    until: Until::Event(ev),
+                    until: Until::Event(Arc::new(ev)),
                     array: None,
                     src: Some(from),
                 });
@@ -240,9 +241,6 @@ fn fresh(
     dtype: DType,
     shape: Vec<i64>,
 ) -> PyResult<DeviceArray> {
-    struct SendPtr(*const u8);
-    // SAFETY: the memory is kept alive by `from`, held by this frame.
-    unsafe impl Send for SendPtr {}
     let (ptr, len) = (SendPtr(from.view.ptr() as *const u8), from.view.nbytes());
     let (mem, path) = py.detach(move || {
         let ptr = ptr;
@@ -321,22 +319,17 @@ impl DeviceArray {
     }
 
     fn managed<M: dlpark::ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
-        let keep = Box::new(Arc::clone(&self.mem));
-        let mut init = dlpark::metadata::Dynamic::compact(self.shape.clone())
-            .prepare_as::<M>()
-            .map_err(|e| value_err(format!("DLPack export: {e}")))?
-            .initialize(keep);
-        let (code, bits) = self.dtype.dlpack();
-        init.set_data(self.mem.ptr() as *mut std::ffi::c_void);
-        init.set_dtype(dlpark::ffi::DLDataType {
-            code: dlpark::ffi::DLDataTypeCode(code),
-            bits,
-            lanes: 1,
-        });
-        init.set_device(self.dl_device());
-        // SAFETY: data points at `prod(shape)` elements kept alive by the context (the Arc);
-        // shape and compact strides were written by the metadata builder.
-        Ok(unsafe { init.finish() })
+        // SAFETY: the pool memory holds `prod(shape)` elements of `dtype`, alive as long as
+        // the Arc the capsule owns.
+        unsafe {
+            managed_tensor(
+                Box::new(Arc::clone(&self.mem)),
+                self.mem.ptr(),
+                self.dtype,
+                &self.shape,
+                self.dl_device(),
+            )
+        }
     }
 }
 
@@ -350,14 +343,10 @@ impl DlpackExporter for DeviceArray {
     }
 
     fn prepare_export(&self, py: Python<'_>, request: &ExportRequest<'_>) -> PyResult<()> {
-        let stream = match request.cuda_stream()? {
-            CudaStreamRequest::NoSync => return Ok(()),
-            CudaStreamRequest::Omitted => None,
-            CudaStreamRequest::LegacyDefault => Some(StreamHandle::LEGACY),
-            CudaStreamRequest::PerThreadDefault => Some(StreamHandle::PER_THREAD),
-            // SAFETY: the consumer's own stream, alive during its import (DLPack contract).
-            CudaStreamRequest::Pointer(p) => Some(unsafe { StreamHandle::from_raw(p) }?),
-        };
+        if matches!(request.cuda_stream()?, CudaStreamRequest::NoSync) {
+            return Ok(());
+        }
+        let stream = consumer_stream(request)?;
         let ready = self.mem.ready();
         py.detach(|| match stream {
             Some(s) => ready.wait_on(s),

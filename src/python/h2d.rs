@@ -10,7 +10,7 @@ use crate::view::MemoryKind;
 use crate::{Error, H2DPath};
 
 /// A raw source pointer that may cross `py.detach`.
-struct SendPtr(*const u8);
+pub(super) struct SendPtr(pub(super) *const u8);
 // SAFETY: the memory is kept alive by the imported source held in the caller's frame.
 unsafe impl Send for SendPtr {}
 

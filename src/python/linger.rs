@@ -4,6 +4,7 @@
 //! `empty_cache`) drops those whose copies completed, with the GIL held.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -13,8 +14,7 @@ use crate::{Event, FreshMem};
 
 /// What says the copy completed.
 pub(crate) enum Until {
-    Event(Event),
-    Shared(Arc<Event>),
+    Event(Arc<Event>),
     Fresh(Arc<FreshMem>),
 }
 
@@ -23,7 +23,6 @@ impl Until {
         // A failed copy (an error) no longer reads or writes anything.
         match self {
             Until::Event(e) => e.query().unwrap_or(true),
-            Until::Shared(e) => e.query().unwrap_or(true),
             Until::Fresh(m) => m.ready().query().unwrap_or(true),
         }
     }
@@ -39,11 +38,15 @@ pub(crate) struct Lingering {
 }
 
 static LINGERING: Mutex<Vec<Lingering>> = Mutex::new(Vec::new());
+/// Whether anything may linger: `reap` runs on every copy, and nearly always finds nothing.
+static ANY: AtomicBool = AtomicBool::new(false);
 
 /// Keeps `l`'s objects alive until its copy completed (at once dropped if it has).
 pub(crate) fn linger(l: Lingering) {
     if !l.until.done() {
         LINGERING.lock().push(l);
+        // Relaxed: a reap that misses this store finds the entry on a later call.
+        ANY.store(true, Ordering::Relaxed);
         return;
     }
     drop(l);
@@ -51,14 +54,16 @@ pub(crate) fn linger(l: Lingering) {
 
 /// Drops what lingers for copies that completed. Needs the GIL (sources' deleters may).
 pub(crate) fn reap(_py: Python<'_>) {
+    // Relaxed: see `linger`.
+    if !ANY.load(Ordering::Relaxed) {
+        return;
+    }
     let done: Vec<Lingering> = {
         let mut l = LINGERING.lock();
-        if l.is_empty() {
-            return;
-        }
-        let (done, keep) = std::mem::take(&mut *l)
+        let (done, keep): (Vec<Lingering>, Vec<Lingering>) = std::mem::take(&mut *l)
             .into_iter()
             .partition(|x| x.until.done());
+        ANY.store(!keep.is_empty(), Ordering::Relaxed);
         *l = keep;
         done
     };

@@ -77,33 +77,62 @@ impl StepTensor {
     }
 
     fn managed<M: dlpark::ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
-        let keep = Box::new(self.keep.clone());
-        let mut init = dlpark::metadata::Dynamic::compact(self.shape.clone())
-            .prepare_as::<M>()
-            .map_err(|e| value_err(format!("DLPack export: {e}")))?
-            .initialize(keep);
-        let (code, bits) = self.dtype.dlpack();
-        init.set_data(self.ptr as *mut std::ffi::c_void);
-        init.set_dtype(dlpark::ffi::DLDataType {
-            code: dlpark::ffi::DLDataTypeCode(code),
-            bits,
-            lanes: 1,
-        });
-        init.set_device(self.dl_device());
-        // SAFETY: data points at `prod(shape)` elements kept alive by the context; shape and
-        // compact strides were written by the metadata builder.
-        Ok(unsafe { init.finish() })
+        // SAFETY: `ptr` points at `prod(shape)` elements of `dtype` kept alive by `keep`.
+        unsafe {
+            managed_tensor(
+                Box::new(self.keep.clone()),
+                self.ptr,
+                self.dtype,
+                &self.shape,
+                self.dl_device(),
+            )
+        }
     }
+}
 
-    fn stream_request(req: &ExportRequest<'_>) -> PyResult<Option<StreamHandle<'static>>> {
-        Ok(match req.cuda_stream()? {
-            CudaStreamRequest::Omitted | CudaStreamRequest::NoSync => None,
-            CudaStreamRequest::LegacyDefault => Some(StreamHandle::LEGACY),
-            CudaStreamRequest::PerThreadDefault => Some(StreamHandle::PER_THREAD),
-            // SAFETY: the consumer's own stream, alive during its import (DLPack contract).
-            CudaStreamRequest::Pointer(p) => Some(unsafe { StreamHandle::from_raw(p) }?),
-        })
-    }
+/// A DLPack managed tensor of `shape` (compact) elements of `dtype` at `ptr` on `device`, whose
+/// context owns `keep` (dropped by the consumer's deleter). Shared by pinstage's exporters.
+///
+/// # Safety
+/// 1. `ptr` points at `prod(shape)` elements of `dtype` that live as long as `keep`.
+pub(crate) unsafe fn managed_tensor<M, K>(
+    keep: K,
+    ptr: u64,
+    dtype: DType,
+    shape: &[i64],
+    device: DLDevice,
+) -> PyResult<Managed<M>>
+where
+    M: dlpark::ManagedTensorBase,
+    K: dlpark::OpaqueContext,
+{
+    let mut init = dlpark::metadata::Dynamic::compact(shape.to_vec())
+        .prepare_as::<M>()
+        .map_err(|e| value_err(format!("DLPack export: {e}")))?
+        .initialize(keep);
+    let (code, bits) = dtype.dlpack();
+    init.set_data(ptr as *mut std::ffi::c_void);
+    init.set_dtype(dlpark::ffi::DLDataType {
+        code: dlpark::ffi::DLDataTypeCode(code),
+        bits,
+        lanes: 1,
+    });
+    init.set_device(device);
+    // SAFETY: data points at `prod(shape)` elements kept alive by the context (caller);
+    // shape and compact strides were written by the metadata builder.
+    Ok(unsafe { init.finish() })
+}
+
+/// The consumer stream an export request names: `None` when omitted or when the consumer
+/// asked for no synchronisation (the caller tells the two apart if it must).
+pub(crate) fn consumer_stream(req: &ExportRequest<'_>) -> PyResult<Option<StreamHandle<'static>>> {
+    Ok(match req.cuda_stream()? {
+        CudaStreamRequest::Omitted | CudaStreamRequest::NoSync => None,
+        CudaStreamRequest::LegacyDefault => Some(StreamHandle::LEGACY),
+        CudaStreamRequest::PerThreadDefault => Some(StreamHandle::PER_THREAD),
+        // SAFETY: the consumer's own stream, alive during its import (DLPack contract).
+        CudaStreamRequest::Pointer(p) => Some(unsafe { StreamHandle::from_raw(p) }?),
+    })
 }
 
 impl DlpackExporter for StepTensor {
@@ -120,7 +149,7 @@ impl DlpackExporter for StepTensor {
             return Ok(());
         }
         let omitted = matches!(request.cuda_stream()?, CudaStreamRequest::Omitted);
-        let stream = Self::stream_request(request)?;
+        let stream = consumer_stream(request)?;
         py.detach(|| -> crate::Result<()> {
             match (&self.sync, stream) {
                 (Order::None, _) => Ok(()),

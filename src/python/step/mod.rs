@@ -18,7 +18,7 @@ use crate::step::{RawStep, StepLayout, StepMode, StepStager};
 use crate::view::DType;
 use numpy::npyffi;
 
-mod export;
+pub(super) mod export;
 mod open;
 
 use export::{Keep, Order, StepTensor};
