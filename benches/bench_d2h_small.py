@@ -4,6 +4,8 @@ pulling each step's ids): pinstage `copy_d2h(src, dst)` against torch `copy_(non
 (`benches/c/d2h_roundtrip.c`, built with nvcc and run in the same job).
 
 Every timed call's destination is poisoned first and checked after. Median of `reps` calls.
+With the lab wheel (`_set_d2h_tuning`) it also measures pinstage's other ways of waiting
+(an event instead of the landing word, the GIL released before the copy) in the same loop.
 Usage: python3 benches/bench_d2h_small.py [--c-binary PATH]
 """
 
@@ -35,6 +37,15 @@ if a.c_binary:
         n = int(head.split()[2])
         c_floor.setdefault(n, {})[head.split(" B ")[1]] = float(us.split()[0])
 
+# With the lab wheel: pinstage's earlier ways of waiting, measured beside the default.
+LAB_VARIANTS = {}
+if hasattr(pinstage._native, "_set_d2h_tuning"):
+    LAB_VARIANTS = {
+        "pinstage, event + GIL released (before)": dict(landing=False, gil_held_max=0),
+        "pinstage, landing word + GIL released": dict(landing=True, gil_held_max=0),
+        "pinstage, event + GIL held": dict(landing=False),
+    }
+
 rows = {}
 for n in (1024, 64 << 10, 1 << 20):
     vals = np.random.default_rng(n).integers(1, 1 << 30, n // 4, dtype=np.int32)
@@ -52,9 +63,13 @@ for n in (1024, 64 << 10, 1 << 20):
         cpin = pinstage.empty_pinned(n // 4, np.int32)
         impls["cupy get(out=pinned) + synchronize"] = (
             lambda: (csrc.get(out=cpin), cp.cuda.get_current_stream().synchronize()), cpin)
+    for name, tuning in LAB_VARIANTS.items():
+        impls[name] = (lambda: pinstage.copy_d2h(src, pin), pin, tuning)
     torch.cuda.synchronize()
     row = {}
-    for name, (fn, dst) in impls.items():
+    for name, (fn, dst, *tuning) in impls.items():
+        if LAB_VARIANTS:
+            pinstage._native._set_d2h_tuning(**(tuning[0] if tuning else {}))
         ts = []
         for i in range(a.reps + 200):
             dst.fill(-1)
@@ -77,6 +92,10 @@ for n, row in rows.items():
         ev = c_floor[n].get("event sync")
         spin = c_floor[n].get("spin on a written flag")
         s += f"; pinstage {p:.2f} us vs C {ev:.2f} (event) / {spin:.2f} (flag): +{p - ev:.2f} / +{p - spin:.2f} us"
+        lev = c_floor[n].get("event sync legacy stream")
+        lspin = c_floor[n].get("spin on a written flag legacy stream")
+        if lev is not None:
+            s += f"; on the legacy stream (torch's default, where pinstage copies) C {lev:.2f} / {lspin:.2f}: +{p - lev:.2f} / +{p - lspin:.2f} us"
         if n == 1024:
             s += " (goal: <= C + 1)"
     print(s)

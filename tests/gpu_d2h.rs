@@ -145,3 +145,48 @@ fn gpu_d2h_refusals() {
     assert!(matches!(err, Error::WrongDevice { got: 5, .. }));
     assert!(small.iter().chain(&out).all(|&b| b == POISON));
 }
+
+/// 96 threads (more than a device's 64 landing words: some waits take the event path) each
+/// copy with `copy_d2h` into their own pinned destination, poisoned before every copy, and check
+/// every copy: a wait that returned for another thread's word, or early, shows as poison.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_copy_d2h_from_many_threads_at_once() {
+    let Some(dev) = gpu_or_skip("gpu_copy_d2h_from_many_threads_at_once") else {
+        return;
+    };
+    let threads = 96usize;
+    let sizes = [4usize, 1024, 4097, 64 << 10];
+    let srcs: Vec<(DeviceBuffer, Vec<u8>)> = (0..threads)
+        .map(|t| filled(&dev, sizes[t % sizes.len()], 1000 + t as u64))
+        .collect();
+    let srcs = std::sync::Arc::new(srcs);
+    let start = std::sync::Arc::new(std::sync::Barrier::new(threads));
+    let workers: Vec<_> = (0..threads)
+        .map(|t| {
+            let (dev, srcs, start) = (dev.clone(), srcs.clone(), start.clone());
+            std::thread::spawn(move || {
+                let (src, data) = &srcs[t];
+                let n = data.len();
+                let stream = pinstage::Stream::new(&dev).unwrap();
+                let mut dst = PinnedBuffer::new(&dev, n + 1, PinnedFlags::PORTABLE).unwrap();
+                start.wait();
+                for i in 0..50 {
+                    dst.as_mut_slice().fill(POISON);
+                    let path =
+                        copy_d2h(&dev, &view(src), dst.as_mut_slice(), stream.handle()).unwrap();
+                    assert_eq!(path, D2HPath::Pinned);
+                    assert!(dst.as_slice()[..n] == data[..], "thread {t} copy {i}");
+                    assert_eq!(
+                        dst.as_slice()[n],
+                        POISON,
+                        "thread {t} copy {i}: past the end"
+                    );
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+}

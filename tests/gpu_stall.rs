@@ -309,3 +309,53 @@ fn gpu_a_free_stream_never_frees_a_stalled_streams_slots() {
         format!("destination {k} (stream {which})")
     });
 }
+
+/// `copy_d2h` into pinned memory learns that its copy landed from a word the stream writes after
+/// it (no event). Behind a stalled stream the wait passes its flat-out spin (200 µs) and waits
+/// on: it must not return, nor the destination change, before the stall is released; then every
+/// byte is there.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_copy_d2h_waits_for_its_copy_behind_a_stalled_stream() {
+    let Some(dev) = gpu_or_skip("gpu_copy_d2h_waits_for_its_copy_behind_a_stalled_stream") else {
+        return;
+    };
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let stream = Stream::new(&dev).unwrap();
+    for bytes in [1024usize, 64 << 10] {
+        let data = common::values(DType::U8, bytes, bytes as u64 + 7);
+        let src = DeviceBuffer::new(&dev, bytes).unwrap();
+        src.upload(0, &data).unwrap();
+        let mut dst =
+            pinstage::PinnedBuffer::new(&dev, bytes + 1, pinstage::PinnedFlags::PORTABLE).unwrap();
+        dst.as_mut_slice().fill(POISON);
+        let addr = dst.as_mut_ptr() as usize;
+        let go = stall(&stream);
+        let returned = AtomicBool::new(false);
+        let (path, dst) = std::thread::scope(|scope| {
+            let copier = scope.spawn(|| {
+                let path = pinstage::copy_d2h(
+                    &dev,
+                    &src.view(DType::U8),
+                    dst.as_mut_slice(),
+                    stream.handle(),
+                );
+                returned.store(true, Ordering::Release);
+                (path, dst)
+            });
+            std::thread::sleep(Duration::from_millis(30));
+            let early = returned.load(Ordering::Acquire);
+            // SAFETY: the pinned buffer is alive (owned by the copier until it returns it) and
+            // nothing writes it while the stream is stalled; a volatile read of one byte.
+            let first = unsafe { std::ptr::read_volatile(addr as *const u8) };
+            go.release();
+            let out = copier.join().unwrap();
+            assert!(!early, "copy_d2h returned before its copy ran");
+            assert_eq!(first, POISON, "the destination changed before the copy ran");
+            out
+        });
+        assert_eq!(path.unwrap(), pinstage::D2HPath::Pinned);
+        assert_eq!(&dst.as_slice()[..bytes], &data[..], "{bytes} bytes");
+        assert_eq!(dst.as_slice()[bytes], POISON, "past the end");
+    }
+}

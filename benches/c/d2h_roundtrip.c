@@ -1,6 +1,8 @@
 // The driver's floor for one small device-to-host copy and learning that it landed, from C:
 // cuMemcpyDtoHAsync into pinned memory on a non-blocking stream, then either cuEventRecord +
 // cuEventSynchronize, or cuStreamWriteValue32 of a pinned flag after the copy and a spin on it.
+// Each on a non-blocking stream of its own and on the legacy default stream (where torch's
+// default current stream issues its work, and so pinstage's copies from torch tensors).
 // Prints the median host microseconds per round trip for each size.
 // Build: nvcc -O2 -o d2h_roundtrip benches/c/d2h_roundtrip.c -lcuda
 #include <cuda.h>
@@ -49,17 +51,18 @@ int main(void) {
     CHECK(cuCtxSynchronize());
     for (int k = 0; k < 3; k++) {
         size_t n = sizes[k];
-        for (int mode = 0; mode < 2; mode++) {
+        for (int mode = 0; mode < 4; mode++) {
+            CUstream st = mode < 2 ? s : CU_STREAM_LEGACY;
             for (int i = -200; i < N; i++) {
                 dst[0] = 0; dst[n - 1] = 0;
                 *flag = 0;
                 double t0 = now_us();
-                CHECK(cuMemcpyDtoHAsync(dst, src, n, s));
-                if (mode == 0) {
-                    CHECK(cuEventRecord(ev, s));
+                CHECK(cuMemcpyDtoHAsync(dst, src, n, st));
+                if (mode % 2 == 0) {
+                    CHECK(cuEventRecord(ev, st));
                     CHECK(cuEventSynchronize(ev));
                 } else {
-                    CHECK(cuStreamWriteValue32(s, flag_dev, 1, CU_STREAM_WRITE_VALUE_DEFAULT));
+                    CHECK(cuStreamWriteValue32(st, flag_dev, 1, CU_STREAM_WRITE_VALUE_DEFAULT));
                     while (*flag != 1) { }
                 }
                 double t1 = now_us();
@@ -67,7 +70,8 @@ int main(void) {
                 if (i >= 0) ts[i] = t1 - t0;
             }
             qsort(ts, N, sizeof(double), cmp);
-            printf("C d2h %zu B %s: %.2f us\n", n, mode == 0 ? "event sync" : "spin on a written flag", ts[N / 2]);
+            printf("C d2h %zu B %s%s: %.2f us\n", n, mode % 2 == 0 ? "event sync" : "spin on a written flag",
+                   mode < 2 ? "" : " legacy stream", ts[N / 2]);
         }
     }
     return 0;

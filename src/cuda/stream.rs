@@ -54,12 +54,18 @@ impl StreamHandle<'_> {
         self.0 as CUstream
     }
 
-    /// Whether the stream is capturing a CUDA graph.
+    /// Whether the stream is capturing a CUDA graph. Every copy asks this first, so a handle
+    /// the driver does not know (an integer that passed `from_raw`'s checks by lying in
+    /// ordinary memory) is refused here as [`Error::BadStreamHandle`], before any copy.
     #[inline]
     pub(crate) fn is_capturing(self, _cur: &Current<'_>) -> Result<bool> {
         // SAFETY: context current (`_cur`); the handle is a special one, one of our streams, or
         // one its maker vouched for in `from_raw`.
-        Ok(unsafe { driver::stream::stream_is_capturing(self.raw()) }?)
+        match unsafe { driver::stream::stream_is_capturing(self.raw()) } {
+            Ok(c) => Ok(c),
+            Err(e) if e.is_invalid_handle() => Err(Error::BadStreamHandle { handle: self.0 }),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Blocks until all work queued on the stream completed.

@@ -5,6 +5,7 @@
 //! another, which beats the driver's own pageable path.
 
 mod bounce;
+mod landing;
 mod pending;
 
 pub use pending::{HostRegion, PendingCopy, copy_d2h_async};
@@ -59,12 +60,62 @@ pub fn copy_d2h(
     dst: &mut [u8],
     stream: StreamHandle,
 ) -> Result<D2HPath> {
-    // SAFETY: `dst` is exclusively borrowed until we return, and we wait for the copy first.
-    let (path, event) = unsafe { start_d2h(device, src, dst.as_mut_ptr(), dst.len(), stream) }?;
-    if let Some(ev) = event {
-        ev.synchronize()?;
-    }
+    // SAFETY: `dst` is exclusively borrowed until we return, and the copy is waited for first
+    // (the completion waits when dropped, too).
+    let (path, done) =
+        unsafe { start_d2h(device, src, dst.as_mut_ptr(), dst.len(), stream, true, None) }?;
+    done.wait()?;
     Ok(path)
+}
+
+/// How a started copy completes.
+pub(crate) enum Completion<'s> {
+    /// It has.
+    Done,
+    /// When the event completed.
+    Event(Event),
+    /// When its landing word was written (the caller waits at once; waits when dropped).
+    Landing(landing::Waiter<'s>),
+}
+
+impl Completion<'_> {
+    /// Waits for the copy.
+    ///
+    /// # Errors
+    /// [`Error::Driver`]: the copy or its stream failed.
+    pub(crate) fn wait(&self) -> Result<()> {
+        match self {
+            Completion::Done => Ok(()),
+            Completion::Event(ev) => ev.synchronize(),
+            Completion::Landing(w) => w.wait(),
+        }
+    }
+
+    /// Whether the copy completed within `within` of spinning (landing words only: no driver
+    /// call; an event is asked once).
+    ///
+    /// # Errors
+    /// [`Error::Driver`]: the event's copy failed.
+    pub(crate) fn spin(&self, within: std::time::Duration) -> Result<bool> {
+        match self {
+            Completion::Done => Ok(true),
+            Completion::Event(ev) => ev.query(),
+            Completion::Landing(w) => Ok(w.spin(within)),
+        }
+    }
+
+    /// The event to wait on, for a caller who keeps the copy in flight: `None` once complete.
+    /// A landing word is waited for here (only callers who wait at once get one).
+    ///
+    /// # Errors
+    /// [`Error::Driver`]: waiting failed.
+    pub(crate) fn into_event(self) -> Result<Option<Event>> {
+        match self {
+            Completion::Done => Ok(None),
+            Completion::Event(ev) => Ok(Some(ev)),
+            Completion::Landing(w) => w.wait().map(|()| None),
+        }
+    }
 }
 
 /// Issues one D2H copy and records `ev` after it.
@@ -93,42 +144,81 @@ unsafe fn issue_d2h(
 }
 
 /// Starts copying `src` into `dst_ptr..dst_ptr+len`. A pinned destination gets one truly
-/// asynchronous DMA and the event to wait on; a pageable one is filled through the bounce ring
-/// before this returns (`None`: already done), as is a host source.
+/// asynchronous DMA; a pageable one is filled through the bounce ring before this returns
+/// ([`Completion::Done`]), as is a host source. With `wait` (the caller waits at once), a pinned
+/// copy is followed by a landing word where the device has one free ([`Completion::Landing`]),
+/// else by an event. `pinned`: whether the destination is known to be pinned (`None`: the driver
+/// is asked).
 ///
 /// # Safety
 /// 1. `dst_ptr..dst_ptr+len` is writable host memory that nothing else touches, and that stays
-///    valid, until the returned event completed (or until return when `None`).
-pub(crate) unsafe fn start_d2h(
+///    valid, until the returned completion completed (a dropped [`Completion::Landing`] waits).
+/// 2. `pinned`, when given, is true of the destination.
+pub(crate) unsafe fn start_d2h<'s>(
     device: &Device,
     src: &DeviceView<'_>,
     dst_ptr: *mut u8,
     len: usize,
-    stream: StreamHandle,
-) -> Result<(D2HPath, Option<Event>)> {
+    stream: StreamHandle<'s>,
+    wait: bool,
+    pinned: Option<bool>,
+) -> Result<(D2HPath, Completion<'s>)> {
     let _range = crate::nvtx::NvtxRange::new(c"pinstage.copy_d2h");
     check_src(device, src, len)?;
     let n = src.nbytes();
     if n == 0 {
-        return Ok((D2HPath::Empty, None));
+        return Ok((D2HPath::Empty, Completion::Done));
     }
     if src.memory() == MemoryKind::Host {
         // SAFETY: the view's contract: `src` is readable host memory of n bytes; the caller's
         // destination holds `len >= n` bytes (memmove tolerates overlap).
         unsafe { std::ptr::copy(src.ptr() as *const u8, dst_ptr, n) };
-        return Ok((D2HPath::Host, None));
+        return Ok((D2HPath::Host, Completion::Done));
     }
     let cur = device.enter_for_copy(stream)?;
-    if driver::mem::is_pinned_host(dst_ptr.cast()) {
+    if pinned.unwrap_or_else(|| driver::mem::is_pinned_host(dst_ptr.cast())) {
+        if wait
+            && LANDING.load(std::sync::atomic::Ordering::Relaxed)
+            && let Some(claim) = landing::landing(device).and_then(|l| l.claim())
+        {
+            // SAFETY: the destination is pinned and reserved for this copy until it completed
+            // (caller); src is device memory of this device of n bytes (view contract, device
+            // checked).
+            unsafe { driver::mem::memcpy_dtoh_async(dst_ptr.cast(), src.ptr(), n, stream.raw()) }?;
+            return match claim.signal(&cur, stream) {
+                Ok(true) => Ok((
+                    D2HPath::Pinned,
+                    Completion::Landing(landing::Waiter::new(claim, device, stream)),
+                )),
+                // Refused (once per device): the stream itself says when the copy completed.
+                Ok(false) => stream
+                    .synchronize(&cur)
+                    .map(|()| (D2HPath::Pinned, Completion::Done)),
+                Err(e) => {
+                    // Untrackable: the destination must be free when we return.
+                    let _ = stream.synchronize(&cur);
+                    Err(e)
+                }
+            };
+        }
         let ev = Event::new_in(&cur)?;
         // SAFETY: the destination is pinned and reserved for this copy until the event
         // completed (caller); src is device memory of this device of n bytes (view contract,
         // device checked).
         unsafe { issue_d2h(&cur, &ev, src.ptr(), dst_ptr, n, stream) }?;
-        return Ok((D2HPath::Pinned, Some(ev)));
+        return Ok((D2HPath::Pinned, Completion::Event(ev)));
     }
     // SAFETY: caller's contract: `len >= n` writable bytes, exclusively ours until return.
     let dst = unsafe { std::slice::from_raw_parts_mut(dst_ptr, n) };
     bounce::bounce(&cur, src.ptr(), dst, stream)?;
-    Ok((D2HPath::Bounced, None))
+    Ok((D2HPath::Bounced, Completion::Done))
+}
+
+/// Whether waiting callers use landing words (the laboratory compares; on by default).
+static LANDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Turns landing words on or off for later copies; returns the previous setting (laboratory).
+#[cfg(feature = "lab")]
+pub(crate) fn set_landing(on: bool) -> bool {
+    LANDING.swap(on, std::sync::atomic::Ordering::Relaxed)
 }

@@ -85,9 +85,9 @@ pub fn copy_d2h_async<B: HostRegion>(
     let (ptr, len) = dst.region();
     // SAFETY: the region is owned by `dst`, which the PendingCopy keeps (and waits for before
     // handing back or dropping); HostRegion guarantees the address is stable.
-    let (_, event) = unsafe { start_d2h(device, src, ptr, len, stream) }?;
+    let (_, done) = unsafe { start_d2h(device, src, ptr, len, stream, false, None) }?;
     Ok(PendingCopy {
         buf: Some(dst),
-        event,
+        event: done.into_event()?,
     })
 }

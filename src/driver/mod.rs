@@ -50,6 +50,21 @@ impl DriverError {
         self.code == sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
     }
 
+    /// Whether the driver refused a handle (`CUDA_ERROR_INVALID_HANDLE`, or
+    /// `CUDA_ERROR_INVALID_RESOURCE_TYPE` for a handle of another kind).
+    pub fn is_invalid_handle(&self) -> bool {
+        matches!(
+            self.code,
+            sys::CUresult::CUDA_ERROR_INVALID_HANDLE
+                | sys::CUresult::CUDA_ERROR_INVALID_RESOURCE_TYPE
+        )
+    }
+
+    /// Whether the driver does not offer the operation here (`CUDA_ERROR_NOT_SUPPORTED`).
+    pub fn is_not_supported(&self) -> bool {
+        self.code == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
+    }
+
     /// Whether the driver ran out of memory (`CUDA_ERROR_OUT_OF_MEMORY`).
     pub fn is_out_of_memory(&self) -> bool {
         self.code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY

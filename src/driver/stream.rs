@@ -38,6 +38,23 @@ pub(crate) unsafe fn stream_synchronize(s: CUstream) -> DResult<()> {
     })
 }
 
+/// [cuStreamQuery](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html):
+/// `Ok(true)` once all work queued on `s` completed.
+///
+/// # Safety
+/// 1. `s` is a live stream of the current context (or a special handle).
+pub(crate) unsafe fn stream_query(s: CUstream) -> DResult<bool> {
+    // SAFETY: caller's contract.
+    match unsafe { sys::cuStreamQuery(s) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        code => Err(super::DriverError {
+            call: "cuStreamQuery",
+            code,
+        }),
+    }
+}
+
 /// [cuStreamIsCapturing](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html):
 /// `true` while `s` is capturing a CUDA graph (active or invalidated capture).
 ///
@@ -142,7 +159,6 @@ pub(crate) unsafe fn stream_get_id(stream: CUstream) -> DResult<u64> {
 /// # Safety
 /// 1. `addr` is a device address of 4 writable bytes that stay allocated until the write ran.
 /// 2. `stream` is live; a context is current.
-#[cfg(feature = "lab")]
 pub(crate) unsafe fn stream_write_value32(
     stream: CUstream,
     addr: super::CUdeviceptr,

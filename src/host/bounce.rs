@@ -121,7 +121,7 @@ pub(crate) fn parallel_copy(dst: &mut [u8], src: &[u8]) {
         .for_each(|(d, s)| d.copy_from_slice(s));
 }
 
-/// Most threads pinstage's copy workers run on.
+/// Most threads pinstage's copy workers run on, per device.
 const MAX_WORKER_THREADS: usize = 12;
 
 /// pinstage's own copy threads (not the global rayon pool, which the caller's code may keep
@@ -130,9 +130,12 @@ const MAX_WORKER_THREADS: usize = 12;
 pub(crate) fn workers() -> Option<&'static rayon::ThreadPool> {
     static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
     POOL.get_or_init(|| {
+        // Up to 12 per device (copies to several GPUs at once each want their workers), at
+        // most one per core.
+        let devices = crate::driver::probe().map_or(1, |p| p.device_count.clamp(1, 8) as usize);
         let n = std::thread::available_parallelism()
             .map_or(4, |n| n.get())
-            .clamp(1, MAX_WORKER_THREADS);
+            .clamp(1, MAX_WORKER_THREADS * devices);
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .thread_name(|i| format!("pinstage-copy-{i}"))

@@ -59,6 +59,18 @@ fn profile_copy_path<'py>(
     Ok(out)
 }
 
+/// Sets how `copy_d2h` waits: `landing` (a word the stream writes after the copy, else an
+/// event), `gil_held_max` (copies up to this many bytes issued with the GIL held; 0: every copy
+/// releases the GIL first) and `gil_spin_us` (spun for with the GIL held before releasing it).
+/// No arguments: the defaults (landing on, 256 KiB, 20 µs). Returns the previous settings.
+#[pyfunction]
+#[pyo3(name = "_set_d2h_tuning", signature = (landing=true, gil_held_max=256 << 10, gil_spin_us=20))]
+fn set_d2h_tuning(landing: bool, gil_held_max: usize, gil_spin_us: u64) -> (bool, usize, u64) {
+    let was = crate::d2h::set_landing(landing);
+    let (held, spin) = crate::python::d2h::set_gil_tuning(gil_held_max, gil_spin_us);
+    (was, held, spin)
+}
+
 /// Sets the pageable H2D path's tuning and returns the previous one as a dict; no arguments:
 /// the defaults (see `host::bounce::H2DTuning`).
 #[pyfunction]
@@ -116,6 +128,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pinned_costs, m)?)?;
     m.add_function(wrap_pyfunction!(set_pin_by_register, m)?)?;
     m.add_function(wrap_pyfunction!(set_h2d_tuning, m)?)?;
+    m.add_function(wrap_pyfunction!(set_d2h_tuning, m)?)?;
     m.add_function(wrap_pyfunction!(driver_costs, m)?)?;
     m.add_function(wrap_pyfunction!(profile_copy_path, m)?)?;
     Ok(())

@@ -55,7 +55,7 @@ impl PinnedBlock {
 
     /// Whether the memory is page-locked (False for a pageable fallback).
     #[getter]
-    fn pinned(&self) -> bool {
+    pub(crate) fn pinned(&self) -> bool {
         match &self.mem {
             Memory::Pinned(_) => true,
             Memory::Pool(b) => b.is_pinned(),
@@ -330,6 +330,24 @@ fn is_pinned(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
 }
 
 /// A writable, C-contiguous numpy array's (address, nbytes), or a clear error.
+/// Whether `len` bytes at `ptr` of the numpy array `obj` are pinned, when pinstage knows without
+/// asking the driver: the array's memory is one of its blocks (`empty_pinned`,
+/// `alloc_pinned_numpy`, pool results and their views). `None`: not known.
+pub(crate) fn known_pinned(obj: &Bound<'_, PyAny>, ptr: usize, len: usize) -> Option<bool> {
+    let a = obj.cast::<PyUntypedArray>().ok()?;
+    // SAFETY: reading a field of a live numpy array object; a non-null base is a live object
+    // the array holds a reference to.
+    let base = unsafe { (*a.as_array_ptr()).fields.base };
+    if base.is_null() {
+        return None;
+    }
+    // SAFETY: see above: a borrowed reference to a live object, valid while `obj` lives.
+    let base = unsafe { Bound::from_borrowed_ptr(obj.py(), base) };
+    let block = base.cast::<PinnedBlock>().ok()?.get();
+    let inside = ptr >= block.ptr && ptr.checked_add(len)? <= block.ptr + block.len;
+    inside.then(|| block.pinned())
+}
+
 pub(crate) fn writable_numpy(obj: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
     let Ok(a) = obj.cast::<PyUntypedArray>() else {
         return Err(type_err(format!(

@@ -1,6 +1,7 @@
 //! `copy_d2h`, `copy_d2h_async`, `PendingCopy` and the result pool.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -18,6 +19,21 @@ use crate::view::MemoryKind;
 struct SendPtr(*mut u8);
 // SAFETY: the memory is kept alive by the result array held in the caller's frame.
 unsafe impl Send for SendPtr {}
+
+/// Copies of at most this many bytes that the caller waits for at once are issued with the GIL
+/// held (laboratory setting).
+static GIL_HELD_MAX: AtomicUsize = AtomicUsize::new(256 << 10);
+/// How long such a copy is spun for with the GIL held before the GIL is released, µs.
+static GIL_SPIN_US: AtomicU64 = AtomicU64::new(20);
+
+/// Sets how waited-for copies hold the GIL (laboratory); returns the previous settings.
+#[cfg(feature = "lab")]
+pub(crate) fn set_gil_tuning(held_max: usize, spin_us: u64) -> (usize, u64) {
+    (
+        GIL_HELD_MAX.swap(held_max, Ordering::Relaxed),
+        GIL_SPIN_US.swap(spin_us, Ordering::Relaxed),
+    )
+}
 
 /// Starts a copy; returns the result array and the event to wait on (None: done). With `wait`,
 /// the copy is waited for in the same GIL release that issued it (one hand-over, not two) and
@@ -42,9 +58,10 @@ fn start<'py>(
         MemoryKind::Host if crate::cuda_available() => Some(super::device_state(0)?),
         MemoryKind::Host => None,
     };
-    let (array, ptr, len) = match dst.filter(|d| !d.is_none()) {
+    let (array, ptr, len, pinned) = match dst.filter(|d| !d.is_none()) {
         Some(d) => {
             let (ptr, len) = writable_numpy(d)?;
+            let pinned = super::arrays::known_pinned(d, ptr, len);
             if len < nbytes {
                 return Err(value_err(format!(
                     "dst holds {len} bytes but the source needs {nbytes} bytes ({dtype}, shape \
@@ -65,7 +82,7 @@ fn start<'py>(
                 // the new array's base, so it outlives it.
                 unsafe { array_over(d.clone(), ptr as *mut u8, dtype, &shape) }?
             };
-            (array, ptr as *mut u8, len)
+            (array, ptr as *mut u8, len, pinned)
         }
         None => {
             let mem = match (pool.and_then(|p| p.get().pool()), state) {
@@ -74,11 +91,11 @@ fn start<'py>(
                 (None, None) => Memory::Vec(crate::host::zeroed_vec(nbytes, "host result")?),
             };
             let block = PinnedBlock::new(mem);
-            let ptr = block.ptr();
+            let (ptr, pinned) = (block.ptr(), block.pinned());
             let owner = Bound::new(py, block)?.into_any();
             // SAFETY: the block holds >= nbytes bytes and is the array's base.
             let array = unsafe { array_over(owner, ptr, dtype, &shape) }?;
-            (array, ptr, nbytes)
+            (array, ptr, nbytes, Some(pinned))
         }
     };
     let event = match view.memory() {
@@ -93,18 +110,38 @@ fn start<'py>(
         MemoryKind::Cuda(_) => {
             let state = state.expect("a CUDA source has a device state");
             let stream = s.unwrap_or(imp.stream);
-            let p = SendPtr(ptr);
-            py.detach(move || -> crate::Result<Option<Event>> {
-                let p = p;
+            let held = GIL_HELD_MAX.load(Ordering::Relaxed);
+            if wait && nbytes <= held {
+                // A small copy waited for at once: issued with the GIL held (a few µs of driver
+                // calls, as the frameworks' own copies are), then a short spin; the GIL is
+                // released only for a copy still running after that (queued behind other work).
                 // SAFETY: the destination (the result array's memory) is kept alive by the
-                // array, which the caller holds until the event completed.
-                let (_, ev) =
-                    unsafe { crate::d2h::start_d2h(&state.device, view, p.0, len, stream) }?;
-                match ev {
-                    Some(ev) if wait => ev.synchronize().map(|()| None),
-                    ev => Ok(ev),
+                // array until this function returns, and it returns once the copy completed (a
+                // dropped completion waits); `pinned` is what the memory's own block says.
+                let (_, done) = unsafe {
+                    crate::d2h::start_d2h(&state.device, view, ptr, len, stream, true, pinned)
+                }?;
+                let spin = Duration::from_micros(GIL_SPIN_US.load(Ordering::Relaxed));
+                if !done.spin(spin)? {
+                    py.detach(|| done.wait())?;
                 }
-            })?
+                None
+            } else {
+                let p = SendPtr(ptr);
+                py.detach(move || -> crate::Result<Option<Event>> {
+                    let p = p;
+                    // SAFETY: as above; without `wait` the caller holds the array until the
+                    // returned event completed.
+                    let (_, done) = unsafe {
+                        crate::d2h::start_d2h(&state.device, view, p.0, len, stream, wait, pinned)
+                    }?;
+                    if wait {
+                        done.wait().map(|()| None)
+                    } else {
+                        done.into_event()
+                    }
+                })?
+            }
         }
     };
     Ok((array, event, imp))

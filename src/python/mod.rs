@@ -10,7 +10,7 @@
 
 pub(crate) mod args;
 pub(crate) mod arrays;
-mod d2h;
+pub(crate) mod d2h;
 pub(crate) mod errors;
 mod fresh;
 mod h2d;

@@ -258,6 +258,36 @@ def test_async_d2h_overlaps_and_releases_gil(gpu):
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("nbytes", [4, 1024, 256 << 10])
+def test_small_copy_d2h_behind_gpu_work_releases_the_gil_and_lands(gpu, nbytes):
+    """A small copy waited for at once is issued with the GIL held and spun for briefly; queued
+    behind ~50 ms of GPU work it must let other Python threads run while it waits, return only
+    once its bytes are there (a poisoned pinned destination), and hand back every byte."""
+    torch = pytest.importorskip("torch")
+    n = nbytes // 4
+    src = torch.arange(1, n + 1, dtype=torch.int32, device="cuda") * 7
+    want = src.cpu().numpy()
+    dst = pinstage.empty_pinned(n, np.int32)
+    for _ in range(3):
+        dst.fill(-1)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time before the copy
+        ticks = []
+        th = threading.Thread(
+            target=lambda: [ticks.append(time.perf_counter()) or time.sleep(0.001) for _ in range(30)]
+        )
+        t0 = time.perf_counter()
+        th.start()
+        out = pinstage.copy_d2h(src, dst)
+        returned = time.perf_counter()
+        th.join()
+        assert returned - t0 > 0.01, "returned before the GPU work ahead of the copy ran"
+        assert sum(t < returned for t in ticks) >= 5, "the GIL was held while waiting"
+        assert out is dst
+        np.testing.assert_array_equal(dst, want)
+    torch.cuda.synchronize()
+
+
 def _interrupt_after(seconds):
     import _thread
 

@@ -1,0 +1,223 @@
+//! Learning that a D2H copy landed without an event: after the copy, the stream writes a
+//! pinned word (`cuStreamWriteValue32`, whose default flags fence the stream's earlier writes
+//! first; the GPU's front end does it, no SM work) and the waiting host thread spins on that
+//! word. Cheaper than recording an event and synchronizing on it, for a caller who waits at once
+//! (`copy_d2h`). Each device has 64 words, one cache line each; a wait claims one for its
+//! duration, and without a free word (or where the driver refuses stream writes) the copy is
+//! waited for through an event as before.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::cuda::{Current, Device, StreamHandle};
+use crate::driver;
+use crate::error::Result;
+use crate::host::{PinnedBuffer, PinnedFlags};
+
+/// Words per device.
+const SLOTS: usize = 64;
+/// Bytes between words (one cache line each: spinning threads do not share lines).
+const STRIDE: usize = 64;
+/// How long a wait spins flat out before it also yields and asks the driver about errors.
+pub(crate) const SPIN: Duration = Duration::from_micros(200);
+
+/// One device's words.
+pub(crate) struct Landing {
+    words: PinnedBuffer,
+    /// The device address of `words`.
+    dev: u64,
+    /// Free words (bit set: free).
+    free: AtomicU64,
+    /// The value each word is written next (its last value + 1), so a late write from an
+    /// abandoned wait never matches a new one.
+    next: [AtomicU32; SLOTS],
+    /// Cleared once the driver refused a stream write: every wait takes the event path.
+    usable: AtomicBool,
+}
+
+static LANDINGS: [OnceLock<Option<Landing>>; 64] = [const { OnceLock::new() }; 64];
+
+/// The device's words, made on first use; `None` where they cannot be had (pinned memory
+/// refused, more than 64 devices, stream writes refused before).
+pub(crate) fn landing(device: &Device) -> Option<&'static Landing> {
+    let slot = LANDINGS.get(usize::try_from(device.ordinal()).ok()?)?;
+    let l = slot.get_or_init(|| Landing::new(device).ok()).as_ref()?;
+    l.usable.load(Ordering::Relaxed).then_some(l)
+}
+
+impl Landing {
+    fn new(device: &Device) -> Result<Self> {
+        let mut words = PinnedBuffer::new(device, SLOTS * STRIDE, PinnedFlags::MAPPED)?;
+        words.as_mut_slice().fill(0);
+        let _cur = device.enter()?;
+        // SAFETY: memory from cuMemHostAlloc with DEVICEMAP (MAPPED); context current.
+        let dev = unsafe { driver::mem::mem_host_get_device_pointer(words.as_ptr() as *mut _) }?;
+        Ok(Self {
+            words,
+            dev,
+            free: AtomicU64::new(u64::MAX),
+            next: [const { AtomicU32::new(1) }; SLOTS],
+            usable: AtomicBool::new(true),
+        })
+    }
+
+    /// Claims a free word, or `None` when all 64 are in use.
+    pub(crate) fn claim(&'static self) -> Option<Claim> {
+        let mut f = self.free.load(Ordering::Relaxed);
+        loop {
+            if f == 0 {
+                return None;
+            }
+            let bit = f.trailing_zeros() as usize;
+            match self.free.compare_exchange_weak(
+                f,
+                f & !(1u64 << bit),
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => {
+                    let value = self.next[bit].fetch_add(1, Ordering::Relaxed);
+                    return Some(Claim {
+                        landing: self,
+                        slot: bit,
+                        value,
+                    });
+                }
+                Err(now) => f = now,
+            }
+        }
+    }
+
+    fn word(&self, slot: usize) -> &AtomicU32 {
+        // SAFETY: inside `words` (SLOTS * STRIDE bytes), 4-byte aligned (page-aligned buffer,
+        // STRIDE a multiple of 4); the GPU writes it with 4-byte writes, the host only reads it
+        // atomically; the buffer lives as long as `self`.
+        unsafe { &*self.words.as_ptr().add(slot * STRIDE).cast::<AtomicU32>() }
+    }
+}
+
+/// A claimed word: queue its write after a copy ([`Claim::signal`]), then [`Claim::wait`].
+/// Returned to the device's free words when dropped.
+pub(crate) struct Claim {
+    landing: &'static Landing,
+    slot: usize,
+    value: u32,
+}
+
+impl Claim {
+    /// Queues the word's write on `stream`, after the work queued there before. `Ok(false)`:
+    /// the driver refused the write (never used again on this device); the caller waits another
+    /// way.
+    ///
+    /// # Errors
+    /// [`crate::Error::Driver`] for a failure other than a refusal (a failing context).
+    pub(crate) fn signal(&self, _cur: &Current<'_>, stream: StreamHandle) -> Result<bool> {
+        let addr = self.landing.dev + (self.slot * STRIDE) as u64;
+        // SAFETY: our word's device address, allocated for the process's life (the landing is
+        // static); the stream is a special handle, ours, or vouched for by its maker; context
+        // current (`_cur`).
+        match unsafe { driver::stream::stream_write_value32(stream.raw(), addr, self.value) } {
+            Ok(()) => Ok(true),
+            Err(e) if e.is_not_supported() => {
+                self.landing.usable.store(false, Ordering::Relaxed);
+                Ok(false)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn landed(&self) -> bool {
+        self.landing.word(self.slot).load(Ordering::Acquire) == self.value
+    }
+}
+
+/// A copy followed by its landing word's write: wait for it with [`Waiter::spin`] (no driver
+/// call, for a short while) and [`Waiter::wait`]. Dropped before it saw the word, it waits (the
+/// copy's destination must stay untouched until then).
+pub(crate) struct Waiter<'s> {
+    claim: Claim,
+    device: Device,
+    stream: StreamHandle<'s>,
+    landed: AtomicBool,
+}
+
+impl<'s> Waiter<'s> {
+    pub(crate) fn new(claim: Claim, device: &Device, stream: StreamHandle<'s>) -> Self {
+        Self {
+            claim,
+            device: device.clone(),
+            stream,
+            landed: AtomicBool::new(false),
+        }
+    }
+
+    /// Spins on the word for at most `within`; whether it landed.
+    pub(crate) fn spin(&self, within: Duration) -> bool {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if self.claim.landed() {
+                self.landed.store(true, Ordering::Relaxed);
+                return true;
+            }
+            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins % 64 == 0 && start.elapsed() >= within {
+                return false;
+            }
+        }
+    }
+
+    /// Waits until the copy landed: flat out for up to 200 µs, then yielding the core between
+    /// looks and asking the driver about the stream every millisecond (a failed context or copy
+    /// reports its error instead of waiting forever).
+    ///
+    /// # Errors
+    /// [`crate::Error::Driver`]: the stream failed.
+    pub(crate) fn wait(&self) -> Result<()> {
+        if self.landed.load(Ordering::Relaxed) || self.spin(SPIN) {
+            return Ok(());
+        }
+        let mut asked = Instant::now();
+        loop {
+            if self.claim.landed() {
+                break;
+            }
+            if asked.elapsed() > Duration::from_millis(1) {
+                asked = Instant::now();
+                let cur = self.device.enter()?;
+                // SAFETY: the stream is a special handle, ours, or vouched for by its maker;
+                // context current.
+                let idle = unsafe { driver::stream::stream_query(self.stream.raw()) }?;
+                // The word's write precedes the stream's completion: an idle stream means the
+                // copy completed whatever the word says; a synchronize settles any doubt.
+                if idle && !self.claim.landed() {
+                    self.stream.synchronize(&cur)?;
+                    break;
+                }
+            }
+            std::thread::yield_now();
+        }
+        self.landed.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl Drop for Waiter<'_> {
+    fn drop(&mut self) {
+        if !self.landed.load(Ordering::Relaxed)
+            && let Err(crate::Error::Driver(e)) = self.wait()
+        {
+            crate::error::record_drop_error(e);
+        }
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.landing
+            .free
+            .fetch_or(1u64 << self.slot, Ordering::Release);
+    }
+}
