@@ -96,6 +96,7 @@ impl Completion<'_> {
     ///
     /// # Errors
     /// [`Error::Driver`]: the event's copy failed.
+    #[cfg(feature = "python")]
     pub(crate) fn spin(&self, within: std::time::Duration) -> Result<bool> {
         match self {
             Completion::Done => Ok(true),

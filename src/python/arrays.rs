@@ -330,6 +330,18 @@ fn is_pinned(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
 }
 
 /// A writable, C-contiguous numpy array's (address, nbytes), or a clear error.
+/// The pinstage dtype of a numpy dtype that is one of numpy's own (native byte order) dtype
+/// objects; `None` for any other (bfloat16, big-endian, structured...: the general paths).
+pub(crate) fn dtype_of(py: Python<'_>, have: &Bound<'_, PyArrayDescr>) -> PyResult<Option<DType>> {
+    descr(py, DType::F32)?; // fills the table
+    let table = DESCRS.get(py).expect("filled above");
+    Ok(DType::ALL
+        .iter()
+        .zip(table)
+        .find(|(d, t)| **d != DType::BF16 && t.as_ptr() == have.as_ptr())
+        .map(|(d, _)| *d))
+}
+
 /// Whether `len` bytes at `ptr` of the numpy array `obj` are pinned, when pinstage knows without
 /// asking the driver: the array's memory is one of its blocks (`empty_pinned`,
 /// `alloc_pinned_numpy`, pool results and their views). `None`: not known.

@@ -68,6 +68,9 @@ fn copy_h2d(
 /// can view (``__array__`` / ``__array_interface__``).
 pub(super) fn import_host_source(src: &Bound<'_, PyAny>) -> PyResult<Imported> {
     let py = src.py();
+    if let Some(from) = numpy_source(src)? {
+        return Ok(from);
+    }
     let from_obj = if src.hasattr(pyo3::intern!(py, "__dlpack__"))? {
         src.clone()
     } else if src.hasattr(pyo3::intern!(py, "__array__"))?
@@ -90,6 +93,43 @@ pub(super) fn import_host_source(src: &Bound<'_, PyAny>) -> PyResult<Imported> {
         )));
     }
     Ok(from)
+}
+
+/// A numpy array (exactly `numpy.ndarray`), C-contiguous, of one of numpy's own dtypes: its view
+/// read straight from the array (no DLPack capsule; read-only arrays too, which numpy's
+/// `__dlpack__` refuses to export). `None`: the general path.
+fn numpy_source(src: &Bound<'_, PyAny>) -> PyResult<Option<Imported>> {
+    use numpy::{PyUntypedArray, PyUntypedArrayMethods};
+    let Ok(arr) = src.cast_exact::<PyUntypedArray>() else {
+        return Ok(None);
+    };
+    if !arr.is_c_contiguous() {
+        return Ok(None);
+    }
+    let Some(dtype) = super::arrays::dtype_of(src.py(), &arr.dtype())? else {
+        return Ok(None);
+    };
+    // SAFETY: reading fields of a live numpy array object.
+    let (data, flags) = unsafe {
+        (
+            (*arr.as_array_ptr()).fields.data as u64,
+            (*arr.as_array_ptr()).fields.flags,
+        )
+    };
+    let shape = arr.shape().iter().map(|&d| d as i64).collect();
+    let read_only = flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0;
+    let Some(meta) = crate::view::TensorMeta::host_nd(data, dtype, shape, read_only) else {
+        return Ok(None);
+    };
+    // SAFETY: the array's own C-contiguous buffer of `numel * itemsize` bytes, kept alive by the
+    // owner (the array) for as long as the view is used; a source is only read.
+    let view = unsafe { crate::view::DeviceView::from_meta(meta) };
+    Ok(Some(Imported {
+        view,
+        _owner: super::import::Owner::Object(src.clone().unbind()),
+        stream: crate::cuda::StreamHandle::LEGACY,
+        exchange: None,
+    }))
 }
 
 /// Refuses a source and a destination of different dtypes or sizes.

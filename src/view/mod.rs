@@ -364,6 +364,31 @@ impl TensorMeta {
         }
     }
 
+    /// Metadata of a C-contiguous host tensor of `shape`; `None` when a dimension is negative
+    /// or the byte count overflows.
+    #[cfg(feature = "python")]
+    pub(crate) fn host_nd(
+        addr: u64,
+        dtype: DType,
+        shape: Vec<i64>,
+        read_only: bool,
+    ) -> Option<Self> {
+        let numel = shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(usize::try_from(d).ok()?))?;
+        numel.checked_mul(dtype.itemsize())?;
+        addr.checked_add((numel * dtype.itemsize()) as u64)?;
+        Some(Self {
+            memory: MemoryKind::Host,
+            device_type: DL_CPU,
+            ptr: addr,
+            dtype,
+            shape,
+            numel,
+            read_only,
+        })
+    }
+
     /// Metadata of a contiguous 1-D tensor on CUDA device `device`.
     pub fn cuda_1d(device: i32, addr: u64, dtype: DType, numel: usize) -> Self {
         Self {

@@ -26,6 +26,38 @@ def test_host_destination_is_a_plain_copy(name):
 
 
 @pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda a: a, id="ndarray"),
+        pytest.param(lambda a: (a.setflags(write=False), a)[1], id="read-only"),
+        pytest.param(lambda a: a.reshape(13, 77), id="2-D"),
+        pytest.param(lambda a: a.view(_Sub), id="subclass"),
+        pytest.param(lambda a: a.astype(a.dtype.newbyteorder(">")), id="big-endian"),
+    ],
+)
+def test_numpy_sources_read_directly_or_through_dlpack(make):
+    """Exact, C-contiguous numpy arrays of numpy's own dtypes are read without DLPack (read-only
+    ones too); others (subclasses) take DLPack; big-endian ones are refused. Every element
+    checked, the destination's tail poisoned."""
+    vals = rand_values("int32", 1001, seed=5)
+    src = make(vals.copy())
+    raw = np.full(1001 * 4 + 8, POISON, np.uint8)
+    dst = raw[: 1001 * 4].view(np.int32)
+    if src.dtype.byteorder == ">":
+        with pytest.raises(pinstage.PinstageError):
+            pinstage.copy_h2d(dst, src)
+        assert (raw == POISON).all()
+        return
+    pinstage.copy_h2d(dst, src).wait()
+    np.testing.assert_array_equal(dst, vals)
+    assert (raw[1001 * 4 :] == POISON).all()
+
+
+class _Sub(np.ndarray):
+    pass
+
+
+@pytest.mark.parametrize(
     "dst,src,exc,match",
     [
         (np.zeros(4, np.int32), np.zeros(4, np.int64), TypeError, "expected int32, got int64"),
