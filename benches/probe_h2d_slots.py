@@ -1,0 +1,78 @@
+"""Probe: the bounce slots of `copy_h2d` from pageable memory, their size and count and the
+stores that fill them (non-temporal: straight to DRAM, read back by the copy engine; regular:
+small slots may stay in the CPU's caches), in one process under the same discipline. Each timed
+copy goes into a poisoned destination, synchronised, checked after; median of `REPS`. Source
+states: "bench" (nothing between copies, as `bench_h2d.py`), "warm" (the CPU read the whole
+source just before), "cold" (1 GiB of other memory written just before: the source comes from
+DRAM, under write-back pressure). The bounce slots are freed between tunings (`empty_cache`) and
+each tuning warms up first, so no timed call allocates slots.
+
+Run r measured 4 MiB x 12 (then the default) against smaller slots; run s the new default (1 MiB
+x 16) against the old one. Needs the lab wheel (`_set_h2d_tuning`).
+Usage: python3 benches/probe_h2d_slots.py
+"""
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import pinstage
+from pinstage import _native
+
+REPS = 9
+scratch = np.ones(1 << 30, dtype=np.uint8)
+
+OLD = dict(max_piece=4 << 20, slots=12)  # the default before run s
+TUNINGS = [
+    ("default: 1 MiB slots x 16, non-temporal up to 128 MiB", {}),
+    ("4 MiB x 12 (the previous default)", OLD),
+    ("1 MiB x 16, regular", dict(nt_upto=0)),
+    ("2 MiB x 12", dict(max_piece=2 << 20, slots=12)),
+    ("512 KiB x 16", dict(max_piece=512 << 10, slots=16)),
+]
+
+
+def timed(fn, dst, ref, state, vals):
+    fn()
+    fn()
+    ts = []
+    for i in range(REPS):
+        dst.fill_(-7)
+        torch.cuda.synchronize()
+        if state == "warm":
+            int(vals.sum())
+        elif state == "cold":
+            scratch.fill(i & 0xFF)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+        if not torch.equal(dst, ref):
+            raise AssertionError("wrong result")
+    return ref.numel() * 4 / statistics.median(ts) / 1e9
+
+
+print("defaults:", _native._set_h2d_tuning(), flush=True)
+for nb in (16 << 20, 64 << 20, 256 << 20, 1 << 30):
+    n = nb // 4
+    vals = np.random.default_rng(nb).integers(-(2**31), 2**31 - 1, n, dtype=np.int32)
+    ref = torch.from_numpy(vals).cuda()
+    dst = torch.empty(n, dtype=torch.int32, device="cuda")
+    tpin = torch.from_numpy(vals).pin_memory()
+    states = ("bench", "warm", "cold") if nb <= 64 << 20 else ("bench", "cold")
+    for state in states:
+        pin = timed(lambda: dst.copy_(tpin, non_blocking=True), dst, ref, state, vals)
+        row = []
+        for name, kw in TUNINGS:
+            pinstage.empty_cache()
+            _native._set_h2d_tuning(**kw)
+            g = timed(lambda: pinstage.copy_h2d(dst, vals), dst, ref, state, vals)
+            row.append(f"{name} {g:.2f} ({g / pin:.3f})")
+        pinstage.empty_cache()
+        _native._set_h2d_tuning()
+        where = {"bench": "as bench_h2d.py leaves it", "warm": "in the caches", "cold": "in DRAM"}[state]
+        print(f"{nb >> 20:>5} MiB, source {where}: "
+              f"torch pinned {pin:.2f}; " + "; ".join(row), flush=True)
+    del tpin
