@@ -9,10 +9,11 @@ each tuning warms up first, so no timed call allocates slots.
 
 Run r measured 4 MiB x 12 (then the default) against smaller slots; run s the new default (1 MiB
 x 16) against the old one. Needs the lab wheel (`_set_h2d_tuning`).
-Usage: python3 benches/probe_h2d_slots.py
+Usage: python3 benches/probe_h2d_slots.py [--as-run-r]
 """
 
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -32,6 +33,21 @@ TUNINGS = [
     ("2 MiB x 12", dict(max_piece=2 << 20, slots=12)),
     ("512 KiB x 16", dict(max_piece=512 << 10, slots=16)),
 ]
+
+
+# Run r's list (`--as-run-r`: its tunings and source states; its defaults were 4 MiB x 12).
+TUNINGS_R = [
+    ("default: 4 MiB slots x 12, non-temporal", OLD),
+    ("1 MiB x 16, regular", dict(max_piece=1 << 20, slots=16, nt_upto=0)),
+    ("512 KiB x 16, regular", dict(max_piece=512 << 10, slots=16, nt_upto=0)),
+    ("512 KiB x 24, regular, 12 workers", dict(max_piece=512 << 10, slots=24, nt_upto=0, workers=12)),
+    ("256 KiB x 32, regular", dict(max_piece=256 << 10, min_piece=128 << 10, slots=32, nt_upto=0)),
+    ("1 MiB x 16, non-temporal", dict(max_piece=1 << 20, slots=16)),
+    ("512 KiB x 16, non-temporal", dict(max_piece=512 << 10, slots=16)),
+]
+AS_RUN_R = "--as-run-r" in sys.argv
+if AS_RUN_R:
+    TUNINGS = TUNINGS_R
 
 
 def timed(fn, dst, ref, state, vals):
@@ -62,6 +78,8 @@ for nb in (16 << 20, 64 << 20, 256 << 20, 1 << 30):
     dst = torch.empty(n, dtype=torch.int32, device="cuda")
     tpin = torch.from_numpy(vals).pin_memory()
     states = ("bench", "warm", "cold") if nb <= 64 << 20 else ("bench", "cold")
+    if AS_RUN_R:
+        states = ("warm", "cold") if nb <= 64 << 20 else ("cold",)
     for state in states:
         pin = timed(lambda: dst.copy_(tpin, non_blocking=True), dst, ref, state, vals)
         row = []

@@ -154,6 +154,13 @@ impl<'s> Waiter<'s> {
 
     /// Spins on the word for at most `within`; whether it landed.
     pub(crate) fn spin(&self, within: Duration) -> bool {
+        // The seeded-bug harness (`scripts/gpu-run broken-landing`): a wait that believes the
+        // copy landed at once must fail the GPU tests.
+        #[cfg(pinstage_seeded_bug = "landing_early")]
+        if self.claim.value != 0 {
+            self.landed.store(true, Ordering::Relaxed);
+            return true;
+        }
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
