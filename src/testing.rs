@@ -9,6 +9,7 @@ use crate::driver::{self, CUdeviceptr};
 use crate::error::{Error, Result, on_drop};
 use crate::view::{DType, DeviceView, TensorMeta};
 
+pub use crate::d2h::landing_counts;
 pub use crate::h2d::mirror::CopyKey;
 pub use crate::h2d::ring;
 pub use crate::h2d::stager::row_shape;

@@ -322,6 +322,8 @@ fn gpu_copy_d2h_waits_for_its_copy_behind_a_stalled_stream() {
     };
     let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let stream = Stream::new(&dev).unwrap();
+    warm_landing(&dev);
+    let (landed_before, _) = pinstage::testing::landing_counts();
     for bytes in [1024usize, 64 << 10] {
         let data = common::values(DType::U8, bytes, bytes as u64 + 7);
         let src = DeviceBuffer::new(&dev, bytes).unwrap();
@@ -358,4 +360,101 @@ fn gpu_copy_d2h_waits_for_its_copy_behind_a_stalled_stream() {
         assert_eq!(&dst.as_slice()[..bytes], &data[..], "{bytes} bytes");
         assert_eq!(dst.as_slice()[bytes], POISON, "past the end");
     }
+    let (landed, _) = pinstage::testing::landing_counts();
+    assert!(
+        landed > landed_before,
+        "no wait learned of its copy from a landing word"
+    );
+}
+
+/// One `copy_d2h` into pinned memory before any stall: the device's landing words (pinned
+/// memory, whose allocation may synchronize the device) exist before the streams stall.
+fn warm_landing(dev: &Device) {
+    let src = DeviceBuffer::new(dev, 64).unwrap();
+    src.upload(0, &[1u8; 64]).unwrap();
+    let mut dst = pinstage::PinnedBuffer::new(dev, 64, pinstage::PinnedFlags::PORTABLE).unwrap();
+    pinstage::copy_d2h(
+        dev,
+        &src.view(DType::U8),
+        dst.as_mut_slice(),
+        pinstage::StreamHandle::LEGACY,
+    )
+    .unwrap();
+    assert_eq!(dst.as_slice(), &[1u8; 64]);
+}
+
+/// 96 threads copy with `copy_d2h` into their own pinned destinations at once, each behind its
+/// own stalled stream, so all 96 wait together: 64 on the device's landing words, the rest
+/// through events. After the stalls are released every copy is checked (destinations poisoned
+/// first): a wait that returned for another thread's word, or early, shows as poison.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_copy_d2h_more_waits_than_landing_words() {
+    let Some(dev) = gpu_or_skip("gpu_copy_d2h_more_waits_than_landing_words") else {
+        return;
+    };
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    warm_landing(&dev);
+    let threads = 96usize;
+    let sizes = [4usize, 1024, 4097, 64 << 10];
+    let mut jobs: Vec<_> = (0..threads)
+        .map(|t| {
+            let n = sizes[t % sizes.len()];
+            let data = common::values(DType::U8, n, 1000 + t as u64);
+            let src = DeviceBuffer::new(&dev, n).unwrap();
+            src.upload(0, &data).unwrap();
+            let mut dst =
+                pinstage::PinnedBuffer::new(&dev, n + 1, pinstage::PinnedFlags::PORTABLE).unwrap();
+            dst.as_mut_slice().fill(POISON);
+            (Stream::new(&dev).unwrap(), src, dst, data)
+        })
+        .collect();
+    let (landed_before, evented_before) = pinstage::testing::landing_counts();
+    let stalls: Vec<_> = jobs.iter().map(|(s, ..)| stall(s)).collect();
+    let returned = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        let copiers: Vec<_> = jobs
+            .iter_mut()
+            .map(|(stream, src, dst, _)| {
+                let (dev, returned) = (&dev, &returned);
+                scope.spawn(move || {
+                    let path = pinstage::copy_d2h(
+                        dev,
+                        &src.view(DType::U8),
+                        dst.as_mut_slice(),
+                        stream.handle(),
+                    );
+                    returned.fetch_add(1, Ordering::AcqRel);
+                    path
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        let early = returned.load(Ordering::Acquire);
+        for s in &stalls {
+            s.release();
+        }
+        for c in copiers {
+            assert_eq!(c.join().unwrap().unwrap(), pinstage::D2HPath::Pinned);
+        }
+        assert_eq!(
+            early, 0,
+            "{early} copy_d2h calls returned before their copies ran"
+        );
+    });
+    for (t, (_, _, dst, data)) in jobs.iter().enumerate() {
+        let n = data.len();
+        assert!(dst.as_slice()[..n] == data[..], "thread {t}: wrong bytes");
+        assert_eq!(dst.as_slice()[n], POISON, "thread {t}: past the end");
+    }
+    let (landed, evented) = pinstage::testing::landing_counts();
+    assert!(
+        evented - evented_before >= (threads - 64) as u64,
+        "only {} waits took an event with {threads} waiting at once",
+        evented - evented_before
+    );
+    assert!(
+        landed > landed_before,
+        "no wait learned of its copy from a landing word"
+    );
 }

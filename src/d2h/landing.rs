@@ -38,6 +38,10 @@ pub(crate) struct Landing {
 
 static LANDINGS: [OnceLock<Option<Landing>>; 64] = [const { OnceLock::new() }; 64];
 
+/// Waits that learned of their copy from a landing word, and waited copies that took an event
+/// instead (all words in use, stream writes refused): for tests.
+pub(crate) static COUNTS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
+
 /// The device's words, made on first use; `None` where they cannot be had (pinned memory
 /// refused, more than 64 devices, stream writes refused before).
 pub(crate) fn landing(device: &Device) -> Option<&'static Landing> {
@@ -166,6 +170,7 @@ impl<'s> Waiter<'s> {
         loop {
             if self.claim.landed() {
                 self.landed.store(true, Ordering::Relaxed);
+                COUNTS[0].fetch_add(1, Ordering::Relaxed);
                 return true;
             }
             std::hint::spin_loop();
@@ -176,9 +181,14 @@ impl<'s> Waiter<'s> {
         }
     }
 
-    /// Waits until the copy landed: flat out for up to 200 µs, then yielding the core between
-    /// looks and asking the driver about the stream every millisecond (a failed context or copy
-    /// reports its error instead of waiting forever).
+    /// Waits until the copy landed: flat out for up to 200 µs, then yielding the core up to 2 ms,
+    /// then sleeping an eighth of the time waited so far (at most 0.5 ms) between looks; the
+    /// driver is asked about the stream every millisecond, so a failed context or copy reports
+    /// its error instead of waiting forever. A refusal because another thread captures a CUDA
+    /// graph is no failure: the copy still runs, the wait goes on.
+    ///
+    /// On the per-thread default stream, the thread that issued the copy must wait (the handle
+    /// names each thread's own stream); `copy_d2h` waits on its issuing thread.
     ///
     /// # Errors
     /// [`crate::Error::Driver`]: the stream failed.
@@ -186,28 +196,44 @@ impl<'s> Waiter<'s> {
         if self.landed.load(Ordering::Relaxed) || self.spin(SPIN) {
             return Ok(());
         }
-        let mut asked = Instant::now();
+        let start = Instant::now();
+        let mut asked = start;
         loop {
             if self.claim.landed() {
+                COUNTS[0].fetch_add(1, Ordering::Relaxed);
                 break;
             }
             if asked.elapsed() > Duration::from_millis(1) {
                 asked = Instant::now();
-                let cur = self.device.enter()?;
-                // SAFETY: the stream is a special handle, ours, or vouched for by its maker;
-                // context current.
-                let idle = unsafe { driver::stream::stream_query(self.stream.raw()) }?;
-                // The word's write precedes the stream's completion: an idle stream means the
-                // copy completed whatever the word says; a synchronize settles any doubt.
-                if idle && !self.claim.landed() {
-                    self.stream.synchronize(&cur)?;
-                    break;
+                match self.ask() {
+                    Ok(true) => break,
+                    Ok(false) => {}
+                    Err(crate::Error::Driver(e)) if e.is_capture_error() => {}
+                    Err(e) => return Err(e),
                 }
             }
-            std::thread::yield_now();
+            let waited = start.elapsed();
+            if waited < Duration::from_millis(2) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep((waited / 8).min(Duration::from_micros(500)));
+            }
         }
         self.landed.store(true, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Whether the stream went idle: then the copy completed, whatever the word says (its
+    /// write precedes the stream's completion; a synchronize settles any doubt).
+    fn ask(&self) -> Result<bool> {
+        let cur = self.device.enter()?;
+        // SAFETY: the stream is a special handle, ours, or vouched for by its maker; context
+        // current.
+        let idle = unsafe { driver::stream::stream_query(self.stream.raw()) }?;
+        if idle && !self.claim.landed() {
+            self.stream.synchronize(&cur)?;
+        }
+        Ok(idle)
     }
 }
 

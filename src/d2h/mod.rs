@@ -92,16 +92,14 @@ impl Completion<'_> {
     }
 
     /// Whether the copy completed within `within` of spinning (landing words only: no driver
-    /// call; an event is asked once).
-    ///
-    /// # Errors
-    /// [`Error::Driver`]: the event's copy failed.
+    /// call; an event is asked once). `false` also when asking failed: [`Completion::wait`]
+    /// then waits, or reports the failure.
     #[cfg(feature = "python")]
-    pub(crate) fn spin(&self, within: std::time::Duration) -> Result<bool> {
+    pub(crate) fn spin(&self, within: std::time::Duration) -> bool {
         match self {
-            Completion::Done => Ok(true),
-            Completion::Event(ev) => ev.query(),
-            Completion::Landing(w) => Ok(w.spin(within)),
+            Completion::Done => true,
+            Completion::Event(ev) => ev.query().unwrap_or(false),
+            Completion::Landing(w) => w.spin(within),
         }
     }
 
@@ -186,21 +184,35 @@ pub(crate) unsafe fn start_d2h<'s>(
             // (caller); src is device memory of this device of n bytes (view contract, device
             // checked).
             unsafe { driver::mem::memcpy_dtoh_async(dst_ptr.cast(), src.ptr(), n, stream.raw()) }?;
-            return match claim.signal(&cur, stream) {
-                Ok(true) => Ok((
-                    D2HPath::Pinned,
-                    Completion::Landing(landing::Waiter::new(claim, device, stream)),
-                )),
-                // Refused (once per device): the stream itself says when the copy completed.
-                Ok(false) => stream
-                    .synchronize(&cur)
-                    .map(|()| (D2HPath::Pinned, Completion::Done)),
-                Err(e) => {
-                    // Untrackable: the destination must be free when we return.
-                    let _ = stream.synchronize(&cur);
-                    Err(e)
+            match claim.signal(&cur, stream) {
+                Ok(true) => {
+                    return Ok((
+                        D2HPath::Pinned,
+                        Completion::Landing(landing::Waiter::new(claim, device, stream)),
+                    ));
                 }
-            };
+                // Refused (once per device): an event recorded now follows the copy.
+                Ok(false) => {
+                    landing::COUNTS[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let ev =
+                        Event::new_in(&cur).and_then(|ev| ev.record_in(&cur, stream).map(|()| ev));
+                    return match ev {
+                        Ok(ev) => Ok((D2HPath::Pinned, Completion::Event(ev))),
+                        Err(e) => {
+                            // Untrackable: the destination must be free when we return.
+                            let _ = stream.synchronize(&cur);
+                            Err(e)
+                        }
+                    };
+                }
+                Err(e) => {
+                    let _ = stream.synchronize(&cur);
+                    return Err(e);
+                }
+            }
+        }
+        if wait {
+            landing::COUNTS[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         let ev = Event::new_in(&cur)?;
         // SAFETY: the destination is pinned and reserved for this copy until the event
@@ -213,6 +225,28 @@ pub(crate) unsafe fn start_d2h<'s>(
     let dst = unsafe { std::slice::from_raw_parts_mut(dst_ptr, n) };
     bounce::bounce(&cur, src.ptr(), dst, stream)?;
     Ok((D2HPath::Bounced, Completion::Done))
+}
+
+/// Whether `dst` is pinned memory, as the driver says (for a caller deciding how to wait).
+///
+/// # Errors
+/// [`Error::Driver`]: the device's context cannot be made current.
+#[cfg(feature = "python")]
+pub(crate) fn is_pinned_dst(device: &Device, dst: *const u8) -> Result<bool> {
+    let _cur = device.enter()?;
+    Ok(driver::mem::is_pinned_host(dst.cast()))
+}
+
+/// Waits that learned of their copy from a landing word, and waited-for pinned copies that
+/// took an event instead (every word in use, or stream writes refused). For tests.
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub fn landing_counts() -> (u64, u64) {
+    use std::sync::atomic::Ordering::Relaxed;
+    (
+        landing::COUNTS[0].load(Relaxed),
+        landing::COUNTS[1].load(Relaxed),
+    )
 }
 
 /// Whether waiting callers use landing words (the laboratory compares; on by default).

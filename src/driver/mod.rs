@@ -60,6 +60,12 @@ impl DriverError {
         )
     }
 
+    /// Whether the error is about a CUDA graph being captured (codes 900-908: a capture in
+    /// another thread's global mode refuses some calls here, while queued work still runs).
+    pub fn is_capture_error(&self) -> bool {
+        (900..=908).contains(&(self.code as u32))
+    }
+
     /// Whether the driver does not offer the operation here (`CUDA_ERROR_NOT_SUPPORTED`).
     pub fn is_not_supported(&self) -> bool {
         self.code == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED

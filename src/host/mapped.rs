@@ -32,10 +32,10 @@ impl MappedPages {
     /// Maps at least `len` bytes (rounded up to whole pages), populated.
     ///
     /// # Errors
-    /// [`Error::OutOfMemory`] when the kernel refuses the mapping.
+    /// [`Error::OutOfMemory`] when the kernel refuses the mapping or its pages.
     pub(crate) fn new(len: usize) -> Result<Self> {
         let pages = Self::new_untouched(len)?;
-        pages.populate();
+        pages.populate()?;
         Ok(pages)
     }
 
@@ -101,21 +101,30 @@ impl MappedPages {
     /// cannot, every page is touched. Small mappings (up to [`POPULATE_ALONE`]) on the calling
     /// thread (waking threads costs more than it saves), larger ones in 2 MiB chunks on several
     /// threads (the kernel zeroes each page; one core alone would take several times longer).
-    fn populate(&self) {
+    fn populate(&self) -> Result<()> {
         let addr = self.ptr.as_ptr() as usize;
         // SAFETY: every range passed lies inside our mapping.
         let fill = |from: usize, to: usize| unsafe { populate_range(addr + from, to - from, true) };
-        if self.len <= POPULATE_ALONE {
-            return fill(0, self.len);
-        }
-        let touch = |chunk: usize| fill(chunk * HUGE, ((chunk + 1) * HUGE).min(self.len));
-        let chunks = self.len.div_ceil(HUGE);
-        match super::bounce::workers() {
-            Some(pool) => pool.install(|| {
-                use rayon::prelude::*;
-                (0..chunks).into_par_iter().for_each(touch);
-            }),
-            None => (0..chunks).for_each(touch),
+        let populated = if self.len <= POPULATE_ALONE {
+            fill(0, self.len)
+        } else {
+            let touch = |chunk: usize| fill(chunk * HUGE, ((chunk + 1) * HUGE).min(self.len));
+            let chunks = self.len.div_ceil(HUGE);
+            match super::bounce::workers() {
+                Some(pool) => pool.install(|| {
+                    use rayon::prelude::*;
+                    (0..chunks).into_par_iter().all(touch)
+                }),
+                None => (0..chunks).all(touch),
+            }
+        };
+        if populated {
+            Ok(())
+        } else {
+            Err(Error::OutOfMemory {
+                what: "host pages to pin",
+                bytes: self.len,
+            })
         }
     }
 
@@ -129,16 +138,23 @@ impl MappedPages {
 }
 
 /// Faults in `len` bytes from `addr` writable: `MADV_POPULATE_WRITE` when `advise` and the
-/// kernel knows it, else a touch per page.
+/// kernel knows it, else a touch per page. `false`: the kernel refused the memory
+/// (`MADV_POPULATE_WRITE` failing for another reason than not knowing it, e.g. `ENOMEM` under a
+/// cgroup's limit): touching the pages would wake the OOM killer instead.
 ///
 /// # Safety
 /// `addr..addr+len` is one writable private anonymous mapping of ours whose content may be
 /// overwritten with zeros (only untouched pages are touched: zero-filled already).
-unsafe fn populate_range(addr: usize, len: usize, advise: bool) {
-    // SAFETY: advice over a range of our mapping (caller); it populates, changing no content.
-    if advise && unsafe { libc::madvise(addr as *mut libc::c_void, len, MADV_POPULATE_WRITE) } == 0
-    {
-        return;
+unsafe fn populate_range(addr: usize, len: usize, advise: bool) -> bool {
+    if advise {
+        // SAFETY: advice over a range of our mapping (caller); it populates, changing no
+        // content.
+        if unsafe { libc::madvise(addr as *mut libc::c_void, len, MADV_POPULATE_WRITE) } == 0 {
+            return true;
+        }
+        if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
+            return false;
+        }
     }
     let mut off = 0;
     while off < len {
@@ -147,6 +163,7 @@ unsafe fn populate_range(addr: usize, len: usize, advise: bool) {
         unsafe { std::ptr::write_volatile((addr + off) as *mut u8, 0) };
         off += PAGE;
     }
+    true
 }
 
 /// Memory the kernel can still give this process: `MemAvailable`, and the cgroup's limit less
@@ -246,7 +263,7 @@ mod tests {
         let _one = MAPS.lock().unwrap_or_else(|e| e.into_inner());
         let u = MappedPages::new_untouched(3 << 20).unwrap();
         // SAFETY: the whole untouched mapping, ours.
-        unsafe { populate_range(u.as_ptr() as usize, u.len(), false) };
+        assert!(unsafe { populate_range(u.as_ptr() as usize, u.len(), false) });
         assert_eq!(resident(u.as_ptr(), u.len()), Some(u.len() / PAGE));
     }
 

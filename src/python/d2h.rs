@@ -110,19 +110,26 @@ fn start<'py>(
         MemoryKind::Cuda(_) => {
             let state = state.expect("a CUDA source has a device state");
             let stream = s.unwrap_or(imp.stream);
-            let held = GIL_HELD_MAX.load(Ordering::Relaxed);
-            if wait && nbytes <= held {
+            // Only a pinned destination: a pageable one goes through the bounce ring, which
+            // waits behind the stream's work (the GIL must not be held for that).
+            let held = wait
+                && nbytes <= GIL_HELD_MAX.load(Ordering::Relaxed)
+                && match pinned {
+                    Some(p) => p,
+                    None => crate::d2h::is_pinned_dst(&state.device, ptr)?,
+                };
+            if held {
                 // A small copy waited for at once: issued with the GIL held (a few µs of driver
                 // calls, as the frameworks' own copies are), then a short spin; the GIL is
                 // released only for a copy still running after that (queued behind other work).
                 // SAFETY: the destination (the result array's memory) is kept alive by the
                 // array until this function returns, and it returns once the copy completed (a
-                // dropped completion waits); `pinned` is what the memory's own block says.
+                // dropped completion waits); it is pinned (its block or the driver says so).
                 let (_, done) = unsafe {
-                    crate::d2h::start_d2h(&state.device, view, ptr, len, stream, true, pinned)
+                    crate::d2h::start_d2h(&state.device, view, ptr, len, stream, true, Some(true))
                 }?;
                 let spin = Duration::from_micros(GIL_SPIN_US.load(Ordering::Relaxed));
-                if !done.spin(spin)? {
+                if !done.spin(spin) {
                     py.detach(|| done.wait())?;
                 }
                 None

@@ -259,15 +259,23 @@ def test_async_d2h_overlaps_and_releases_gil(gpu):
 
 
 @pytest.mark.parametrize("nbytes", [4, 1024, 256 << 10])
-def test_small_copy_d2h_behind_gpu_work_releases_the_gil_and_lands(gpu, nbytes):
-    """A small copy waited for at once is issued with the GIL held and spun for briefly; queued
-    behind ~50 ms of GPU work it must let other Python threads run while it waits, return only
-    once its bytes are there (a poisoned pinned destination), and hand back every byte."""
+@pytest.mark.parametrize("kind", ["pinned", "torch pinned", "pageable"])
+def test_small_copy_d2h_behind_gpu_work_releases_the_gil_and_lands(gpu, nbytes, kind):
+    """A small copy into pinned memory waited for at once is issued with the GIL held and spun
+    for briefly; queued behind ~50 ms of GPU work it must let other Python threads run while it
+    waits, return only once its bytes are there (a poisoned destination), and hand back every
+    byte. A pageable destination (the bounce ring, which waits behind the stream's work) releases
+    the GIL first."""
     torch = pytest.importorskip("torch")
     n = nbytes // 4
     src = torch.arange(1, n + 1, dtype=torch.int32, device="cuda") * 7
     want = src.cpu().numpy()
-    dst = pinstage.empty_pinned(n, np.int32)
+    if kind == "pinned":
+        dst = pinstage.empty_pinned(n, np.int32)
+    elif kind == "torch pinned":
+        dst = torch.empty(n, dtype=torch.int32).pin_memory().numpy()
+    else:
+        dst = np.empty(n, np.int32)
     for _ in range(3):
         dst.fill(-1)
         torch.cuda.synchronize()

@@ -61,6 +61,9 @@ class _Sub(np.ndarray):
     "dst,src,exc,match",
     [
         (np.zeros(4, np.int32), np.zeros(4, np.int64), TypeError, "expected int32, got int64"),
+        (np.zeros(4, np.uint8), np.zeros(4, np.bool_), TypeError, "expected uint8, got bool"),
+        (np.zeros(4, np.int16), np.zeros(4, np.uint16), TypeError, "expected int16, got uint16"),
+        (np.zeros(6, np.int32), np.zeros((2, 3), np.int32, order="F"), ValueError, "not contiguous"),
         (np.zeros(4, np.int32), np.zeros(5, np.int32), ValueError, "src has 5 elements"),
         (np.zeros(4, np.int32), [1, 2, 3, 4], TypeError, "src must be a host array"),
         (np.zeros(4, np.int32), np.zeros(8, np.int32)[::2], ValueError, "not contiguous"),
