@@ -7,8 +7,10 @@ source just before), "cold" (1 GiB of other memory written just before: the sour
 DRAM, under write-back pressure). The bounce slots are freed between tunings (`empty_cache`) and
 each tuning warms up first, so no timed call allocates slots.
 
-Run r measured 4 MiB x 12 (then the default) against smaller slots; run s the new default (1 MiB
-x 16) against the old one. Needs the lab wheel (`_set_h2d_tuning`).
+Run r (`--as-run-r`) measured 4 MiB x 12 (the default) against smaller slots, in the "warm" and
+"cold" states only; 1 MiB x 16 was then made the default, and run s (this list; its first entry
+was then the default) showed it slower in the "bench" state at 64 MiB-1 GiB, so 4 MiB x 12 is
+the default again. Needs the lab wheel (`_set_h2d_tuning`).
 Usage: python3 benches/probe_h2d_slots.py [--as-run-r]
 """
 
@@ -25,11 +27,11 @@ from pinstage import _native
 REPS = 9
 scratch = np.ones(1 << 30, dtype=np.uint8)
 
-OLD = dict(max_piece=4 << 20, slots=12)  # the default before run s
+OLD = dict(max_piece=4 << 20, slots=12)  # the default (briefly 1 MiB x 16 before run s)
 TUNINGS = [
-    ("default: 1 MiB slots x 16, non-temporal up to 128 MiB", {}),
-    ("4 MiB x 12 (the previous default)", OLD),
-    ("1 MiB x 16, regular", dict(nt_upto=0)),
+    ("1 MiB slots x 16, non-temporal up to 128 MiB", dict(max_piece=1 << 20, slots=16)),
+    ("4 MiB x 12 (the default)", OLD),
+    ("1 MiB x 16, regular", dict(max_piece=1 << 20, slots=16, nt_upto=0)),
     ("2 MiB x 12", dict(max_piece=2 << 20, slots=12)),
     ("512 KiB x 16", dict(max_piece=512 << 10, slots=16)),
 ]

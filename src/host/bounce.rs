@@ -171,9 +171,9 @@ impl H2DTuning {
     /// The defaults.
     pub(crate) const DEFAULT: Self = Self {
         workers: 8,
-        max_piece: 1 << 20,
+        max_piece: 4 << 20,
         min_piece: 128 << 10,
-        slots: 16,
+        slots: 12,
         ramp: true,
         nt_upto: 128 << 20,
         driver_below: 0,
