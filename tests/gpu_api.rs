@@ -56,6 +56,39 @@ fn gpu_probe_and_device_enter() {
     ));
 }
 
+/// The device's NUMA node is that of one of the machine's NVIDIA PCI devices (vendor 0x10de,
+/// read here from sysfs), or `None` where sysfs says none (-1) or does not say; asked twice, the
+/// same answer.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_numa_node_of_the_device() {
+    let Some(dev) = gpu_or_skip("gpu_numa_node_of_the_device") else {
+        return;
+    };
+    let node = dev.numa_node();
+    assert_eq!(dev.numa_node(), node);
+    let mut nvidia_nodes = Vec::new();
+    if let Ok(entries) = std::fs::read_dir("/sys/bus/pci/devices") {
+        for e in entries.flatten() {
+            let read = |f: &str| std::fs::read_to_string(e.path().join(f)).unwrap_or_default();
+            if read("vendor").trim() == "0x10de" {
+                nvidia_nodes.push(read("numa_node").trim().parse::<i64>().unwrap_or(-1));
+            }
+        }
+    }
+    eprintln!("cuda:0 numa_node {node:?}; NVIDIA PCI devices' nodes {nvidia_nodes:?}");
+    match node {
+        Some(n) => assert!(
+            nvidia_nodes.contains(&(n as i64)),
+            "{n} not among {nvidia_nodes:?}"
+        ),
+        None => assert!(
+            nvidia_nodes.is_empty() || nvidia_nodes.contains(&-1),
+            "sysfs names nodes {nvidia_nodes:?} but the device has none"
+        ),
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_events_query_and_wait_on() {

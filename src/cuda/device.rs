@@ -37,6 +37,8 @@ pub(super) struct DeviceInner {
     ctx: CUcontext,
     /// Recycled events (raw handles): [`Event`]s return here on drop; destroyed with the device.
     pub(super) spare_events: parking_lot::Mutex<Vec<usize>>,
+    /// The host NUMA node the device hangs off, looked up once.
+    numa_node: std::sync::OnceLock<Option<u32>>,
 }
 
 // SAFETY: a CUdevice is an integer and a CUcontext a handle that the driver allows to be used
@@ -112,6 +114,7 @@ impl Device {
                 dev,
                 ctx,
                 spare_events: parking_lot::Mutex::new(Vec::new()),
+                numa_node: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -119,6 +122,16 @@ impl Device {
     /// The device ordinal.
     pub fn ordinal(&self) -> i32 {
         self.inner.ordinal
+    }
+
+    /// The host NUMA node the device hangs off (its PCI device's `numa_node` in sysfs), where
+    /// pinned memory for it is best placed; `None` where the system does not say (one node,
+    /// no sysfs, the driver cannot name the PCI address).
+    pub fn numa_node(&self) -> Option<u32> {
+        *self.inner.numa_node.get_or_init(|| {
+            let bus = driver::ctx::device_pci_bus_id(self.inner.dev).ok()?;
+            crate::host::numa::pci_numa_node(&bus)
+        })
     }
 
     /// Makes this device's primary context current for the guard's lifetime, unless it already

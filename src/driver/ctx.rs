@@ -14,6 +14,20 @@ pub(crate) fn device_get(ordinal: i32) -> DResult<CUdevice> {
     Ok(dev)
 }
 
+/// [cuDeviceGetPCIBusId](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html):
+/// the device's PCI address, e.g. `0000:3B:00.0`.
+pub(crate) fn device_pci_bus_id(dev: CUdevice) -> DResult<String> {
+    let mut buf = [0 as std::ffi::c_char; 64];
+    // SAFETY: a writable buffer of the length given; the driver writes a NUL-terminated string.
+    check("cuDeviceGetPCIBusId", unsafe {
+        sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, dev)
+    })?;
+    // SAFETY: NUL-terminated within `buf` (the driver's contract; the last byte stays 0).
+    Ok(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned())
+}
+
 /// [cuDevicePrimaryCtxRetain](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html)
 pub(crate) fn primary_ctx_retain(dev: CUdevice) -> DResult<CUcontext> {
     let mut ctx = std::ptr::null_mut();

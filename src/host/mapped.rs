@@ -33,8 +33,23 @@ impl MappedPages {
     ///
     /// # Errors
     /// [`Error::OutOfMemory`] when the kernel refuses the mapping or its pages.
+    #[cfg(any(test, feature = "lab"))]
     pub(crate) fn new(len: usize) -> Result<Self> {
+        Self::new_on(len, None)
+    }
+
+    /// [`MappedPages::new`] with the pages taken from NUMA node `node` where the kernel can
+    /// (a preferred node: another one serves when it is full).
+    ///
+    /// # Errors
+    /// As [`MappedPages::new`].
+    pub(crate) fn new_on(len: usize, node: Option<u32>) -> Result<Self> {
         let pages = Self::new_untouched(len)?;
+        if let Some(node) = node {
+            // SAFETY: our fresh, untouched mapping. Advice only: refused, the pages come from
+            // wherever the kernel's default policy takes them.
+            unsafe { super::numa::prefer_node(pages.as_ptr(), pages.len(), node) };
+        }
         pages.populate()?;
         Ok(pages)
     }

@@ -2,6 +2,7 @@
 
 pub(crate) mod bounce;
 pub(crate) mod mapped;
+pub(crate) mod numa;
 mod pinned;
 mod pool;
 mod registered;

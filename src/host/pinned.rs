@@ -146,7 +146,11 @@ impl PinnedBuffer {
         if flags.write_combined {
             return Self::new(device, len, flags);
         }
-        let pages = super::mapped::MappedPages::new(len)?;
+        // On a host with several NUMA nodes, the pages come from the device's node.
+        let node = (super::numa::online_nodes() > 1)
+            .then(|| device.numa_node())
+            .flatten();
+        let pages = super::mapped::MappedPages::new_on(len, node)?;
         let _cur = device.enter()?;
         // SAFETY: our own fresh mapping, unregistered (in drop) before it is unmapped; the
         // context is current.
