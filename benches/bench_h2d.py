@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+import h2d_timing
 import pinstage
 
 GB = 1e9
@@ -34,17 +35,7 @@ def median_gbs(nbytes, ts):
 def timed_into(torch, name, nb, fn, dst, ref, reps):
     """Seconds per call of `fn`, `reps` calls, each into `dst` poisoned first, synchronised
     before and after, and checked against `ref` after the timing."""
-    ts = []
-    for _ in range(reps):
-        dst.fill_(POISON)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-        if not torch.equal(dst, ref):
-            raise AssertionError(f"{name} at {nb} bytes: wrong result")
-    return ts
+    return h2d_timing.timed_into(torch, fn, dst, ref, reps, what=f"{name} at {nb} bytes", poison=POISON)
 
 
 def bench_copy(torch, cp, sizes, reps):

@@ -8,11 +8,11 @@ Prints GB/s, median of `reps` timed copies each.
 
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
+import h2d_timing
 import pinstage
 from pinstage import _native
 
@@ -22,16 +22,7 @@ quick = "--quick" in sys.argv
 
 def timed(nbytes, fn, dst, ref, reps):
     fn()
-    ts = []
-    for _ in range(reps):
-        dst.fill_(-7)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-        if not torch.equal(dst, ref):
-            raise AssertionError(f"wrong result at {nbytes} bytes")
+    ts = h2d_timing.timed_into(torch, fn, dst, ref, reps, what=f"{nbytes} bytes")
     return nbytes / statistics.median(ts) / GB
 
 

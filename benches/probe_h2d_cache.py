@@ -9,11 +9,11 @@ Needs the lab wheel (`_set_h2d_tuning`). Usage: python3 benches/probe_h2d_cache.
 """
 
 import statistics
-import time
 
 import numpy as np
 import torch
 
+import h2d_timing
 import pinstage
 from pinstage import _native
 
@@ -23,20 +23,14 @@ scratch = np.ones(1 << 30, dtype=np.uint8)
 
 def timed(fn, dst, ref, state, vals):
     fn()
-    ts = []
-    for _ in range(REPS):
-        dst.fill_(-7)
-        torch.cuda.synchronize()
+
+    def before(i):
         if state == "warm":
             int(vals.sum())
         else:
-            scratch.fill(ts.__len__() & 0xFF)
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-        if not torch.equal(dst, ref):
-            raise AssertionError("wrong result")
+            scratch.fill(i & 0xFF)
+
+    ts = h2d_timing.timed_into(torch, fn, dst, ref, REPS, before=before)
     return ref.numel() * 4 / statistics.median(ts) / 1e9
 
 

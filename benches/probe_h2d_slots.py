@@ -16,11 +16,11 @@ Usage: python3 benches/probe_h2d_slots.py [--as-run-r]
 
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
+import h2d_timing
 import pinstage
 from pinstage import _native
 
@@ -55,20 +55,14 @@ if AS_RUN_R:
 def timed(fn, dst, ref, state, vals):
     fn()
     fn()
-    ts = []
-    for i in range(REPS):
-        dst.fill_(-7)
-        torch.cuda.synchronize()
+
+    def before(i):
         if state == "warm":
             int(vals.sum())
         elif state == "cold":
             scratch.fill(i & 0xFF)
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-        if not torch.equal(dst, ref):
-            raise AssertionError("wrong result")
+
+    ts = h2d_timing.timed_into(torch, fn, dst, ref, REPS, before=before)
     return ref.numel() * 4 / statistics.median(ts) / 1e9
 
 

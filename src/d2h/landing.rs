@@ -20,7 +20,7 @@ const SLOTS: usize = 64;
 /// Bytes between words (one cache line each: spinning threads do not share lines).
 const STRIDE: usize = 64;
 /// How long a wait spins flat out before it also yields and asks the driver about errors.
-pub(crate) const SPIN: Duration = Duration::from_micros(200);
+const SPIN: Duration = Duration::from_micros(200);
 
 /// One device's words.
 pub(crate) struct Landing {

@@ -133,13 +133,18 @@ unsafe fn issue_d2h(
     // SAFETY: caller's contract; context current (`cur`); the stream is a special handle, ours,
     // or vouched for by its maker.
     unsafe { driver::mem::memcpy_dtoh_async(dst.cast(), src, n, stream.raw()) }?;
-    if let Err(e) = ev.record_in(cur, stream) {
-        // The copy cannot be tracked: wait for the stream so `dst` is free when we return. Its
-        // own error, if any, is the same failing context: `e` says it.
+    drained_on_err(cur, stream, ev.record_in(cur, stream))
+}
+
+/// `tracked`, the outcome of arranging to learn when a copy just issued on `stream` completes;
+/// when that failed, the copy cannot be tracked: the stream is waited for first, so the
+/// destination is free when the error returns (the stream's own error, if any, is the same
+/// failing context: the first error says it).
+fn drained_on_err<T>(cur: &Current<'_>, stream: StreamHandle, tracked: Result<T>) -> Result<T> {
+    if tracked.is_err() {
         let _ = stream.synchronize(cur);
-        return Err(e);
     }
-    Ok(())
+    tracked
 }
 
 /// Starts copying `src` into `dst_ptr..dst_ptr+len`. A pinned destination gets one truly
@@ -184,32 +189,18 @@ pub(crate) unsafe fn start_d2h<'s>(
             // (caller); src is device memory of this device of n bytes (view contract, device
             // checked).
             unsafe { driver::mem::memcpy_dtoh_async(dst_ptr.cast(), src.ptr(), n, stream.raw()) }?;
-            match claim.signal(&cur, stream) {
-                Ok(true) => {
-                    return Ok((
-                        D2HPath::Pinned,
-                        Completion::Landing(landing::Waiter::new(claim, device, stream)),
-                    ));
+            let tracked = claim.signal(&cur, stream).and_then(|landed| {
+                if landed {
+                    return Ok(Completion::Landing(landing::Waiter::new(
+                        claim, device, stream,
+                    )));
                 }
                 // Refused (once per device): an event recorded now follows the copy.
-                Ok(false) => {
-                    landing::COUNTS[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let ev =
-                        Event::new_in(&cur).and_then(|ev| ev.record_in(&cur, stream).map(|()| ev));
-                    return match ev {
-                        Ok(ev) => Ok((D2HPath::Pinned, Completion::Event(ev))),
-                        Err(e) => {
-                            // Untrackable: the destination must be free when we return.
-                            let _ = stream.synchronize(&cur);
-                            Err(e)
-                        }
-                    };
-                }
-                Err(e) => {
-                    let _ = stream.synchronize(&cur);
-                    return Err(e);
-                }
-            }
+                landing::COUNTS[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let ev = Event::new_in(&cur)?;
+                ev.record_in(&cur, stream).map(|()| Completion::Event(ev))
+            });
+            return drained_on_err(&cur, stream, tracked).map(|done| (D2HPath::Pinned, done));
         }
         if wait {
             landing::COUNTS[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
