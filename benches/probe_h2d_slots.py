@@ -8,10 +8,15 @@ DRAM, under write-back pressure). The bounce slots are freed between tunings (`e
 each tuning warms up first, so no timed call allocates slots.
 
 Run r (`--as-run-r`) measured 4 MiB x 12 (the default) against smaller slots, in the "warm" and
-"cold" states only; 1 MiB x 16 was then made the default, and run s (this list; its first entry
+"cold" states only; 1 MiB x 16 was then made the default, and run s (`--as-run-s`; its first entry
 was then the default) showed it slower in the "bench" state at 64 MiB-1 GiB, so 4 MiB x 12 is
-the default again. Needs the lab wheel (`_set_h2d_tuning`).
-Usage: python3 benches/probe_h2d_slots.py [--as-run-r]
+the default again. Run v (`--as-run-v`) compared the fill units: the workers filling each piece
+together, unit by unit (the default since), against whole pieces, one worker each (before). The
+run w (`--as-run-w`) the tapered end (the last pieces halving; no gain, off since), the stores
+and worker counts (12 workers, the default since run x, gained most with the source in the
+caches or in DRAM). The default list compares the default against 8 workers.
+Needs the lab wheel (`_set_h2d_tuning`).
+Usage: python3 benches/probe_h2d_slots.py [--as-run-r | --as-run-s | --as-run-v | --as-run-w]
 """
 
 import statistics
@@ -29,23 +34,58 @@ scratch = np.ones(1 << 30, dtype=np.uint8)
 
 OLD = dict(max_piece=4 << 20, slots=12)  # the default (briefly 1 MiB x 16 before run s)
 TUNINGS = [
-    ("1 MiB slots x 16, non-temporal up to 128 MiB", dict(max_piece=1 << 20, slots=16)),
-    ("4 MiB x 12 (the default)", OLD),
-    ("1 MiB x 16, regular", dict(max_piece=1 << 20, slots=16, nt_upto=0)),
-    ("2 MiB x 12", dict(max_piece=2 << 20, slots=12)),
-    ("512 KiB x 16", dict(max_piece=512 << 10, slots=16)),
+    ("the default: 12 workers, 4 MiB x 12, units of 256 KiB", dict(workers=12, max_piece=4 << 20, slots=12, unit=256 << 10)),
+    ("8 workers (run w's default)", dict(workers=8)),
+    ("8 workers, whole pieces, one worker each (before run v)", dict(workers=8, unit=4 << 20)),
+    ("tapered", dict(taper=True)),
 ]
 
+# Run w's list (`--as-run-w`; 8 workers and a tapered end by default then).
+TUNINGS_W = [
+    ("the default: 4 MiB x 12, units of 256 KiB, tapered", dict(max_piece=4 << 20, slots=12, unit=256 << 10, workers=8, taper=True)),
+    ("not tapered (run v)", dict(taper=False, workers=8)),
+    ("whole pieces, one worker each, not tapered (before run v)", dict(unit=4 << 20, taper=False, workers=8)),
+    ("regular stores", dict(nt_upto=0, workers=8, taper=True)),
+    ("12 workers", dict(workers=12, taper=True)),
+    ("12 workers, regular stores", dict(workers=12, nt_upto=0, taper=True)),
+]
+if "--as-run-w" in sys.argv:
+    TUNINGS = TUNINGS_W
 
-# Run r's list (`--as-run-r`: its tunings and source states; its defaults were 4 MiB x 12).
+# Run v's list (`--as-run-v`; no taper then).
+TUNINGS_V = [
+    ("4 MiB x 12, units of 256 KiB (the default)", dict(max_piece=4 << 20, slots=12, unit=256 << 10, taper=False, workers=8)),
+    ("whole pieces, one worker each", dict(max_piece=4 << 20, slots=12, unit=4 << 20, taper=False, workers=8)),
+    ("units of 128 KiB", dict(unit=128 << 10, taper=False, workers=8)),
+    ("units of 1 MiB", dict(unit=1 << 20, taper=False, workers=8)),
+    ("units of 256 KiB, 12 workers", dict(unit=256 << 10, workers=12, taper=False)),
+    ("8 MiB x 8, units of 256 KiB", dict(max_piece=8 << 20, slots=8, unit=256 << 10, taper=False, workers=8)),
+]
+if "--as-run-v" in sys.argv:
+    TUNINGS = TUNINGS_V
+
+# Run s's list (`--as-run-s`; its whole pieces, one worker each, were then the only way).
+TUNINGS_S = [
+    ("1 MiB slots x 16, non-temporal up to 128 MiB", dict(max_piece=1 << 20, slots=16, unit=1 << 20, taper=False, workers=8)),
+    ("4 MiB x 12 (the default)", dict(OLD, unit=4 << 20, taper=False, workers=8)),
+    ("1 MiB x 16, regular", dict(max_piece=1 << 20, slots=16, nt_upto=0, unit=1 << 20, taper=False, workers=8)),
+    ("2 MiB x 12", dict(max_piece=2 << 20, slots=12, unit=2 << 20, taper=False, workers=8)),
+    ("512 KiB x 16", dict(max_piece=512 << 10, slots=16, unit=512 << 10, taper=False, workers=8)),
+]
+if "--as-run-s" in sys.argv:
+    TUNINGS = TUNINGS_S
+
+
+# Run r's list (`--as-run-r`: its tunings and source states; its defaults were 4 MiB x 12;
+# whole pieces, one worker each).
 TUNINGS_R = [
-    ("default: 4 MiB slots x 12, non-temporal", OLD),
-    ("1 MiB x 16, regular", dict(max_piece=1 << 20, slots=16, nt_upto=0)),
-    ("512 KiB x 16, regular", dict(max_piece=512 << 10, slots=16, nt_upto=0)),
-    ("512 KiB x 24, regular, 12 workers", dict(max_piece=512 << 10, slots=24, nt_upto=0, workers=12)),
-    ("256 KiB x 32, regular", dict(max_piece=256 << 10, min_piece=128 << 10, slots=32, nt_upto=0)),
-    ("1 MiB x 16, non-temporal", dict(max_piece=1 << 20, slots=16)),
-    ("512 KiB x 16, non-temporal", dict(max_piece=512 << 10, slots=16)),
+    ("default: 4 MiB slots x 12, non-temporal", dict(OLD, unit=4 << 20, taper=False, workers=8)),
+    ("1 MiB x 16, regular", dict(max_piece=1 << 20, slots=16, nt_upto=0, unit=1 << 20, taper=False, workers=8)),
+    ("512 KiB x 16, regular", dict(max_piece=512 << 10, slots=16, nt_upto=0, unit=512 << 10, taper=False, workers=8)),
+    ("512 KiB x 24, regular, 12 workers", dict(max_piece=512 << 10, slots=24, nt_upto=0, workers=12, unit=512 << 10, taper=False)),
+    ("256 KiB x 32, regular", dict(max_piece=256 << 10, min_piece=128 << 10, slots=32, nt_upto=0, unit=256 << 10, taper=False, workers=8)),
+    ("1 MiB x 16, non-temporal", dict(max_piece=1 << 20, slots=16, unit=1 << 20, taper=False, workers=8)),
+    ("512 KiB x 16, non-temporal", dict(max_piece=512 << 10, slots=16, unit=512 << 10, taper=False, workers=8)),
 ]
 AS_RUN_R = "--as-run-r" in sys.argv
 if AS_RUN_R:

@@ -116,12 +116,15 @@ unsafe fn issue(
 }
 
 /// The pageable path. Piece `i` of the source goes through bounce slot `i % slots` once piece
-/// `i - slots`'s copy completed. Several workers (pinstage's copy threads and the caller) each
-/// claim the next piece, fill its slot, issue its copy and record the slot's event, so a worker
-/// the OS deschedules delays only its own piece while the others keep the copy engine busy.
-/// Returns once every piece was read from `src`; the last copies may still be in flight: the
-/// returned event completes after all of them (the slots go back to the cache guarded by their
-/// own events).
+/// `i - slots`'s copy completed. The pieces are cut into units; several workers (pinstage's
+/// copy threads and the caller) each claim the next unit in address order and fill it into its
+/// piece's slot, and whoever fills a piece's last unit issues the piece's copy and records the
+/// slot's event. The workers thus fill the pieces together, one after the other, so the copy
+/// engine starts on the first piece while the others fill and the last copy follows the last
+/// fill by one piece, not by a wave of pieces; a worker the OS deschedules delays only its own
+/// unit. Returns once every unit was read from `src`; the last copies may still be in flight:
+/// the returned event completes after all of them (the slots go back to the cache guarded by
+/// their own events).
 fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle) -> Result<Event> {
     let tune = bounce::h2d_tuning();
     let pool = bounce::workers();
@@ -141,16 +144,25 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
         return Ok(done);
     }
     let pieces = tune.cut(src.len(), workers);
+    let units = tune.units(&pieces);
     let nslots = tune.slots.min(pieces.len());
     let done = Event::new_in(cur)?;
     let slots = bounce::take(cur, nslots, tune.max_piece)?;
+    let zeros = |n: usize| -> Vec<AtomicUsize> { (0..n).map(|_| AtomicUsize::new(0)).collect() };
+    let mut left = zeros(pieces.len());
+    for u in &units {
+        *left[u.0].get_mut() += 1;
+    }
     let job = Upload {
         src,
         dst,
         pieces: &pieces,
+        units: &units,
         nt: src.len() <= tune.nt_upto,
         slots: &slots,
-        issued: (0..nslots).map(|_| AtomicUsize::new(0)).collect(),
+        left,
+        issued: zeros(nslots),
+        free: zeros(nslots),
         next: AtomicUsize::new(0),
         failed: AtomicBool::new(false),
         error: parking_lot::Mutex::new(None),
@@ -158,8 +170,8 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     };
     let device = cur.device();
     match pool {
-        Some(pool) if workers > 1 && pieces.len() > 1 => pool.in_place_scope(|scope| {
-            for _ in 1..workers.min(pieces.len()) {
+        Some(pool) if workers > 1 && units.len() > 1 => pool.in_place_scope(|scope| {
+            for _ in 1..workers.min(units.len()) {
                 scope.spawn(|_| match device.enter() {
                     Ok(c) => job.work(&c),
                     Err(e) => job.fail(e),
@@ -170,7 +182,7 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
         _ => job.work(cur),
     }
     let error = job.error.into_inner();
-    drop(job.issued);
+    drop((job.issued, job.free, job.left));
     bounce::give_back(device, slots);
     if let Some(e) = error {
         return Err(e);
@@ -183,31 +195,62 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     Ok(done)
 }
 
-/// Stores `.1` into `.0` (Release: the piece's record happened before) when dropped.
-struct Issued<'a>(&'a AtomicUsize, usize);
-
-impl Drop for Issued<'_> {
-    fn drop(&mut self) {
-        self.0.store(self.1, Ordering::Release);
-    }
-}
-
 /// One pageable upload shared by its workers.
 struct Upload<'a, 's> {
     src: &'a [u8],
     dst: u64,
     /// (offset, bytes) of each piece.
     pieces: &'a [(usize, usize)],
+    /// (piece, offset, bytes) of each unit, in address order.
+    units: &'a [(usize, usize, usize)],
     nt: bool,
     slots: &'a [BounceSlot],
+    /// Per piece: its units not yet done (filled, or given up after a failure). Whoever takes
+    /// it to zero issues the piece's copy.
+    left: Vec<AtomicUsize>,
     /// Per slot: how many of its pieces were issued (or given up after a failure). Piece `i`
-    /// is slot `i % slots`'s use number `i / slots`; it waits until the use before it was
-    /// issued, then for that copy's event.
+    /// is slot `i % slots`'s use number `i / slots`; its units wait until the use before it
+    /// was issued, then for that copy's event.
     issued: Vec<AtomicUsize>,
+    /// Per slot: the uses known free to fill (a worker saw the event of the use before them
+    /// complete), so the other units of a piece skip the driver query.
+    free: Vec<AtomicUsize>,
     next: AtomicUsize,
     failed: AtomicBool,
     error: parking_lot::Mutex<Option<Error>>,
     stream: StreamHandle<'s>,
+}
+
+/// Marks one unit of piece `p` done when dropped (even by a panic unwinding its worker, so no
+/// other worker waits forever): the last one issues the piece's copy unless the upload failed,
+/// then marks the slot's use issued.
+struct UnitDone<'j, 'a, 's, 'c> {
+    job: &'j Upload<'a, 's>,
+    cur: &'j Current<'c>,
+    p: usize,
+}
+
+impl Drop for UnitDone<'_, '_, '_, '_> {
+    fn drop(&mut self) {
+        let job = self.job;
+        // AcqRel: the other units' fills happen before the copy the last one issues.
+        if job.left[self.p].fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let n = job.slots.len();
+        let (s, round) = (self.p % n, self.p / n);
+        if std::thread::panicking() {
+            job.failed.store(true, Ordering::Relaxed);
+        } else if !job.failed.load(Ordering::Relaxed)
+            && let Err(e) = job.send(self.cur, self.p, s)
+        {
+            job.fail(e);
+        }
+        // Release: pairs with the Acquire of the units waiting for this use; the record
+        // happened before. fetch_max: a failed upload's units skip their waits, so the uses of
+        // a slot may be given up out of order.
+        job.issued[s].fetch_max(round + 1, Ordering::Release);
+    }
 }
 
 impl Upload<'_, '_> {
@@ -216,47 +259,78 @@ impl Upload<'_, '_> {
         self.error.lock().get_or_insert(e);
     }
 
-    /// Claims pieces until none is left (or one failed). Every claimed piece marks its slot
-    /// issued, even after a failure, so no worker waits forever for it.
+    /// Claims units until none is left (or one failed). Every claimed unit counts as done
+    /// when its iteration ends, even after a failure, so no worker waits forever for it.
     fn work(&self, cur: &Current<'_>) {
         let n = self.slots.len();
         // Relaxed: the failure flag only stops new claims early; the error itself is under a lock.
         while !self.failed.load(Ordering::Relaxed) {
-            let i = self.next.fetch_add(1, Ordering::Relaxed);
-            if i >= self.pieces.len() {
+            let u = self.next.fetch_add(1, Ordering::Relaxed);
+            let Some(&(p, off, len)) = self.units.get(u) else {
                 break;
-            }
-            let (s, round) = (i % n, i / n);
-            let backoff = crossbeam_utils::Backoff::new();
-            // Acquire: pairs with the Release below; the earlier use's record happened before.
-            while self.issued[s].load(Ordering::Acquire) < round {
-                backoff.snooze();
-            }
-            // Marks the slot issued when this iteration ends, even by a panic unwinding it, so
-            // no other worker waits forever for this piece.
-            let _mark = Issued(&self.issued[s], round + 1);
-            if !self.failed.load(Ordering::Relaxed)
-                && let Err(e) = self.send(cur, i, s)
-            {
+            };
+            let _done = UnitDone { job: self, cur, p };
+            let (s, round) = (p % n, p / n);
+            if let Err(e) = self.fill(s, round, off - self.pieces[p].0, off, len) {
                 self.fail(e);
             }
         }
     }
 
-    /// Fills slot `s` with piece `i` once the slot's last copy completed, issues the piece's
-    /// copy and records the slot's event after it.
-    fn send(&self, cur: &Current<'_>, i: usize, s: usize) -> Result<()> {
+    /// Fills `len` bytes of the source at `off` into slot `s` at `at`, once the slot's use
+    /// before `round` was issued and its copy completed. Gives up (Ok) once the upload failed.
+    fn fill(&self, s: usize, round: usize, at: usize, off: usize, len: usize) -> Result<()> {
         let slot = &self.slots[s];
-        slot.busy.synchronize()?;
-        let (off, n) = self.pieces[i];
-        let to = slot.buf.shared_mut_ptr();
-        // SAFETY: slot `s` is this worker's alone until it marks the slot issued (the claim
-        // protocol above), and its last copy completed; it holds `max_piece >= n` bytes and is
-        // page-aligned; the source piece lies within `src`.
-        unsafe { bounce::fill(to, self.src.as_ptr().add(off), n, self.nt) };
+        let backoff = crossbeam_utils::Backoff::new();
+        // Acquire: pairs with the Release in `UnitDone`; the earlier use's record happened before.
+        while self.issued[s].load(Ordering::Acquire) < round {
+            if self.failed.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            backoff.snooze();
+        }
+        if self.failed.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        // Acquire: a worker saw that use's copy complete before storing this. (The seeded-bug
+        // harness, `scripts/gpu-run broken-units`: a fill that does not wait for the slot's
+        // last copy must fail the GPU tests.)
+        #[cfg(not(pinstage_seeded_bug = "units_no_wait"))]
+        if self.free[s].load(Ordering::Acquire) <= round {
+            slot.busy.synchronize()?;
+            self.free[s].fetch_max(round + 1, Ordering::Release);
+        }
+        // SAFETY: this range of slot `s` (`at..at+len`, 64 KiB-aligned, within the slot's
+        // `max_piece >= piece` bytes) is this worker's alone: units do not overlap, and the
+        // slot's previous copy completed (above) while its next use waits for this piece to be
+        // issued. The source range lies within `src`.
+        unsafe {
+            bounce::fill(
+                slot.buf.shared_mut_ptr().add(at),
+                self.src.as_ptr().add(off),
+                len,
+                self.nt,
+            )
+        };
+        Ok(())
+    }
+
+    /// Issues piece `p`'s copy out of slot `s` (filled) and records the slot's event after it.
+    fn send(&self, cur: &Current<'_>, p: usize, s: usize) -> Result<()> {
+        let slot = &self.slots[s];
+        let (off, n) = self.pieces[p];
         // SAFETY: the slot stays untouched until its event completed (recorded next, or the
         // stream is synchronized); dst + off..+n lies within the destination (sizes checked).
-        unsafe { issue(cur, &slot.busy, self.dst + off as u64, to, n, self.stream) }
+        unsafe {
+            issue(
+                cur,
+                &slot.busy,
+                self.dst + off as u64,
+                slot.buf.shared_mut_ptr(),
+                n,
+                self.stream,
+            )
+        }
     }
 }
 

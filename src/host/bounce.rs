@@ -160,23 +160,33 @@ pub(crate) struct H2DTuning {
     /// The first pieces start at `min_piece` and double up to the piece size, so the copy
     /// engine starts early.
     pub(crate) ramp: bool,
+    /// The last pieces halve down to `min_piece`, so the copy left after the last fill is
+    /// small.
+    pub(crate) taper: bool,
     /// Copies of at most this many bytes fill slots with non-temporal stores (x86-64): faster
     /// while the source sits in the caches, slower for sources far larger than them.
     pub(crate) nt_upto: usize,
     /// Copies below this many bytes go to the driver's own pageable path.
     pub(crate) driver_below: usize,
+    /// Bytes one worker fills at a time: the workers fill each piece together, unit by unit
+    /// in address order, so pieces become ready one after the other (the copy engine starts
+    /// on the first while the rest fill) instead of all at once at the end of a wave. A unit
+    /// of at least `max_piece` gives each piece to one worker.
+    pub(crate) unit: usize,
 }
 
 impl H2DTuning {
     /// The defaults.
     pub(crate) const DEFAULT: Self = Self {
-        workers: 8,
+        workers: 12,
         max_piece: 4 << 20,
         min_piece: 128 << 10,
         slots: 12,
         ramp: true,
+        taper: false,
         nt_upto: 128 << 20,
         driver_below: 0,
+        unit: 256 << 10,
     };
 
     /// Workers for a copy of `len` bytes: one per 2 MiB, at least 4 (waking more costs more
@@ -187,7 +197,7 @@ impl H2DTuning {
 
     /// The pieces (offset, bytes) of a copy of `len > 0` bytes: about two per worker, between
     /// `min_piece` and `max_piece`, multiples of 64 KiB (the last one excepted); with `ramp`,
-    /// the first ones smaller.
+    /// the first ones smaller; with `taper`, the last ones too (each half of what is left).
     pub(crate) fn cut(&self, len: usize, workers: usize) -> Vec<(usize, usize)> {
         let want = len.div_ceil(2 * workers.max(1));
         let piece = want
@@ -204,10 +214,31 @@ impl H2DTuning {
             },
         );
         while off < len {
-            let n = size.min(len - off);
+            let rest = len - off;
+            let mut n = size.min(rest);
+            if self.taper && rest <= 2 * piece && rest > self.min_piece {
+                n = n.min((rest / 2).next_multiple_of(64 << 10).max(self.min_piece));
+            }
             out.push((off, n));
             off += n;
             size = (size * 2).min(piece);
+        }
+        out
+    }
+
+    /// The fill units (piece index, offset, bytes) of `pieces`, in address order: each piece
+    /// cut into `unit`-byte units (the last one shorter), so every unit starts 64 KiB-aligned
+    /// within its slot.
+    pub(crate) fn units(&self, pieces: &[(usize, usize)]) -> Vec<(usize, usize, usize)> {
+        let unit = self.unit.max(1);
+        let mut out = Vec::with_capacity(pieces.iter().map(|p| p.1.div_ceil(unit)).sum());
+        for (i, &(off, n)) in pieces.iter().enumerate() {
+            let mut at = 0;
+            while at < n {
+                let k = unit.min(n - at);
+                out.push((i, off + at, k));
+                at += k;
+            }
         }
         out
     }
@@ -221,7 +252,7 @@ pub(crate) fn h2d_tuning() -> H2DTuning {
 }
 
 /// Sets the pageable H2D path's tuning (the laboratory's experiments; values are clamped to
-/// sane ranges: 1..=64 workers, pieces of 64 KiB..=64 MiB, 2..=64 slots).
+/// sane ranges: 1..=64 workers, pieces and units of 64 KiB..=64 MiB, 2..=64 slots).
 #[cfg_attr(not(feature = "lab"), allow(dead_code))]
 pub(crate) fn set_h2d_tuning(t: H2DTuning) {
     let max_piece = t
@@ -236,6 +267,7 @@ pub(crate) fn set_h2d_tuning(t: H2DTuning) {
             .clamp(64 << 10, max_piece)
             .next_multiple_of(64 << 10),
         slots: t.slots.clamp(2, 64),
+        unit: t.unit.clamp(64 << 10, 64 << 20).next_multiple_of(64 << 10),
         ..t
     };
 }
@@ -295,6 +327,7 @@ mod tests {
     fn cut_gives_two_pieces_per_worker_within_bounds() {
         let t = H2DTuning {
             ramp: false,
+            taper: false,
             ..H2DTuning::DEFAULT
         };
         let sizes = |len, w| {
@@ -319,14 +352,86 @@ mod tests {
     fn ramp_starts_small_and_doubles() {
         let t = H2DTuning {
             ramp: true,
+            taper: false,
             ..H2DTuning::DEFAULT
         };
         let p = t.cut(64 << 20, 8);
         check(&p, 64 << 20);
         let sizes: Vec<usize> = p.iter().take(7).map(|&(_, n)| n >> 10).collect();
         assert_eq!(sizes, [128, 256, 512, 1024, 2048, 4096, 4096]);
+        assert_eq!(
+            p.last().unwrap().1,
+            128 << 10,
+            "no taper: the rest after whole pieces"
+        );
         // A copy smaller than the smallest piece is one piece.
         assert_eq!(t.cut(1000, 8), [(0, 1000)]);
+    }
+
+    #[test]
+    fn taper_halves_the_last_pieces() {
+        let t = H2DTuning {
+            taper: true,
+            ..H2DTuning::DEFAULT
+        };
+        let p = t.cut(64 << 20, 8);
+        check(&p, 64 << 20);
+        // 64 MiB less the ramp (3968 KiB): 14 pieces of 4 MiB, then the last 4224 KiB as
+        // halves of what is left, rounded up to 64 KiB.
+        let tail: Vec<usize> = p[p.len() - 7..].iter().map(|&(_, n)| n >> 10).collect();
+        assert_eq!(tail, [4096, 2112, 1088, 512, 256, 128, 128]);
+        assert_eq!(p.iter().filter(|x| x.1 == 4 << 20).count(), 14);
+        for (len, w) in [
+            (3_000_001, 3),
+            ((20 << 20) + 12345, 8),
+            (1 << 30, 8),
+            (200 << 10, 4),
+        ] {
+            let p = t.cut(len, w);
+            check(&p, len);
+            assert!(p[..p.len() - 1].iter().all(|&(_, n)| n % (64 << 10) == 0));
+            assert!(p.last().unwrap().1 <= t.min_piece, "len {len}: {p:?}");
+        }
+    }
+
+    #[test]
+    fn units_cover_each_piece_in_order() {
+        let t = H2DTuning::DEFAULT;
+        for (len, w) in [
+            (1, 8),
+            (64 << 20, 8),
+            (16 << 20, 4),
+            (3_000_001, 3),
+            (1 << 30, 8),
+        ] {
+            let pieces = t.cut(len, w);
+            let units = t.units(&pieces);
+            let mut off = 0;
+            let mut sums = vec![0; pieces.len()];
+            for (k, &(p, o, n)) in units.iter().enumerate() {
+                assert_eq!(o, off, "units in address order");
+                assert!(n > 0 && n <= t.unit);
+                assert_eq!(
+                    (o - pieces[p].0) % (64 << 10),
+                    0,
+                    "unit aligned in its slot"
+                );
+                if k > 0 {
+                    assert!(units[k - 1].0 <= p, "pieces in order");
+                }
+                sums[p] += n;
+                off += n;
+            }
+            assert_eq!(off, len);
+            assert!(sums.iter().zip(&pieces).all(|(s, p)| *s == p.1));
+        }
+        // A unit as large as the pieces: one unit per piece (each piece filled by one worker).
+        let whole = H2DTuning { unit: 4 << 20, ..t };
+        let pieces = whole.cut(64 << 20, 8);
+        assert_eq!(whole.units(&pieces).len(), pieces.len());
+        // 64 MiB: 4 MiB pieces of 16 units each once the ramp is over.
+        let units = t.units(&t.cut(64 << 20, 8));
+        assert_eq!(units.iter().filter(|u| u.0 == 6).count(), 16);
     }
 
     #[test]
