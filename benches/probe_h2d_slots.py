@@ -11,12 +11,16 @@ Run r (`--as-run-r`) measured 4 MiB x 12 (the default) against smaller slots, in
 "cold" states only; 1 MiB x 16 was then made the default, and run s (`--as-run-s`; its first entry
 was then the default) showed it slower in the "bench" state at 64 MiB-1 GiB, so 4 MiB x 12 is
 the default again. Run v (`--as-run-v`) compared the fill units: the workers filling each piece
-together, unit by unit (the default since), against whole pieces, one worker each (before). The
-run w (`--as-run-w`) the tapered end (the last pieces halving; no gain, off since), the stores
+together, unit by unit (the default since), against whole pieces, one worker each (before).
+Run w (`--as-run-w`) compared the tapered end (the last pieces halving; no gain, off since), the stores
 and worker counts (12 workers, the default since run x, gained most with the source in the
-caches or in DRAM). The default list compares the default against 8 workers.
+caches or in DRAM); run x (`--as-run-x`) the default against 8 workers; run z (`--as-run-z`)
+regular stores into small slots (which might stay in the CPU's caches, so the copy engine
+would read them there; they did not: half the rate) against non-temporal stores into 4 MiB
+slots. The default list compares fewer slots: how far the fill may run ahead of the copy
+engine (filling faster than the link takes memory bandwidth from the copy engine's reads).
 Needs the lab wheel (`_set_h2d_tuning`).
-Usage: python3 benches/probe_h2d_slots.py [--as-run-r | --as-run-s | --as-run-v | --as-run-w]
+Usage: python3 benches/probe_h2d_slots.py [--as-run-r | --as-run-s | --as-run-v | --as-run-w | --as-run-x | --as-run-z]
 """
 
 import statistics
@@ -35,10 +39,37 @@ scratch = np.ones(1 << 30, dtype=np.uint8)
 OLD = dict(max_piece=4 << 20, slots=12)  # the default (briefly 1 MiB x 16 before run s)
 TUNINGS = [
     ("the default: 12 workers, 4 MiB x 12, units of 256 KiB", dict(workers=12, max_piece=4 << 20, slots=12, unit=256 << 10)),
+    ("8 workers", dict(workers=8)),
+    ("4 MiB x 3", dict(slots=3)),
+    ("4 MiB x 4", dict(slots=4)),
+    ("4 MiB x 6", dict(slots=6)),
+    ("8 workers, 4 MiB x 4", dict(workers=8, slots=4)),
+    ("8 workers, 4 MiB x 6", dict(workers=8, slots=6)),
+    ("8 MiB x 3", dict(max_piece=8 << 20, slots=3)),
+]
+
+# Run z's list (`--as-run-z`).
+TUNINGS_Z = [
+    ("the default: 12 workers, 4 MiB x 12, units of 256 KiB", dict(workers=12, max_piece=4 << 20, slots=12, unit=256 << 10)),
+    ("8 workers", dict(workers=8)),
+    ("8 workers, regular stores, 1 MiB x 12", dict(workers=8, nt_upto=0, max_piece=1 << 20, slots=12)),
+    ("8 workers, regular stores, 512 KiB x 16", dict(workers=8, nt_upto=0, max_piece=512 << 10, slots=16)),
+    ("12 workers, regular stores, 512 KiB x 16", dict(workers=12, nt_upto=0, max_piece=512 << 10, slots=16)),
+    ("8 workers, regular stores, 2 MiB x 8", dict(workers=8, nt_upto=0, max_piece=2 << 20, slots=8)),
+    ("8 workers, 1 MiB x 12", dict(workers=8, max_piece=1 << 20, slots=12)),
+]
+if "--as-run-z" in sys.argv:
+    TUNINGS = TUNINGS_Z
+
+# Run x's list (`--as-run-x`).
+TUNINGS_X = [
+    ("the default: 12 workers, 4 MiB x 12, units of 256 KiB", dict(workers=12, max_piece=4 << 20, slots=12, unit=256 << 10)),
     ("8 workers (run w's default)", dict(workers=8)),
     ("8 workers, whole pieces, one worker each (before run v)", dict(workers=8, unit=4 << 20)),
     ("tapered", dict(taper=True)),
 ]
+if "--as-run-x" in sys.argv:
+    TUNINGS = TUNINGS_X
 
 # Run w's list (`--as-run-w`; 8 workers and a tapered end by default then).
 TUNINGS_W = [

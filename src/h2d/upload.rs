@@ -126,6 +126,8 @@ unsafe fn issue(
 /// the returned event completes after all of them (the slots go back to the cache guarded by
 /// their own events).
 fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle) -> Result<Event> {
+    #[cfg(feature = "lab")]
+    let t0 = std::time::Instant::now();
     let tune = bounce::h2d_tuning();
     let pool = bounce::workers();
     let threads = pool.map_or(1, |p| p.current_num_threads() + 1);
@@ -167,6 +169,8 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
         failed: AtomicBool::new(false),
         error: parking_lot::Mutex::new(None),
         stream,
+        #[cfg(feature = "lab")]
+        t0,
     };
     let device = cur.device();
     match pool {
@@ -181,6 +185,8 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
         }),
         _ => job.work(cur),
     }
+    #[cfg(feature = "lab")]
+    crate::lab::h2d_trace::piece(t0, usize::MAX, 0, std::time::Instant::now());
     let error = job.error.into_inner();
     drop((job.issued, job.free, job.left));
     bounce::give_back(device, slots);
@@ -219,6 +225,9 @@ struct Upload<'a, 's> {
     failed: AtomicBool,
     error: parking_lot::Mutex<Option<Error>>,
     stream: StreamHandle<'s>,
+    /// When the upload started (the laboratory's trace).
+    #[cfg(feature = "lab")]
+    t0: std::time::Instant,
 }
 
 /// Marks one unit of piece `p` done when dropped (even by a panic unwinding its worker, so no
@@ -239,6 +248,8 @@ impl Drop for UnitDone<'_, '_, '_, '_> {
         }
         let n = job.slots.len();
         let (s, round) = (self.p % n, self.p / n);
+        #[cfg(feature = "lab")]
+        let filled = std::time::Instant::now();
         if std::thread::panicking() {
             job.failed.store(true, Ordering::Relaxed);
         } else if !job.failed.load(Ordering::Relaxed)
@@ -246,6 +257,8 @@ impl Drop for UnitDone<'_, '_, '_, '_> {
         {
             job.fail(e);
         }
+        #[cfg(feature = "lab")]
+        crate::lab::h2d_trace::piece(job.t0, self.p, job.pieces[self.p].1, filled);
         // Release: pairs with the Acquire of the units waiting for this use; the record
         // happened before. fetch_max: a failed upload's units skip their waits, so the uses of
         // a slot may be given up out of order.

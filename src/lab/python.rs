@@ -130,7 +130,27 @@ fn set_pin_by_register(on: bool) -> bool {
     crate::host::set_pin_by_register(on)
 }
 
+/// Starts (clearing it) or stops the pageable H2D path's trace.
+#[pyfunction]
+#[pyo3(name = "_h2d_trace_set")]
+fn h2d_trace_set(on: bool) {
+    super::h2d_trace::set(on);
+}
+
+/// The trace since it started: (piece, bytes, filled µs, issued µs) per piece, from the
+/// call's start; a piece of -1 marks the call's return (its time in both fields).
+#[pyfunction]
+#[pyo3(name = "_h2d_trace")]
+fn h2d_trace() -> Vec<(i64, usize, f64, f64)> {
+    super::h2d_trace::take()
+        .into_iter()
+        .map(|(p, n, a, b)| (if p == usize::MAX { -1 } else { p as i64 }, n, a, b))
+        .collect()
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(h2d_trace_set, m)?)?;
+    m.add_function(wrap_pyfunction!(h2d_trace, m)?)?;
     m.add_function(wrap_pyfunction!(pinned_costs, m)?)?;
     m.add_function(wrap_pyfunction!(set_pin_by_register, m)?)?;
     m.add_function(wrap_pyfunction!(set_h2d_tuning, m)?)?;

@@ -1,0 +1,80 @@
+"""Probe: where the time of one `copy_h2d` from pageable memory goes. The lab wheel traces each
+bounce piece (when its last unit was filled, when its copy was issued, from the start of the
+bounced path) and the path's return; this prints, per size and worker count, the median call's
+timeline against the wall time of the whole call (Python in, synchronised out) and against torch
+`copy_` from pinned memory in the same state (the source as the previous call left it; each
+destination poisoned first and checked after). Run y traced 12 and 8 workers (its first two
+tunings), run z those and 8 workers with regular stores into 512 KiB x 16 slots.
+
+Usage: python3 benches/probe_h2d_trace.py
+"""
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import pinstage
+from pinstage import _native
+
+REPS = 9
+POISON = -7
+TUNINGS = [
+    ("12 workers (the default)", dict(workers=12)),
+    ("8 workers", dict(workers=8)),
+    ("4 MiB x 4", dict(slots=4)),
+    ("8 workers, 4 MiB x 4", dict(workers=8, slots=4)),
+]
+
+
+def one(fn, dst, ref, trace):
+    dst.fill_(POISON)
+    torch.cuda.synchronize()
+    if trace:
+        _native._h2d_trace_set(True)
+    t0 = time.perf_counter()
+    fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    tr = _native._h2d_trace() if trace else []
+    _native._h2d_trace_set(False)
+    if not torch.equal(dst, ref):
+        raise AssertionError("wrong result")
+    return (t2 - t0) * 1e6, (t1 - t0) * 1e6, tr
+
+
+for nb in (16 << 20, 64 << 20, 1 << 30):
+    n = nb // 4
+    vals = np.random.default_rng(nb).integers(-(2**31), 2**31 - 1, n, dtype=np.int32)
+    ref = torch.from_numpy(vals).cuda()
+    dst = torch.empty(n, dtype=torch.int32, device="cuda")
+    tpin = torch.from_numpy(vals).pin_memory()
+    for _ in range(2):
+        one(lambda: dst.copy_(tpin, non_blocking=True), dst, ref, False)
+    pin = statistics.median(one(lambda: dst.copy_(tpin, non_blocking=True), dst, ref, False)[0] for _ in range(REPS))
+    print(f"== {nb >> 20} MiB: torch copy_ from pinned {pin:.0f} us ({nb / pin / 1e3:.2f} GB/s)", flush=True)
+    for name, kw in TUNINGS:
+        _native._set_h2d_tuning(**kw)
+        for _ in range(2):
+            one(lambda: pinstage.copy_h2d(dst, vals), dst, ref, False)
+        runs = sorted((one(lambda: pinstage.copy_h2d(dst, vals), dst, ref, True) for _ in range(REPS)), key=lambda r: r[0])
+        wall, ret, tr = runs[len(runs) // 2]
+        pieces = sorted((p for p in tr if p[0] >= 0), key=lambda p: p[3])
+        back = [p[2] for p in tr if p[0] < 0][0]
+        first_issue = pieces[0][3]
+        last_fill = max(p[2] for p in pieces)
+        last_issue = pieces[-1][3]
+        print(f"  {name}: wall {wall:.0f} us ({nb / wall / 1e3:.2f} GB/s, {pin / wall:.3f} of torch pinned); "
+              f"python call returned at {ret:.0f}; bounced path: first copy issued at {first_issue:.0f}, "
+              f"last unit filled at {last_fill:.0f} (fill {nb / last_fill / 1e3:.1f} GB/s), last copy issued at "
+              f"{last_issue:.0f}, returned at {back:.0f}; after the return until synchronised {wall - ret:.0f} us; "
+              f"the link alone from the first issue would end at {first_issue + nb / 55e3:.0f}", flush=True)
+        if nb == 64 << 20:
+            print("    piece, KiB, filled us, issued us: " + "; ".join(
+                f"{p[0]} {p[1] >> 10} {p[2]:.0f} {p[3]:.0f}" for p in pieces), flush=True)
+        walls = [r[0] for r in runs]
+        print(f"    wall us of the {REPS} calls: " + " ".join(f"{w:.0f}" for w in walls), flush=True)
+    _native._set_h2d_tuning()
+    del tpin
