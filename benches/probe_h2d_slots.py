@@ -17,10 +17,11 @@ and worker counts (12 workers, the default since run x, gained most with the sou
 caches or in DRAM); run x (`--as-run-x`) the default against 8 workers; run z (`--as-run-z`)
 regular stores into small slots (which might stay in the CPU's caches, so the copy engine
 would read them there; they did not: half the rate) against non-temporal stores into 4 MiB
-slots. The default list compares fewer slots: how far the fill may run ahead of the copy
-engine (filling faster than the link takes memory bandwidth from the copy engine's reads).
+slots; run zb (`--as-run-zb`) fewer slots, to keep the fill from running far ahead of the copy
+engine (no gain). Until run zc the pieces were about two per worker (2.7 MiB with 12 workers
+at 64 MiB); the default list compares whole 4 MiB pieces (fewer copies; the default since).
 Needs the lab wheel (`_set_h2d_tuning`).
-Usage: python3 benches/probe_h2d_slots.py [--as-run-r | --as-run-s | --as-run-v | --as-run-w | --as-run-x | --as-run-z]
+Usage: python3 benches/probe_h2d_slots.py [--as-run-r | --as-run-s | --as-run-v | --as-run-w | --as-run-x | --as-run-z | --as-run-zb]
 """
 
 import statistics
@@ -38,70 +39,80 @@ scratch = np.ones(1 << 30, dtype=np.uint8)
 
 OLD = dict(max_piece=4 << 20, slots=12)  # the default (briefly 1 MiB x 16 before run s)
 TUNINGS = [
-    ("the default: 12 workers, 4 MiB x 12, units of 256 KiB", dict(workers=12, max_piece=4 << 20, slots=12, unit=256 << 10)),
+    ("the default: 12 workers, whole 4 MiB pieces, 12 slots", dict(workers=12, max_piece=4 << 20, slots=12, unit=256 << 10, per_worker=0)),
+    ("two pieces per worker (before run zc)", dict(per_worker=2)),
     ("8 workers", dict(workers=8)),
-    ("4 MiB x 3", dict(slots=3)),
-    ("4 MiB x 4", dict(slots=4)),
-    ("4 MiB x 6", dict(slots=6)),
-    ("8 workers, 4 MiB x 4", dict(workers=8, slots=4)),
-    ("8 workers, 4 MiB x 6", dict(workers=8, slots=6)),
-    ("8 MiB x 3", dict(max_piece=8 << 20, slots=3)),
+    ("8 workers, two pieces per worker", dict(workers=8, per_worker=2)),
 ]
+
+# Run zb's list (`--as-run-zb`; two pieces per worker then).
+TUNINGS_ZB = [
+    ("the default: 12 workers, 4 MiB x 12, units of 256 KiB", dict(workers=12, max_piece=4 << 20, slots=12, unit=256 << 10, per_worker=2)),
+    ("8 workers", dict(workers=8, per_worker=2)),
+    ("4 MiB x 3", dict(slots=3, per_worker=2)),
+    ("4 MiB x 4", dict(slots=4, per_worker=2)),
+    ("4 MiB x 6", dict(slots=6, per_worker=2)),
+    ("8 workers, 4 MiB x 4", dict(workers=8, slots=4, per_worker=2)),
+    ("8 workers, 4 MiB x 6", dict(workers=8, slots=6, per_worker=2)),
+    ("8 MiB x 3", dict(max_piece=8 << 20, slots=3, per_worker=2)),
+]
+if "--as-run-zb" in sys.argv:
+    TUNINGS = TUNINGS_ZB
 
 # Run z's list (`--as-run-z`).
 TUNINGS_Z = [
-    ("the default: 12 workers, 4 MiB x 12, units of 256 KiB", dict(workers=12, max_piece=4 << 20, slots=12, unit=256 << 10)),
-    ("8 workers", dict(workers=8)),
-    ("8 workers, regular stores, 1 MiB x 12", dict(workers=8, nt_upto=0, max_piece=1 << 20, slots=12)),
-    ("8 workers, regular stores, 512 KiB x 16", dict(workers=8, nt_upto=0, max_piece=512 << 10, slots=16)),
-    ("12 workers, regular stores, 512 KiB x 16", dict(workers=12, nt_upto=0, max_piece=512 << 10, slots=16)),
-    ("8 workers, regular stores, 2 MiB x 8", dict(workers=8, nt_upto=0, max_piece=2 << 20, slots=8)),
-    ("8 workers, 1 MiB x 12", dict(workers=8, max_piece=1 << 20, slots=12)),
+    ("the default: 12 workers, 4 MiB x 12, units of 256 KiB", dict(workers=12, max_piece=4 << 20, slots=12, unit=256 << 10, per_worker=2)),
+    ("8 workers", dict(workers=8, per_worker=2)),
+    ("8 workers, regular stores, 1 MiB x 12", dict(workers=8, nt_upto=0, max_piece=1 << 20, slots=12, per_worker=2)),
+    ("8 workers, regular stores, 512 KiB x 16", dict(workers=8, nt_upto=0, max_piece=512 << 10, slots=16, per_worker=2)),
+    ("12 workers, regular stores, 512 KiB x 16", dict(workers=12, nt_upto=0, max_piece=512 << 10, slots=16, per_worker=2)),
+    ("8 workers, regular stores, 2 MiB x 8", dict(workers=8, nt_upto=0, max_piece=2 << 20, slots=8, per_worker=2)),
+    ("8 workers, 1 MiB x 12", dict(workers=8, max_piece=1 << 20, slots=12, per_worker=2)),
 ]
 if "--as-run-z" in sys.argv:
     TUNINGS = TUNINGS_Z
 
 # Run x's list (`--as-run-x`).
 TUNINGS_X = [
-    ("the default: 12 workers, 4 MiB x 12, units of 256 KiB", dict(workers=12, max_piece=4 << 20, slots=12, unit=256 << 10)),
-    ("8 workers (run w's default)", dict(workers=8)),
-    ("8 workers, whole pieces, one worker each (before run v)", dict(workers=8, unit=4 << 20)),
-    ("tapered", dict(taper=True)),
+    ("the default: 12 workers, 4 MiB x 12, units of 256 KiB", dict(workers=12, max_piece=4 << 20, slots=12, unit=256 << 10, per_worker=2)),
+    ("8 workers (run w's default)", dict(workers=8, per_worker=2)),
+    ("8 workers, whole pieces, one worker each (before run v)", dict(workers=8, unit=4 << 20, per_worker=2)),
+    ("tapered", dict(taper=True, per_worker=2)),
 ]
 if "--as-run-x" in sys.argv:
     TUNINGS = TUNINGS_X
 
 # Run w's list (`--as-run-w`; 8 workers and a tapered end by default then).
 TUNINGS_W = [
-    ("the default: 4 MiB x 12, units of 256 KiB, tapered", dict(max_piece=4 << 20, slots=12, unit=256 << 10, workers=8, taper=True)),
-    ("not tapered (run v)", dict(taper=False, workers=8)),
-    ("whole pieces, one worker each, not tapered (before run v)", dict(unit=4 << 20, taper=False, workers=8)),
-    ("regular stores", dict(nt_upto=0, workers=8, taper=True)),
-    ("12 workers", dict(workers=12, taper=True)),
-    ("12 workers, regular stores", dict(workers=12, nt_upto=0, taper=True)),
+    ("the default: 4 MiB x 12, units of 256 KiB, tapered", dict(max_piece=4 << 20, slots=12, unit=256 << 10, workers=8, taper=True, per_worker=2)),
+    ("not tapered (run v)", dict(taper=False, workers=8, per_worker=2)),
+    ("whole pieces, one worker each, not tapered (before run v)", dict(unit=4 << 20, taper=False, workers=8, per_worker=2)),
+    ("regular stores", dict(nt_upto=0, workers=8, taper=True, per_worker=2)),
+    ("12 workers", dict(workers=12, taper=True, per_worker=2)),
+    ("12 workers, regular stores", dict(workers=12, nt_upto=0, taper=True, per_worker=2)),
 ]
 if "--as-run-w" in sys.argv:
     TUNINGS = TUNINGS_W
 
 # Run v's list (`--as-run-v`; no taper then).
 TUNINGS_V = [
-    ("4 MiB x 12, units of 256 KiB (the default)", dict(max_piece=4 << 20, slots=12, unit=256 << 10, taper=False, workers=8)),
-    ("whole pieces, one worker each", dict(max_piece=4 << 20, slots=12, unit=4 << 20, taper=False, workers=8)),
-    ("units of 128 KiB", dict(unit=128 << 10, taper=False, workers=8)),
-    ("units of 1 MiB", dict(unit=1 << 20, taper=False, workers=8)),
-    ("units of 256 KiB, 12 workers", dict(unit=256 << 10, workers=12, taper=False)),
-    ("8 MiB x 8, units of 256 KiB", dict(max_piece=8 << 20, slots=8, unit=256 << 10, taper=False, workers=8)),
+    ("4 MiB x 12, units of 256 KiB (the default)", dict(max_piece=4 << 20, slots=12, unit=256 << 10, taper=False, workers=8, per_worker=2)),
+    ("whole pieces, one worker each", dict(max_piece=4 << 20, slots=12, unit=4 << 20, taper=False, workers=8, per_worker=2)),
+    ("units of 128 KiB", dict(unit=128 << 10, taper=False, workers=8, per_worker=2)),
+    ("units of 1 MiB", dict(unit=1 << 20, taper=False, workers=8, per_worker=2)),
+    ("units of 256 KiB, 12 workers", dict(unit=256 << 10, workers=12, taper=False, per_worker=2)),
+    ("8 MiB x 8, units of 256 KiB", dict(max_piece=8 << 20, slots=8, unit=256 << 10, taper=False, workers=8, per_worker=2)),
 ]
 if "--as-run-v" in sys.argv:
     TUNINGS = TUNINGS_V
 
 # Run s's list (`--as-run-s`; its whole pieces, one worker each, were then the only way).
 TUNINGS_S = [
-    ("1 MiB slots x 16, non-temporal up to 128 MiB", dict(max_piece=1 << 20, slots=16, unit=1 << 20, taper=False, workers=8)),
-    ("4 MiB x 12 (the default)", dict(OLD, unit=4 << 20, taper=False, workers=8)),
-    ("1 MiB x 16, regular", dict(max_piece=1 << 20, slots=16, nt_upto=0, unit=1 << 20, taper=False, workers=8)),
-    ("2 MiB x 12", dict(max_piece=2 << 20, slots=12, unit=2 << 20, taper=False, workers=8)),
-    ("512 KiB x 16", dict(max_piece=512 << 10, slots=16, unit=512 << 10, taper=False, workers=8)),
+    ("1 MiB slots x 16, non-temporal up to 128 MiB", dict(max_piece=1 << 20, slots=16, unit=1 << 20, taper=False, workers=8, per_worker=2)),
+    ("4 MiB x 12 (the default)", dict(OLD, unit=4 << 20, taper=False, workers=8, per_worker=2)),
+    ("1 MiB x 16, regular", dict(max_piece=1 << 20, slots=16, nt_upto=0, unit=1 << 20, taper=False, workers=8, per_worker=2)),
+    ("2 MiB x 12", dict(max_piece=2 << 20, slots=12, unit=2 << 20, taper=False, workers=8, per_worker=2)),
+    ("512 KiB x 16", dict(max_piece=512 << 10, slots=16, unit=512 << 10, taper=False, workers=8, per_worker=2)),
 ]
 if "--as-run-s" in sys.argv:
     TUNINGS = TUNINGS_S
@@ -110,13 +121,13 @@ if "--as-run-s" in sys.argv:
 # Run r's list (`--as-run-r`: its tunings and source states; its defaults were 4 MiB x 12;
 # whole pieces, one worker each).
 TUNINGS_R = [
-    ("default: 4 MiB slots x 12, non-temporal", dict(OLD, unit=4 << 20, taper=False, workers=8)),
-    ("1 MiB x 16, regular", dict(max_piece=1 << 20, slots=16, nt_upto=0, unit=1 << 20, taper=False, workers=8)),
-    ("512 KiB x 16, regular", dict(max_piece=512 << 10, slots=16, nt_upto=0, unit=512 << 10, taper=False, workers=8)),
-    ("512 KiB x 24, regular, 12 workers", dict(max_piece=512 << 10, slots=24, nt_upto=0, workers=12, unit=512 << 10, taper=False)),
-    ("256 KiB x 32, regular", dict(max_piece=256 << 10, min_piece=128 << 10, slots=32, nt_upto=0, unit=256 << 10, taper=False, workers=8)),
-    ("1 MiB x 16, non-temporal", dict(max_piece=1 << 20, slots=16, unit=1 << 20, taper=False, workers=8)),
-    ("512 KiB x 16, non-temporal", dict(max_piece=512 << 10, slots=16, unit=512 << 10, taper=False, workers=8)),
+    ("default: 4 MiB slots x 12, non-temporal", dict(OLD, unit=4 << 20, taper=False, workers=8, per_worker=2)),
+    ("1 MiB x 16, regular", dict(max_piece=1 << 20, slots=16, nt_upto=0, unit=1 << 20, taper=False, workers=8, per_worker=2)),
+    ("512 KiB x 16, regular", dict(max_piece=512 << 10, slots=16, nt_upto=0, unit=512 << 10, taper=False, workers=8, per_worker=2)),
+    ("512 KiB x 24, regular, 12 workers", dict(max_piece=512 << 10, slots=24, nt_upto=0, workers=12, unit=512 << 10, taper=False, per_worker=2)),
+    ("256 KiB x 32, regular", dict(max_piece=256 << 10, min_piece=128 << 10, slots=32, nt_upto=0, unit=256 << 10, taper=False, workers=8, per_worker=2)),
+    ("1 MiB x 16, non-temporal", dict(max_piece=1 << 20, slots=16, unit=1 << 20, taper=False, workers=8, per_worker=2)),
+    ("512 KiB x 16, non-temporal", dict(max_piece=512 << 10, slots=16, unit=512 << 10, taper=False, workers=8, per_worker=2)),
 ]
 AS_RUN_R = "--as-run-r" in sys.argv
 if AS_RUN_R:

@@ -4,7 +4,8 @@ bounced path) and the path's return; this prints, per size and worker count, the
 timeline against the wall time of the whole call (Python in, synchronised out) and against torch
 `copy_` from pinned memory in the same state (the source as the previous call left it; each
 destination poisoned first and checked after). Run y traced 12 and 8 workers (its first two
-tunings), run z those and 8 workers with regular stores into 512 KiB x 16 slots.
+tunings), run z those and 8 workers with regular stores into 512 KiB x 16 slots, run zb 12 and 8
+workers with 12 and with 4 slots (all with two pieces per worker, the rule until run zc).
 
 Usage: python3 benches/probe_h2d_trace.py
 """
@@ -21,10 +22,9 @@ from pinstage import _native
 REPS = 9
 POISON = -7
 TUNINGS = [
-    ("12 workers (the default)", dict(workers=12)),
+    ("12 workers, whole 4 MiB pieces (the default)", dict(workers=12)),
+    ("two pieces per worker (before run zc)", dict(per_worker=2)),
     ("8 workers", dict(workers=8)),
-    ("4 MiB x 4", dict(slots=4)),
-    ("8 workers, 4 MiB x 4", dict(workers=8, slots=4)),
 ]
 
 

@@ -163,6 +163,10 @@ pub(crate) struct H2DTuning {
     /// The last pieces halve down to `min_piece`, so the copy left after the last fill is
     /// small.
     pub(crate) taper: bool,
+    /// Pieces per worker (0: every piece `max_piece` bytes, the ramp and the end excepted).
+    /// Several pieces per worker served the fill of one piece by one worker; the workers now
+    /// fill each piece together, and fewer, larger copies keep the copy engine busier.
+    pub(crate) per_worker: usize,
     /// Copies of at most this many bytes fill slots with non-temporal stores (x86-64): faster
     /// while the source sits in the caches, slower for sources far larger than them.
     pub(crate) nt_upto: usize,
@@ -184,6 +188,7 @@ impl H2DTuning {
         slots: 12,
         ramp: true,
         taper: false,
+        per_worker: 0,
         nt_upto: 128 << 20,
         driver_below: 0,
         unit: 256 << 10,
@@ -195,11 +200,15 @@ impl H2DTuning {
         (len >> 21).clamp(4, 64).min(self.workers)
     }
 
-    /// The pieces (offset, bytes) of a copy of `len > 0` bytes: about two per worker, between
-    /// `min_piece` and `max_piece`, multiples of 64 KiB (the last one excepted); with `ramp`,
-    /// the first ones smaller; with `taper`, the last ones too (each half of what is left).
+    /// The pieces (offset, bytes) of a copy of `len > 0` bytes: of `max_piece` bytes (or, with
+    /// `per_worker`, about that many per worker, between `min_piece` and `max_piece`),
+    /// multiples of 64 KiB (the last one excepted); with `ramp`, the first ones smaller; with
+    /// `taper`, the last ones too (each half of what is left).
     pub(crate) fn cut(&self, len: usize, workers: usize) -> Vec<(usize, usize)> {
-        let want = len.div_ceil(2 * workers.max(1));
+        let want = match self.per_worker {
+            0 => self.max_piece,
+            k => len.div_ceil(k * workers.max(1)),
+        };
         let piece = want
             .clamp(self.min_piece, self.max_piece)
             .next_multiple_of(64 << 10)
@@ -328,6 +337,7 @@ mod tests {
         let t = H2DTuning {
             ramp: false,
             taper: false,
+            per_worker: 2,
             ..H2DTuning::DEFAULT
         };
         let sizes = |len, w| {
@@ -346,6 +356,22 @@ mod tests {
             check(&p, len);
             assert!(p[..p.len() - 1].iter().all(|&(_, n)| n % (64 << 10) == 0));
         }
+    }
+
+    #[test]
+    fn pieces_are_whole_slots_by_default() {
+        let t = H2DTuning::DEFAULT;
+        for (len, w) in [(64 << 20, 12), (64 << 20, 4), (16 << 20, 8)] {
+            let p = t.cut(len, w);
+            check(&p, len);
+            let sizes: Vec<usize> = p.iter().map(|&(_, n)| n >> 10).collect();
+            // The ramp (128 KiB doubling to 2 MiB: 3968 KiB), then whole 4 MiB slots, the rest.
+            assert_eq!(sizes[..5], [128, 256, 512, 1024, 2048]);
+            let whole = (len - (3968 << 10)) / (4 << 20);
+            assert!(sizes[5..5 + whole].iter().all(|&k| k == 4096), "{sizes:?}");
+            assert_eq!(sizes.len(), 5 + whole + 1);
+        }
+        assert_eq!(t.cut(1 << 20, 4).len(), 4, "128 + 256 + 512 + 128 KiB");
     }
 
     #[test]
