@@ -4,6 +4,8 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+use crossbeam_utils::CachePadded;
+
 use crate::cuda::{Current, Device, Event, StreamHandle};
 use crate::driver;
 use crate::error::{Error, Result};
@@ -121,10 +123,11 @@ unsafe fn issue(
 /// piece's slot, and whoever fills a piece's last unit issues the piece's copy and records the
 /// slot's event. The workers thus fill the pieces together, one after the other, so the copy
 /// engine starts on the first piece while the others fill and the last copy follows the last
-/// fill by one piece, not by a wave of pieces; a worker the OS deschedules delays only its own
-/// unit. Returns once every unit was read from `src`; the last copies may still be in flight:
-/// the returned event completes after all of them (the slots go back to the cache guarded by
-/// their own events).
+/// fill by one piece, not by a wave of pieces; a worker the OS deschedules holds up only its
+/// unit's piece (and, once the ring comes round, that piece's slot) while the others fill on.
+/// Returns once every unit was read from `src`; the last copies may still be in flight: the
+/// returned event completes after all of them (the slots go back to the cache guarded by their
+/// own events). On an error the stream is drained first, so no copy still writes into `dst`.
 fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle) -> Result<Event> {
     #[cfg(feature = "lab")]
     let t0 = std::time::Instant::now();
@@ -149,8 +152,18 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     let units = tune.units(&pieces);
     let nslots = tune.slots.min(pieces.len());
     let done = Event::new_in(cur)?;
-    let slots = bounce::take(cur, nslots, tune.max_piece)?;
+    let lent = Lent {
+        device: cur.device(),
+        slots: bounce::take(cur, nslots, tune.max_piece)?,
+    };
+    let slots = &lent.slots;
     let zeros = |n: usize| -> Vec<AtomicUsize> { (0..n).map(|_| AtomicUsize::new(0)).collect() };
+    // The per-slot words are spun on: one cache line each.
+    let padded = |n: usize| -> Vec<CachePadded<AtomicUsize>> {
+        (0..n)
+            .map(|_| CachePadded::new(AtomicUsize::new(0)))
+            .collect()
+    };
     let mut left = zeros(pieces.len());
     for u in &units {
         *left[u.0].get_mut() += 1;
@@ -161,10 +174,10 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
         pieces: &pieces,
         units: &units,
         nt: src.len() <= tune.nt_upto,
-        slots: &slots,
+        slots,
         left,
-        issued: zeros(nslots),
-        free: zeros(nslots),
+        issued: padded(nslots),
+        free: padded(nslots),
         next: AtomicUsize::new(0),
         failed: AtomicBool::new(false),
         error: parking_lot::Mutex::new(None),
@@ -176,9 +189,12 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     match pool {
         Some(pool) if workers > 1 && units.len() > 1 => pool.in_place_scope(|scope| {
             for _ in 1..workers.min(units.len()) {
-                scope.spawn(|_| match device.enter() {
-                    Ok(c) => job.work(&c),
-                    Err(e) => job.fail(e),
+                // A worker that cannot make the context current leaves the units to the others
+                // (the caller alone can finish them).
+                scope.spawn(|_| {
+                    if let Ok(c) = device.enter() {
+                        job.work(&c);
+                    }
                 });
             }
             job.work(cur);
@@ -189,8 +205,10 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     crate::lab::h2d_trace::piece(t0, usize::MAX, 0, std::time::Instant::now());
     let error = job.error.into_inner();
     drop((job.issued, job.free, job.left));
-    bounce::give_back(device, slots);
+    drop(lent);
     if let Some(e) = error {
+        // Copies issued before the failure may still write into `dst`: wait for them.
+        let _ = stream.synchronize(cur);
         return Err(e);
     }
     if let Err(e) = done.record_in(cur, stream) {
@@ -199,6 +217,19 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
         return Err(e);
     }
     Ok(done)
+}
+
+/// Bounce slots taken from the cache, given back when dropped (also by a panic unwinding the
+/// upload): each slot's event guards its copy in flight.
+struct Lent<'d> {
+    device: &'d Device,
+    slots: Vec<BounceSlot>,
+}
+
+impl Drop for Lent<'_> {
+    fn drop(&mut self) {
+        bounce::give_back(self.device, std::mem::take(&mut self.slots));
+    }
 }
 
 /// One pageable upload shared by its workers.
@@ -214,13 +245,13 @@ struct Upload<'a, 's> {
     /// Per piece: its units not yet done (filled, or given up after a failure). Whoever takes
     /// it to zero issues the piece's copy.
     left: Vec<AtomicUsize>,
-    /// Per slot: how many of its pieces were issued (or given up after a failure). Piece `i`
+    /// Per slot: one more than the latest use issued (or given up after a failure). Piece `i`
     /// is slot `i % slots`'s use number `i / slots`; its units wait until the use before it
     /// was issued, then for that copy's event.
-    issued: Vec<AtomicUsize>,
+    issued: Vec<CachePadded<AtomicUsize>>,
     /// Per slot: the uses known free to fill (a worker saw the event of the use before them
     /// complete), so the other units of a piece skip the driver query.
-    free: Vec<AtomicUsize>,
+    free: Vec<CachePadded<AtomicUsize>>,
     next: AtomicUsize,
     failed: AtomicBool,
     error: parking_lot::Mutex<Option<Error>>,
@@ -242,27 +273,45 @@ struct UnitDone<'j, 'a, 's, 'c> {
 impl Drop for UnitDone<'_, '_, '_, '_> {
     fn drop(&mut self) {
         let job = self.job;
+        if std::thread::panicking() {
+            // This unit may not be filled: its piece must not be issued.
+            job.failed.store(true, Ordering::Relaxed);
+        }
         // AcqRel: the other units' fills happen before the copy the last one issues.
         if job.left[self.p].fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
         }
         let n = job.slots.len();
         let (s, round) = (self.p % n, self.p / n);
+        // Marks the use issued however this ends (a panic in `send` included), so no unit
+        // waits for it forever.
+        let _mark = MarkIssued(&job.issued[s], round + 1, &job.failed);
         #[cfg(feature = "lab")]
         let filled = std::time::Instant::now();
-        if std::thread::panicking() {
-            job.failed.store(true, Ordering::Relaxed);
-        } else if !job.failed.load(Ordering::Relaxed)
+        if !job.failed.load(Ordering::Relaxed)
             && let Err(e) = job.send(self.cur, self.p, s)
         {
             job.fail(e);
         }
         #[cfg(feature = "lab")]
         crate::lab::h2d_trace::piece(job.t0, self.p, job.pieces[self.p].1, filled);
+    }
+}
+
+/// Raises a slot's issued mark to `.1` when dropped; by a panic, it marks the upload failed
+/// first.
+struct MarkIssued<'a>(&'a AtomicUsize, usize, &'a AtomicBool);
+
+impl Drop for MarkIssued<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.2.store(true, Ordering::Relaxed);
+        }
         // Release: pairs with the Acquire of the units waiting for this use; the record
         // happened before. fetch_max: a failed upload's units skip their waits, so the uses of
-        // a slot may be given up out of order.
-        job.issued[s].fetch_max(round + 1, Ordering::Release);
+        // a slot may be given up out of order (whoever sees such a mark also sees the failure:
+        // the unit that set it had read the flag before).
+        self.0.fetch_max(self.1, Ordering::Release);
     }
 }
 
@@ -276,7 +325,8 @@ impl Upload<'_, '_> {
     /// when its iteration ends, even after a failure, so no worker waits forever for it.
     fn work(&self, cur: &Current<'_>) {
         let n = self.slots.len();
-        // Relaxed: the failure flag only stops new claims early; the error itself is under a lock.
+        // Relaxed: the failure flag stops new claims early; the error itself is under a lock.
+        // (Units that skip their waits after a failure fill nothing: see `MarkIssued`.)
         while !self.failed.load(Ordering::Relaxed) {
             let u = self.next.fetch_add(1, Ordering::Relaxed);
             let Some(&(p, off, len)) = self.units.get(u) else {
