@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+import h2d_timing
 import pinstage
 
 GB = 1e9
@@ -163,16 +164,7 @@ def bench_h2d_large(torch, cp, sizes):
             del impls["cupy set from pageable"]
         for name, fn in impls.items():
             fn()
-            ts = []
-            for _ in range(reps):
-                dst.fill_(-7)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                ts.append(time.perf_counter() - t0)
-                if not torch.equal(dst, ref):
-                    raise AssertionError(f"H2D {name} at {nbytes} bytes: wrong result")
+            ts = h2d_timing.timed_into(torch, fn, dst, ref, reps, what=f"H2D {name} at {nbytes} bytes")
             row[name] = nbytes / statistics.median(ts) / GB
         RESULTS["h2d"][nbytes] = row
         print(f"H2D {nbytes:>11,d} B: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))

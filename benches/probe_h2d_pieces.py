@@ -10,25 +10,18 @@ Usage: python3 benches/probe_h2d_pieces.py
 """
 
 import statistics
-import time
 
 import torch
+
+import h2d_timing
 
 REPS = 9
 
 
 def timed(fn, dst, ref):
-    ts = []
-    for _ in range(REPS + 2):
-        dst.fill_(-7)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-        if not torch.equal(dst, ref):
-            raise AssertionError("wrong result")
-    return statistics.median(ts[2:])
+    fn()
+    fn()
+    return statistics.median(h2d_timing.timed_into(torch, fn, dst, ref, REPS))
 
 
 s0 = torch.cuda.current_stream()
