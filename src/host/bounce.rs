@@ -463,6 +463,72 @@ mod tests {
     }
 
     #[test]
+    fn set_h2d_tuning_clamps_to_sane_ranges() {
+        // The only test touching the global tuning (the pageable path reads it on a GPU only).
+        let wild = H2DTuning {
+            workers: 0,
+            max_piece: 1 << 40,
+            min_piece: 1,
+            slots: 1000,
+            ramp: false,
+            taper: true,
+            per_worker: 1 << 40,
+            nt_upto: 7,
+            driver_below: 9,
+            unit: 100_000,
+        };
+        set_h2d_tuning(wild);
+        let got = h2d_tuning();
+        set_h2d_tuning(H2DTuning::DEFAULT);
+        assert_eq!(
+            got,
+            H2DTuning {
+                workers: 1,
+                max_piece: 64 << 20,
+                min_piece: 64 << 10,
+                slots: 64,
+                per_worker: 64,
+                unit: 128 << 10,
+                ..wild
+            }
+        );
+        set_h2d_tuning(H2DTuning {
+            workers: 1000,
+            max_piece: 100_000,
+            min_piece: 1 << 30,
+            slots: 0,
+            unit: 1,
+            ..H2DTuning::DEFAULT
+        });
+        let got = h2d_tuning();
+        set_h2d_tuning(H2DTuning::DEFAULT);
+        assert_eq!(
+            (
+                got.workers,
+                got.max_piece,
+                got.min_piece,
+                got.slots,
+                got.unit
+            ),
+            (64, 128 << 10, 128 << 10, 2, 64 << 10)
+        );
+        // Zero sizes round up to the smallest piece and unit.
+        set_h2d_tuning(H2DTuning {
+            max_piece: 0,
+            min_piece: 0,
+            unit: 0,
+            ..H2DTuning::DEFAULT
+        });
+        let got = h2d_tuning();
+        set_h2d_tuning(H2DTuning::DEFAULT);
+        assert_eq!(
+            (got.max_piece, got.min_piece, got.unit),
+            (64 << 10, 64 << 10, 64 << 10)
+        );
+        assert_eq!(h2d_tuning(), H2DTuning::DEFAULT);
+    }
+
+    #[test]
     fn workers_grow_with_the_copy() {
         let t = H2DTuning::DEFAULT;
         assert_eq!(t.workers_for(1), 4);
