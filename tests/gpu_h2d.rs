@@ -13,7 +13,9 @@ use pinstage::{
 };
 use rstest::rstest;
 
-/// The pool statistics tests read must not see other tests' arrays.
+/// Every test here takes it: the pool statistics and the pinned-bytes counter the leak tests
+/// read must not see other tests' arrays, pinned buffers or bounce slots (a 129 MiB pinned
+/// source of another test, still alive, once failed the leak check of 100,000 results).
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -49,6 +51,7 @@ fn gpu_h2d_pageable_and_pinned(#[case] bytes: usize) {
     let Some(dev) = gpu_or_skip("gpu_h2d_pageable_and_pinned") else {
         return;
     };
+    let _serial = serial();
     let data = values(DType::U8, bytes, bytes as u64 + 11);
     let buf = poisoned(&dev, bytes);
     let dst = buf.view_at(0, DType::U8, bytes);
@@ -75,6 +78,7 @@ fn gpu_h2d_threads_share_the_bounce_slots() {
     let Some(dev) = gpu_or_skip("gpu_h2d_threads_share_the_bounce_slots") else {
         return;
     };
+    let _serial = serial();
     std::thread::scope(|s| {
         for t in 0..8u64 {
             let dev = &dev;
@@ -102,6 +106,7 @@ fn gpu_h2d_slots_wait_for_their_copies() {
     let Some(dev) = gpu_or_skip("gpu_h2d_slots_wait_for_their_copies") else {
         return;
     };
+    let _serial = serial();
     let stream = pinstage::Stream::new(&dev).unwrap();
     let bytes = 40 << 20;
     let data = values(DType::U8, bytes, 91);
@@ -134,6 +139,7 @@ fn gpu_h2d_pageable_source_may_change_at_once() {
     let Some(dev) = gpu_or_skip("gpu_h2d_pageable_source_may_change_at_once") else {
         return;
     };
+    let _serial = serial();
     let stream = pinstage::Stream::new(&dev).unwrap();
     // Few enough pieces for the bounce slots: with the stream stalled, no slot comes free.
     let bytes = 6 << 20;
