@@ -465,6 +465,12 @@ mod tests {
     #[test]
     fn set_h2d_tuning_clamps_to_sane_ranges() {
         // The only test touching the global tuning (the pageable path reads it on a GPU only).
+        let clamped = |t: H2DTuning| {
+            set_h2d_tuning(t);
+            let got = h2d_tuning();
+            set_h2d_tuning(H2DTuning::DEFAULT);
+            got
+        };
         let wild = H2DTuning {
             workers: 0,
             max_piece: 1 << 40,
@@ -477,11 +483,8 @@ mod tests {
             driver_below: 9,
             unit: 100_000,
         };
-        set_h2d_tuning(wild);
-        let got = h2d_tuning();
-        set_h2d_tuning(H2DTuning::DEFAULT);
         assert_eq!(
-            got,
+            clamped(wild),
             H2DTuning {
                 workers: 1,
                 max_piece: 64 << 20,
@@ -492,7 +495,7 @@ mod tests {
                 ..wild
             }
         );
-        set_h2d_tuning(H2DTuning {
+        let got = clamped(H2DTuning {
             workers: 1000,
             max_piece: 100_000,
             min_piece: 1 << 30,
@@ -500,8 +503,6 @@ mod tests {
             unit: 1,
             ..H2DTuning::DEFAULT
         });
-        let got = h2d_tuning();
-        set_h2d_tuning(H2DTuning::DEFAULT);
         assert_eq!(
             (
                 got.workers,
@@ -513,14 +514,12 @@ mod tests {
             (64, 128 << 10, 128 << 10, 2, 64 << 10)
         );
         // Zero sizes round up to the smallest piece and unit.
-        set_h2d_tuning(H2DTuning {
+        let got = clamped(H2DTuning {
             max_piece: 0,
             min_piece: 0,
             unit: 0,
             ..H2DTuning::DEFAULT
         });
-        let got = h2d_tuning();
-        set_h2d_tuning(H2DTuning::DEFAULT);
         assert_eq!(
             (got.max_piece, got.min_piece, got.unit),
             (64 << 10, 64 << 10, 64 << 10)

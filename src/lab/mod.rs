@@ -421,6 +421,16 @@ pub fn pinned_costs(sizes: &[usize]) -> Result<Vec<(String, f64)>> {
     let dev = Device::new(0)?;
     let cur = dev.enter()?;
     let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
+    // Our own mapping, the context current (`cur`): registered once, unregistered before it is
+    // unmapped, and no copy uses it.
+    let register = |p: &MappedPages| {
+        // SAFETY: the above.
+        unsafe { crate::driver::mem::mem_host_register(p.as_ptr().cast(), p.len(), false, false) }
+    };
+    let unregister = |p: &MappedPages| {
+        // SAFETY: the above; `p` was registered.
+        unsafe { crate::driver::mem::mem_host_unregister(p.as_ptr().cast()) }
+    };
     let mut out = Vec::new();
     // Start pinstage's copy threads first (once per process; it would land on whichever size
     // first populates on them) and say what that costs.
@@ -450,19 +460,10 @@ pub fn pinned_costs(sizes: &[usize]) -> Result<Vec<(String, f64)>> {
             let pages = MappedPages::new(n)?;
             out.push((format!("{mib} MiB map + populate ms"), ms(t)));
             let t = Instant::now();
-            // SAFETY: our own mapping, unregistered below before it is unmapped; context current.
-            unsafe {
-                crate::driver::mem::mem_host_register(
-                    pages.as_ptr().cast(),
-                    pages.len(),
-                    false,
-                    false,
-                )
-            }?;
+            register(&pages)?;
             out.push((format!("{mib} MiB cuMemHostRegister ms"), ms(t)));
             let t = Instant::now();
-            // SAFETY: registered just above; no copy used it.
-            unsafe { crate::driver::mem::mem_host_unregister(pages.as_ptr().cast()) }?;
+            unregister(&pages)?;
             out.push((format!("{mib} MiB cuMemHostUnregister ms"), ms(t)));
             let t = Instant::now();
             drop(pages);
@@ -474,21 +475,12 @@ pub fn pinned_costs(sizes: &[usize]) -> Result<Vec<(String, f64)>> {
             // The driver faulting the pages in itself, one thread.
             let t = Instant::now();
             let pages = MappedPages::new_untouched(n)?;
-            // SAFETY: as above.
-            unsafe {
-                crate::driver::mem::mem_host_register(
-                    pages.as_ptr().cast(),
-                    pages.len(),
-                    false,
-                    false,
-                )
-            }?;
+            register(&pages)?;
             out.push((
                 format!("{mib} MiB untouched map + cuMemHostRegister ms"),
                 ms(t),
             ));
-            // SAFETY: registered just above; no copy used it.
-            unsafe { crate::driver::mem::mem_host_unregister(pages.as_ptr().cast()) }?;
+            unregister(&pages)?;
             drop(pages);
             reps.push(out);
         }
