@@ -39,8 +39,17 @@ pub(crate) struct Landing {
 static LANDINGS: [OnceLock<Option<Landing>>; 64] = [const { OnceLock::new() }; 64];
 
 /// Waits that learned of their copy from a landing word, and waited copies that took an event
-/// instead (all words in use, stream writes refused): for tests.
+/// instead (all words in use, stream writes refused): for tests (feature `testing`; no shared
+/// counter on the copies of a release build).
+#[cfg(feature = "testing")]
 pub(crate) static COUNTS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
+
+/// Counts a wait that landed (`0`) or a waited copy that took an event (`1`), for tests.
+#[inline]
+pub(crate) fn count(_which: usize) {
+    #[cfg(feature = "testing")]
+    COUNTS[_which].fetch_add(1, Ordering::Relaxed);
+}
 
 /// The device's words, made on first use; `None` where they cannot be had (pinned memory
 /// refused, more than 64 devices, stream writes refused before).
@@ -170,7 +179,7 @@ impl<'s> Waiter<'s> {
         loop {
             if self.claim.landed() {
                 self.landed.store(true, Ordering::Relaxed);
-                COUNTS[0].fetch_add(1, Ordering::Relaxed);
+                count(0);
                 return true;
             }
             std::hint::spin_loop();
@@ -200,7 +209,7 @@ impl<'s> Waiter<'s> {
         let mut asked = start;
         loop {
             if self.claim.landed() {
-                COUNTS[0].fetch_add(1, Ordering::Relaxed);
+                count(0);
                 break;
             }
             if asked.elapsed() > Duration::from_millis(1) {

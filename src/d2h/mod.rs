@@ -196,14 +196,14 @@ pub(crate) unsafe fn start_d2h<'s>(
                     )));
                 }
                 // Refused (once per device): an event recorded now follows the copy.
-                landing::COUNTS[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                landing::count(1);
                 let ev = Event::new_in(&cur)?;
                 ev.record_in(&cur, stream).map(|()| Completion::Event(ev))
             });
             return drained_on_err(&cur, stream, tracked).map(|done| (D2HPath::Pinned, done));
         }
         if wait {
-            landing::COUNTS[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            landing::count(1);
         }
         let ev = Event::new_in(&cur)?;
         // SAFETY: the destination is pinned and reserved for this copy until the event

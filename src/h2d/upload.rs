@@ -204,7 +204,6 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     #[cfg(feature = "lab")]
     crate::lab::h2d_trace::piece(t0, usize::MAX, 0, std::time::Instant::now());
     let error = job.error.into_inner();
-    drop((job.issued, job.free, job.left));
     drop(lent);
     if let Some(e) = error {
         // Copies issued before the failure may still write into `dst`: wait for them.

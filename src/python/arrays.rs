@@ -329,7 +329,6 @@ fn is_pinned(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     Ok(crate::is_pinned(ptr as *const u8))
 }
 
-/// A writable, C-contiguous numpy array's (address, nbytes), or a clear error.
 /// The pinstage dtype of a numpy dtype that is one of numpy's own (native byte order) dtype
 /// objects; `None` for any other (bfloat16, big-endian, structured...: the general paths).
 pub(crate) fn dtype_of(py: Python<'_>, have: &Bound<'_, PyArrayDescr>) -> PyResult<Option<DType>> {
@@ -360,6 +359,7 @@ pub(crate) fn known_pinned(obj: &Bound<'_, PyAny>, ptr: usize, len: usize) -> Op
     inside.then(|| block.pinned())
 }
 
+/// A writable, C-contiguous numpy array's (address, nbytes), or a clear error.
 pub(crate) fn writable_numpy(obj: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
     let Ok(a) = obj.cast::<PyUntypedArray>() else {
         return Err(type_err(format!(

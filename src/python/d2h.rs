@@ -111,13 +111,14 @@ fn start<'py>(
             let state = state.expect("a CUDA source has a device state");
             let stream = s.unwrap_or(imp.stream);
             // Only a pinned destination: a pageable one goes through the bounce ring, which
-            // waits behind the stream's work (the GIL must not be held for that).
-            let held = wait
-                && nbytes <= GIL_HELD_MAX.load(Ordering::Relaxed)
-                && match pinned {
-                    Some(p) => p,
-                    None => crate::d2h::is_pinned_dst(&state.device, ptr)?,
-                };
+            // waits behind the stream's work (the GIL must not be held for that). The driver is
+            // asked once, and its answer goes to the copy.
+            let small = wait && nbytes <= GIL_HELD_MAX.load(Ordering::Relaxed);
+            let pinned = match pinned {
+                None if small => Some(crate::d2h::is_pinned_dst(&state.device, ptr)?),
+                known => known,
+            };
+            let held = small && pinned == Some(true);
             if held {
                 // A small copy waited for at once: issued with the GIL held (a few µs of driver
                 // calls, as the frameworks' own copies are), then a short spin; the GIL is
