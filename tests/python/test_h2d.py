@@ -48,13 +48,20 @@ def test_numpy_sources_read_directly_or_through_dlpack(make):
             pinstage.copy_h2d(dst, src)
         assert (raw == POISON).all()
         return
+    before = _Sub.dlpack_calls
     pinstage.copy_h2d(dst, src).wait()
     np.testing.assert_array_equal(dst, vals)
     assert (raw[1001 * 4 :] == POISON).all()
+    # A subclass is read through its DLPack export (an exact ndarray's cannot be observed).
+    assert _Sub.dlpack_calls - before == (1 if isinstance(src, _Sub) else 0)
 
 
 class _Sub(np.ndarray):
-    pass
+    dlpack_calls = 0
+
+    def __dlpack__(self, *args, **kwargs):
+        _Sub.dlpack_calls += 1
+        return super().__dlpack__(*args, **kwargs)
 
 
 @pytest.mark.parametrize(
