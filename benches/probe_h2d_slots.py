@@ -12,16 +12,17 @@ Run r (`--as-run-r`) measured 4 MiB x 12 (the default) against smaller slots, in
 was then the default) showed it slower in the "bench" state at 64 MiB-1 GiB, so 4 MiB x 12 is
 the default again. Run v (`--as-run-v`) compared the fill units: the workers filling each piece
 together, unit by unit (the default since), against whole pieces, one worker each (before).
-Run w (`--as-run-w`) compared the tapered end (the last pieces halving; no gain, off since), the stores
-and worker counts (12 workers, the default since run x, gained most with the source in the
-caches or in DRAM); run x (`--as-run-x`) the default against 8 workers; run z (`--as-run-z`)
+Run w compared a tapered end (the last pieces halving; no gain, and the option is gone: its
+list, and run x's "tapered" entry, need that run's commit), the stores and worker counts (12
+workers, the default since run x, gained most with the source in the caches or in DRAM); run x
+(`--as-run-x`) the default against 8 workers; run z (`--as-run-z`)
 regular stores into small slots (which might stay in the CPU's caches, so the copy engine
 would read them there; they did not: half the rate) against non-temporal stores into 4 MiB
 slots; run zb (`--as-run-zb`) fewer slots, to keep the fill from running far ahead of the copy
 engine (no gain). Until run zc the pieces were about two per worker (2.7 MiB with 12 workers
 at 64 MiB); the default list compares whole 4 MiB pieces (fewer copies; the default since).
 Needs the lab wheel (`_set_h2d_tuning`).
-Usage: python3 benches/probe_h2d_slots.py [--as-run-r | --as-run-s | --as-run-v | --as-run-w | --as-run-x | --as-run-z | --as-run-zb]
+Usage: python3 benches/probe_h2d_slots.py [--as-run-r | --as-run-s | --as-run-v | --as-run-x | --as-run-z | --as-run-zb]
 """
 
 import statistics
@@ -77,42 +78,29 @@ TUNINGS_X = [
     ("the default: 12 workers, 4 MiB x 12, units of 256 KiB", dict(workers=12, max_piece=4 << 20, slots=12, unit=256 << 10, per_worker=2)),
     ("8 workers (run w's default)", dict(workers=8, per_worker=2)),
     ("8 workers, whole pieces, one worker each (before run v)", dict(workers=8, unit=4 << 20, per_worker=2)),
-    ("tapered", dict(taper=True, per_worker=2)),
 ]
 if "--as-run-x" in sys.argv:
     TUNINGS = TUNINGS_X
 
-# Run w's list (`--as-run-w`; 8 workers and a tapered end by default then).
-TUNINGS_W = [
-    ("the default: 4 MiB x 12, units of 256 KiB, tapered", dict(max_piece=4 << 20, slots=12, unit=256 << 10, workers=8, taper=True, per_worker=2)),
-    ("not tapered (run v)", dict(taper=False, workers=8, per_worker=2)),
-    ("whole pieces, one worker each, not tapered (before run v)", dict(unit=4 << 20, taper=False, workers=8, per_worker=2)),
-    ("regular stores", dict(nt_upto=0, workers=8, taper=True, per_worker=2)),
-    ("12 workers", dict(workers=12, taper=True, per_worker=2)),
-    ("12 workers, regular stores", dict(workers=12, nt_upto=0, taper=True, per_worker=2)),
-]
-if "--as-run-w" in sys.argv:
-    TUNINGS = TUNINGS_W
-
-# Run v's list (`--as-run-v`; no taper then).
+# Run v's list (`--as-run-v`).
 TUNINGS_V = [
-    ("4 MiB x 12, units of 256 KiB (the default)", dict(max_piece=4 << 20, slots=12, unit=256 << 10, taper=False, workers=8, per_worker=2)),
-    ("whole pieces, one worker each", dict(max_piece=4 << 20, slots=12, unit=4 << 20, taper=False, workers=8, per_worker=2)),
-    ("units of 128 KiB", dict(unit=128 << 10, taper=False, workers=8, per_worker=2)),
-    ("units of 1 MiB", dict(unit=1 << 20, taper=False, workers=8, per_worker=2)),
-    ("units of 256 KiB, 12 workers", dict(unit=256 << 10, workers=12, taper=False, per_worker=2)),
-    ("8 MiB x 8, units of 256 KiB", dict(max_piece=8 << 20, slots=8, unit=256 << 10, taper=False, workers=8, per_worker=2)),
+    ("4 MiB x 12, units of 256 KiB (the default)", dict(max_piece=4 << 20, slots=12, unit=256 << 10, workers=8, per_worker=2)),
+    ("whole pieces, one worker each", dict(max_piece=4 << 20, slots=12, unit=4 << 20, workers=8, per_worker=2)),
+    ("units of 128 KiB", dict(unit=128 << 10, workers=8, per_worker=2)),
+    ("units of 1 MiB", dict(unit=1 << 20, workers=8, per_worker=2)),
+    ("units of 256 KiB, 12 workers", dict(unit=256 << 10, workers=12, per_worker=2)),
+    ("8 MiB x 8, units of 256 KiB", dict(max_piece=8 << 20, slots=8, unit=256 << 10, workers=8, per_worker=2)),
 ]
 if "--as-run-v" in sys.argv:
     TUNINGS = TUNINGS_V
 
 # Run s's list (`--as-run-s`; its whole pieces, one worker each, were then the only way).
 TUNINGS_S = [
-    ("1 MiB slots x 16, non-temporal up to 128 MiB", dict(max_piece=1 << 20, slots=16, unit=1 << 20, taper=False, workers=8, per_worker=2)),
-    ("4 MiB x 12 (the default)", dict(OLD, unit=4 << 20, taper=False, workers=8, per_worker=2)),
-    ("1 MiB x 16, regular", dict(max_piece=1 << 20, slots=16, nt_upto=0, unit=1 << 20, taper=False, workers=8, per_worker=2)),
-    ("2 MiB x 12", dict(max_piece=2 << 20, slots=12, unit=2 << 20, taper=False, workers=8, per_worker=2)),
-    ("512 KiB x 16", dict(max_piece=512 << 10, slots=16, unit=512 << 10, taper=False, workers=8, per_worker=2)),
+    ("1 MiB slots x 16, non-temporal up to 128 MiB", dict(max_piece=1 << 20, slots=16, unit=1 << 20, workers=8, per_worker=2)),
+    ("4 MiB x 12 (the default)", dict(OLD, unit=4 << 20, workers=8, per_worker=2)),
+    ("1 MiB x 16, regular", dict(max_piece=1 << 20, slots=16, nt_upto=0, unit=1 << 20, workers=8, per_worker=2)),
+    ("2 MiB x 12", dict(max_piece=2 << 20, slots=12, unit=2 << 20, workers=8, per_worker=2)),
+    ("512 KiB x 16", dict(max_piece=512 << 10, slots=16, unit=512 << 10, workers=8, per_worker=2)),
 ]
 if "--as-run-s" in sys.argv:
     TUNINGS = TUNINGS_S
@@ -121,13 +109,13 @@ if "--as-run-s" in sys.argv:
 # Run r's list (`--as-run-r`: its tunings and source states; its defaults were 4 MiB x 12;
 # whole pieces, one worker each).
 TUNINGS_R = [
-    ("default: 4 MiB slots x 12, non-temporal", dict(OLD, unit=4 << 20, taper=False, workers=8, per_worker=2)),
-    ("1 MiB x 16, regular", dict(max_piece=1 << 20, slots=16, nt_upto=0, unit=1 << 20, taper=False, workers=8, per_worker=2)),
-    ("512 KiB x 16, regular", dict(max_piece=512 << 10, slots=16, nt_upto=0, unit=512 << 10, taper=False, workers=8, per_worker=2)),
-    ("512 KiB x 24, regular, 12 workers", dict(max_piece=512 << 10, slots=24, nt_upto=0, workers=12, unit=512 << 10, taper=False, per_worker=2)),
-    ("256 KiB x 32, regular", dict(max_piece=256 << 10, min_piece=128 << 10, slots=32, nt_upto=0, unit=256 << 10, taper=False, workers=8, per_worker=2)),
-    ("1 MiB x 16, non-temporal", dict(max_piece=1 << 20, slots=16, unit=1 << 20, taper=False, workers=8, per_worker=2)),
-    ("512 KiB x 16, non-temporal", dict(max_piece=512 << 10, slots=16, unit=512 << 10, taper=False, workers=8, per_worker=2)),
+    ("default: 4 MiB slots x 12, non-temporal", dict(OLD, unit=4 << 20, workers=8, per_worker=2)),
+    ("1 MiB x 16, regular", dict(max_piece=1 << 20, slots=16, nt_upto=0, unit=1 << 20, workers=8, per_worker=2)),
+    ("512 KiB x 16, regular", dict(max_piece=512 << 10, slots=16, nt_upto=0, unit=512 << 10, workers=8, per_worker=2)),
+    ("512 KiB x 24, regular, 12 workers", dict(max_piece=512 << 10, slots=24, nt_upto=0, workers=12, unit=512 << 10, per_worker=2)),
+    ("256 KiB x 32, regular", dict(max_piece=256 << 10, min_piece=128 << 10, slots=32, nt_upto=0, unit=256 << 10, workers=8, per_worker=2)),
+    ("1 MiB x 16, non-temporal", dict(max_piece=1 << 20, slots=16, unit=1 << 20, workers=8, per_worker=2)),
+    ("512 KiB x 16, non-temporal", dict(max_piece=512 << 10, slots=16, unit=512 << 10, workers=8, per_worker=2)),
 ]
 AS_RUN_R = "--as-run-r" in sys.argv
 if AS_RUN_R:

@@ -160,9 +160,6 @@ pub(crate) struct H2DTuning {
     /// The first pieces start at `min_piece` and double up to the piece size, so the copy
     /// engine starts early.
     pub(crate) ramp: bool,
-    /// The last pieces halve down to `min_piece`, so the copy left after the last fill is
-    /// small.
-    pub(crate) taper: bool,
     /// Pieces per worker (0: every piece `max_piece` bytes, the ramp and the end excepted).
     /// Several pieces per worker served the fill of one piece by one worker; the workers now
     /// fill each piece together, and fewer, larger copies keep the copy engine busier.
@@ -187,7 +184,6 @@ impl H2DTuning {
         min_piece: 128 << 10,
         slots: 12,
         ramp: true,
-        taper: false,
         per_worker: 0,
         nt_upto: 128 << 20,
         driver_below: 0,
@@ -202,8 +198,7 @@ impl H2DTuning {
 
     /// The pieces (offset, bytes) of a copy of `len > 0` bytes: of `max_piece` bytes (or, with
     /// `per_worker`, about that many per worker, between `min_piece` and `max_piece`),
-    /// multiples of 64 KiB (the last one excepted); with `ramp`, the first ones smaller; with
-    /// `taper`, the last ones too (each half of what is left).
+    /// multiples of 64 KiB (the last one excepted); with `ramp`, the first ones smaller.
     pub(crate) fn cut(&self, len: usize, workers: usize) -> Vec<(usize, usize)> {
         let want = match self.per_worker {
             0 => self.max_piece,
@@ -223,11 +218,7 @@ impl H2DTuning {
             },
         );
         while off < len {
-            let rest = len - off;
-            let mut n = size.min(rest);
-            if self.taper && rest <= 2 * piece && rest > self.min_piece {
-                n = n.min((rest / 2).next_multiple_of(64 << 10).max(self.min_piece));
-            }
+            let n = size.min(len - off);
             out.push((off, n));
             off += n;
             size = (size * 2).min(piece);
@@ -338,7 +329,6 @@ mod tests {
     fn cut_gives_two_pieces_per_worker_within_bounds() {
         let t = H2DTuning {
             ramp: false,
-            taper: false,
             per_worker: 2,
             ..H2DTuning::DEFAULT
         };
@@ -380,7 +370,6 @@ mod tests {
     fn ramp_starts_small_and_doubles() {
         let t = H2DTuning {
             ramp: true,
-            taper: false,
             ..H2DTuning::DEFAULT
         };
         let p = t.cut(64 << 20, 8);
@@ -390,36 +379,10 @@ mod tests {
         assert_eq!(
             p.last().unwrap().1,
             128 << 10,
-            "no taper: the rest after whole pieces"
+            "the rest after whole pieces"
         );
         // A copy smaller than the smallest piece is one piece.
         assert_eq!(t.cut(1000, 8), [(0, 1000)]);
-    }
-
-    #[test]
-    fn taper_halves_the_last_pieces() {
-        let t = H2DTuning {
-            taper: true,
-            ..H2DTuning::DEFAULT
-        };
-        let p = t.cut(64 << 20, 8);
-        check(&p, 64 << 20);
-        // 64 MiB less the ramp (3968 KiB): 14 pieces of 4 MiB, then the last 4224 KiB as
-        // halves of what is left, rounded up to 64 KiB.
-        let tail: Vec<usize> = p[p.len() - 7..].iter().map(|&(_, n)| n >> 10).collect();
-        assert_eq!(tail, [4096, 2112, 1088, 512, 256, 128, 128]);
-        assert_eq!(p.iter().filter(|x| x.1 == 4 << 20).count(), 14);
-        for (len, w) in [
-            (3_000_001, 3),
-            ((20 << 20) + 12345, 8),
-            (1 << 30, 8),
-            (200 << 10, 4),
-        ] {
-            let p = t.cut(len, w);
-            check(&p, len);
-            assert!(p[..p.len() - 1].iter().all(|&(_, n)| n % (64 << 10) == 0));
-            assert!(p.last().unwrap().1 <= t.min_piece, "len {len}: {p:?}");
-        }
     }
 
     #[test]
@@ -477,7 +440,6 @@ mod tests {
             min_piece: 1,
             slots: 1000,
             ramp: false,
-            taper: true,
             per_worker: 1 << 40,
             nt_upto: 7,
             driver_below: 9,
