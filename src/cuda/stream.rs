@@ -74,6 +74,17 @@ impl StreamHandle<'_> {
         Ok(unsafe { driver::stream::stream_synchronize(self.raw()) }?)
     }
 
+    /// `r`, the outcome of work that follows copies just issued on this stream (tracking them,
+    /// or the rest of a copy); when it failed, the copies cannot be followed: the stream is
+    /// waited for first, so no copy still touches their memory when the error returns (the
+    /// stream's own error, if any, is the same failing context: the first error says it).
+    pub(crate) fn drained_on_err<T>(self, cur: &Current<'_>, r: Result<T>) -> Result<T> {
+        if r.is_err() {
+            let _ = self.synchronize(cur);
+        }
+        r
+    }
+
     /// The driver's ID of this stream, unique for the life of the context (handles may be
     /// reused by a new stream; IDs are not). `None` for the per-thread default stream (one handle
     /// for a different stream on every thread) and if the driver cannot tell: the stager then

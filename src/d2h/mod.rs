@@ -133,18 +133,7 @@ unsafe fn issue_d2h(
     // SAFETY: caller's contract; context current (`cur`); the stream is a special handle, ours,
     // or vouched for by its maker.
     unsafe { driver::mem::memcpy_dtoh_async(dst.cast(), src, n, stream.raw()) }?;
-    drained_on_err(cur, stream, ev.record_in(cur, stream))
-}
-
-/// `tracked`, the outcome of arranging to learn when a copy just issued on `stream` completes;
-/// when that failed, the copy cannot be tracked: the stream is waited for first, so the
-/// destination is free when the error returns (the stream's own error, if any, is the same
-/// failing context: the first error says it).
-fn drained_on_err<T>(cur: &Current<'_>, stream: StreamHandle, tracked: Result<T>) -> Result<T> {
-    if tracked.is_err() {
-        let _ = stream.synchronize(cur);
-    }
-    tracked
+    stream.drained_on_err(cur, ev.record_in(cur, stream))
 }
 
 /// Starts copying `src` into `dst_ptr..dst_ptr+len`. A pinned destination gets one truly
@@ -200,7 +189,9 @@ pub(crate) unsafe fn start_d2h<'s>(
                 let ev = Event::new_in(&cur)?;
                 ev.record_in(&cur, stream).map(|()| Completion::Event(ev))
             });
-            return drained_on_err(&cur, stream, tracked).map(|done| (D2HPath::Pinned, done));
+            return stream
+                .drained_on_err(&cur, tracked)
+                .map(|done| (D2HPath::Pinned, done));
         }
         if wait {
             landing::count(1);

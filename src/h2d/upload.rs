@@ -109,12 +109,8 @@ unsafe fn issue(
     // SAFETY: caller's contract; context current (`cur`); the stream is a special handle, ours,
     // or vouched for by its maker.
     unsafe { driver::mem::memcpy_htod_async(dst, src.cast(), n, stream.raw()) }?;
-    if let Err(e) = ev.record_in(cur, stream) {
-        // The copy cannot be tracked: wait for the stream so the source is free when we return.
-        let _ = stream.synchronize(cur);
-        return Err(e);
-    }
-    Ok(())
+    // Untracked, the copy is waited for: the source is free when the error returns.
+    stream.drained_on_err(cur, ev.record_in(cur, stream))
 }
 
 /// The pageable path. Piece `i` of the source goes through bounce slot `i % slots` once piece
@@ -205,17 +201,10 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     crate::lab::h2d_trace::piece(t0, usize::MAX, 0, std::time::Instant::now());
     let error = job.error.into_inner();
     drop(lent);
-    if let Some(e) = error {
-        // Copies issued before the failure may still write into `dst`: wait for them.
-        let _ = stream.synchronize(cur);
-        return Err(e);
-    }
-    if let Err(e) = done.record_in(cur, stream) {
-        // The copies cannot be tracked: wait for the stream so the caller's view is complete.
-        let _ = stream.synchronize(cur);
-        return Err(e);
-    }
-    Ok(done)
+    // A failure (copies issued before it may still write into `dst`), or copies that cannot
+    // be tracked: the stream is waited for before the error returns.
+    let tracked = error.map_or_else(|| done.record_in(cur, stream), Err);
+    stream.drained_on_err(cur, tracked).map(|()| done)
 }
 
 /// Bounce slots taken from the cache, given back when dropped (also by a panic unwinding the
