@@ -124,6 +124,16 @@ impl Device {
         self.inner.ordinal
     }
 
+    /// Whether `ptr` lies in page-locked host memory known to the driver (asked in this
+    /// device's context).
+    ///
+    /// # Errors
+    /// As [`Device::enter`].
+    pub(crate) fn is_pinned_host(&self, ptr: *const u8) -> Result<bool> {
+        let _cur = self.enter()?;
+        Ok(driver::mem::is_pinned_host(ptr.cast()))
+    }
+
     /// The host NUMA node the device hangs off (its PCI device's `numa_node` in sysfs), where
     /// pinned memory for it is best placed; `None` where the system does not say (one node,
     /// no sysfs, the driver cannot name the PCI address).

@@ -209,16 +209,6 @@ pub(crate) unsafe fn start_d2h<'s>(
     Ok((D2HPath::Bounced, Completion::Done))
 }
 
-/// Whether `dst` is pinned memory, as the driver says (for a caller deciding how to wait).
-///
-/// # Errors
-/// [`Error::Driver`]: the device's context cannot be made current.
-#[cfg(feature = "python")]
-pub(crate) fn is_pinned_dst(device: &Device, dst: *const u8) -> Result<bool> {
-    let _cur = device.enter()?;
-    Ok(driver::mem::is_pinned_host(dst.cast()))
-}
-
 /// Waits that learned of their copy from a landing word, and waited-for pinned copies that
 /// took an event instead (every word in use, or stream writes refused). For tests.
 #[cfg(feature = "testing")]

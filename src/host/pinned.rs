@@ -310,11 +310,7 @@ impl std::fmt::Debug for PinnedBuffer {
 /// Whether `ptr` lies in page-locked host memory known to the CUDA driver (allocated or
 /// registered by pinstage, PyTorch, CuPy, JAX...). `false` without a driver.
 pub fn is_pinned(ptr: *const u8) -> bool {
-    let Ok(device) = Device::new(0) else {
-        return false;
-    };
-    let Ok(_cur) = device.enter() else {
-        return false;
-    };
-    driver::mem::is_pinned_host(ptr.cast())
+    Device::new(0)
+        .and_then(|d| d.is_pinned_host(ptr))
+        .unwrap_or(false)
 }
