@@ -66,27 +66,30 @@ fn gpu_numa_node_of_the_device() {
         return;
     };
     let node = dev.numa_node();
-    assert_eq!(dev.numa_node(), node);
-    let mut nvidia_nodes = Vec::new();
-    if let Ok(entries) = std::fs::read_dir("/sys/bus/pci/devices") {
-        for e in entries.flatten() {
-            let read = |f: &str| std::fs::read_to_string(e.path().join(f)).unwrap_or_default();
-            if read("vendor").trim() == "0x10de" {
-                nvidia_nodes.push(read("numa_node").trim().parse::<i64>().unwrap_or(-1));
-            }
-        }
-    }
-    eprintln!("cuda:0 numa_node {node:?}; NVIDIA PCI devices' nodes {nvidia_nodes:?}");
-    match node {
-        Some(n) => assert!(
-            nvidia_nodes.contains(&(n as i64)),
-            "{n} not among {nvidia_nodes:?}"
-        ),
-        None => assert!(
-            nvidia_nodes.is_empty() || nvidia_nodes.contains(&-1),
-            "sysfs names nodes {nvidia_nodes:?} but the device has none"
-        ),
-    }
+    // The device's own PCI address, as nvidia-smi names it (CUDA's order on these hosts), and
+    // its node as sysfs says it: -1 (no node) must read as None, a node as that node.
+    let smi = std::process::Command::new("nvidia-smi")
+        .args(["--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", "0"])
+        .output()
+        .expect("nvidia-smi runs where a GPU is");
+    let bus = String::from_utf8_lossy(&smi.stdout).trim().to_string();
+    let (domain, rest) = bus.split_once(':').expect("domain:bus:device.function");
+    let domain = u32::from_str_radix(domain, 16).expect("hex domain");
+    let path = format!(
+        "/sys/bus/pci/devices/{domain:04x}:{}/numa_node",
+        rest.to_ascii_lowercase()
+    );
+    let sysfs: i64 = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+        .trim()
+        .parse()
+        .expect("an integer node");
+    eprintln!("cuda:0 at {bus}: numa_node {node:?}, sysfs {path} says {sysfs}");
+    assert_eq!(
+        node,
+        u32::try_from(sysfs).ok(),
+        "the device's node is not sysfs's"
+    );
 }
 
 #[test]

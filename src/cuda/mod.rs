@@ -3,8 +3,13 @@
 
 mod device;
 mod event;
+// Used by the Python layer, which takes stream handles as integers.
+#[cfg(any(feature = "python", test))]
+mod handle_check;
 mod stream;
 
 pub use device::{Current, Device, cuda_available, device_count};
 pub use event::Event;
+#[cfg(feature = "python")]
+pub(crate) use handle_check::{Liveness, liveness};
 pub use stream::{Stream, StreamHandle};

@@ -4,7 +4,7 @@
 use super::issue_d2h;
 use crate::cuda::{Current, StreamHandle};
 use crate::error::Result;
-use crate::host::bounce::{self, BOUNCE_CHUNK, BOUNCE_DEPTH, BounceSlot, parallel_copy};
+use crate::host::bounce::{BOUNCE_CHUNK, BOUNCE_DEPTH, BounceSlot, Lent, parallel_copy};
 
 pub(super) fn bounce(
     cur: &Current<'_>,
@@ -12,14 +12,13 @@ pub(super) fn bounce(
     dst: &mut [u8],
     stream: StreamHandle,
 ) -> Result<()> {
-    let device = cur.device();
-    let mut bufs: Vec<BounceSlot> = bounce::take(cur, BOUNCE_DEPTH, BOUNCE_CHUNK)?;
+    // Given back to the cache however this returns, a panic included (each slot's event guards
+    // its copy in flight).
+    let mut lent = Lent::take(cur, BOUNCE_DEPTH, BOUNCE_CHUNK)?;
+    let bufs = &mut lent.slots;
     // A cached slot may still be read by an earlier H2D copy.
-    for s in &bufs {
-        if let Err(e) = s.busy.synchronize() {
-            bounce::give_back(device, bufs);
-            return Err(e);
-        }
+    for s in bufs.iter() {
+        s.busy.synchronize()?;
     }
     let chunks: Vec<(usize, usize)> = (0..dst.len())
         .step_by(BOUNCE_CHUNK)
@@ -35,7 +34,7 @@ pub(super) fn bounce(
         // drained); src + off..+len lies within the source.
         unsafe { issue_d2h(cur, &slot.busy, src + off as u64, to, len, stream) }
     };
-    let mut result = (0..chunks.len().min(BOUNCE_DEPTH)).try_for_each(|i| issue(i, &mut bufs));
+    let mut result = (0..chunks.len().min(BOUNCE_DEPTH)).try_for_each(|i| issue(i, bufs));
     for (i, &(off, len)) in chunks.iter().enumerate() {
         if result.is_err() {
             break;
@@ -44,18 +43,17 @@ pub(super) fn bounce(
         result = bufs[k].busy.synchronize().and_then(|()| {
             parallel_copy(&mut dst[off..off + len], &bufs[k].buf.as_slice()[..len]);
             match i + BOUNCE_DEPTH {
-                next if next < chunks.len() => issue(next, &mut bufs),
+                next if next < chunks.len() => issue(next, bufs),
                 _ => Ok(()),
             }
         });
     }
     // Whatever happened, no copy may still write a buffer that goes back to the cache.
-    for s in &bufs {
+    for s in bufs.iter() {
         if let Err(crate::Error::Driver(e)) = s.busy.synchronize() {
             // The result reports the first failure; a later one of the same context is kept.
             crate::error::record_drop_error(e);
         }
     }
-    bounce::give_back(device, bufs);
     result
 }

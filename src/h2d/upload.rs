@@ -148,10 +148,7 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     let units = tune.units(&pieces);
     let nslots = tune.slots.min(pieces.len());
     let done = Event::new_in(cur)?;
-    let lent = Lent {
-        device: cur.device(),
-        slots: bounce::take(cur, nslots, tune.max_piece)?,
-    };
+    let lent = bounce::Lent::take(cur, nslots, tune.max_piece)?;
     let slots = &lent.slots;
     let zeros = |n: usize| -> Vec<AtomicUsize> { (0..n).map(|_| AtomicUsize::new(0)).collect() };
     // The per-slot words are spun on: one cache line each.
@@ -205,19 +202,6 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     // be tracked: the stream is waited for before the error returns.
     let tracked = error.map_or_else(|| done.record_in(cur, stream), Err);
     stream.drained_on_err(cur, tracked).map(|()| done)
-}
-
-/// Bounce slots taken from the cache, given back when dropped (also by a panic unwinding the
-/// upload): each slot's event guards its copy in flight.
-struct Lent<'d> {
-    device: &'d Device,
-    slots: Vec<BounceSlot>,
-}
-
-impl Drop for Lent<'_> {
-    fn drop(&mut self) {
-        bounce::give_back(self.device, std::mem::take(&mut self.slots));
-    }
 }
 
 /// One pageable upload shared by its workers.

@@ -66,6 +66,30 @@ pub(crate) fn take(cur: &Current<'_>, count: usize, size: usize) -> Result<Vec<B
     Ok(slots)
 }
 
+/// Bounce slots taken from the cache, given back when dropped (also by a panic unwinding their
+/// user): each slot's event guards its copy in flight, and whoever takes a slot next waits for
+/// it (a slot freed past the cache's size is freed only after its copy).
+pub(crate) struct Lent<'d> {
+    device: &'d Device,
+    pub(crate) slots: Vec<BounceSlot>,
+}
+
+impl<'d> Lent<'d> {
+    /// [`take`]s `count` slots of `size` bytes, lent until dropped.
+    pub(crate) fn take(cur: &Current<'d>, count: usize, size: usize) -> Result<Self> {
+        Ok(Self {
+            device: cur.device(),
+            slots: take(cur, count, size)?,
+        })
+    }
+}
+
+impl Drop for Lent<'_> {
+    fn drop(&mut self) {
+        give_back(self.device, std::mem::take(&mut self.slots));
+    }
+}
+
 /// Slots the cache keeps per device (12 for one pageable H2D, 3 for a D2H, and room for a few
 /// concurrent copies); more are freed as they come back.
 const CACHE_PER_DEVICE: usize = 32;

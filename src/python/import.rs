@@ -205,12 +205,7 @@ fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
                 obj.repr().map(|r| r.to_string()).unwrap_or_default()
             ))
         })?;
-        if h > 2 && h % 8 == 0 && h >= 0x1_0000 && !stream_memory_readable(h) {
-            return Err(value_err(format!(
-                "stream={h:#x}: no memory at that address, so it is not a live stream handle"
-            )));
-        }
-        return Ok(h);
+        return checked_int_stream(h);
     }
     if obj.hasattr(pyo3::intern!(py, "__cuda_stream__"))? {
         // A closed stream object (cuda.core's Stream.close()) refuses to give its handle or
@@ -466,27 +461,38 @@ pub(crate) fn import_destination(
     Ok(imp)
 }
 
-/// Handles whose memory was found readable recently: a stream is long-lived, so the check below
-/// runs once per handle, not once per call.
-static READABLE: [std::sync::atomic::AtomicUsize; 8] =
-    [const { std::sync::atomic::AtomicUsize::new(0) }; 8];
+/// An integer given as a stream handle, if the driver may see it: 0, 1, 2, or the handle of a
+/// live stream (its driver object holds it back, read without faulting). An integer the driver
+/// would dereference into a fault (a segfault, not an error) is refused here with a typed error.
+/// Where the driver's layout could not be learnt, the handle must at least lie in private
+/// read-write heap or anonymous memory, where stream objects live.
+pub(crate) fn checked_int_stream(h: usize) -> PyResult<usize> {
+    let live = match crate::cuda::liveness(h) {
+        crate::cuda::Liveness::Live => true,
+        crate::cuda::Liveness::NotAStream => false,
+        crate::cuda::Liveness::Unknown => h <= 2 || stream_memory_plausible(h),
+    };
+    if live {
+        Ok(h)
+    } else {
+        Err(crate::Error::BadStreamHandle { handle: h }.into())
+    }
+}
 
-/// Whether `addr` can be a stream object: it must lie in readable, writable, private memory that
-/// is anonymous or the heap (where the driver allocates its stream objects), not in a mapping of
-/// a file or of a device (`/dev/nvidia*`: pinned and unified memory). An int handed in as a stream
-/// that points elsewhere would make the driver fault (a segfault, not an error), so it is refused
-/// first. This is a best-effort check: a handle inside the heap that is not a live stream cannot
-/// be detected (the API documents that int handles must be live streams).
-fn stream_memory_readable(addr: usize) -> bool {
-    use std::sync::atomic::Ordering::Relaxed;
-    if READABLE.iter().any(|a| a.load(Relaxed) == addr) {
-        return true;
+/// Whether `addr` can be a stream object, judged from the memory map alone: readable, writable,
+/// private memory that is anonymous or the heap (where the driver allocates its stream objects),
+/// not a mapping of a file or of a device (`/dev/nvidia*`: pinned and unified memory). The
+/// fallback where the driver's stream layout is unknown: an address inside the heap that is not
+/// a live stream passes it.
+fn stream_memory_plausible(addr: usize) -> bool {
+    if addr < 0x1_0000 || addr % 8 != 0 {
+        return false;
     }
     let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
         // No /proc: nothing can be checked; the handle is used as given, as documented.
         return true;
     };
-    let ok = maps.lines().any(|line| {
+    maps.lines().any(|line| {
         let mut parts = line.split_whitespace();
         let (Some(range), Some(perms)) = (parts.next(), parts.next()) else {
             return false;
@@ -504,10 +510,5 @@ fn stream_memory_readable(addr: usize) -> bool {
             && perms.starts_with("rw")
             && perms.ends_with('p')
             && (path.is_empty() || path == "[heap]" || path.starts_with("[anon"))
-    });
-    if ok {
-        let slot = addr / 8 % READABLE.len();
-        READABLE[slot].store(addr, Relaxed);
-    }
-    ok
+    })
 }

@@ -178,10 +178,12 @@ def test_pinned_source_is_kept_alive_until_its_copy_completed(gpu, fw):
     pinstage.empty_cache()
     src = pinstage.empty_pinned(n, np.int32)
     src[:] = vals
+    at = poison_pool(fw, src.nbytes)
     before = pinstage.pinned_bytes()
     if fw == "torch":
         torch.cuda._sleep(100_000_000)  # and queued behind ~50 ms of GPU time
     x = pinstage.to_device(src, fw)
+    assert address(x, fw) == at, "the result did not reuse the poisoned memory: nothing proven"
     del src  # pinstage holds the source until its DMA completed
     assert pinstage.pinned_bytes() == before, "the source was let go while its copy ran"
     gc.collect()
@@ -199,12 +201,14 @@ def test_torch_result_is_ordered_on_the_current_stream(gpu):
     vals = np.random.default_rng(3).random(1 << 18, dtype=np.float32)  # 1 MiB: 8 pieces
     with torch.cuda.stream(s):
         p = torch.full((1 << 18,), -7.0, device="cuda")  # poison the block the result gets
+        poisoned = p.data_ptr()
         del p
     torch.cuda.synchronize()
     torch.cuda._sleep(100_000_000)  # the legacy default stream: ~50 ms busy
     with torch.cuda.stream(s):
         x = pinstage.to_device(vals, "torch")
         y = x * 2  # same stream: after the copy
+    assert x.data_ptr() == poisoned, "the result did not reuse the poisoned block: nothing proven"
     s.synchronize()
     np.testing.assert_array_equal(y.cpu().numpy(), vals * 2)
     assert x.device == torch.device("cuda", 0) and x.dtype == torch.float32

@@ -130,8 +130,12 @@ pub(crate) fn consumer_stream(req: &ExportRequest<'_>) -> PyResult<Option<Stream
         CudaStreamRequest::Omitted | CudaStreamRequest::NoSync => None,
         CudaStreamRequest::LegacyDefault => Some(StreamHandle::LEGACY),
         CudaStreamRequest::PerThreadDefault => Some(StreamHandle::PER_THREAD),
-        // SAFETY: the consumer's own stream, alive during its import (DLPack contract).
-        CudaStreamRequest::Pointer(p) => Some(unsafe { StreamHandle::from_raw(p) }?),
+        CudaStreamRequest::Pointer(p) => {
+            // An integer that is not a live stream's handle is refused first.
+            let p = crate::python::import::checked_int_stream(p)?;
+            // SAFETY: the consumer's own stream, alive during its import (DLPack contract).
+            Some(unsafe { StreamHandle::from_raw(p) }?)
+        }
     })
 }
 
