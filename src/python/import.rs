@@ -290,7 +290,15 @@ pub(crate) fn import(
         });
     }
     let consumer = stream.unwrap_or(StreamHandle::LEGACY);
-    let owner = import_standard(obj, consumer)?;
+    // torch refuses to export for the per-thread default stream; that stream is a blocking
+    // one, so work on it after the legacy default stream's waits for that stream: the producer
+    // is asked to order its work before the legacy stream instead.
+    let asked = if consumer == StreamHandle::PER_THREAD {
+        StreamHandle::LEGACY
+    } else {
+        consumer
+    };
+    let owner = import_standard(obj, asked)?;
     let view = view_of(&owner)?;
     Ok(Imported {
         view,
