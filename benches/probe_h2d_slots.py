@@ -22,7 +22,7 @@ slots; run zb (`--as-run-zb`) fewer slots, to keep the fill from running far ahe
 engine (no gain). Until run zc the pieces were about two per worker (2.7 MiB with 12 workers
 at 64 MiB); the default list compares whole 4 MiB pieces (fewer copies; the default since).
 Needs the lab wheel (`_set_h2d_tuning`).
-Usage: python3 benches/probe_h2d_slots.py [--as-run-r | --as-run-s | --as-run-v | --as-run-x | --as-run-z | --as-run-zb]
+Usage: python3 benches/probe_h2d_slots.py [--as-run-r | --as-run-s | --as-run-v | --as-run-x | --as-run-z | --as-run-zb | --demote]
 """
 
 import statistics
@@ -45,6 +45,20 @@ TUNINGS = [
     ("8 workers", dict(workers=8)),
     ("8 workers, two pieces per worker", dict(workers=8, per_worker=2)),
 ]
+
+# Run zm's list (`--demote`): regular stores into the slots, then `cldemote` of each filled unit
+# (lines pushed from the core's caches to the shared L3, where the copy engine's reads would find
+# them), against regular stores alone and the default's non-temporal stores.
+TUNINGS_ZM = [
+    ("the default: non-temporal stores", dict()),
+    ("regular stores", dict(nt_upto=0)),
+    ("regular stores + cldemote", dict(nt_upto=0, demote=True)),
+]
+if "--demote" in sys.argv:
+    TUNINGS = TUNINGS_ZM
+    with open("/proc/cpuinfo") as f:
+        flags = next((l for l in f if l.startswith("flags")), "").split()
+    print("cldemote in /proc/cpuinfo flags:", "cldemote" in flags, flush=True)
 
 # Run zb's list (`--as-run-zb`; two pieces per worker then).
 TUNINGS_ZB = [
