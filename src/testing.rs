@@ -4,7 +4,7 @@
 
 use std::ffi::c_void;
 
-use crate::cuda::{Device, Stream};
+use crate::cuda::{Device, Stream, StreamHandle};
 use crate::driver::{self, CUdeviceptr};
 use crate::error::{Error, Result, on_drop};
 use crate::view::{DType, DeviceView, TensorMeta};
@@ -98,6 +98,19 @@ pub fn end_capture(stream: &Stream) -> Result<()> {
 /// # Errors
 /// [`Error::Driver`] if the driver refuses.
 pub fn launch_host_fn<F: FnOnce() + Send + 'static>(stream: &Stream, host_fn: F) -> Result<()> {
+    launch_host_fn_on(stream.device(), stream.handle(), host_fn)
+}
+
+/// [`launch_host_fn`] on any stream handle of `device`, a special one included (the legacy or
+/// this thread's per-thread default stream).
+///
+/// # Errors
+/// [`Error::Driver`] if the driver refuses.
+pub fn launch_host_fn_on<F: FnOnce() + Send + 'static>(
+    device: &Device,
+    stream: StreamHandle<'_>,
+    host_fn: F,
+) -> Result<()> {
     unsafe extern "C" fn trampoline<F: FnOnce()>(data: *mut c_void) {
         // SAFETY: `data` is the Box leaked below, consumed exactly once here.
         let f = unsafe { Box::from_raw(data.cast::<F>()) };
@@ -105,10 +118,11 @@ pub fn launch_host_fn<F: FnOnce() + Send + 'static>(stream: &Stream, host_fn: F)
             std::process::abort();
         }
     }
-    let _cur = stream.device().enter()?;
+    let _cur = device.enter()?;
     let data = Box::into_raw(Box::new(host_fn)).cast::<c_void>();
-    let handle = stream.handle().raw();
-    // SAFETY: our live stream; the trampoline never unwinds; data lives until it runs.
+    let handle = stream.raw();
+    // SAFETY: a special handle or a live stream (its borrow); the trampoline never unwinds;
+    // data lives until it runs.
     let launched = unsafe { driver::stream::launch_host_func(handle, trampoline::<F>, data) };
     if let Err(e) = launched {
         // SAFETY: not launched, so still ours to free.

@@ -131,6 +131,56 @@ fn gpu_h2d_slots_wait_for_their_copies() {
     check(&buf, &data);
 }
 
+/// A pageable copy on this thread's per-thread default stream, filled by several workers (whose
+/// own per-thread streams are other streams): it must follow the work queued on the caller's
+/// per-thread stream before it (a stall, then poison written into the destination), and work
+/// queued there after it must see its bytes.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_h2d_pageable_on_the_per_thread_stream_keeps_its_order() {
+    let Some(dev) = gpu_or_skip("gpu_h2d_pageable_on_the_per_thread_stream_keeps_its_order") else {
+        return;
+    };
+    let _serial = serial();
+    let ptds = StreamHandle::PER_THREAD;
+    let bytes = (24 << 20) + 4099;
+    let data = values(DType::U8, bytes, 313);
+    let buf = poisoned(&dev, bytes);
+    let dst = buf.view_at(0, DType::U8, bytes);
+    // Everything allocated before the stall (pinned allocations may synchronize the device).
+    copy_h2d(Some(&dev), &dst, &values(DType::U8, bytes, 314), ptds).unwrap();
+    let mut poison = PinnedBuffer::new(&dev, bytes, PinnedFlags::PORTABLE).unwrap();
+    poison.as_mut_slice().fill(POISON);
+    let mut out = vec![0x11u8; bytes];
+    copy_d2h(&dev, &dst, &mut out, ptds).unwrap(); // the D2H bounce slots, too
+    out.fill(0x11);
+    let gate = common::stall_handle(&dev, ptds);
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        gate.release();
+    });
+    // SAFETY: `poison` is pinned and outlives its copy (waited for below, through `out`).
+    let (path, _) =
+        unsafe { pinstage::start_h2d(Some(&dev), &dst, poison.as_ptr(), bytes, ptds) }.unwrap();
+    assert_eq!(path, H2DPath::Pinned);
+    // SAFETY: pageable: read before the call returns.
+    let (path, ev) =
+        unsafe { pinstage::start_h2d(Some(&dev), &dst, data.as_ptr(), bytes, ptds) }.unwrap();
+    assert_eq!(path, H2DPath::Bounced);
+    assert!(
+        !ev.as_ref().unwrap().query().unwrap(),
+        "the copies must wait behind the caller's stalled per-thread stream"
+    );
+    copy_d2h(&dev, &dst, &mut out, ptds).unwrap();
+    release.join().unwrap();
+    assert!(
+        out == data,
+        "work after the copy on the per-thread stream did not see it"
+    );
+    ev.unwrap().synchronize().unwrap();
+    check(&buf, &data);
+}
+
 /// `start_h2d` from pageable memory returns once the source was read: changing it right after
 /// the call does not change what lands, with the stream stalled (the copies still queued).
 #[test]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use pinstage::testing::{DeviceBuffer, launch_host_fn};
+use pinstage::testing::DeviceBuffer;
 use pinstage::{DType, Stream};
 
 pub mod sim;
@@ -214,9 +214,14 @@ impl Drop for Stall {
 /// dropped. Allocate everything the test needs BEFORE stalling: pinned and device allocations may
 /// synchronize the whole device, and would wait for the stall.
 pub fn stall(stream: &Stream) -> Stall {
+    stall_handle(stream.device(), stream.handle())
+}
+
+/// [`stall`] on any stream handle of `dev` (this thread's per-thread default stream, say).
+pub fn stall_handle(dev: &pinstage::Device, stream: pinstage::StreamHandle<'_>) -> Stall {
     let go = Arc::new(AtomicBool::new(false));
     let g = go.clone();
-    launch_host_fn(stream, move || {
+    pinstage::testing::launch_host_fn_on(dev, stream, move || {
         let t0 = std::time::Instant::now();
         // Bounded: never hold a stream longer than 20 s even if the test thread died.
         while !g.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(20) {
