@@ -136,13 +136,12 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     // work on it and the caller's later work follows the legacy stream's.
     // (The seeded-bug harness, `scripts/gpu-run broken-ptds`: workers issuing on their own
     // per-thread streams must fail the GPU tests.)
-    let stream = if stream == StreamHandle::PER_THREAD
-        && !cfg!(pinstage_seeded_bug = "ptds_workers")
-    {
-        StreamHandle::LEGACY
-    } else {
-        stream
-    };
+    let stream =
+        if stream == StreamHandle::PER_THREAD && !cfg!(pinstage_seeded_bug = "ptds_workers") {
+            StreamHandle::LEGACY
+        } else {
+            stream
+        };
     let workers = tune.workers_for(src.len()).min(threads);
     if src.len() < tune.driver_below {
         let done = Event::new_in(cur)?;
