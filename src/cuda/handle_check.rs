@@ -78,30 +78,73 @@ pub(crate) fn liveness(handle: usize) -> Liveness {
     if handle <= 2 {
         return Liveness::Live;
     }
-    if handle < 0x1_0000 || handle % 8 != 0 {
+    if !possible(handle) {
         return Liveness::NotAStream;
     }
-    if SEEN.iter().any(|s| s.load(Relaxed) == handle) {
+    if seen(handle) {
         return Liveness::Live;
     }
-    let Some(back) = *BACK.get_or_init(learn) else {
-        return Liveness::Unknown;
-    };
-    let holds_it = read_word(handle)
+    let live = judge(handle, *BACK.get_or_init(learn));
+    if live == Liveness::Live {
+        remember(handle);
+    }
+    live
+}
+
+/// Whether a handle other than 0, 1, 2 can be a stream object's address: above the first
+/// 64 KiB and 8-byte aligned.
+fn possible(handle: usize) -> bool {
+    handle >= 0x1_0000 && handle % 8 == 0
+}
+
+/// The verdict on a possible handle, given the back-reference offset (`None`: the layout is
+/// unknown).
+fn judge(handle: usize, back: Option<usize>) -> Liveness {
+    match back {
+        None => Liveness::Unknown,
+        Some(back) if holds_back(handle, back) => Liveness::Live,
+        Some(_) => Liveness::NotAStream,
+    }
+}
+
+/// Whether the word at `handle` is an 8-byte aligned address whose object holds `handle` at
+/// `back` bytes (all read without faulting).
+fn holds_back(handle: usize, back: usize) -> bool {
+    read_word(handle)
         .filter(|obj| obj % 8 == 0)
         .and_then(|obj| obj.checked_add(back))
         .and_then(read_word)
-        == Some(handle);
-    if !holds_it {
-        return Liveness::NotAStream;
-    }
+        == Some(handle)
+}
+
+fn seen(handle: usize) -> bool {
+    SEEN.iter().any(|s| s.load(Relaxed) == handle)
+}
+
+fn remember(handle: usize) {
     SEEN[handle / 8 % SEEN.len()].store(handle, Relaxed);
-    Liveness::Live
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A record shaped as the driver's: its first word is the address of an object of
+    /// `SEARCH_WORDS` words; `at`, if given, is the word of the object that holds the record's
+    /// address. Returns (record, object), both kept alive by the caller.
+    fn record(at: Option<usize>) -> (Box<[usize; 3]>, Vec<usize>) {
+        let mut obj = vec![0x5555_5555_5555_5550usize; SEARCH_WORDS + 1];
+        let mut rec = Box::new([0usize; 3]);
+        rec[0] = obj.as_ptr() as usize;
+        if let Some(i) = at {
+            obj[i] = &raw const *rec as usize;
+        }
+        (rec, obj)
+    }
+
+    fn addr(rec: &[usize; 3]) -> usize {
+        rec as *const [usize; 3] as usize
+    }
 
     #[test]
     fn reads_mapped_words_and_refuses_unmapped_ones() {
@@ -113,8 +156,12 @@ mod tests {
 
     #[test]
     fn impossible_integers_are_refused_before_any_read() {
-        for h in [3, 7, 0x8000, 0x1_0001, 0xffff_fff9] {
+        for h in [3, 7, 0x8000, 0xfff8, 0x1_0001, 0x1_0004, 0xffff_fff9] {
+            assert!(!possible(h), "{h:#x}");
             assert_eq!(liveness(h), Liveness::NotAStream, "{h:#x}");
+        }
+        for h in [0x1_0000, 0x1_0008, 0x7fff_0000_0000] {
+            assert!(possible(h), "{h:#x}");
         }
         for h in [0, 1, 2] {
             assert_eq!(liveness(h), Liveness::Live);
@@ -122,28 +169,55 @@ mod tests {
     }
 
     #[test]
-    fn an_object_that_does_not_hold_the_handle_back_is_not_a_stream() {
-        // A record shaped like a handle (its first word points at readable memory) whose
-        // target does not hold the handle back at any offset.
-        let target = vec![0x5555_5555_5555_5550usize; SEARCH_WORDS + 1];
-        let record = Box::new([target.as_ptr() as usize, 0, 0]);
-        let h = &raw const *record as usize;
+    fn a_record_holding_itself_back_is_found_and_judged_live() {
+        let (rec, _obj) = record(Some(10));
+        let h = addr(&rec);
+        assert_eq!(back_offsets(h), vec![80]);
+        assert!(holds_back(h, 80));
+        assert_eq!(judge(h, Some(80)), Liveness::Live);
+        assert_eq!(judge(h, Some(88)), Liveness::NotAStream);
+        assert_eq!(judge(h, None), Liveness::Unknown);
+    }
+
+    #[test]
+    fn a_record_without_the_back_reference_is_not_a_stream() {
+        let (rec, _obj) = record(None);
+        let h = addr(&rec);
         assert!(back_offsets(h).is_empty());
-        match liveness(h) {
-            // With a driver the layout is known and the record refused; without one the
-            // check cannot tell.
-            Liveness::NotAStream | Liveness::Unknown => {}
-            Liveness::Live => panic!("a record without the back-reference passed"),
+        assert_eq!(judge(h, Some(80)), Liveness::NotAStream);
+        // Without a driver the layout cannot be learnt: the check cannot tell.
+        if !crate::cuda_available() {
+            assert_eq!(liveness(h), Liveness::Unknown);
+            assert_eq!(
+                liveness(h),
+                Liveness::Unknown,
+                "an unknown handle was remembered"
+            );
         }
     }
 
     #[test]
-    fn a_record_holding_itself_back_is_found() {
-        let mut target = vec![0usize; SEARCH_WORDS];
-        let mut record = Box::new([0usize; 3]);
-        let h = &raw mut *record as usize;
-        target[10] = h;
-        record[0] = target.as_ptr() as usize;
-        assert_eq!(back_offsets(h), vec![80]);
+    fn an_unaligned_first_word_is_not_followed() {
+        // The object holds the handle back at +84 from an address 4 bytes into it: aligned
+        // records only.
+        let (mut rec, mut obj) = record(None);
+        let h = addr(&rec);
+        obj[11] = h;
+        rec[0] = obj.as_ptr() as usize + 4;
+        assert_eq!(read_word(rec[0] + 84), Some(h));
+        assert!(!holds_back(h, 84));
+    }
+
+    #[test]
+    fn remembered_handles_are_seen() {
+        let h = 0x7777_0000_0040;
+        assert!(!seen(h));
+        remember(h);
+        assert!(seen(h));
+        assert_eq!(liveness(h), Liveness::Live);
+        // Eight consecutive handles (streams are heap objects) are all kept.
+        let many: Vec<usize> = (0..SEEN.len()).map(|i| 0x6666_0000_0000 + 8 * i).collect();
+        many.iter().for_each(|&h| remember(h));
+        assert!(many.iter().all(|&h| seen(h)));
     }
 }
