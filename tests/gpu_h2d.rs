@@ -131,10 +131,10 @@ fn gpu_h2d_slots_wait_for_their_copies() {
     check(&buf, &data);
 }
 
-/// A pageable copy on this thread's per-thread default stream, filled by several workers (whose
-/// own per-thread streams are other streams): it must follow the work queued on the caller's
-/// per-thread stream before it (a stall, then poison written into the destination), and work
-/// queued there after it must see its bytes.
+/// A pageable copy on this thread's per-thread default stream (the copy threads' own per-thread
+/// streams are other streams: they must not issue its pieces): it must follow the work queued on
+/// the caller's per-thread stream before it (a stall, then poison written into the destination),
+/// and work queued there after it must see its bytes.
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_h2d_pageable_on_the_per_thread_stream_keeps_its_order() {

@@ -3,15 +3,18 @@
 //! The driver dereferences a stream handle without validating it: an integer that points into
 //! ordinary memory makes it fault (a segfault, not an error). A handle points at a small record
 //! whose first word is the address of the driver's stream object, and that object holds the
-//! handle back a few words in. The offset is learnt once per process from two streams this
-//! process creates, so a driver laid out otherwise is detected (the check then says
+//! handle back a few words in. The offset is learnt once per process from two streams created
+//! for the purpose, so a driver laid out otherwise is detected (the check then says
 //! [`Liveness::Unknown`]) rather than refusing every handle. Memory is read with
 //! `process_vm_readv`, which reports an unmapped address as an error instead of faulting.
+//!
+//! What it cannot see: a destroyed stream whose freed record and object still hold each other
+//! (glibc's allocator overwrites a freed record's first word, other allocators may not).
 
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 use super::{Device, Stream};
+use crate::driver;
 
 /// What the check can tell of an integer handed in as a stream handle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,31 +27,43 @@ pub(crate) enum Liveness {
     Unknown,
 }
 
-/// Byte offset, in the driver's stream object, of the word that holds the handle; `None` when
-/// the two streams created to learn it did not agree on one.
-static BACK: OnceLock<Option<usize>> = OnceLock::new();
+/// The layout learnt: 0 while not learnt (nothing could be created to learn it from: tried
+/// again next time), 1 when the two streams did not agree on an offset (another layout: the
+/// check cannot tell, for good), else the byte offset of the back-reference plus 2.
+static BACK: AtomicUsize = AtomicUsize::new(0);
 
-/// Handles found live recently: a stream is long-lived, so the two reads run once per handle.
+/// Handles found live recently, with the stream object each pointed at: a later use reads both
+/// words again in one system call, so a record freed since (its first word overwritten) is
+/// judged afresh.
 static SEEN: [AtomicUsize; 8] = [const { AtomicUsize::new(0) }; 8];
+static SEEN_OBJ: [AtomicUsize; 8] = [const { AtomicUsize::new(0) }; 8];
 
 /// Words of a stream object searched for the back-reference while learning the layout.
 const SEARCH_WORDS: usize = 64;
 
+/// Words of this process's memory at `addrs`, or `None` if any is not readable (one system
+/// call; the kernel checks every range and fails instead of faulting).
+fn read_words<const N: usize>(addrs: [usize; N]) -> Option<[usize; N]> {
+    let mut words = [0usize; N];
+    let local = libc::iovec {
+        iov_base: words.as_mut_ptr().cast(),
+        iov_len: N * size_of::<usize>(),
+    };
+    let remote = addrs.map(|a| libc::iovec {
+        iov_base: a as *mut libc::c_void,
+        iov_len: size_of::<usize>(),
+    });
+    // SAFETY: reads this process's memory into `words` through the kernel, which checks the
+    // remote ranges and stops (EFAULT, or a short count) instead of faulting; `local` is our
+    // own array of N words.
+    let n =
+        unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, remote.as_ptr(), N as _, 0) };
+    (n == (N * size_of::<usize>()) as isize).then_some(words)
+}
+
 /// One word of this process's memory, or `None` where nothing readable is mapped.
 fn read_word(addr: usize) -> Option<usize> {
-    let mut word = 0usize;
-    let local = libc::iovec {
-        iov_base: (&raw mut word).cast(),
-        iov_len: size_of::<usize>(),
-    };
-    let remote = libc::iovec {
-        iov_base: addr as *mut libc::c_void,
-        iov_len: size_of::<usize>(),
-    };
-    // SAFETY: reads this process's memory into `word` through the kernel, which checks the
-    // remote range and fails (EFAULT) instead of faulting; `local` is our own word.
-    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
-    (n == size_of::<usize>() as isize).then_some(word)
+    read_words([addr]).map(|[w]| w)
 }
 
 /// Offsets at which the object `handle` points to holds `handle` back.
@@ -62,15 +77,68 @@ fn back_offsets(handle: usize) -> Vec<usize> {
         .collect()
 }
 
-/// Learns the back-reference offset from two streams of device 0 (created and destroyed here).
-fn learn() -> Option<usize> {
-    let device = Device::new(0).ok()?;
-    let a = Stream::new(&device).ok()?;
-    let b = Stream::new(&device).ok()?;
-    let in_b = back_offsets(b.handle().as_raw());
-    back_offsets(a.handle().as_raw())
-        .into_iter()
-        .find(|off| in_b.contains(off))
+/// The back-reference offset both handles agree on (`None`: none).
+fn common_offset(a: usize, b: usize) -> Option<usize> {
+    let in_b = back_offsets(b);
+    back_offsets(a).into_iter().find(|off| in_b.contains(off))
+}
+
+/// Learns the offset from two streams made for it: in the context current on this thread if
+/// there is one (a framework's), else in device 0's primary context. `Err` when no stream
+/// could be made (no driver, a device that refuses): learning is tried again next time.
+fn learn() -> Result<Option<usize>, ()> {
+    driver::probe().map_err(|_| ())?;
+    super::device::ensure_usable().map_err(|_| ())?;
+    if driver::ctx::ctx_get_current().is_ok_and(|c| !c.is_null()) {
+        // SAFETY: a context is current on this thread (asked just above).
+        let a = unsafe { driver::stream::stream_create() }.map_err(|_| ())?;
+        // SAFETY: as above.
+        let b = unsafe { driver::stream::stream_create() };
+        let found = b
+            .as_ref()
+            .ok()
+            .map(|b| common_offset(a as usize, *b as usize));
+        // SAFETY: the streams made above, idle, destroyed once.
+        unsafe {
+            let _ = driver::stream::stream_destroy(a);
+            if let Ok(b) = b {
+                let _ = driver::stream::stream_destroy(b);
+            }
+        }
+        return found.ok_or(());
+    }
+    let device = Device::new(0).map_err(|_| ())?;
+    let a = Stream::new(&device).map_err(|_| ())?;
+    let b = Stream::new(&device).map_err(|_| ())?;
+    Ok(common_offset(a.handle().as_raw(), b.handle().as_raw()))
+}
+
+/// The offset, learnt on first use (`None`: the layout is unknown, for now or for good).
+fn back() -> Option<usize> {
+    match decode(BACK.load(Relaxed)) {
+        Some(known) => known,
+        None => match learn() {
+            Ok(found) => {
+                BACK.store(encode(found), Relaxed);
+                found
+            }
+            Err(()) => None,
+        },
+    }
+}
+
+/// [`BACK`]'s word for what learning found.
+fn encode(found: Option<usize>) -> usize {
+    found.map_or(1, |off| off + 2)
+}
+
+/// What [`BACK`]'s word says: `None` while nothing was learnt.
+fn decode(word: usize) -> Option<Option<usize>> {
+    match word {
+        0 => None,
+        1 => Some(None),
+        b => Some(Some(b - 2)),
+    }
 }
 
 /// Whether `handle`, an integer given as a stream handle, can be handed to the driver.
@@ -81,14 +149,13 @@ pub(crate) fn liveness(handle: usize) -> Liveness {
     if !possible(handle) {
         return Liveness::NotAStream;
     }
-    if seen(handle) {
+    let back = back();
+    if let Some(back) = back
+        && seen(handle, back)
+    {
         return Liveness::Live;
     }
-    let live = judge(handle, *BACK.get_or_init(learn));
-    if live == Liveness::Live {
-        remember(handle);
-    }
-    live
+    judge(handle, back)
 }
 
 /// Whether a handle other than 0, 1, 2 can be a stream object's address: above the first
@@ -98,31 +165,47 @@ fn possible(handle: usize) -> bool {
 }
 
 /// The verdict on a possible handle, given the back-reference offset (`None`: the layout is
-/// unknown).
+/// unknown); a live one is remembered.
 fn judge(handle: usize, back: Option<usize>) -> Liveness {
-    match back {
-        None => Liveness::Unknown,
-        Some(back) if holds_back(handle, back) => Liveness::Live,
-        Some(_) => Liveness::NotAStream,
+    let Some(back) = back else {
+        return Liveness::Unknown;
+    };
+    match stream_object(handle, back) {
+        Some(obj) => {
+            remember(handle, obj);
+            Liveness::Live
+        }
+        None => Liveness::NotAStream,
     }
 }
 
-/// Whether the word at `handle` is an 8-byte aligned address whose object holds `handle` at
-/// `back` bytes (all read without faulting).
-fn holds_back(handle: usize, back: usize) -> bool {
-    read_word(handle)
-        .filter(|obj| obj % 8 == 0)
-        .and_then(|obj| obj.checked_add(back))
-        .and_then(read_word)
-        == Some(handle)
+/// The stream object `handle` points at, if it is an 8-byte aligned address whose object holds
+/// `handle` at `back` bytes (all read without faulting).
+fn stream_object(handle: usize, back: usize) -> Option<usize> {
+    let obj = read_word(handle).filter(|obj| obj % 8 == 0)?;
+    (read_word(obj.checked_add(back)?)? == handle).then_some(obj)
 }
 
-fn seen(handle: usize) -> bool {
-    SEEN.iter().any(|s| s.load(Relaxed) == handle)
+/// Whether `handle` was found live before and its record and object still hold each other
+/// (read again, in one system call).
+fn seen(handle: usize, back: usize) -> bool {
+    (0..SEEN.len()).any(|i| {
+        if SEEN[i].load(Relaxed) != handle {
+            return false;
+        }
+        let obj = SEEN_OBJ[i].load(Relaxed);
+        obj.checked_add(back)
+            .and_then(|at| read_words([handle, at]))
+            .is_some_and(|w| w == [obj, handle])
+    })
 }
 
-fn remember(handle: usize) {
-    SEEN[handle / 8 % SEEN.len()].store(handle, Relaxed);
+fn remember(handle: usize, obj: usize) {
+    let i = handle / 16 % SEEN.len();
+    // Two stores a reader may see half of: it then reads a pair that does not hold, and judges
+    // the handle afresh.
+    SEEN_OBJ[i].store(obj, Relaxed);
+    SEEN[i].store(handle, Relaxed);
 }
 
 #[cfg(test)]
@@ -148,10 +231,18 @@ mod tests {
 
     #[test]
     fn reads_mapped_words_and_refuses_unmapped_ones() {
-        let word: usize = 0x1234_5678_9abc_def0;
-        assert_eq!(read_word(&raw const word as usize), Some(word));
+        let words: [usize; 2] = [0x1234_5678_9abc_def0, 77];
+        let at = |i: usize| &raw const words[i] as usize;
+        assert_eq!(read_word(at(0)), Some(words[0]));
+        assert_eq!(read_words([at(1), at(0)]), Some([77, words[0]]));
         assert_eq!(read_word(8), None);
         assert_eq!(read_word(usize::MAX - 7), None);
+        assert_eq!(
+            read_words([at(0), 8]),
+            None,
+            "one unreadable word fails the read"
+        );
+        assert_eq!(read_words([8, at(0)]), None);
     }
 
     #[test]
@@ -169,14 +260,37 @@ mod tests {
     }
 
     #[test]
-    fn a_record_holding_itself_back_is_found_and_judged_live() {
-        let (rec, _obj) = record(Some(10));
+    fn a_record_holding_itself_back_is_found_judged_live_and_remembered() {
+        let (rec, obj) = record(Some(10));
         let h = addr(&rec);
         assert_eq!(back_offsets(h), vec![80]);
-        assert!(holds_back(h, 80));
-        assert_eq!(judge(h, Some(80)), Liveness::Live);
+        assert_eq!(stream_object(h, 80), Some(obj.as_ptr() as usize));
+        assert!(!seen(h, 80));
         assert_eq!(judge(h, Some(88)), Liveness::NotAStream);
+        assert!(!seen(h, 80), "a refused handle was remembered");
         assert_eq!(judge(h, None), Liveness::Unknown);
+        assert!(!seen(h, 80), "an unknown handle was remembered");
+        assert_eq!(judge(h, Some(80)), Liveness::Live);
+        assert!(seen(h, 80));
+        assert!(!seen(h, 88), "seen at another offset");
+    }
+
+    #[test]
+    fn a_remembered_handle_whose_record_changed_is_judged_again() {
+        // As glibc does to a freed record: its first word overwritten.
+        let (mut rec, _obj) = record(Some(10));
+        let h = addr(&rec);
+        assert_eq!(judge(h, Some(80)), Liveness::Live);
+        assert!(seen(h, 80));
+        rec[0] ^= 0x5a50;
+        assert!(!seen(h, 80));
+        assert_eq!(judge(h, Some(80)), Liveness::NotAStream);
+        // And an object that no longer holds the handle.
+        let (rec2, mut obj2) = record(Some(10));
+        let h2 = addr(&rec2);
+        assert_eq!(judge(h2, Some(80)), Liveness::Live);
+        obj2[10] = 0;
+        assert!(!seen(h2, 80));
     }
 
     #[test]
@@ -184,16 +298,33 @@ mod tests {
         let (rec, _obj) = record(None);
         let h = addr(&rec);
         assert!(back_offsets(h).is_empty());
+        assert_eq!(common_offset(h, h), None);
         assert_eq!(judge(h, Some(80)), Liveness::NotAStream);
-        // Without a driver the layout cannot be learnt: the check cannot tell.
+        // Without a driver the layout cannot be learnt: the check cannot tell, and does not
+        // give up learning.
         if !crate::cuda_available() {
+            assert_eq!(back(), None);
+            assert_eq!(BACK.load(Relaxed), 0);
             assert_eq!(liveness(h), Liveness::Unknown);
-            assert_eq!(
-                liveness(h),
-                Liveness::Unknown,
-                "an unknown handle was remembered"
-            );
         }
+    }
+
+    #[test]
+    fn what_was_learnt_reads_back() {
+        assert_eq!(decode(0), None, "nothing learnt yet");
+        for found in [None, Some(0), Some(8), Some(80), Some(504)] {
+            assert_ne!(encode(found), 0, "{found:?} would read as nothing learnt");
+            assert_eq!(decode(encode(found)), Some(found));
+        }
+    }
+
+    #[test]
+    fn two_records_agree_on_their_offset() {
+        let (a, _oa) = record(Some(10));
+        let (b, _ob) = record(Some(10));
+        let (c, _oc) = record(Some(3));
+        assert_eq!(common_offset(addr(&a), addr(&b)), Some(80));
+        assert_eq!(common_offset(addr(&a), addr(&c)), None);
     }
 
     #[test]
@@ -205,19 +336,26 @@ mod tests {
         obj[11] = h;
         rec[0] = obj.as_ptr() as usize + 4;
         assert_eq!(read_word(rec[0] + 84), Some(h));
-        assert!(!holds_back(h, 84));
+        assert_eq!(stream_object(h, 84), None);
     }
 
     #[test]
-    fn remembered_handles_are_seen() {
-        let h = 0x7777_0000_0040;
-        assert!(!seen(h));
-        remember(h);
-        assert!(seen(h));
-        assert_eq!(liveness(h), Liveness::Live);
-        // Eight consecutive handles (streams are heap objects) are all kept.
-        let many: Vec<usize> = (0..SEEN.len()).map(|i| 0x6666_0000_0000 + 8 * i).collect();
-        many.iter().for_each(|&h| remember(h));
-        assert!(many.iter().all(|&h| seen(h)));
+    fn remembered_handles_are_kept_side_by_side() {
+        // Eight records 16 bytes apart (allocators align small objects to 16) are all kept.
+        let n = SEEN.len();
+        let mut recs = vec![[0usize; 2]; n];
+        let mut objs = vec![vec![0usize; SEARCH_WORDS]; n];
+        for (rec, obj) in recs.iter_mut().zip(objs.iter_mut()) {
+            rec[0] = obj.as_ptr() as usize;
+            obj[10] = rec.as_ptr() as usize;
+        }
+        let hs: Vec<usize> = recs.iter().map(|r| r.as_ptr() as usize).collect();
+        for &h in &hs {
+            assert_eq!(judge(h, Some(80)), Liveness::Live);
+        }
+        assert!(
+            hs.iter().all(|&h| seen(h, 80)),
+            "a remembered handle was pushed out"
+        );
     }
 }

@@ -130,19 +130,18 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     let tune = bounce::h2d_tuning();
     let pool = bounce::workers();
     let threads = pool.map_or(1, |p| p.current_num_threads() + 1);
-    // The per-thread default stream is a different stream on every thread, so the workers
-    // cannot issue on it. They issue on the legacy default stream instead: the per-thread
-    // stream is a blocking stream, so the legacy stream's work follows the caller's earlier
-    // work on it and the caller's later work follows the legacy stream's.
-    // (The seeded-bug harness, `scripts/gpu-run broken-ptds`: workers issuing on their own
-    // per-thread streams must fail the GPU tests.)
-    let stream =
+    // The per-thread default stream is a different stream on every thread: the pieces must all
+    // be issued from the caller's thread, where the returned event is recorded. (Issuing them on
+    // the legacy default stream instead, which the per-thread one is ordered with, would let
+    // every copy thread fill, but ties the copy to every blocking stream of the context and
+    // fails while any of them captures a graph.) The seeded-bug harness, `scripts/gpu-run
+    // broken-ptds`: workers issuing on their own per-thread streams must fail the GPU tests.
+    let workers =
         if stream == StreamHandle::PER_THREAD && !cfg!(pinstage_seeded_bug = "ptds_workers") {
-            StreamHandle::LEGACY
+            1
         } else {
-            stream
+            tune.workers_for(src.len()).min(threads)
         };
-    let workers = tune.workers_for(src.len()).min(threads);
     if src.len() < tune.driver_below {
         let done = Event::new_in(cur)?;
         // SAFETY: `src` pageable: the driver stages it before returning; `dst` holds `len`

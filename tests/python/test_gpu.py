@@ -693,9 +693,11 @@ if case == "closed-cupy":
     h = s.ptr
     del s  # cupy destroys the stream
     gc.collect()
-elif case == "closed-torch-external":
+elif case == "used-then-closed-cupy":
+    # Taken as a live stream first (pinstage remembers live handles), then destroyed.
     s = cp.cuda.Stream(non_blocking=True)
-    h = torch.cuda.ExternalStream(s.ptr).cuda_stream
+    h = s.ptr
+    pinstage.copy_h2d(torch.zeros(4, dtype=torch.int32, device="cuda"), np.arange(4, dtype=np.int32), stream=h).wait()
     del s
     gc.collect()
 elif case == "garbage":
@@ -744,7 +746,7 @@ print("alive", flush=True)
 
 @pytest.mark.parametrize(
     "case",
-    ["closed-cupy", "closed-torch-external", "garbage", "python-object", "numpy-data", "event", "heap-start",
+    ["closed-cupy", "used-then-closed-cupy", "garbage", "python-object", "numpy-data", "event", "heap-start",
      "heap-middle"],
 )
 def test_integers_that_are_no_live_stream_are_refused(gpu, case):
