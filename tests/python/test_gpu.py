@@ -776,8 +776,9 @@ def test_live_stream_integers_are_accepted(gpu):
     cp = pytest.importorskip("cupy")
     ts = torch.cuda.Stream()
     cs = cp.cuda.Stream(non_blocking=True)
+    blocking = cp.cuda.Stream()  # cupy's default: a blocking stream
     step = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16)}), depth=2)
-    for i, h in enumerate([ts.cuda_stream, cs.ptr, torch.cuda.current_stream().cuda_stream, 1, 2]):
+    for i, h in enumerate([ts.cuda_stream, cs.ptr, blocking.ptr, torch.cuda.current_stream().cuda_stream, 1, 2]):
         dst = torch.full((16,), -7, dtype=torch.int32, device="cuda")
         src = np.arange(16, dtype=np.int32) * 3 + i
         pinstage.copy_h2d(dst, src, stream=h).wait()
