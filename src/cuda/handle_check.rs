@@ -84,28 +84,16 @@ fn common_offset(a: usize, b: usize) -> Option<usize> {
 }
 
 /// Learns the offset from two streams made for it: in the context current on this thread if
-/// there is one (a framework's), else in device 0's primary context. `Err` when no stream
-/// could be made (no driver, a device that refuses): learning is tried again next time.
+/// there is one (a framework's) and it makes them, else in device 0's primary context. `Err`
+/// when no stream could be made (no driver, a device that refuses): learning is tried again
+/// next time.
 fn learn() -> Result<Option<usize>, ()> {
     driver::probe().map_err(|_| ())?;
     super::device::ensure_usable().map_err(|_| ())?;
-    if driver::ctx::ctx_get_current().is_ok_and(|c| !c.is_null()) {
-        // SAFETY: a context is current on this thread (asked just above).
-        let a = unsafe { driver::stream::stream_create() }.map_err(|_| ())?;
-        // SAFETY: as above.
-        let b = unsafe { driver::stream::stream_create() };
-        let found = b
-            .as_ref()
-            .ok()
-            .map(|b| common_offset(a as usize, *b as usize));
-        // SAFETY: the streams made above, idle, destroyed once.
-        unsafe {
-            let _ = driver::stream::stream_destroy(a);
-            if let Ok(b) = b {
-                let _ = driver::stream::stream_destroy(b);
-            }
-        }
-        return found.ok_or(());
+    if driver::ctx::ctx_get_current().is_ok_and(|c| !c.is_null())
+        && let Some(found) = learn_in_current()
+    {
+        return Ok(found);
     }
     let device = Device::new(0).map_err(|_| ())?;
     let a = Stream::new(&device).map_err(|_| ())?;
@@ -113,15 +101,37 @@ fn learn() -> Result<Option<usize>, ()> {
     Ok(common_offset(a.handle().as_raw(), b.handle().as_raw()))
 }
 
+/// [`learn`] in the context current on this thread; `None` if it makes no streams.
+fn learn_in_current() -> Option<Option<usize>> {
+    // SAFETY: a context is current on this thread (the caller asked).
+    let a = unsafe { driver::stream::stream_create() }.ok()?;
+    // SAFETY: as above.
+    let b = unsafe { driver::stream::stream_create() };
+    let found = b
+        .as_ref()
+        .ok()
+        .map(|b| common_offset(a as usize, *b as usize));
+    // SAFETY: the streams made above, idle, destroyed once.
+    unsafe {
+        let _ = driver::stream::stream_destroy(a);
+        if let Ok(b) = b {
+            let _ = driver::stream::stream_destroy(b);
+        }
+    }
+    found
+}
+
 /// The offset, learnt on first use (`None`: the layout is unknown, for now or for good).
 fn back() -> Option<usize> {
     match decode(BACK.load(Relaxed)) {
         Some(known) => known,
         None => match learn() {
-            Ok(found) => {
-                BACK.store(encode(found), Relaxed);
-                found
-            }
+            // The first thread to store what it learnt decides; one that learnt at the same
+            // time uses that.
+            Ok(found) => match BACK.compare_exchange(0, encode(found), Relaxed, Relaxed) {
+                Ok(_) => found,
+                Err(word) => decode(word).flatten(),
+            },
             Err(()) => None,
         },
     }
@@ -212,6 +222,13 @@ fn remember(handle: usize, obj: usize) {
 mod tests {
     use super::*;
 
+    /// The tests that remember handles share the process's cache.
+    static CACHE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn cache() -> std::sync::MutexGuard<'static, ()> {
+        CACHE.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// A record shaped as the driver's: its first word is the address of an object of
     /// `SEARCH_WORDS` words; `at`, if given, is the word of the object that holds the record's
     /// address. Returns (record, object), both kept alive by the caller.
@@ -261,6 +278,7 @@ mod tests {
 
     #[test]
     fn a_record_holding_itself_back_is_found_judged_live_and_remembered() {
+        let _cache = cache();
         let (rec, obj) = record(Some(10));
         let h = addr(&rec);
         assert_eq!(back_offsets(h), vec![80]);
@@ -277,6 +295,7 @@ mod tests {
 
     #[test]
     fn a_remembered_handle_whose_record_changed_is_judged_again() {
+        let _cache = cache();
         // As glibc does to a freed record: its first word overwritten.
         let (mut rec, _obj) = record(Some(10));
         let h = addr(&rec);
@@ -341,6 +360,7 @@ mod tests {
 
     #[test]
     fn remembered_handles_are_kept_side_by_side() {
+        let _cache = cache();
         // Eight records 16 bytes apart (allocators align small objects to 16) are all kept.
         let n = SEEN.len();
         let mut recs = vec![[0usize; 2]; n];

@@ -698,6 +698,7 @@ elif case == "used-then-closed-cupy":
     s = cp.cuda.Stream(non_blocking=True)
     h = s.ptr
     pinstage.copy_h2d(torch.zeros(4, dtype=torch.int32, device="cuda"), np.arange(4, dtype=np.int32), stream=h).wait()
+    s.synchronize()  # idle, so the driver frees it at once
     del s
     gc.collect()
 elif case == "garbage":
