@@ -21,8 +21,10 @@ would read them there; they did not: half the rate) against non-temporal stores 
 slots; run zb (`--as-run-zb`) fewer slots, to keep the fill from running far ahead of the copy
 engine (no gain). Until run zc the pieces were about two per worker (2.7 MiB with 12 workers
 at 64 MiB); the default list compares whole 4 MiB pieces (fewer copies; the default since).
+Run zm (`--demote`) compared regular stores followed by `cldemote` of each unit (not adopted;
+the switch and that list are gone: commit 2d78d6b has them).
 Needs the lab wheel (`_set_h2d_tuning`).
-Usage: python3 benches/probe_h2d_slots.py [--as-run-r | --as-run-s | --as-run-v | --as-run-x | --as-run-z | --as-run-zb | --demote]
+Usage: python3 benches/probe_h2d_slots.py [--as-run-r | --as-run-s | --as-run-v | --as-run-x | --as-run-z | --as-run-zb]
 """
 
 import statistics
@@ -45,20 +47,6 @@ TUNINGS = [
     ("8 workers", dict(workers=8)),
     ("8 workers, two pieces per worker", dict(workers=8, per_worker=2)),
 ]
-
-# Run zm's list (`--demote`): regular stores into the slots, then `cldemote` of each filled unit
-# (lines pushed from the core's caches to the shared L3, where the copy engine's reads would find
-# them), against regular stores alone and the default's non-temporal stores.
-TUNINGS_ZM = [
-    ("the default: non-temporal stores", dict()),
-    ("regular stores", dict(nt_upto=0)),
-    ("regular stores + cldemote", dict(nt_upto=0, demote=True)),
-]
-if "--demote" in sys.argv:
-    TUNINGS = TUNINGS_ZM
-    with open("/proc/cpuinfo") as f:
-        flags = next((l for l in f if l.startswith("flags")), "").split()
-    print("cldemote in /proc/cpuinfo flags:", "cldemote" in flags, flush=True)
 
 # Run zb's list (`--as-run-zb`; two pieces per worker then).
 TUNINGS_ZB = [

@@ -172,7 +172,6 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
         pieces: &pieces,
         units: &units,
         nt: src.len() <= tune.nt_upto,
-        demote: tune.demote,
         slots,
         left,
         issued: padded(nslots),
@@ -219,8 +218,6 @@ struct Upload<'a, 's> {
     /// (piece, offset, bytes) of each unit, in address order.
     units: &'a [(usize, usize, usize)],
     nt: bool,
-    /// Regular stores are followed by `cldemote` (the laboratory's experiment).
-    demote: bool,
     slots: &'a [BounceSlot],
     /// Per piece: its units not yet done (filled, or given up after a failure). Whoever takes
     /// it to zero issues the piece's copy.
@@ -355,9 +352,6 @@ impl Upload<'_, '_> {
                 self.nt,
             )
         };
-        if self.demote && !self.nt {
-            bounce::demote(slot.buf.as_ptr().wrapping_add(at), len);
-        }
         Ok(())
     }
 

@@ -198,11 +198,6 @@ pub(crate) struct H2DTuning {
     /// on the first while the rest fill) instead of all at once at the end of a wave. A unit
     /// of at least `max_piece` gives each piece to one worker.
     pub(crate) unit: usize,
-    /// With regular stores (a copy larger than `nt_upto`), push each filled unit's lines from
-    /// the core's caches to the shared last-level cache (`cldemote`, a no-op on CPUs without
-    /// it), where the copy engine's reads find them without a snoop (the laboratory's
-    /// experiment; off by default).
-    pub(crate) demote: bool,
 }
 
 impl H2DTuning {
@@ -217,7 +212,6 @@ impl H2DTuning {
         nt_upto: 128 << 20,
         driver_below: 0,
         unit: 256 << 10,
-        demote: false,
     };
 
     /// Workers for a copy of `len` bytes: one per 2 MiB, at least 4 (waking more costs more
@@ -339,28 +333,6 @@ pub(crate) unsafe fn fill(dst: *mut u8, src: *const u8, n: usize, nt: bool) {
     let _ = nt;
     // SAFETY: the caller's ranges.
     unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
-}
-
-/// Hints the CPU to move the cache lines of `ptr..ptr+n` from the core's caches to the shared
-/// last-level cache (`cldemote`; its encoding is a no-op on CPUs without it), so a device
-/// reading them next finds them there instead of snooping a core.
-pub(crate) fn demote(ptr: *const u8, n: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let mut at = ptr as usize & !63;
-        let end = ptr as usize + n;
-        while at < end {
-            // SAFETY: `cldemote m8` (NP 0F 1C /0, written as bytes: assemblers may not know it)
-            // is a hint that reads nothing and changes no architectural state; a hint-NOP on
-            // CPUs without it.
-            unsafe {
-                std::arch::asm!(".byte 0x0f, 0x1c, 0x00", in("rax") at, options(nostack, preserves_flags, readonly));
-            }
-            at += 64;
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (ptr, n);
 }
 
 #[cfg(test)]
@@ -496,7 +468,6 @@ mod tests {
             nt_upto: 7,
             driver_below: 9,
             unit: 100_000,
-            demote: true,
         };
         assert_eq!(
             clamped(wild),
@@ -564,14 +535,5 @@ mod tests {
                 assert!(dst[off + n..].iter().all(|&b| b == 0xEE), "nt={nt} n={n}");
             }
         }
-    }
-
-    #[test]
-    fn demote_leaves_every_byte_as_it_was() {
-        let mut buf: Vec<u8> = (0..200_003u32).map(|i| (i * 7 + 3) as u8).collect();
-        let want = buf.clone();
-        demote(buf.as_mut_ptr().wrapping_add(1), buf.len() - 1);
-        demote(buf.as_ptr(), 0);
-        assert_eq!(buf, want);
     }
 }
