@@ -13,6 +13,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
+use super::stream::possible_handle;
 use super::{Device, Stream};
 use crate::driver;
 
@@ -156,7 +157,7 @@ pub(crate) fn liveness(handle: usize) -> Liveness {
     if handle <= 2 {
         return Liveness::Live;
     }
-    if !possible(handle) {
+    if !possible_handle(handle) {
         return Liveness::NotAStream;
     }
     let back = back();
@@ -166,12 +167,6 @@ pub(crate) fn liveness(handle: usize) -> Liveness {
         return Liveness::Live;
     }
     judge(handle, back)
-}
-
-/// Whether a handle other than 0, 1, 2 can be a stream object's address: above the first
-/// 64 KiB and 8-byte aligned.
-fn possible(handle: usize) -> bool {
-    handle >= 0x1_0000 && handle % 8 == 0
 }
 
 /// The verdict on a possible handle, given the back-reference offset (`None`: the layout is
@@ -265,11 +260,11 @@ mod tests {
     #[test]
     fn impossible_integers_are_refused_before_any_read() {
         for h in [3, 7, 0x8000, 0xfff8, 0x1_0001, 0x1_0004, 0xffff_fff9] {
-            assert!(!possible(h), "{h:#x}");
+            assert!(!possible_handle(h), "{h:#x}");
             assert_eq!(liveness(h), Liveness::NotAStream, "{h:#x}");
         }
         for h in [0x1_0000, 0x1_0008, 0x7fff_0000_0000] {
-            assert!(possible(h), "{h:#x}");
+            assert!(possible_handle(h), "{h:#x}");
         }
         for h in [0, 1, 2] {
             assert_eq!(liveness(h), Liveness::Live);

@@ -35,11 +35,17 @@ impl StreamHandle<'static> {
     ///    dereference it.
     #[inline]
     pub unsafe fn from_raw(handle: usize) -> Result<Self> {
-        if handle > 2 && (handle < 0x1_0000 || handle % 8 != 0) {
+        if !possible_handle(handle) {
             return Err(Error::BadStreamHandle { handle });
         }
         Ok(Self(handle, PhantomData))
     }
+}
+
+/// Whether `handle` can be a stream handle at all: 0, 1, 2 (the special ones), or a heap
+/// pointer, so 8-byte aligned and above the first 64 KiB.
+pub(crate) fn possible_handle(handle: usize) -> bool {
+    handle <= 2 || (handle >= 0x1_0000 && handle % 8 == 0)
 }
 
 impl StreamHandle<'_> {

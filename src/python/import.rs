@@ -484,7 +484,8 @@ pub(crate) fn checked_int_stream(h: usize) -> PyResult<usize> {
     let live = match crate::cuda::liveness(h) {
         crate::cuda::Liveness::Live => true,
         crate::cuda::Liveness::NotAStream => false,
-        crate::cuda::Liveness::Unknown => h <= 2 || stream_memory_plausible(h),
+        // Only a possible handle other than 0, 1, 2 is unknown.
+        crate::cuda::Liveness::Unknown => stream_memory_plausible(h),
     };
     if live {
         Ok(h)
@@ -500,9 +501,6 @@ pub(crate) fn checked_int_stream(h: usize) -> PyResult<usize> {
 /// a live stream passes it.
 fn stream_memory_plausible(addr: usize) -> bool {
     use std::sync::atomic::Ordering::Relaxed;
-    if addr < 0x1_0000 || addr % 8 != 0 {
-        return false;
-    }
     // The map is read once per handle (a torch process has thousands of mappings).
     if PLAUSIBLE.iter().any(|a| a.load(Relaxed) == addr) {
         return true;
