@@ -146,21 +146,10 @@ mod tests {
     #[test]
     fn a_preferred_node_is_the_ranges_policy() {
         const MPOL_F_ADDR: libc::c_ulong = 2;
-        let len = 4 << 20;
-        // SAFETY: a fresh anonymous mapping, unmapped below.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED);
-        // SAFETY: our mapping.
-        let took = unsafe { prefer_node(p.cast(), len, 0) };
+        let pages = crate::host::mapped::MappedPages::new_untouched(4 << 20).unwrap();
+        let (p, len) = (pages.as_ptr(), pages.len());
+        // SAFETY: our fresh, untouched mapping.
+        let took = unsafe { prefer_node(p, len, 0) };
         assert!(took, "{}", std::io::Error::last_os_error());
         let mut mode: libc::c_int = -1;
         let mut mask = [0u64; MASK_BITS / 64];
@@ -178,8 +167,7 @@ mod tests {
         assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
         assert_eq!(mode, 1, "MPOL_PREFERRED");
         assert_eq!(mask[0] & 1, 1, "node 0");
-        // SAFETY: ours, unmapped once.
-        unsafe { libc::munmap(p, len) };
+        drop(pages);
         // A node beyond the mask is refused before the kernel is asked.
         // SAFETY: nothing is mapped or touched for a refused node.
         assert!(!unsafe { prefer_node(std::ptr::null_mut(), 4096, MASK_BITS as u32) });
