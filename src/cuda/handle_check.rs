@@ -323,6 +323,38 @@ mod tests {
         }
     }
 
+    /// On a machine with a driver: the layout is learnt from real streams, a live stream is
+    /// taken, and its handle is refused once the stream is destroyed.
+    #[test]
+    fn the_layout_is_learnt_from_the_drivers_streams() {
+        if !crate::cuda_available() {
+            assert!(
+                !std::env::var("PINSTAGE_REQUIRE_GPU").is_ok_and(|v| v == "1"),
+                "PINSTAGE_REQUIRE_GPU=1 but no CUDA driver"
+            );
+            eprintln!("skipped: no CUDA driver");
+            return;
+        }
+        let _cache = cache();
+        let off = back().expect("the stream layout was not learnt on this driver");
+        eprintln!("stream layout: the object holds its handle back at +{off}");
+        // The first words of an object are where a coincidence is likeliest (a vtable, a
+        // self-pointer); a back-reference found there would make the check weak.
+        assert!(off >= 16, "back-reference at +{off}: too weak a check");
+        let device = Device::new(0).unwrap();
+        let s = Stream::new(&device).unwrap();
+        let h = s.handle().as_raw();
+        assert_eq!(liveness(h), Liveness::Live);
+        assert_eq!(liveness(h), Liveness::Live, "remembered");
+        assert_eq!(liveness(h + 8), Liveness::NotAStream);
+        drop(s);
+        assert_eq!(
+            liveness(h),
+            Liveness::NotAStream,
+            "a destroyed stream's handle was taken"
+        );
+    }
+
     #[test]
     fn what_was_learnt_reads_back() {
         assert_eq!(decode(0), None, "nothing learnt yet");
