@@ -22,8 +22,8 @@ slots; run zb (`--as-run-zb`) fewer slots, to keep the fill from running far ahe
 engine (no gain). Until run zc the pieces were about two per worker (2.7 MiB with 12 workers
 at 64 MiB); the default list compares whole 4 MiB pieces (fewer copies; the default since).
 Run zm (`--demote`) compared regular stores followed by `cldemote` of each unit (not adopted;
-the switch and that list are gone: commit 2d78d6b has them). `--streams` compares the copies
-alternating over two or three streams (the lab's `streams` tuning) against one.
+the switch and that list are gone: commit 2d78d6b has them). Run zq (`--streams`) compared the
+copies alternating over two or three streams against one (not adopted: commit 815b874 has it).
 Needs the lab wheel (`_set_h2d_tuning`).
 Usage: python3 benches/probe_h2d_slots.py [--streams | --as-run-r | --as-run-s | --as-run-v | --as-run-x | --as-run-z | --as-run-zb]
 """
@@ -49,8 +49,9 @@ TUNINGS = [
     ("8 workers, two pieces per worker", dict(workers=8, per_worker=2)),
 ]
 
-# Several streams (`--streams`): the pieces' copies alternate over the caller's stream and
-# streams made for the copy, so more than one copy engine may read the slots at once.
+# Run zq's list (`--streams`; the `streams` tuning is gone: commit 815b874 has it): the pieces'
+# copies alternating over the caller's stream and streams made for the copy, so more than one
+# copy engine may read the slots at once.
 TUNINGS_STREAMS = [
     ("the default: one stream", dict()),
     ("two streams", dict(streams=2)),

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crossbeam_utils::CachePadded;
 
-use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
+use crate::cuda::{Current, Device, Event, StreamHandle};
 use crate::driver;
 use crate::error::{Error, Result};
 use crate::host::bounce::{self, BounceSlot};
@@ -153,11 +153,6 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     let units = tune.units(&pieces);
     let nslots = tune.slots.min(pieces.len());
     let done = Event::new_in(cur)?;
-    let aux = if tune.streams > 1 && workers > 1 && pieces.len() > 1 {
-        aux_streams(cur, stream, tune.streams - 1)?
-    } else {
-        Vec::new()
-    };
     let lent = bounce::Lent::take(cur, nslots, tune.max_piece)?;
     let slots = &lent.slots;
     let zeros = |n: usize| -> Vec<AtomicUsize> { (0..n).map(|_| AtomicUsize::new(0)).collect() };
@@ -185,7 +180,6 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
         failed: AtomicBool::new(false),
         error: parking_lot::Mutex::new(None),
         stream,
-        aux: &aux,
         #[cfg(feature = "lab")]
         t0,
     };
@@ -207,26 +201,7 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     }
     #[cfg(feature = "lab")]
     crate::lab::h2d_trace::piece(t0, usize::MAX, 0, std::time::Instant::now());
-    let mut error = job.error.into_inner();
-    // The caller's stream waits for the copies on the extra streams; on an error they are
-    // waited for here, so none still writes into `dst` or reads a slot.
-    for a in &aux {
-        let joined = error.is_none().then(|| {
-            let ev = Event::new_in(cur)?;
-            ev.record_in(cur, a.handle())?;
-            ev.wait_on(stream)
-        });
-        match joined {
-            Some(Ok(())) => {}
-            Some(Err(e)) => {
-                let _ = a.handle().synchronize(cur);
-                error = Some(e);
-            }
-            None => {
-                let _ = a.handle().synchronize(cur);
-            }
-        }
-    }
+    let error = job.error.into_inner();
     drop(lent);
     // A failure (copies issued before it may still write into `dst`), or copies that cannot
     // be tracked: the stream is waited for before the error returns.
@@ -258,9 +233,6 @@ struct Upload<'a, 's> {
     failed: AtomicBool,
     error: parking_lot::Mutex<Option<Error>>,
     stream: StreamHandle<'s>,
-    /// Extra streams the pieces alternate over with `stream` (the laboratory's experiment;
-    /// usually none).
-    aux: &'a [Stream],
     /// When the upload started (the laboratory's trace).
     #[cfg(feature = "lab")]
     t0: std::time::Instant,
@@ -387,10 +359,6 @@ impl Upload<'_, '_> {
     fn send(&self, cur: &Current<'_>, p: usize, s: usize) -> Result<()> {
         let slot = &self.slots[s];
         let (off, n) = self.pieces[p];
-        let stream = match p % (self.aux.len() + 1) {
-            0 => self.stream,
-            k => self.aux[k - 1].handle(),
-        };
         // SAFETY: the slot stays untouched until its event completed (recorded next, or the
         // stream is synchronized); dst + off..+n lies within the destination (sizes checked).
         unsafe {
@@ -400,23 +368,10 @@ impl Upload<'_, '_> {
                 self.dst + off as u64,
                 slot.buf.shared_mut_ptr(),
                 n,
-                stream,
+                self.stream,
             )
         }
     }
-}
-
-/// `n` streams made for one copy, each ordered after the work queued on `stream` so far.
-fn aux_streams(cur: &Current<'_>, stream: StreamHandle, n: usize) -> Result<Vec<Stream>> {
-    let start = Event::new_in(cur)?;
-    start.record_in(cur, stream)?;
-    (0..n)
-        .map(|_| {
-            let s = Stream::new(cur.device())?;
-            start.wait_on(s.handle())?;
-            Ok(s)
-        })
-        .collect()
 }
 
 /// Copies `src` into `dst` (equal sizes) and waits until the source may change: a pinned source

@@ -198,10 +198,6 @@ pub(crate) struct H2DTuning {
     /// on the first while the rest fill) instead of all at once at the end of a wave. A unit
     /// of at least `max_piece` gives each piece to one worker.
     pub(crate) unit: usize,
-    /// Streams the pieces' copies alternate over (1: the caller's alone). More streams may get
-    /// more copy engines reading the slots at once; the extra ones are made for the copy, wait
-    /// for the caller's stream first, and the caller's stream waits for them after.
-    pub(crate) streams: usize,
 }
 
 impl H2DTuning {
@@ -216,7 +212,6 @@ impl H2DTuning {
         nt_upto: 128 << 20,
         driver_below: 0,
         unit: 256 << 10,
-        streams: 1,
     };
 
     /// Workers for a copy of `len` bytes: one per 2 MiB, at least 4 (waking more costs more
@@ -282,7 +277,7 @@ pub(crate) fn h2d_tuning() -> H2DTuning {
 
 /// Sets the pageable H2D path's tuning (the laboratory's experiments; values are clamped to
 /// sane ranges: 1..=64 workers, pieces and units of 64 KiB..=64 MiB, 2..=64 slots, at most
-/// 64 pieces per worker, 1..=4 streams).
+/// 64 pieces per worker).
 #[cfg_attr(not(feature = "lab"), allow(dead_code))]
 pub(crate) fn set_h2d_tuning(t: H2DTuning) {
     let max_piece = t
@@ -299,7 +294,6 @@ pub(crate) fn set_h2d_tuning(t: H2DTuning) {
         slots: t.slots.clamp(2, 64),
         unit: t.unit.clamp(64 << 10, 64 << 20).next_multiple_of(64 << 10),
         per_worker: t.per_worker.min(64),
-        streams: t.streams.clamp(1, 4),
         ..t
     };
 }

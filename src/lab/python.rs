@@ -74,7 +74,7 @@ fn set_d2h_tuning(landing: bool, gil_held_max: usize, gil_spin_us: u64) -> (bool
 /// Sets the pageable H2D path's tuning and returns the previous one as a dict; no arguments:
 /// the defaults (see `host::bounce::H2DTuning`).
 #[pyfunction]
-#[pyo3(name = "_set_h2d_tuning", signature = (workers=None, max_piece=None, min_piece=None, slots=None, ramp=None, nt_upto=None, driver_below=None, unit=None, per_worker=None, streams=None))]
+#[pyo3(name = "_set_h2d_tuning", signature = (workers=None, max_piece=None, min_piece=None, slots=None, ramp=None, nt_upto=None, driver_below=None, unit=None, per_worker=None))]
 #[allow(clippy::too_many_arguments)]
 fn set_h2d_tuning<'py>(
     py: Python<'py>,
@@ -87,7 +87,6 @@ fn set_h2d_tuning<'py>(
     driver_below: Option<usize>,
     unit: Option<usize>,
     per_worker: Option<usize>,
-    streams: Option<usize>,
 ) -> PyResult<Bound<'py, PyDict>> {
     use crate::host::bounce::{H2DTuning, h2d_tuning};
     let old = h2d_tuning();
@@ -102,7 +101,6 @@ fn set_h2d_tuning<'py>(
         driver_below: driver_below.unwrap_or(d.driver_below),
         unit: unit.unwrap_or(d.unit),
         per_worker: per_worker.unwrap_or(d.per_worker),
-        streams: streams.unwrap_or(d.streams),
     });
     let out = PyDict::new(py);
     out.set_item("workers", old.workers)?;
@@ -114,7 +112,6 @@ fn set_h2d_tuning<'py>(
     out.set_item("driver_below", old.driver_below)?;
     out.set_item("unit", old.unit)?;
     out.set_item("per_worker", old.per_worker)?;
-    out.set_item("streams", old.streams)?;
     Ok(out)
 }
 
