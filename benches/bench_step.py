@@ -1,7 +1,8 @@
 """Step staging on the GPU, side by side with its peers in one run.
 
 Host microseconds per step, loop (steps back to back), values changing every step (64 value
-sets cycled). Every timed batch starts on poisoned device fields and its result is checked
+sets cycled); and paced (the stream synchronized before each step, outside the timing, as a step
+arrives while an engine's GPU is idle or busy elsewhere; every paced step's result checked). Every timed batch starts on poisoned device fields and its result is checked
 after it (pinstage's and every peer's). Each implementation runs in each of `--rounds` rounds;
 the tables give the median round.
 
@@ -53,6 +54,25 @@ def timed(fn, steps, sets):
     for i in range(steps):
         fn(sets[i % len(sets)])
     return (time.perf_counter() - t0) / steps * 1e6
+
+
+def timed_paced(fn, steps, sets, idle, check=None):
+    """Host us of each call of `fn` issued while the GPU is idle (`idle()` waits for it, outside
+    the timing), as a step arrives while an engine's GPU is busy elsewhere: the median and the
+    mean. `check(i, values)`, if given, runs after each step (outside the timing)."""
+    for i in range(20):
+        fn(sets[i % len(sets)])
+    ts = []
+    clock = time.perf_counter_ns
+    for i in range(steps):
+        v = sets[i % len(sets)]
+        idle()
+        t0 = clock()
+        fn(v)
+        ts.append(clock() - t0)
+        if check is not None:
+            check(i, v)
+    return statistics.median(ts) / 1e3, statistics.fmean(ts) / 1e3
 
 
 def bench_engine(torch, steps, rounds):
@@ -129,9 +149,34 @@ def bench_engine(torch, steps, rounds):
         print(f"  {k:<40} {v:8.2f} us   stage is {v / base:5.2f}x faster")
     print(f"  stats: {st.stats()}")
 
+    # Paced: each step issued while the stream is idle, every step's fields checked.
+    n_paced = min(steps, 2000)
+
+    def checker(out):
+        def check(i, v):
+            s.synchronize()
+            for n, x in v.items():
+                if not np.array_equal(out[n][: len(x)].cpu().numpy(), x):
+                    raise AssertionError(f"paced step {i}: field {n} wrong")
+
+        return check
+
+    paced = {"empty call (the timer)": timed_paced(lambda v: None, n_paced, sets, s.synchronize)}
+    for name, (fn, out) in impls.items():
+        for t in out.values():
+            t.fill_(-77)
+        torch.cuda.synchronize()
+        paced[name] = timed_paced(fn, n_paced, sets, s.synchronize, checker(out))
+    R["engine"]["paced_us"] = paced
+    pbase = paced["StepStager.stage (one call)"][0]
+    print(f"\n== engine step, paced (the stream idle as each step arrives; every step checked), host us, median / mean of {n_paced}")
+    for k, (m, mean) in paced.items():
+        print(f"  {k:<40} {m:8.2f} / {mean:8.2f} us   stage is {m / pbase:5.2f}x faster")
+
 
 def bench_ksweep(torch, steps, rounds):
     res = {}
+    paced = {}
     s = torch.cuda.Stream()
     for k in (1, 2, 4, 8, 16, 32):
         L = pinstage.StepLayout({f"f{i}": ("int32", 256) for i in range(k)})
@@ -151,10 +196,20 @@ def bench_ksweep(torch, steps, rounds):
                 if not np.array_equal(outs[i].cpu().numpy(), last[f"f{i}"]):
                     raise AssertionError(f"k={k}: field {i} wrong")
         res[k] = statistics.median(times)
+
+        def check(i, v):
+            s.synchronize()
+            for j in range(k):
+                if not np.array_equal(outs[j].cpu().numpy(), v[f"f{j}"]):
+                    raise AssertionError(f"paced k={k} step {i}: field {j} wrong")
+
+        paced[k] = timed_paced(lambda v: st.stage(v, stream=s), min(steps, 2000), sets, s.synchronize, check)
     R["ksweep"] = res
-    print("\n== k fields of 1 KiB, StepStager.stage, host us per step")
+    R["ksweep_paced"] = paced
+    print("\n== k fields of 1 KiB, StepStager.stage, host us per step: loop; paced median / mean (every step checked)")
     for k, v in res.items():
-        print(f"  k={k:<3} {v:8.2f} us   ({v / res[1]:.2f}x k=1)")
+        m, mean = paced[k]
+        print(f"  k={k:<3} {v:8.2f} us   ({v / res[1]:.2f}x k=1);   paced {m:6.2f} / {mean:6.2f} us   ({m / paced[1][0]:.2f}x k=1)")
 
 
 def bench_jax(jax, steps, rounds):
@@ -388,6 +443,12 @@ def main():
         "torch idiom / stage": e["torch pinned-buffer idiom (6 copy_)"] / e["StepStager.stage (one call)"],
         "six targets / stage": e["six pinstage bound targets"] / e["StepStager.stage (one call)"],
         "k=32 / k=1": R["ksweep"][32] / R["ksweep"][1],
+        "paced stage us": R["engine"]["paced_us"]["StepStager.stage (one call)"][0],
+        "paced torch idiom / stage": R["engine"]["paced_us"]["torch pinned-buffer idiom (6 copy_)"][0]
+        / R["engine"]["paced_us"]["StepStager.stage (one call)"][0],
+        "paced six targets / stage": R["engine"]["paced_us"]["six pinstage bound targets"][0]
+        / R["engine"]["paced_us"]["StepStager.stage (one call)"][0],
+        "paced k=32 / k=1": R["ksweep_paced"][32][0] / R["ksweep_paced"][1][0],
     }
     if R["jax"]:
         ratios["six device_put / staged"] = R["jax"]["six jax.device_put"] / R["jax"]["StepStager fresh + one from_dlpack"]

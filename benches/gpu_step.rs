@@ -98,6 +98,55 @@ fn engine_rounds(
     median(ns)
 }
 
+/// Steps of the paced measurements.
+const PACED: usize = 2000;
+
+/// Paced engine steps through `st`: the stream is synchronized before each step (outside the
+/// timing), as a step arrives while an engine's GPU is idle or busy elsewhere; host ns of each
+/// step's puts and commit, median and mean. Every step's fields are read back and checked (the
+/// values change every step).
+fn engine_paced(
+    st: &StepStager,
+    arena: &DeviceBuffer,
+    l: &StepLayout,
+    sets: &[Vals],
+    stream: &Stream,
+) -> (f64, f64) {
+    st.order_after_commits(None).unwrap();
+    arena.upload(0, &vec![0xEE; l.nbytes()]).unwrap();
+    let mut ns = Vec::with_capacity(PACED);
+    for i in 0..PACED {
+        let v = &sets[i % 64];
+        stream.synchronize().unwrap();
+        let t0 = Instant::now();
+        let mut s = st.step().unwrap();
+        s.put("input_ids", &v.ids).unwrap();
+        s.put("positions", &v.pos).unwrap();
+        s.put("slot_mapping", &v.slots).unwrap();
+        s.put("seq_lens", &v.lens).unwrap();
+        s.put("query_start_loc", &v.qsl).unwrap();
+        s.put("block_table", &v.table).unwrap();
+        s.commit(stream.handle()).unwrap();
+        ns.push(t0.elapsed().as_nanos() as f64);
+        let want: [(&str, &[u8]); 6] = [
+            ("input_ids", bytemuck::cast_slice(&v.ids)),
+            ("positions", bytemuck::cast_slice(&v.pos)),
+            ("slot_mapping", bytemuck::cast_slice(&v.slots)),
+            ("seq_lens", bytemuck::cast_slice(&v.lens)),
+            ("query_start_loc", bytemuck::cast_slice(&v.qsl)),
+            ("block_table", bytemuck::cast_slice(&v.table)),
+        ];
+        for (name, bytes) in want {
+            assert_eq!(
+                read(st, arena, l, name, bytes.len()),
+                bytes,
+                "paced step {i}: {name}"
+            );
+        }
+    }
+    pinstage::lab::median_mean(ns)
+}
+
 fn main() {
     let Ok(dev) = Device::new(0) else {
         eprintln!("SKIP gpu_step: no GPU");
@@ -126,6 +175,8 @@ fn main() {
     .build()
     .unwrap();
     let span_step = engine_rounds(&st_span, &arena, &l, &sets, &stream);
+    let paced = engine_paced(&st, &arena, &l, &sets, &stream);
+    let paced_span = engine_paced(&st_span, &arena, &l, &sets, &stream);
     drop(st_span);
     let (floor_used, floor_six) =
         pinstage::lab::step_floor(&dev, &stream, used, 6, ITERS, ROUNDS).unwrap();
@@ -147,6 +198,26 @@ fn main() {
         floor_six / step
     );
     println!("  stats: {planned:?}");
+    let (f_used, f_used_mean) =
+        pinstage::lab::step_floor_paced(&dev, &stream, used, PACED).unwrap();
+    let (f_span, f_span_mean) =
+        pinstage::lab::step_floor_paced(&dev, &stream, span, PACED).unwrap();
+    println!(
+        "engine step, paced (the stream idle as each step arrives; every step checked), host ns \
+         per step, median / mean of {PACED}:"
+    );
+    println!(
+        "  StepStager step + 6 put + commit          {:9.0} / {:9.0}   step / floor(used) = {:.2}",
+        paced.0,
+        paced.1,
+        paced.0 / f_used
+    );
+    println!(
+        "  the same, one copy over the whole span    {:9.0} / {:9.0}",
+        paced_span.0, paced_span.1
+    );
+    println!("  driver: 1 HtoD of the used {used} B + record {f_used:9.0} / {f_used_mean:9.0}");
+    println!("  driver: 1 HtoD of the span {span} B + record {f_span:9.0} / {f_span_mean:9.0}");
 
     // k fields of 1 KiB.
     println!("k fields of 1 KiB, host ns per step:");

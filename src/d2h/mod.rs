@@ -225,7 +225,7 @@ pub fn landing_counts() -> (u64, u64) {
 static LANDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
 /// Turns landing words on or off for later copies; returns the previous setting (laboratory).
-#[cfg(feature = "lab")]
+#[cfg(all(feature = "lab", feature = "python"))]
 pub(crate) fn set_landing(on: bool) -> bool {
     LANDING.swap(on, std::sync::atomic::Ordering::Relaxed)
 }

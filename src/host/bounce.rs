@@ -278,7 +278,7 @@ pub(crate) fn h2d_tuning() -> H2DTuning {
 /// Sets the pageable H2D path's tuning (the laboratory's experiments; values are clamped to
 /// sane ranges: 1..=64 workers, pieces and units of 64 KiB..=64 MiB, 2..=64 slots, at most
 /// 64 pieces per worker).
-#[cfg_attr(not(feature = "lab"), allow(dead_code))]
+#[cfg_attr(not(all(feature = "lab", feature = "python")), allow(dead_code))]
 pub(crate) fn set_h2d_tuning(t: H2DTuning) {
     let max_piece = t
         .max_piece

@@ -9,7 +9,7 @@ mod registered;
 
 pub use bounce::{BOUNCE_CHUNK, BOUNCE_DEPTH, release_bounce_buffers};
 
-#[cfg(feature = "lab")]
+#[cfg(all(feature = "lab", feature = "python"))]
 pub(crate) use pinned::set_pin_by_register;
 pub use pinned::{PinnedBuffer, PinnedFlags, is_pinned, live_pinned_bytes};
 pub use pool::{DEFAULT_BUDGET, PinnedPool, PoolBlock, PoolStats, size_class};

@@ -19,7 +19,7 @@ pub fn live_pinned_bytes() -> usize {
 static PIN_BY_REGISTER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
 /// Chooses how [`PinnedBuffer::alloc`] gets pinned memory (the laboratory's comparisons).
-#[cfg_attr(not(feature = "lab"), allow(dead_code))]
+#[cfg_attr(not(all(feature = "lab", feature = "python")), allow(dead_code))]
 pub(crate) fn set_pin_by_register(on: bool) -> bool {
     PIN_BY_REGISTER.swap(on, std::sync::atomic::Ordering::Relaxed)
 }

@@ -408,6 +408,46 @@ pub fn step_floor(
     Ok((med(&mut one), med(&mut many)))
 }
 
+/// The driver's floor for one step, paced: the host ns of one `cuMemcpyHtoDAsync` of `bytes`
+/// from pinned memory + `cuEventRecord` issued while `stream` is idle (it is synchronized before
+/// each, outside the timing), as a step arrives while an engine's GPU is busy elsewhere: the
+/// median and the mean over `iters` steps.
+///
+/// # Errors
+/// Driver errors.
+pub fn step_floor_paced(
+    dev: &Device,
+    stream: &Stream,
+    bytes: usize,
+    iters: usize,
+) -> Result<(f64, f64)> {
+    let mut src = PinnedBuffer::new(dev, bytes.max(1), PinnedFlags::PORTABLE)?;
+    src.as_mut_slice().fill(7);
+    let dst = DeviceBuffer::new(dev, bytes.max(1))?;
+    let ev = dev.event()?;
+    let cur = dev.enter()?;
+    let h = stream.handle();
+    let mut ns = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        stream.synchronize()?;
+        let t0 = std::time::Instant::now();
+        // SAFETY: pinned source and device destination of `bytes`; the source is never
+        // rewritten; the context is current.
+        unsafe { memcpy_htod_async(dst.ptr(), src.as_ptr().cast(), bytes, h.raw()) }?;
+        ev.record_in(&cur, h)?;
+        ns.push(t0.elapsed().as_nanos() as f64);
+    }
+    stream.synchronize()?;
+    Ok(median_mean(ns))
+}
+
+/// The median and the mean of `v` (not empty).
+pub fn median_mean(mut v: Vec<f64>) -> (f64, f64) {
+    let mean = v.iter().sum::<f64>() / v.len() as f64;
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], mean)
+}
+
 /// What pinned memory costs to get and give back, per size in `sizes` (bytes): `cuMemHostAlloc`
 /// and `cuMemFreeHost`; pinstage's registered pages split into mapping + populating (several
 /// threads), `cuMemHostRegister`, `cuMemHostUnregister` and unmapping. Milliseconds, one
@@ -508,6 +548,7 @@ pub(crate) mod h2d_trace {
     static LOG: Mutex<Vec<(usize, usize, f64, f64)>> = Mutex::new(Vec::new());
 
     /// Starts (clearing the log) or stops tracing.
+    #[cfg(feature = "python")]
     pub(crate) fn set(on: bool) {
         LOG.lock().clear();
         ON.store(on, Ordering::Relaxed);
@@ -520,6 +561,7 @@ pub(crate) mod h2d_trace {
         }
     }
 
+    #[cfg(feature = "python")]
     pub(crate) fn take() -> Vec<(usize, usize, f64, f64)> {
         std::mem::take(&mut *LOG.lock())
     }
