@@ -102,32 +102,45 @@ fn engine_rounds(
 const PACED: usize = 2000;
 
 /// Paced engine steps through `st`: the stream is synchronized before each step (outside the
-/// timing), as a step arrives while an engine's GPU is idle or busy elsewhere; host ns of each
-/// step's puts and commit, median and mean. Every step's fields are read back and checked (the
-/// values change every step).
+/// timing), as a step arrives while an engine's GPU is idle or busy elsewhere. Returns the host
+/// ns of each step's claim, puts and commit (median and mean), and the medians of the claim, the
+/// puts and the commit alone. With `check_each`, every step's fields are read back and checked
+/// after it (the values change every step); else the last step's, after the run (the reads
+/// between steps evict what the next step would find in the caches).
 fn engine_paced(
     st: &StepStager,
     arena: &DeviceBuffer,
     l: &StepLayout,
     sets: &[Vals],
     stream: &Stream,
-) -> (f64, f64) {
+    check_each: bool,
+) -> ((f64, f64), [f64; 3]) {
     st.order_after_commits(None).unwrap();
     arena.upload(0, &vec![0xEE; l.nbytes()]).unwrap();
     let mut ns = Vec::with_capacity(PACED);
+    let mut parts: [Vec<f64>; 3] = Default::default();
     for i in 0..PACED {
         let v = &sets[i % 64];
         stream.synchronize().unwrap();
         let t0 = Instant::now();
         let mut s = st.step().unwrap();
+        let t1 = Instant::now();
         s.put("input_ids", &v.ids).unwrap();
         s.put("positions", &v.pos).unwrap();
         s.put("slot_mapping", &v.slots).unwrap();
         s.put("seq_lens", &v.lens).unwrap();
         s.put("query_start_loc", &v.qsl).unwrap();
         s.put("block_table", &v.table).unwrap();
+        let t2 = Instant::now();
         s.commit(stream.handle()).unwrap();
-        ns.push(t0.elapsed().as_nanos() as f64);
+        let t3 = Instant::now();
+        ns.push((t3 - t0).as_nanos() as f64);
+        parts[0].push((t1 - t0).as_nanos() as f64);
+        parts[1].push((t2 - t1).as_nanos() as f64);
+        parts[2].push((t3 - t2).as_nanos() as f64);
+        if !check_each && i + 1 < PACED {
+            continue;
+        }
         let want: [(&str, &[u8]); 6] = [
             ("input_ids", bytemuck::cast_slice(&v.ids)),
             ("positions", bytemuck::cast_slice(&v.pos)),
@@ -144,7 +157,7 @@ fn engine_paced(
             );
         }
     }
-    pinstage::lab::median_mean(ns)
+    (pinstage::lab::median_mean(ns), parts.map(|p| median(p)))
 }
 
 fn main() {
@@ -175,8 +188,9 @@ fn main() {
     .build()
     .unwrap();
     let span_step = engine_rounds(&st_span, &arena, &l, &sets, &stream);
-    let paced = engine_paced(&st, &arena, &l, &sets, &stream);
-    let paced_span = engine_paced(&st_span, &arena, &l, &sets, &stream);
+    let paced = engine_paced(&st, &arena, &l, &sets, &stream, true);
+    let paced_span = engine_paced(&st_span, &arena, &l, &sets, &stream, true);
+    let paced_quiet = engine_paced(&st, &arena, &l, &sets, &stream, false);
     drop(st_span);
     let (floor_used, floor_six) =
         pinstage::lab::step_floor(&dev, &stream, used, 6, ITERS, ROUNDS).unwrap();
@@ -206,16 +220,16 @@ fn main() {
         "engine step, paced (the stream idle as each step arrives; every step checked), host ns \
          per step, median / mean of {PACED}:"
     );
-    println!(
-        "  StepStager step + 6 put + commit          {:9.0} / {:9.0}   step / floor(used) = {:.2}",
-        paced.0,
-        paced.1,
-        paced.0 / f_used
-    );
-    println!(
-        "  the same, one copy over the whole span    {:9.0} / {:9.0}",
-        paced_span.0, paced_span.1
-    );
+    let row = |name: &str, ((m, mean), [claim, puts, commit]): ((f64, f64), [f64; 3])| {
+        println!(
+            "  {name:<41} {m:9.0} / {mean:9.0}   step / floor(used) = {:.2}; claim {claim:.0}, \
+             6 put {puts:.0}, commit {commit:.0}",
+            m / f_used
+        );
+    };
+    row("StepStager step + 6 put + commit", paced);
+    row("the same, one copy over the whole span", paced_span);
+    row("the same, checked after the run only", paced_quiet);
     println!("  driver: 1 HtoD of the used {used} B + record {f_used:9.0} / {f_used_mean:9.0}");
     println!("  driver: 1 HtoD of the span {span} B + record {f_span:9.0} / {f_span_mean:9.0}");
 
