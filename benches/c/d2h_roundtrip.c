@@ -3,8 +3,11 @@
 // cuEventSynchronize, or cuStreamWriteValue32 of a pinned flag after the copy and a spin on it.
 // Each on a non-blocking stream of its own and on the legacy default stream (where torch's
 // default current stream issues its work, and so pinstage's copies from torch tensors).
-// Prints the median host microseconds per round trip for each size.
-// Build: nvcc -O2 -o d2h_roundtrip benches/c/d2h_roundtrip.c -lcuda
+// Prints the median host microseconds per round trip for each size. The source holds a pattern
+// (no byte of it is the poison); the whole destination is poisoned before every round trip and
+// compared with the pattern after it (both outside the timing).
+// Build: nvcc -O2 -o d2h_roundtrip benches/c/d2h_roundtrip.c -lcuda (with -DSEEDED_BUG it must
+// stop with "wrong result")
 #include <cuda.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,7 +47,10 @@ int main(void) {
     CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
     CHECK(cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
     CHECK(cuMemAlloc(&src, 1 << 20));
-    CHECK(cuMemsetD8(src, 0x5A, 1 << 20));
+    unsigned char *want = malloc(1 << 20);
+    if (!want) return 1;
+    for (size_t i = 0; i < (1 << 20); i++) want[i] = (unsigned char)(i * 7 + 3 + (i >> 9)) | 1;
+    CHECK(cuMemcpyHtoD(src, want, 1 << 20));
     CHECK(cuMemHostAlloc((void **)&dst, 1 << 20, CU_MEMHOSTALLOC_PORTABLE));
     CHECK(cuMemHostAlloc((void **)&flag, 4096, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP));
     CHECK(cuMemHostGetDevicePointer(&flag_dev, (void *)flag, 0));
@@ -54,10 +60,14 @@ int main(void) {
         for (int mode = 0; mode < 4; mode++) {
             CUstream st = mode < 2 ? s : CU_STREAM_LEGACY;
             for (int i = -200; i < N; i++) {
-                dst[0] = 0; dst[n - 1] = 0;
+                memset(dst, 0x00, n);  // the poison: every byte of the pattern is odd
                 *flag = 0;
                 double t0 = now_us();
+#ifdef SEEDED_BUG  // -DSEEDED_BUG: one trip copies a byte short; the check must catch it
+                CHECK(cuMemcpyDtoHAsync(dst, src, (i == 7 && k == 0) ? n - 1 : n, st));
+#else
                 CHECK(cuMemcpyDtoHAsync(dst, src, n, st));
+#endif
                 if (mode % 2 == 0) {
                     CHECK(cuEventRecord(ev, st));
                     CHECK(cuEventSynchronize(ev));
@@ -66,7 +76,7 @@ int main(void) {
                     while (*flag != 1) { }
                 }
                 double t1 = now_us();
-                if (dst[0] != 0x5A || dst[n - 1] != 0x5A) { fprintf(stderr, "wrong result\n"); return 1; }
+                if (memcmp(dst, want, n) != 0) { fprintf(stderr, "wrong result: %zu B, mode %d, trip %d\n", n, mode, i); return 1; }
                 if (i >= 0) ts[i] = t1 - t0;
             }
             qsort(ts, N, sizeof(double), cmp);
