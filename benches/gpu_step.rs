@@ -157,7 +157,7 @@ fn engine_paced(
             );
         }
     }
-    (pinstage::lab::median_mean(ns), parts.map(|p| median(p)))
+    (pinstage::lab::median_mean(ns), parts.map(median))
 }
 
 fn main() {

@@ -116,9 +116,9 @@ fn numpy_source(src: &Bound<'_, PyAny>) -> PyResult<Option<Imported>> {
             (*arr.as_array_ptr()).fields.flags,
         )
     };
-    let shape = arr.shape().iter().map(|&d| d as i64).collect();
+    let shape: Vec<i64> = arr.shape().iter().map(|&d| d as i64).collect();
     let read_only = flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0;
-    let Some(meta) = crate::view::TensorMeta::host_nd(data, dtype, shape, read_only) else {
+    let Some(meta) = crate::view::TensorMeta::host_nd(data, dtype, &shape, read_only) else {
         return Ok(None);
     };
     // SAFETY: the array's own C-contiguous buffer of `numel * itemsize` bytes, kept alive by the

@@ -364,29 +364,24 @@ impl TensorMeta {
         }
     }
 
-    /// Metadata of a C-contiguous host tensor of `shape`; `None` when a dimension is negative
-    /// or the byte count overflows.
+    /// Metadata of a C-contiguous host tensor of `shape` (checked as [`validate`] checks a
+    /// DLPack CPU tensor); `None` where that refuses it.
     #[cfg(feature = "python")]
-    pub(crate) fn host_nd(
-        addr: u64,
-        dtype: DType,
-        shape: Vec<i64>,
-        read_only: bool,
-    ) -> Option<Self> {
-        let numel = shape
-            .iter()
-            .try_fold(1usize, |acc, &d| acc.checked_mul(usize::try_from(d).ok()?))?;
-        numel.checked_mul(dtype.itemsize())?;
-        addr.checked_add((numel * dtype.itemsize()) as u64)?;
-        Some(Self {
-            memory: MemoryKind::Host,
+    pub(crate) fn host_nd(addr: u64, dtype: DType, shape: &[i64], read_only: bool) -> Option<Self> {
+        let (code, bits) = dtype.dlpack();
+        validate(&TensorDesc {
             device_type: DL_CPU,
-            ptr: addr,
-            dtype,
+            device_id: 0,
+            data: addr,
+            byte_offset: 0,
+            code,
+            bits,
+            lanes: 1,
             shape,
-            numel,
+            strides: None,
             read_only,
         })
+        .ok()
     }
 
     /// Metadata of a contiguous 1-D tensor on CUDA device `device`.
