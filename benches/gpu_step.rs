@@ -191,14 +191,6 @@ fn main() {
     let paced = engine_paced(&st, &arena, &l, &sets, &stream, true);
     let paced_span = engine_paced(&st_span, &arena, &l, &sets, &stream, true);
     let paced_quiet = engine_paced(&st, &arena, &l, &sets, &stream, false);
-    // The laboratory's experiment: the values copied into the slot with non-temporal stores.
-    let was = pinstage::lab::set_step_put_nt(4096);
-    let paced_nt4k = engine_paced(&st, &arena, &l, &sets, &stream, false);
-    let loop_nt4k = engine_rounds(&st, &arena, &l, &sets, &stream);
-    pinstage::lab::set_step_put_nt(0);
-    let paced_nt = engine_paced(&st, &arena, &l, &sets, &stream, true);
-    let loop_nt = engine_rounds(&st, &arena, &l, &sets, &stream);
-    pinstage::lab::set_step_put_nt(was);
     drop(st_span);
     let (floor_used, floor_six) =
         pinstage::lab::step_floor(&dev, &stream, used, 6, ITERS, ROUNDS).unwrap();
@@ -238,11 +230,6 @@ fn main() {
     row("StepStager step + 6 put + commit", paced);
     row("the same, one copy over the whole span", paced_span);
     row("the same, checked after the run only", paced_quiet);
-    row("puts >= 4 KiB non-temporal, checked after", paced_nt4k);
-    row("every put non-temporal, each step checked", paced_nt);
-    println!(
-        "  loop with puts >= 4 KiB non-temporal {loop_nt4k:9.0}; every put non-temporal {loop_nt:9.0}"
-    );
     println!("  driver: 1 HtoD of the used {used} B + record {f_used:9.0} / {f_used_mean:9.0}");
     println!("  driver: 1 HtoD of the span {span} B + record {f_span:9.0} / {f_span_mean:9.0}");
 

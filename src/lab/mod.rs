@@ -441,13 +441,6 @@ pub fn step_floor_paced(
     Ok(median_mean(ns))
 }
 
-/// Step puts of at least `min_bytes` (whole rows, no pad, values not inside the slot) fill the
-/// slot with non-temporal stores (x86-64); `usize::MAX`: never (the default). Returns the
-/// previous threshold. The laboratory's experiment on what copying the values costs.
-pub fn set_step_put_nt(min_bytes: usize) -> usize {
-    crate::step::PUT_NT_MIN.swap(min_bytes, std::sync::atomic::Ordering::Relaxed)
-}
-
 /// The median and the mean of `v` (not empty).
 pub fn median_mean(mut v: Vec<f64>) -> (f64, f64) {
     let mean = v.iter().sum::<f64>() / v.len() as f64;

@@ -84,18 +84,6 @@ impl StepStager {
         // may alias the slot (a view of it), so the copies are memmoves.
         unsafe {
             if c == f.cols() {
-                #[cfg(feature = "lab")]
-                if rows == r
-                    && values.len() >= super::PUT_NT_MIN.load(std::sync::atomic::Ordering::Relaxed)
-                    && {
-                        let (v, d) = (values.as_ptr() as usize, base as usize);
-                        v + values.len() <= d || d + values.len() <= v
-                    }
-                {
-                    crate::host::bounce::fill(base, values.as_ptr(), values.len(), true);
-                    self.set_used(s, id, rows);
-                    return Ok(());
-                }
                 write_padded(base, values, pad, rows * row_bytes, true);
             } else {
                 let vrow = c * item;

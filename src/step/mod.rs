@@ -8,11 +8,6 @@
 //! (immutable consumers such as JAX), or nowhere (zero-copy: kernels read the slot in place).
 
 mod commit;
-/// The laboratory's switch: step puts of at least this many bytes use non-temporal stores
-/// (`lab::set_step_put_nt`).
-#[cfg(feature = "lab")]
-pub(crate) static PUT_NT_MIN: std::sync::atomic::AtomicUsize =
-    std::sync::atomic::AtomicUsize::new(usize::MAX);
 mod fill;
 mod layout;
 pub(crate) mod mem;
