@@ -350,8 +350,49 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
 mod slot_checks;
 pub use slot_checks::slot_check_costs;
 
-/// The driver's floor for one step: host ns per (`cuMemcpyHtoDAsync` of `bytes` from pinned
-/// memory + `cuEventRecord`), `iters` back to back on `stream` (median of `rounds`), and the
+/// A pinned source of `bytes` (not zeros) and a device destination, for the driver floors.
+struct FloorRig {
+    src: PinnedBuffer,
+    dst: DeviceBuffer,
+    ev: crate::cuda::Event,
+}
+
+impl FloorRig {
+    fn new(dev: &Device, bytes: usize) -> Result<Self> {
+        let mut src = PinnedBuffer::new(dev, bytes.max(1), PinnedFlags::PORTABLE)?;
+        src.as_mut_slice().fill(7);
+        Ok(Self {
+            src,
+            dst: DeviceBuffer::new(dev, bytes.max(1))?,
+            ev: dev.event()?,
+        })
+    }
+
+    /// One `cuMemcpyHtoDAsync` of `n` bytes at offset `off` (within the rig's bytes).
+    fn copy(
+        &self,
+        _cur: &crate::cuda::Current<'_>,
+        h: StreamHandle<'_>,
+        off: usize,
+        n: usize,
+    ) -> Result<()> {
+        assert!(off + n <= self.src.len());
+        // SAFETY: pinned source and device destination of at least `off + n` bytes (checked);
+        // the source is never rewritten; the context is current (`_cur`).
+        unsafe {
+            memcpy_htod_async(
+                self.dst.ptr() + off as u64,
+                self.src.as_ptr().add(off).cast(),
+                n,
+                h.raw(),
+            )
+        }?;
+        Ok(())
+    }
+}
+
+/// The driver's floor for one step: host ns per `cuMemcpyHtoDAsync` of `bytes` from pinned
+/// memory + `cuEventRecord`, `iters` back to back on `stream` (median of `rounds`), and the
 /// same with `k` copies of `bytes / k` each (what a step pays with one copy per field).
 ///
 /// # Errors
@@ -364,10 +405,7 @@ pub fn step_floor(
     iters: usize,
     rounds: usize,
 ) -> Result<(f64, f64)> {
-    let mut src = PinnedBuffer::new(dev, bytes.max(1), PinnedFlags::PORTABLE)?;
-    src.as_mut_slice().fill(7);
-    let dst = DeviceBuffer::new(dev, bytes.max(1))?;
-    let ev = dev.event()?;
+    let rig = FloorRig::new(dev, bytes)?;
     let cur = dev.enter()?;
     let h = stream.handle();
     let mut one = Vec::new();
@@ -376,36 +414,22 @@ pub fn step_floor(
     for _ in 0..rounds {
         let t0 = std::time::Instant::now();
         for _ in 0..iters {
-            // SAFETY: pinned source and device destination of `bytes`; the source is never
-            // rewritten; the context is current.
-            unsafe { memcpy_htod_async(dst.ptr(), src.as_ptr().cast(), bytes, h.raw()) }?;
-            ev.record_in(&cur, h)?;
+            rig.copy(&cur, h, 0, bytes)?;
+            rig.ev.record_in(&cur, h)?;
         }
         one.push(t0.elapsed().as_nanos() as f64 / iters as f64);
         stream.synchronize()?;
         let t0 = std::time::Instant::now();
         for _ in 0..iters {
             for j in 0..k {
-                // SAFETY: as above, `per` bytes at offset j * per.
-                unsafe {
-                    memcpy_htod_async(
-                        dst.ptr() + (j * per) as u64,
-                        src.as_ptr().add(j * per).cast(),
-                        per,
-                        h.raw(),
-                    )
-                }?;
+                rig.copy(&cur, h, j * per, per)?;
             }
-            ev.record_in(&cur, h)?;
+            rig.ev.record_in(&cur, h)?;
         }
         many.push(t0.elapsed().as_nanos() as f64 / iters as f64);
         stream.synchronize()?;
     }
-    let med = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    Ok((med(&mut one), med(&mut many)))
+    Ok((median_mean(one).0, median_mean(many).0))
 }
 
 /// The driver's floor for one step, paced: the host ns of one `cuMemcpyHtoDAsync` of `bytes`
@@ -421,20 +445,15 @@ pub fn step_floor_paced(
     bytes: usize,
     iters: usize,
 ) -> Result<(f64, f64)> {
-    let mut src = PinnedBuffer::new(dev, bytes.max(1), PinnedFlags::PORTABLE)?;
-    src.as_mut_slice().fill(7);
-    let dst = DeviceBuffer::new(dev, bytes.max(1))?;
-    let ev = dev.event()?;
+    let rig = FloorRig::new(dev, bytes)?;
     let cur = dev.enter()?;
     let h = stream.handle();
     let mut ns = Vec::with_capacity(iters);
     for _ in 0..iters {
         stream.synchronize()?;
         let t0 = std::time::Instant::now();
-        // SAFETY: pinned source and device destination of `bytes`; the source is never
-        // rewritten; the context is current.
-        unsafe { memcpy_htod_async(dst.ptr(), src.as_ptr().cast(), bytes, h.raw()) }?;
-        ev.record_in(&cur, h)?;
+        rig.copy(&cur, h, 0, bytes)?;
+        rig.ev.record_in(&cur, h)?;
         ns.push(t0.elapsed().as_nanos() as f64);
     }
     stream.synchronize()?;
