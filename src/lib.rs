@@ -26,7 +26,8 @@
 //! // Four slots of 8 int32; without a GPU the stager serves host destinations only.
 //! let stager = PinnedStager::<i32>::builder().numel(8).depth(4).build()?;
 //! let mut dst = [0i32; 8];
-//! let view = DeviceView::host_mut(&mut dst);
+//! // SAFETY: one copy at a time uses the view (this thread's).
+//! let view = unsafe { DeviceView::host_mut(&mut dst) };
 //! let mut mirror = H2DMirror::new();
 //! // dst[..3] = [1, 2, 3], the rest = -1.
 //! stager.to(&view).pad(-1).mirror(&mut mirror).copy(&[1, 2, 3])?;

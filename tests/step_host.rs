@@ -27,7 +27,8 @@ fn host_stager(layout: &StepLayout, depth: usize, max_gap: usize) -> (StepStager
     let off = arena.as_ptr().align_offset(FIELD_ALIGN);
     let b = StepStager::builder(layout).depth(depth).max_gap(max_gap);
     let st = if pinstage::cuda_available() {
-        let view = DeviceView::host_mut(&mut arena[off..off + layout.nbytes()]);
+        // SAFETY: one thread uses the view.
+        let view = unsafe { DeviceView::host_mut(&mut arena[off..off + layout.nbytes()]) };
         // SAFETY: `arena` is returned to the caller, which drops it after the stager; nothing
         // else writes it meanwhile.
         unsafe { b.bind(&view) }.build().unwrap()
@@ -334,17 +335,20 @@ fn bound_arenas_are_checked() {
     let l = engine();
     let mut small = vec![0u8; l.nbytes() + 2 * FIELD_ALIGN];
     let off = small.as_ptr().align_offset(FIELD_ALIGN);
-    let short = DeviceView::host_mut(&mut small[off..off + l.nbytes() - 1]);
+    // SAFETY: one thread uses the view.
+    let short = unsafe { DeviceView::host_mut(&mut small[off..off + l.nbytes() - 1]) };
     // SAFETY: refused before use.
     let r = unsafe { StepStager::builder(&l).bind(&short) }.build();
     assert!(matches!(r, Err(Error::DestinationTooSmall { .. })), "{r:?}");
     drop(short);
-    let mis = DeviceView::host_mut(&mut small[off + 4..off + 4 + l.nbytes()]);
+    // SAFETY: one thread uses the view.
+    let mis = unsafe { DeviceView::host_mut(&mut small[off + 4..off + 4 + l.nbytes()]) };
     // SAFETY: refused before use.
     let r = unsafe { StepStager::builder(&l).bind(&mis) }.build();
     assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
     drop(mis);
-    let ok = DeviceView::host_mut(&mut small[off..off + l.nbytes()]);
+    // SAFETY: one thread uses the view.
+    let ok = unsafe { DeviceView::host_mut(&mut small[off..off + l.nbytes()]) };
     // SAFETY: refused before use (fresh mode has no arena to bind).
     let r = unsafe { StepStager::builder(&l).mode(StepMode::Fresh).bind(&ok) }.build();
     assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");

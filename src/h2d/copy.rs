@@ -41,8 +41,10 @@ impl<'a> RawCopy<'a> {
         self
     }
 
-    /// How to wait when the claimed slot's last copy is still running: `wait(event)` must
-    /// return once the event completed (default: `Event::synchronize`). The Python layer polls
+    /// How to wait when the claimed slot's last copy is still running: `wait(event)` should
+    /// return once the event completed (default: `Event::synchronize`); the event is asked again
+    /// after it returns (and waited for if still running), so a function that returns early
+    /// costs time, not data. A panic in it leaves the slot as it was. The Python layer polls
     /// briefly, then waits with the GIL released and answers Ctrl-C.
     pub fn wait_with(mut self, wait: &'a mut WaitFn<'a>) -> Self {
         self.wait = Some(wait);

@@ -476,11 +476,19 @@ impl Ring {
     /// may still run) and the claim is spent.
     pub fn ready<O: SlotOwner>(&self, claim: &Claim, owner: &mut O) -> Result<(), O::Error> {
         if claim.was_in_flight() {
+            // A panicking owner (a caller's wait function) leaves the slot as it was: its
+            // previous copy may still run, and whoever drops the ring must wait for it.
+            let guard = RestoreOnUnwind {
+                ring: self,
+                index: claim.index,
+                prev: claim.prev,
+            };
             let learned = match self.check(claim, &mut |j| owner.query(j)) {
                 Ok(true) => Ok(()),
                 Ok(false) => owner.wait(claim.index),
                 Err(e) => Err(e),
             };
+            std::mem::forget(guard);
             if let Err(e) = learned {
                 // Nothing changed: the slot's previous copy may still run, its word says so.
                 self.release(claim.index, Release::Restore(claim.prev));
@@ -538,5 +546,19 @@ impl Ring {
     /// Overwrites slot `index`'s word (breaks the protocol unless the test plays it).
     pub fn set_word(&self, index: usize, word: SlotState) {
         self.states[index].store(word.0, Ordering::Release);
+    }
+}
+
+/// Releases a claimed slot in its previous state when dropped (by a panic unwinding
+/// [`Ring::ready`]; forgotten otherwise).
+struct RestoreOnUnwind<'r> {
+    ring: &'r Ring,
+    index: usize,
+    prev: SlotState,
+}
+
+impl Drop for RestoreOnUnwind<'_> {
+    fn drop(&mut self) {
+        self.ring.release(self.index, Release::Restore(self.prev));
     }
 }

@@ -371,7 +371,15 @@ impl Stager {
                     stream,
                 };
                 let slot = match wait {
-                    Some(w) => self.issue(&cur, job, w),
+                    // The caller's function decides how to wait, not whether the copy
+                    // completed: the slot is rewritten next, so the event is asked again.
+                    Some(w) => self.issue(&cur, job, &mut |e: &Event| {
+                        w(e)?;
+                        if !e.query()? {
+                            e.synchronize()?;
+                        }
+                        Ok(())
+                    }),
                     None => self.issue(&cur, job, &mut |e: &Event| e.synchronize()),
                 }?;
                 add(&self.stats.copies, 1);

@@ -35,6 +35,19 @@ pub struct PyMirror {
     pub(crate) inner: Mutex<CoreMirror>,
     /// What `record` recorded.
     recorded: Mutex<Recorded>,
+    /// The destination object stager copies bound the mirror to, kept alive while bound: its
+    /// memory cannot be freed and its address given to another destination, which the mirror
+    /// (bound by address) would take for it.
+    pub(crate) bound_dst: Mutex<Option<Py<PyAny>>>,
+}
+
+/// Locks `m`, waiting with the GIL released when another thread holds it (that thread may
+/// hold it while waiting for the GIL).
+pub(crate) fn lock_detached<'m, T: Send>(
+    py: Python<'_>,
+    m: &'m Mutex<T>,
+) -> parking_lot::MutexGuard<'m, T> {
+    m.try_lock().unwrap_or_else(|| py.detach(|| m.lock()))
 }
 
 fn raw_bytes(values: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
@@ -74,6 +87,7 @@ impl PyMirror {
         Self {
             inner: Mutex::new(CoreMirror::new()),
             recorded: Mutex::new(Recorded::default()),
+            bound_dst: Mutex::new(None),
         }
     }
 
@@ -118,14 +132,15 @@ impl PyMirror {
     }
 
     /// Forgets everything, including the destination a stager bound it to.
-    fn invalidate(&self) {
-        self.inner.lock().invalidate();
+    fn invalidate(&self, py: Python<'_>) {
+        lock_detached(py, &self.inner).invalidate();
         let old = std::mem::take(&mut *self.recorded.lock());
-        drop(old);
+        let dst = self.bound_dst.lock().take();
+        drop((old, dst));
     }
 
-    fn __repr__(&self) -> String {
-        let valid = self.inner.lock().is_valid() || self.recorded.lock().key.is_some();
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let valid = lock_detached(py, &self.inner).is_valid() || self.recorded.lock().key.is_some();
         format!("H2DMirror(valid={})", if valid { "True" } else { "False" })
     }
 }

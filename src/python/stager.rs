@@ -218,9 +218,25 @@ impl PyStager {
             .filter(|p| !p.is_none())
             .map(|p| scalar_bytes(p, d))
             .transpose()?;
-        let mirror = mirror.map(|m| &m.get().inner);
         let stream = s.unwrap_or(imp.stream);
-        self.run_copy(py, &imp.view, vals.bytes(), pad.as_deref(), mirror, stream)
+        let wrote = self.run_copy(
+            py,
+            &imp.view,
+            vals.bytes(),
+            pad.as_deref(),
+            mirror.map(|m| &m.get().inner),
+            stream,
+        )?;
+        if let Some(m) = mirror {
+            // The mirror is bound to `dst` now: keep it alive (see `PyMirror::bound_dst`).
+            let mut b = m.get().bound_dst.lock();
+            if !b.as_ref().is_some_and(|o| o.is(dst)) {
+                let old = b.replace(dst.clone().unbind());
+                drop(b);
+                drop(old);
+            }
+        }
+        Ok(wrote)
     }
 
     /// Binds ``dst`` once (imported and kept alive): ``target.copy_(values)`` then pays only for
@@ -404,9 +420,9 @@ impl StagedTarget {
     }
 
     /// Forgets what the mirror remembers (call it when ``dst`` was written some other way).
-    fn invalidate(&self) {
+    fn invalidate(&self, py: Python<'_>) {
         if let Some(m) = &self.mirror {
-            m.lock().invalidate();
+            super::mirror::lock_detached(py, m).invalidate();
         }
     }
 

@@ -49,21 +49,35 @@ impl StepStager {
             plan(self.layout.fields(), &sc.send, max_gap, &mut sc.segs);
         }
         let bytes: usize = sc.segs.iter().map(|&(_, n)| n).sum();
-        let result = self.send(s.claim, sc, base, stream);
-        let (calls, batched, block) = result?;
+        // The mirror learns the values sent before the send releases the slot (another thread
+        // may claim and write it from then on); a failed send forgets them again.
+        let mut learnt = 0u64;
         if let Some(m) = mirror.as_deref_mut() {
             for (i, f) in self.layout.fields().iter().enumerate() {
                 let n = sc.send[i] * f.row_bytes();
                 if f.skip_unchanged() && n > 0 {
-                    // SAFETY: as above; the copy reads these bytes, we only read them too.
+                    // SAFETY: as above (we still own the slot).
                     let now = unsafe { std::slice::from_raw_parts(base.add(f.offset()), n) };
                     let slot = m[i].get_or_insert_with(Vec::new);
                     slot.clear();
                     slot.extend_from_slice(now);
+                    learnt |= 1 << (i % 64);
+                }
+            }
+        }
+        // `sc` is the slot's scratch: not read once `send` released the slot.
+        let result = self.send(s.claim, sc, base, stream);
+        if result.is_err()
+            && let Some(m) = mirror.as_deref_mut()
+        {
+            for (i, e) in m.iter_mut().enumerate() {
+                if learnt & (1 << (i % 64)) != 0 {
+                    *e = None;
                 }
             }
         }
         drop(mirror);
+        let (calls, batched, block) = result?;
         add(&self.stats.steps, 1);
         add(&self.stats.skipped_fields, u64::from(skipped));
         add(&self.stats.bytes, bytes as u64);
@@ -116,6 +130,8 @@ impl StepStager {
                     .map_or(std::ptr::null_mut(), |b| b.ptr() as *mut u8)
             });
             if !dst.is_null() && !zero {
+                // A host arena is shared by every commit (a fresh block is this commit's own).
+                let _turn = block.is_none().then(|| self.host_arena.lock());
                 for &(start, len) in &sc.segs {
                     // SAFETY: slot and arena both hold the layout's bytes; they never overlap.
                     unsafe { std::ptr::copy_nonoverlapping(base.add(start), dst.add(start), len) };
@@ -127,6 +143,7 @@ impl StepStager {
         };
         if let Some(dst) = host_dst {
             // A bound host arena with a driver: plain host copies.
+            let _turn = self.host_arena.lock();
             for &(start, len) in &sc.segs {
                 // SAFETY: as above.
                 unsafe { std::ptr::copy_nonoverlapping(base.add(start), dst.add(start), len) };

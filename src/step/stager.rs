@@ -234,6 +234,9 @@ pub struct StepStager {
     pub(super) max_gap: Option<usize>,
     pub(super) batch: bool,
     pub(super) stats: Counters,
+    /// Host arenas (no driver, or a bound host buffer) are written by the CPU: commits into
+    /// them and `read_field` take turns.
+    pub(super) host_arena: parking_lot::Mutex<()>,
 }
 
 // SAFETY: each slot's scratch and bytes are touched only by the thread owning the slot (ring
@@ -381,6 +384,7 @@ impl StepStager {
             mem_dev,
             target,
             mirror,
+            host_arena: parking_lot::Mutex::new(()),
             max_gap: b.max_gap,
             batch,
             stats: Counters::default(),
@@ -484,10 +488,20 @@ impl StepStager {
         self.ring.try_claim()
     }
 
-    /// A claim, spinning (yielding) while every slot is in another thread's open step.
+    /// A claim, spinning (yielding) while every slot is in another thread's open step, for at
+    /// most `within` (`None`: none came free).
     #[cfg(feature = "python")]
-    pub(crate) fn claim_blocking(&self) -> Claim {
-        self.ring.claim()
+    pub(crate) fn claim_within(&self, within: std::time::Duration) -> Option<Claim> {
+        let t0 = std::time::Instant::now();
+        loop {
+            if let Some(c) = self.ring.try_claim() {
+                return Some(c);
+            }
+            if t0.elapsed() >= within {
+                return None;
+            }
+            std::thread::yield_now();
+        }
     }
 
     /// Orders `stream` after every commit issued so far (the device waits, not the host); with
@@ -575,7 +589,9 @@ impl StepStager {
             }
         }
         if self.arena_is_host() {
-            // SAFETY: the arena holds the layout's bytes; every commit into it completed.
+            let _turn = self.host_arena.lock();
+            // SAFETY: the arena holds the layout's bytes; every commit into it completed, and
+            // none writes it meanwhile (`_turn`).
             unsafe { std::ptr::copy_nonoverlapping(src as *const u8, out.as_mut_ptr(), out.len()) };
         } else {
             let device = self.device.as_ref().ok_or_else(|| self.unavailable())?;

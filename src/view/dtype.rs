@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use static_assertions::assert_eq_size;
+use static_assertions::{assert_eq_size, const_assert};
 
 use dlpark::ffi::DLDataTypeCode;
 
@@ -183,7 +183,13 @@ impl From<bool> for Bool8 {
 }
 
 /// A Rust type that is bit-for-bit one element of a [`DType`].
-pub trait Element: bytemuck::Pod + Send + Sync + 'static {
+///
+/// # Safety
+/// Views and step fields size and align memory by [`Element::DTYPE`]: an implementor must have
+/// `size_of::<Self>() == Self::DTYPE.itemsize()` and `align_of::<Self>() <= Self::DTYPE.itemsize()`
+/// (a wrong claim would let safe code read or write past a slice, or through a misaligned
+/// reference).
+pub unsafe trait Element: bytemuck::Pod + Send + Sync + 'static {
     /// The matching dtype.
     const DTYPE: DType;
 }
@@ -191,8 +197,11 @@ pub trait Element: bytemuck::Pod + Send + Sync + 'static {
 macro_rules! element {
     ($($t:ty => $d:expr),* $(,)?) => {
         $(
-            impl Element for $t { const DTYPE: DType = $d; }
+            // SAFETY: the size is asserted below; every type here is aligned to at most its
+            // size (asserted too).
+            unsafe impl Element for $t { const DTYPE: DType = $d; }
             assert_eq_size!($t, [u8; $d.itemsize()]);
+            const_assert!(std::mem::align_of::<$t>() <= $d.itemsize());
         )*
     };
 }

@@ -261,6 +261,9 @@ impl<'a> DeviceView<'a> {
     ///    device), readable, and writable too unless `meta.is_read_only()`.
     /// 2. For `'a`, nothing else writes that memory while a pinstage copy reads or writes it, and
     ///    nobody else relies on it staying unchanged unless it is marked read-only.
+    /// 3. Device memory stays allocated until every asynchronous copy issued through the view
+    ///    completed (a [`PendingCopy`](crate::PendingCopy), a stager copy's event, a step's
+    ///    commit), which may be after `'a` ends: the borrow does not cover queued device work.
     pub unsafe fn from_meta(meta: TensorMeta) -> Self {
         Self {
             meta,
@@ -292,7 +295,11 @@ impl<'a> DeviceView<'a> {
     }
 
     /// A writable 1-D view of host memory borrowed from `values`: copies into it write there.
-    pub fn host_mut<T: Element>(values: &'a mut [T]) -> Self {
+    ///
+    /// # Safety
+    /// 1. The view (and anything borrowing it) is used by one copy at a time: copies write
+    ///    through `&DeviceView`, and two at once on two threads would race on `values`.
+    pub unsafe fn host_mut<T: Element>(values: &'a mut [T]) -> Self {
         Self {
             meta: TensorMeta::host_1d(values.as_mut_ptr() as u64, T::DTYPE, values.len(), false),
             _memory: PhantomData,

@@ -484,3 +484,49 @@ def test_dtype_arguments_from_every_framework():
     names[jnp.complex64] = "complex64"
     for arg, want in names.items():
         assert pinstage.PinnedStager(arg, 4, 1).dtype == want, arg
+
+
+def test_a_mirror_keeps_its_destination_alive_so_its_address_is_not_reused():
+    import weakref
+
+    st = pinstage.PinnedStager("int64", 8, 2)
+    m = pinstage.H2DMirror()
+    d1 = np.full(6, -1, np.int64)
+    r = weakref.ref(d1)
+    assert st.copy_(d1, [1, 2], pad_value=0, mirror=m)
+    del d1
+    gc.collect()
+    assert r() is not None, "the bound destination was freed: a new array could take its address"
+    d2 = np.full(6, -1, np.int64)
+    with pytest.raises(ValueError, match="mirrors another destination"):
+        st.copy_(d2, [1, 2], pad_value=0, mirror=m)
+    m.invalidate()
+    gc.collect()
+    assert r() is None, "invalidate() let go of the destination"
+    assert st.copy_(d2, [1, 2], pad_value=0, mirror=m)
+    assert d2.tolist() == [1, 2, 0, 0, 0, 0]
+
+
+def test_mirror_invalidate_while_another_thread_copies_a_large_array_does_not_deadlock():
+    import threading
+
+    st = pinstage.PinnedStager("uint8", 4 << 20, 2)
+    m = pinstage.H2DMirror()
+    d = np.zeros(4 << 20, np.uint8)
+    vals = np.full(4 << 20, 7, np.uint8)
+    stop = []
+
+    def other():
+        while not stop:
+            m.invalidate()
+            repr(m)
+
+    t = threading.Thread(target=other, daemon=True)
+    t.start()
+    for i in range(50):
+        vals[0] = i + 1
+        st.copy_(d, vals, mirror=m)
+    stop.append(1)
+    t.join(10)
+    assert not t.is_alive()
+    assert d[0] == 50 and d[1] == 7

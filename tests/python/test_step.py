@@ -669,3 +669,167 @@ def test_an_int_stream_pointing_at_no_memory_is_refused():
             st.step(stream=bad)
     st.stage({"ids": [2]})  # nothing was held
     assert st.read_field("ids")[0] == 2
+
+
+# --- Misuse that used to hang, panic or write through released slots (no GPU needed). Each
+# runs in a child process with a timeout, so a hang fails the test instead of the suite.
+
+
+def _child(code, timeout=60):
+    import subprocess
+    import sys
+    import textwrap
+
+    r = subprocess.run(
+        [sys.executable, "-c", "import numpy as np, pinstage, threading\n" + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+def test_a_step_beyond_the_depth_on_the_same_thread_is_refused_not_waited_for():
+    out = _child(
+        """
+        st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 8)}), depth=2)
+        a, b = st.step(), st.step()
+        try:
+            st.step()
+        except pinstage.StepStateError as e:
+            print("refused:", e)
+        try:
+            st.stage({"ids": [1]})
+        except pinstage.StepStateError:
+            print("stage refused")
+        a.abort()
+        with st.step() as c:          # a slot is free again
+            c.put("ids", [4, 5], pad_value=0)
+        b.commit()
+        print(st.read_field("ids").view(np.int32).tolist())
+        """
+    )
+    assert "refused: every slot" in out and "stage refused" in out
+    assert "[4, 5, 0, 0, 0, 0, 0, 0]" in out
+
+
+def test_a_step_waiting_for_another_threads_slot_gets_it():
+    out = _child(
+        """
+        import time
+        st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 4)}), depth=1)
+        held = st.step()
+        got = []
+        def other():
+            with st.step() as s:      # waits until the main thread commits
+                s.put("ids", [7, 7, 7, 7])
+            got.append(True)
+        t = threading.Thread(target=other)
+        t.start()
+        time.sleep(0.2)
+        held.commit()
+        t.join(30)
+        print("got" if got else "stuck", st.read_field("ids").view(np.int32).tolist())
+        """
+    )
+    assert "got [7, 7, 7, 7]" in out
+
+
+def test_a_step_used_by_a_callback_of_its_own_call_is_refused():
+    out = _child(
+        """
+        st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 4)}), depth=1)
+        step = st.step()
+        seen = []
+        class E:
+            def __index__(self):
+                for f in (step.commit, lambda: step.committed, lambda: step.used_rows("ids")):
+                    try:
+                        f()
+                    except pinstage.StepStateError as e:
+                        seen.append("in use" in str(e))
+                return 3
+        try:
+            step.put("ids", [E(), 1, 2, 3])
+        except pinstage.PinstageError:
+            pass
+        print("repr", repr(step), seen)
+        step.put("ids", [1, 2, 3, 4])
+        step.commit()
+        print(st.read_field("ids").view(np.int32).tolist())
+        """
+    )
+    assert "[True, True, True]" in out and "[1, 2, 3, 4]" in out
+
+
+def test_another_thread_reading_a_busy_step_does_not_deadlock():
+    out = _child(
+        """
+        st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 8)}), depth=1)
+        s = st.step()
+        stop = []
+        def reader():
+            while not stop:
+                try:
+                    s.committed
+                    repr(s)
+                except pinstage.StepStateError:
+                    pass
+        t = threading.Thread(target=reader, daemon=True)
+        t.start()
+        for _ in range(5000):
+            s.put("ids", [1.0, 2.0], pad_value=0)   # converted through numpy (Python code)
+        stop.append(1)
+        t.join(10)
+        s.commit()
+        print("done", st.read_field("ids").view(np.int32).tolist())
+        """
+    )
+    assert "done [1, 2, 0, 0, 0, 0, 0, 0]" in out
+
+
+def test_stage_with_a_dict_changed_by_a_value_raises_and_releases_the_slot():
+    out = _child(
+        """
+        st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 8), "t": ("int32", 8)}), depth=1)
+        fields = {}
+        class V:
+            def __array__(self, dtype=None, copy=None):
+                fields["t"] = [1]
+                return np.arange(3, dtype=np.int32)
+        fields["ids"] = V()
+        try:
+            st.stage(fields)
+        except pinstage.PinstageValueError as e:
+            print("refused:", e)
+        st.stage({"ids": [5, 6, 7, 8, 9, 10, 11, 12]})
+        print(st.read_field("ids").view(np.int32).tolist())
+        """
+    )
+    assert "refused: the dict changed size" in out
+    assert "[5, 6, 7, 8, 9, 10, 11, 12]" in out
+
+
+def test_views_turn_read_only_when_their_step_is_dropped():
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 8)}), depth=1)
+    v = st.step().view("ids")  # the step is dropped at once: its slot is released
+    gc.collect()
+    assert not v.flags.writeable
+    with pytest.raises(ValueError):
+        v[:] = 99
+    with st.step() as s:
+        s.put("ids", [3] * 8)
+    assert st.read_field("ids").view(np.int32).tolist() == [3] * 8
+
+
+def test_stage_refuses_rows_and_pads_of_fields_it_does_not_write():
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 8), "pos": ("int64", 8)}), depth=1)
+    with pytest.raises(pinstage.UnknownFieldError):
+        st.stage({"ids": [1, 2]}, rows={"idz": 8}, pad_values={"ids": 0})
+    with pytest.raises(pinstage.UnknownFieldError):
+        st.stage({"ids": [1, 2]}, pad_values={"idz": 0})
+    with pytest.raises(pinstage.PinstageValueError, match="does not write"):
+        st.stage({"ids": [1, 2]}, rows={"pos": 8}, pad_values={"ids": 0})
+    st.stage({"ids": [1, 2]}, rows={"ids": 4}, pad_values={"ids": -1})
+    assert st.read_field("ids").view(np.int32)[:4].tolist() == [1, 2, -1, -1]

@@ -311,6 +311,40 @@ pub struct PyStepStager {
     pub(super) name_index: Py<PyDict>,
     /// Each field's numpy dtype, for the exact-array fast path of `stage`.
     pub(super) descrs: Vec<Option<Py<numpy::PyArrayDescr>>>,
+    /// Open `Step` objects per thread: a thread whose own open steps hold every slot would wait
+    /// for itself forever, so its next step is refused instead.
+    pub(super) open_steps: parking_lot::Mutex<Vec<(std::thread::ThreadId, usize)>>,
+}
+
+/// Calls `f` on each (key, value) of `d` in order; a dict that changes size meanwhile (a
+/// value's `__array__` mutating it, say) stops the loop with an error instead of pyo3's panic.
+pub(super) fn for_each_item<'py>(
+    d: &Bound<'py, PyDict>,
+    mut f: impl FnMut(Bound<'py, PyAny>, Bound<'py, PyAny>) -> PyResult<()>,
+) -> PyResult<()> {
+    let py = d.py();
+    let n = d.len();
+    let mut pos: pyo3::ffi::Py_ssize_t = 0;
+    let mut k = std::ptr::null_mut();
+    let mut v = std::ptr::null_mut();
+    // SAFETY: `PyDict_Next` on a live dict with the GIL held; it hands out borrowed references,
+    // which `from_borrowed_ptr` turns into owned ones before anything can run.
+    while unsafe { pyo3::ffi::PyDict_Next(d.as_ptr(), &mut pos, &mut k, &mut v) } != 0 {
+        // SAFETY: as above: valid borrowed pointers of this iteration.
+        let (key, value) = unsafe {
+            (
+                Bound::from_borrowed_ptr(py, k),
+                Bound::from_borrowed_ptr(py, v),
+            )
+        };
+        f(key, value)?;
+        if d.len() != n {
+            return Err(value_err(
+                "the dict changed size while pinstage read it (a value's conversion changed it?)",
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn mode_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<StepMode> {
@@ -346,11 +380,24 @@ impl PyStepStager {
     /// slot's last copy completed (polling briefly, then waiting with the GIL released).
     fn open(&self, py: Python<'_>) -> PyResult<RawStep> {
         let st = &self.inner;
-        let claim = match st.try_claim() {
-            Some(c) => c,
-            // Every slot is in another thread's open step: wait without the GIL (that thread
-            // may need it to finish).
-            None => py.detach(|| st.claim_blocking()),
+        let claim = loop {
+            if let Some(c) = st.try_claim() {
+                break c;
+            }
+            // Every slot is in an open step. This thread's own would never end while it waits.
+            if self.open_here() >= st.depth() {
+                return Err(Error::StepState(
+                    "every slot of this StepStager is held by steps open on this thread: commit \
+                     or abort one first (or give the stager more depth)",
+                )
+                .into());
+            }
+            // Another thread's: wait without the GIL (that thread may need it to finish),
+            // answering Ctrl-C.
+            if let Some(c) = py.detach(|| st.claim_within(std::time::Duration::from_millis(20))) {
+                break c;
+            }
+            py.check_signals()?;
         };
         let mut interrupt: Option<PyErr> = None;
         let r = st.open(Some(claim), &mut |ev: &Event| {
@@ -359,10 +406,37 @@ impl PyStepStager {
         r.map_err(|e| take_interrupt(e, interrupt))
     }
 
+    /// Steps open on this thread.
+    fn open_here(&self) -> usize {
+        let me = std::thread::current().id();
+        self.open_steps
+            .lock()
+            .iter()
+            .find(|(t, _)| *t == me)
+            .map_or(0, |e| e.1)
+    }
+
+    /// Counts a `Step` opened (`true`) or ended (`false`) on `thread`.
+    pub(super) fn count_open(&self, thread: std::thread::ThreadId, opened: bool) {
+        let mut v = self.open_steps.lock();
+        match v.iter().position(|(t, _)| *t == thread) {
+            Some(i) if opened => v[i].1 += 1,
+            Some(i) => {
+                v[i].1 -= 1;
+                if v[i].1 == 0 {
+                    v.swap_remove(i);
+                }
+            }
+            None if opened => v.push((thread, 1)),
+            None => {}
+        }
+    }
+
     fn new_step(slf: &Bound<'_, Self>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<PyStep> {
         let me = slf.get();
         let stream = me.stream_of(stream)?;
         let raw = me.open(slf.py())?;
+        me.count_open(std::thread::current().id(), true);
         Ok(PyStep {
             stager: slf.clone().unbind(),
             thread: std::thread::current().id(),
@@ -459,6 +533,7 @@ impl PyStepStager {
             names,
             name_index: name_index.unbind(),
             descrs,
+            open_steps: parking_lot::Mutex::new(Vec::new()),
         })
     }
 
@@ -516,31 +591,45 @@ impl PyStepStager {
         let pad_values = dict_arg(pad_values, "pad_values")?;
         let rows = dict_arg(rows, "rows")?;
         let me = slf.get();
+        // Every name in `pad_values` and `rows` must be a field written by this call: a
+        // misspelled one would be ignored otherwise.
+        for (what, d) in [("pad_values", &pad_values), ("rows", &rows)] {
+            if let Some(d) = d {
+                for k in d.keys() {
+                    let name = k
+                        .cast::<PyString>()
+                        .map_err(|_| type_err(format!("{what}: field names must be str")))?;
+                    me.field_id(name)?;
+                    if !fields.contains(name)? {
+                        return Err(value_err(format!(
+                            "{what} names field {name} that fields does not write"
+                        )));
+                    }
+                }
+            }
+        }
         let py = slf.py();
         let stream = me.stream_of(stream)?;
         let st = &me.inner;
         let mut raw = me.open(py)?;
-        let filled = (|| -> PyResult<()> {
-            for (k, v) in fields.iter() {
-                let name = k
-                    .cast::<PyString>()
-                    .map_err(|_| type_err("field names must be str"))?;
-                let pad = match pad_values {
-                    Some(p) => p.get_item(name)?,
-                    None => None,
-                };
-                let r = match rows {
-                    Some(p) => p.get_item(name)?,
-                    None => None,
-                };
-                let id = me.field_id(name)?;
-                if pad.is_none() && r.is_none() && me.put_exact(&mut raw, id, &v)? {
-                    continue;
-                }
-                put_id(st, &mut raw, id, &v, pad.as_ref(), r.as_ref())?;
+        let filled = for_each_item(fields, |k, v| {
+            let name = k
+                .cast::<PyString>()
+                .map_err(|_| type_err("field names must be str"))?;
+            let pad = match pad_values {
+                Some(p) => p.get_item(name)?,
+                None => None,
+            };
+            let r = match rows {
+                Some(p) => p.get_item(name)?,
+                None => None,
+            };
+            let id = me.field_id(name)?;
+            if pad.is_none() && r.is_none() && me.put_exact(&mut raw, id, &v)? {
+                return Ok(());
             }
-            Ok(())
-        })();
+            put_id(st, &mut raw, id, &v, pad.as_ref(), r.as_ref())
+        });
         if let Err(e) = filled {
             st.abort_raw(raw);
             return Err(e);

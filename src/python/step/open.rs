@@ -111,13 +111,31 @@ impl PyStep {
         Ok(())
     }
 
+    /// The step's state; refused while one of its calls runs (on another thread, or a callback
+    /// of its own call, e.g. a value's `__index__`): waiting would deadlock (the caller holds the
+    /// GIL, which the running call may need).
+    fn state(&self) -> PyResult<parking_lot::MutexGuard<'_, StepState>> {
+        self.state.try_lock().ok_or_else(|| {
+            Error::StepState(
+                "this step is in use by another of its calls (another thread, or a callback of \
+                 the call running)",
+            )
+            .into()
+        })
+    }
+
+    /// Counts the step ended on its stager.
+    fn ended(&self) {
+        self.stager.get().count_open(self.thread, false);
+    }
+
     fn with_open<R>(
         &self,
         f: impl FnOnce(&StepStager, &mut RawStep, &mut StepState) -> PyResult<R>,
     ) -> PyResult<R> {
         self.check_thread()?;
         let st = &self.stager.get().inner;
-        let mut g = self.state.lock();
+        let mut g = self.state()?;
         let state = &mut *g;
         let Some(mut raw) = state.raw.take() else {
             return Err(Error::StepState(if state.committed {
@@ -152,20 +170,22 @@ impl PyStep {
         }
     }
 
-    fn abort_inner(&self) {
+    fn abort_inner(&self) -> PyResult<()> {
         let st = &self.stager.get().inner;
-        let mut g = self.state.lock();
+        let mut g = self.state()?;
         if let Some(raw) = g.raw.take() {
             st.abort_raw(raw);
+            self.ended();
         }
         Python::attach(|py| Self::end(&mut g, py));
+        Ok(())
     }
 
     fn commit_inner(&self, py: Python<'_>) -> PyResult<Option<Py<StepTensor>>> {
         self.check_thread()?;
         let stager = self.stager.get();
         let st = &stager.inner;
-        let mut g = self.state.lock();
+        let mut g = self.state()?;
         let Some(raw) = g.raw.take() else {
             return Err(Error::StepState(if g.committed {
                 "this step was already committed"
@@ -176,6 +196,7 @@ impl PyStep {
         };
         Self::end(&mut g, py);
         g.committed = true;
+        self.ended();
         let committed = commit_detached(py, st, raw, self.stream)?;
         let block = match committed.block {
             Some(b) => {
@@ -344,8 +365,7 @@ impl PyStep {
     ///     StepStateError: another thread.
     fn abort(&self) -> PyResult<()> {
         self.check_thread()?;
-        self.abort_inner();
-        Ok(())
+        self.abort_inner()
     }
 
     /// The slot this step owns (0 to depth - 1); see ``StepStager.slot_field``.
@@ -356,14 +376,14 @@ impl PyStep {
 
     /// Fresh mode, after commit: the step's block (else None).
     #[getter]
-    fn block(&self, py: Python<'_>) -> Option<Py<StepTensor>> {
-        self.state.lock().block.as_ref().map(|b| b.clone_ref(py))
+    fn block(&self, py: Python<'_>) -> PyResult<Option<Py<StepTensor>>> {
+        Ok(self.state()?.block.as_ref().map(|b| b.clone_ref(py)))
     }
 
     /// Whether the step was committed.
     #[getter]
-    fn committed(&self) -> bool {
-        self.state.lock().committed
+    fn committed(&self) -> PyResult<bool> {
+        Ok(self.state()?.committed)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -378,11 +398,12 @@ impl PyStep {
         _exc: Option<&Bound<'_, PyAny>>,
         _tb: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
+        self.check_thread()?;
         let failed = exc_type.is_some_and(|t| !t.is_none());
-        let open = self.state.lock().raw.is_some();
+        let open = self.state()?.raw.is_some();
         if failed || !open {
             if open {
-                self.abort_inner();
+                self.abort_inner()?;
             }
             return Ok(false);
         }
@@ -391,7 +412,9 @@ impl PyStep {
     }
 
     fn __repr__(&self) -> String {
-        let g = self.state.lock();
+        let Some(g) = self.state.try_lock() else {
+            return "Step(in use)".to_string();
+        };
         let state = match (&g.raw, g.committed) {
             (Some(_), _) => "open",
             (None, true) => "committed",
@@ -406,6 +429,11 @@ impl Drop for PyStep {
         let g = self.state.get_mut();
         if let Some(raw) = g.raw.take() {
             self.stager.get().inner.abort_raw(raw);
+            self.stager.get().count_open(self.thread, false);
+        }
+        // Views handed out turn read-only here too: their slot is released.
+        if !g.views.is_empty() {
+            Python::attach(|py| Self::end(g, py));
         }
     }
 }
