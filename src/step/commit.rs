@@ -50,8 +50,7 @@ impl StepStager {
         }
         let bytes: usize = sc.segs.iter().map(|&(_, n)| n).sum();
         // The mirror learns the values sent before the send releases the slot (another thread
-        // may claim and write it from then on); a failed send forgets them again.
-        let mut learnt = 0u64;
+        // may claim and write it from then on); a failed send forgets everything it knew.
         if let Some(m) = mirror.as_deref_mut() {
             for (i, f) in self.layout.fields().iter().enumerate() {
                 let n = sc.send[i] * f.row_bytes();
@@ -61,7 +60,6 @@ impl StepStager {
                     let slot = m[i].get_or_insert_with(Vec::new);
                     slot.clear();
                     slot.extend_from_slice(now);
-                    learnt |= 1 << (i % 64);
                 }
             }
         }
@@ -70,11 +68,7 @@ impl StepStager {
         if result.is_err()
             && let Some(m) = mirror.as_deref_mut()
         {
-            for (i, e) in m.iter_mut().enumerate() {
-                if learnt & (1 << (i % 64)) != 0 {
-                    *e = None;
-                }
-            }
+            m.iter_mut().for_each(|e| *e = None);
         }
         drop(mirror);
         let (calls, batched, block) = result?;

@@ -426,12 +426,12 @@ impl PyStep {
 
 impl Drop for PyStep {
     fn drop(&mut self) {
-        let g = self.state.get_mut();
-        if let Some(raw) = g.raw.take() {
+        if let Some(raw) = self.state.get_mut().raw.take() {
             self.stager.get().inner.abort_raw(raw);
-            self.stager.get().count_open(self.thread, false);
+            self.ended();
         }
         // Views handed out turn read-only here too: their slot is released.
+        let g = self.state.get_mut();
         if !g.views.is_empty() {
             Python::attach(|py| Self::end(g, py));
         }
