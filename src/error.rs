@@ -58,6 +58,14 @@ pub enum Error {
         /// Bytes available.
         got: usize,
     },
+    /// A step stager's bound arena smaller than its layout.
+    #[error("arena holds {got} bytes but the layout needs {needed} (layout.nbytes)")]
+    ArenaTooSmall {
+        /// The layout's bytes.
+        needed: usize,
+        /// The arena's bytes.
+        got: usize,
+    },
     /// A byte slice whose length is not a whole number of elements.
     #[error("{bytes} bytes is not a whole number of {itemsize}-byte elements")]
     RaggedBytes {

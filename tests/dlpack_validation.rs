@@ -249,6 +249,46 @@ fn dlpack_codes_round_trip() {
 }
 
 #[test]
+fn bare_names_read_as_numpy_torch_names_as_torch() {
+    // numpy.dtype(name) on Linux for bare names; torch's spellings after "torch.".
+    for (name, d) in [
+        ("float", DType::F64),
+        ("double", DType::F64),
+        ("int", DType::I64),
+        ("long", DType::I64),
+        ("half", DType::F16),
+        ("single", DType::F32),
+        ("intc", DType::I32),
+        ("complex", DType::C128),
+        ("f", DType::F32),
+        ("i", DType::I32),
+        ("l", DType::I64),
+        ("b", DType::I8),
+        ("B", DType::U8),
+        ("torch.float", DType::F32),
+        ("torch.int", DType::I32),
+        ("torch.long", DType::I64),
+        ("torch.half", DType::F16),
+        ("torch.double", DType::F64),
+        ("torch.cfloat", DType::C64),
+        ("torch.bfloat16", DType::BF16),
+        ("numpy.float32", DType::F32),
+    ] {
+        assert_eq!(DType::from_name(name), Some(d), "{name}");
+    }
+    assert_eq!(
+        DType::from_name("torch.single"),
+        None,
+        "not a torch spelling"
+    );
+    assert_eq!(
+        DType::from_name("torch.f"),
+        None,
+        "numpy codes are not torch's"
+    );
+}
+
+#[test]
 fn ndim_limit_is_64_inclusive() {
     let ones = vec![1i64; 64];
     assert!(

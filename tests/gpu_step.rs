@@ -290,7 +290,7 @@ fn bound_arena_on_the_gpu_is_checked() {
     // SAFETY: refused before use.
     let r = unsafe { StepStager::builder(&l).bind(&small) }.build();
     assert!(
-        matches!(r, Err(pinstage::Error::DestinationTooSmall { .. })),
+        matches!(r, Err(pinstage::Error::ArenaTooSmall { .. })),
         "{r:?}"
     );
     let mis = buf.view_at(8, DType::U8, l.nbytes());

@@ -339,7 +339,7 @@ fn bound_arenas_are_checked() {
     let short = unsafe { DeviceView::host_mut(&mut small[off..off + l.nbytes() - 1]) };
     // SAFETY: refused before use.
     let r = unsafe { StepStager::builder(&l).bind(&short) }.build();
-    assert!(matches!(r, Err(Error::DestinationTooSmall { .. })), "{r:?}");
+    assert!(matches!(r, Err(Error::ArenaTooSmall { .. })), "{r:?}");
     drop(short);
     // SAFETY: one thread uses the view.
     let mis = unsafe { DeviceView::host_mut(&mut small[off + 4..off + 4 + l.nbytes()]) };

@@ -207,6 +207,11 @@ impl<'d> Current<'d> {
     pub fn device(&self) -> &'d Device {
         self.device
     }
+
+    /// Blocks until all work queued in the context, on every stream, completed.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        Ok(driver::ctx::ctx_synchronize()?)
+    }
 }
 
 impl std::fmt::Debug for Current<'_> {

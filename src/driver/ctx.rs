@@ -57,6 +57,13 @@ pub(crate) fn ctx_get_current() -> DResult<CUcontext> {
     Ok(ctx)
 }
 
+/// [cuCtxSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html):
+/// blocks until all work queued in the current context, on every stream, completed.
+pub(crate) fn ctx_synchronize() -> DResult<()> {
+    // SAFETY: no arguments; with no current context the driver returns an error.
+    check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+}
+
 /// [cuCtxPushCurrent](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html)
 ///
 /// # Safety

@@ -460,6 +460,41 @@ pub fn step_floor_paced(
     Ok(median_mean(ns))
 }
 
+/// The driver's floor for one step doing the step's whole work, paced: `fill` writes the step's
+/// values into the pinned source (as a planner writes them), then one `cuMemcpyHtoDAsync` of
+/// `bytes` + `cuEventRecord`, issued while `stream` is idle (synchronized before each step,
+/// outside the timing). Returns the median and the mean host ns over `iters` steps, and the
+/// destination's bytes after the last step (for the caller to check against its last fill).
+///
+/// # Errors
+/// Driver errors.
+pub fn step_floor_paced_filled(
+    dev: &Device,
+    stream: &Stream,
+    bytes: usize,
+    iters: usize,
+    fill: &mut dyn FnMut(&mut [u8], usize),
+) -> Result<((f64, f64), Vec<u8>)> {
+    let mut rig = FloorRig::new(dev, bytes)?;
+    rig.dst.upload(0, &vec![0xEE; bytes])?;
+    let cur = dev.enter()?;
+    let h = stream.handle();
+    let mut ns = Vec::with_capacity(iters);
+    for i in 0..iters {
+        stream.synchronize()?;
+        let t0 = std::time::Instant::now();
+        // The stream is idle: the last copy from the source completed.
+        fill(&mut rig.src.as_mut_slice()[..bytes], i);
+        rig.copy(&cur, h, 0, bytes)?;
+        rig.ev.record_in(&cur, h)?;
+        ns.push(t0.elapsed().as_nanos() as f64);
+    }
+    stream.synchronize()?;
+    let mut out = vec![0u8; bytes];
+    rig.dst.download(0, &mut out)?;
+    Ok((median_mean(ns), out))
+}
+
 /// The median and the mean of `v` (not empty).
 pub fn median_mean(mut v: Vec<f64>) -> (f64, f64) {
     let mean = v.iter().sum::<f64>() / v.len() as f64;

@@ -459,18 +459,32 @@ pub(crate) fn import_destination(
     dst: &Bound<'_, PyAny>,
     stream: Option<StreamHandle<'static>>,
 ) -> PyResult<Imported> {
+    import_writable(dst, stream, "dst")
+}
+
+/// [`import_destination`] for the argument named `arg` (its messages name it).
+pub(crate) fn import_writable(
+    dst: &Bound<'_, PyAny>,
+    stream: Option<StreamHandle<'static>>,
+    arg: &str,
+) -> PyResult<Imported> {
     let imp = import(dst, stream)?;
     // JAX arrays offer no C exchange table: the check costs nothing on the torch path.
     if imp.exchange.is_none() && is_jax_array(dst) {
         return Err(value_err(format!(
-            "dst is {}: JAX arrays are immutable (JAX may share their buffers), so pinstage \
+            "{arg} is {}: JAX arrays are immutable (JAX may share their buffers), so pinstage \
              never writes into one; copy into a torch or cupy tensor, or make a new JAX array \
              with pinstage.to_device(src, \"jax\")",
             describe(dst)
         )));
     }
     if imp.view.is_read_only() {
-        return Err(crate::Error::ReadOnly.into());
+        if arg == "dst" {
+            return Err(crate::Error::ReadOnly.into());
+        }
+        return Err(value_err(format!(
+            "{arg} is read-only (its DLPack producer set the READ_ONLY flag)"
+        )));
     }
     Ok(imp)
 }

@@ -150,7 +150,7 @@ fn convert_sequence(items: &[Bound<'_, PyAny>], d: DType) -> PyResult<Option<Vec
     }
     match d {
         DType::F32 | DType::F64 | DType::F16 => {
-            for it in items {
+            for (i, it) in items.iter().enumerate() {
                 if it.is_instance_of::<pyo3::types::PyComplex>() {
                     return Ok(None);
                 }
@@ -158,15 +158,34 @@ fn convert_sequence(items: &[Bound<'_, PyAny>], d: DType) -> PyResult<Option<Vec
                     return Ok(None);
                 };
                 match d {
-                    DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+                    DType::F32 => {
+                        let x = v as f32;
+                        overflow_check(v, x.is_infinite(), i, d)?;
+                        out.extend_from_slice(&x.to_le_bytes());
+                    }
                     DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
-                    _ => out.extend_from_slice(&half::f16::from_f64(v).to_le_bytes()),
+                    _ => {
+                        let x = half::f16::from_f64(v);
+                        overflow_check(v, x.is_infinite(), i, d)?;
+                        out.extend_from_slice(&x.to_le_bytes());
+                    }
                 }
             }
             Ok(Some(out))
         }
         _ => Ok(None),
     }
+}
+
+/// Refuses a finite value that became infinite in a narrower float dtype (1e5 as float16):
+/// numpy would store inf and warn; pinstage stores nothing and says which value.
+fn overflow_check(v: f64, infinite: bool, i: usize, d: DType) -> PyResult<()> {
+    if infinite && v.is_finite() {
+        return Err(value_err(format!(
+            "value {v} at index {i} does not fit {d} (it would become inf)"
+        )));
+    }
+    Ok(())
 }
 
 /// Converts `values` to element bytes of `d`, refusing values that do not fit.
@@ -237,6 +256,13 @@ fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<(Vec<u8>,
     let np = py.import("numpy")?;
     let want = super::arrays::descr(py, d)?;
     let arr = np.call_method1("asarray", (values,)).map_err(|e| {
+        // Only numpy's refusals of the object become a typed error: anything else raised while
+        // converting (KeyboardInterrupt, MemoryError, a producer's own error) propagates as is.
+        if !(e.is_instance_of::<pyo3::exceptions::PyTypeError>(py)
+            || e.is_instance_of::<pyo3::exceptions::PyValueError>(py))
+        {
+            return e;
+        }
         type_err(format!(
             "values must be a numpy array or a (nested, rectangular) sequence of numbers, got {} \
              ({e})",
@@ -272,6 +298,27 @@ fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<(Vec<u8>,
     let conv = arr.call_method1("astype", (&want,));
     guard.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
     let conv = conv?;
+    if matches!(d, DType::F16 | DType::F32 | DType::BF16 | DType::C64) {
+        // Refuse finite values that overflow to inf in the narrower dtype (1e5 into float16).
+        let overflow = np
+            .call_method1(
+                "any",
+                (np.call_method1(
+                    "logical_and",
+                    (
+                        np.call_method1("isfinite", (&arr,))?,
+                        np.call_method1("logical_not", (np.call_method1("isfinite", (&conv,))?,))?,
+                    ),
+                )?,),
+            )?
+            .extract::<bool>()?;
+        if overflow {
+            return Err(value_err(format!(
+                "values do not fit {d}: {} holds finite values that would become inf",
+                arr.repr()?
+            )));
+        }
+    }
     if d.is_integral() {
         // Refuse values that do not survive the cast (300 into int8, 0.5 into int32, 2 into bool).
         let same = np

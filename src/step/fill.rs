@@ -190,9 +190,20 @@ impl StepStager {
         Ok(self.mem_dev + (slot * self.layout.nbytes() + f.offset()) as u64)
     }
 
-    /// Releases a step's slot untouched.
+    /// Releases a step's slot untouched. A zero-copy step whose device addresses were handed
+    /// out may have kernels reading the slot on streams it does not know: the context is
+    /// synchronized first, so the next claimer cannot write under them.
     pub(crate) fn abort_raw(&self, s: RawStep) {
         add(&self.stats.aborted, 1);
+        if s.frozen
+            && let Some(device) = &self.device
+        {
+            // A failed synchronize means a failed context, where no work runs any longer.
+            // Drop never panics: the error is recorded.
+            if let Err(Error::Driver(err)) = device.enter().and_then(|cur| cur.synchronize()) {
+                crate::error::record_drop_error(err);
+            }
+        }
         // The slot's last copy is known complete (open) and nothing new was issued.
         self.ring.release(s.claim.index, Release::Idle);
     }

@@ -288,7 +288,7 @@ impl StepStager {
                 ));
             }
             if len < nbytes {
-                return Err(Error::DestinationTooSmall {
+                return Err(Error::ArenaTooSmall {
                     got: len,
                     needed: nbytes,
                 });

@@ -123,29 +123,51 @@ impl DType {
         }
     }
 
-    /// Parses a numpy name or a framework's spelling (`"torch.int32"`, `"float"`, `"bool_"`).
+    /// Parses a dtype name. A bare name is read as numpy reads it (`numpy.dtype(name)` on
+    /// Linux): `"float"` and `"double"` are float64, `"int"` and `"long"` int64, `"half"` float16,
+    /// `"single"` float32, plus numpy's one-letter codes (`"f"`, `"i"`, `"l"`...). A name after
+    /// `torch.` is read as torch spells its dtypes: `"torch.float"` is float32, `"torch.int"`
+    /// int32, `"torch.long"` int64, `"torch.half"` float16, `"torch.double"` float64. The
+    /// canonical names (`"int32"`, `"float16"`, `"bfloat16"`...) mean the same either way.
     pub fn from_name(name: &str) -> Option<DType> {
         let n = name.trim();
-        let n = n.strip_prefix("torch.").unwrap_or(n);
+        if let Some(t) = n.strip_prefix("torch.") {
+            return Some(match t {
+                "bool" => DType::Bool,
+                "short" => DType::I16,
+                "int" => DType::I32,
+                "long" => DType::I64,
+                "half" => DType::F16,
+                "float" => DType::F32,
+                "double" => DType::F64,
+                "cfloat" => DType::C64,
+                "cdouble" => DType::C128,
+                _ => return Self::canonical(t),
+            });
+        }
         let n = n.strip_prefix("numpy.").unwrap_or(n);
         Some(match n {
             "bool" | "bool_" | "b1" | "?" => DType::Bool,
-            "int8" | "i1" | "b" => DType::I8,
-            "int16" | "i2" | "short" | "h" => DType::I16,
-            "int32" | "i4" | "int" | "i" => DType::I32,
-            "int64" | "i8" | "long" | "q" | "l" => DType::I64,
-            "uint8" | "u1" | "B" => DType::U8,
-            "uint16" | "u2" | "H" => DType::U16,
-            "uint32" | "u4" | "I" => DType::U32,
-            "uint64" | "u8" | "Q" | "L" => DType::U64,
-            "float16" | "f2" | "half" | "e" => DType::F16,
-            "bfloat16" => DType::BF16,
-            "float32" | "f4" | "float" | "f" => DType::F32,
-            "float64" | "f8" | "double" | "d" => DType::F64,
-            "complex64" | "c8" | "cfloat" | "F" => DType::C64,
-            "complex128" | "c16" | "cdouble" | "D" => DType::C128,
-            _ => return None,
+            "byte" | "i1" | "b" => DType::I8,
+            "short" | "i2" | "h" => DType::I16,
+            "intc" | "i4" | "i" => DType::I32,
+            "int" | "int_" | "long" | "longlong" | "intp" | "i8" | "l" | "q" | "p" => DType::I64,
+            "ubyte" | "u1" | "B" => DType::U8,
+            "ushort" | "u2" | "H" => DType::U16,
+            "uintc" | "u4" | "I" => DType::U32,
+            "uint" | "ulong" | "ulonglong" | "uintp" | "u8" | "L" | "Q" | "P" => DType::U64,
+            "half" | "f2" | "e" => DType::F16,
+            "single" | "f4" | "f" => DType::F32,
+            "float" | "double" | "float_" | "f8" | "d" => DType::F64,
+            "csingle" | "c8" | "F" => DType::C64,
+            "complex" | "cdouble" | "complex_" | "c16" | "D" => DType::C128,
+            _ => return Self::canonical(n),
         })
+    }
+
+    /// A canonical name (`"int32"`, `"bfloat16"`...), as [`DType::name`] gives it.
+    fn canonical(n: &str) -> Option<DType> {
+        DType::ALL.iter().copied().find(|d| d.name() == n)
     }
 
     /// Whether the dtype is an integer (signed or not) or bool.

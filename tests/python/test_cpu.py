@@ -68,6 +68,10 @@ def test_values_from_sequences_and_other_dtypes():
         (np.array([1 + 2j]), np.float32, "complex"),
         (5, np.int32, "scalar"),
         (["a", "b"], np.int32, "cannot be copied"),
+        ([1.0, 1e5], np.float16, "index 1 does not fit float16"),
+        ([-1e39], np.float32, "does not fit float32"),
+        (np.array([1.0, 7e4]), np.float16, "would become inf"),
+        (np.array([3.5e38]), np.float32, "would become inf"),
     ],
 )
 def test_values_that_do_not_fit_are_refused_untouched(values, dtype, match):
@@ -77,6 +81,28 @@ def test_values_that_do_not_fit_are_refused_untouched(values, dtype, match):
     with pytest.raises((ValueError, TypeError, OverflowError), match=match):
         st.copy_(d, values)
     np.testing.assert_array_equal(d, before)
+
+
+def test_infinities_and_nan_are_values_not_overflow():
+    st = pinstage.PinnedStager(np.float16, 8, 2)
+    d = np.zeros(4, np.float16)
+    st.copy_(d, [float("inf"), float("-inf"), 65504.0])
+    st.copy_(d[3:], np.array([np.nan]))
+    assert d[0] == np.inf and d[1] == -np.inf and d[2] == 65504 and np.isnan(d[3])
+
+
+def test_an_interrupt_inside_a_conversion_propagates():
+    class Ctrl:
+        def __array__(self, dtype=None, copy=None):
+            raise KeyboardInterrupt
+
+    st = pinstage.PinnedStager(np.int32, 8, 2)
+    d = np.full(4, 5, np.int32)
+    with pytest.raises(KeyboardInterrupt):
+        st.copy_(d, Ctrl())
+    assert (d == 5).all()
+    st.copy_(d, [1, 2])  # the slot was released
+    assert d[:2].tolist() == [1, 2]
 
 
 def test_bad_destinations_and_arguments():

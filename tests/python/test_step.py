@@ -60,6 +60,23 @@ def test_layout_describes_its_fields():
 
 
 @pytest.mark.parametrize(
+    "name",
+    ["float", "double", "int", "long", "half", "single", "intc", "short", "byte", "ubyte",
+     "uint", "complex", "f", "d", "i", "l", "b", "B", "e", "float32", "int64", "bool"],
+)
+def test_dtype_strings_mean_what_numpy_says(name):
+    layout = pinstage.StepLayout({"a": (name, 4)})
+    assert layout.fields[0]["dtype"] == np.dtype(name).name, name
+
+
+def test_torch_dtype_strings_mean_what_torch_says():
+    got = pinstage.StepLayout(
+        {n: ("torch." + n, 4) for n in ["float", "int", "long", "half", "double"]}
+    ).fields
+    assert [f["dtype"] for f in got] == ["float32", "int32", "int64", "float16", "float64"]
+
+
+@pytest.mark.parametrize(
     "fields, exc",
     [
         ({}, pinstage.PinstageValueError),
@@ -315,13 +332,17 @@ def test_bound_host_arena():
     st.stage({"ids": [9, 8, 7]})
     assert arena[:12].view(np.int32).tolist() == [9, 8, 7]
     assert np.from_dlpack(st.field("ids"))[:3].tolist() == [9, 8, 7]  # a bound host arena exports
-    for bad, match in ((arena[: layout.nbytes - 1], "bytes"), (raw[off + 4 : off + 4 + layout.nbytes], "aligned")):
+    for bad, match in (
+        (arena[: layout.nbytes - 1], "arena holds .* bytes but the layout needs"),
+        (raw[off + 4 : off + 4 + layout.nbytes], "arena.*aligned"),
+    ):
         with pytest.raises(pinstage.PinstageValueError, match=match):
             pinstage.StepStager(layout, arena=bad)
     ro = arena.copy()
     ro.flags.writeable = False
-    with pytest.raises((pinstage.PinstageValueError, BufferError, ValueError)):
+    with pytest.raises((pinstage.PinstageValueError, BufferError, ValueError)) as e:
         pinstage.StepStager(layout, arena=ro)
+    assert "dst" not in str(e.value), e.value
     with pytest.raises(pinstage.PinstageValueError):
         pinstage.StepStager(layout, arena=arena, mode="fresh")
 
@@ -551,6 +572,32 @@ def test_zero_copy_kernels_read_the_slot(gpu):
     for a, b, k, want in results:
         assert int(a) == want and float(b) == pytest.approx(160 * (k + 0.5)), k
     assert st.stats()["copies"] == 0 and st.stats()["batches"] == 0
+
+
+@pytest.mark.gpu
+def test_an_aborted_zero_copy_step_is_not_rewritten_under_its_readers(gpu):
+    """Kernels queued behind a stall read a zero-copy step's slot; the step then ends in an
+    exception (no commit, so no event after the readers). The next step (depth 1: the same slot)
+    must not write the slot before those readers ran: they see the aborted step's values."""
+    torch = _torch()
+    layout = pinstage.StepLayout({"ids": ("int64", 4096)})
+    st = pinstage.StepStager(layout, mode="zero_copy", depth=1)
+    s = torch.cuda.Stream()
+    old = np.arange(7, 7 + 4096, dtype=np.int64)
+    with pytest.raises(RuntimeError, match="planned"):
+        with st.step(stream=s) as step:
+            step.put("ids", old)
+            t = torch.from_dlpack(step.device("ids"))
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(100_000_000)
+                seen = t.clone()
+            raise RuntimeError("planned")
+    new = np.full(4096, -3, dtype=np.int64)
+    with st.step(stream=s) as step:
+        step.put("ids", new)
+    s.synchronize()
+    assert np.array_equal(seen.cpu().numpy(), old)
+    assert st.stats()["aborted"] == 1
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ use crate::cuda::{Event, Stream, StreamHandle};
 use crate::error::Error;
 use crate::python::args::{count_arg, parse_device};
 use crate::python::errors::{type_err, value_err};
-use crate::python::import::{import_destination, parse_dtype, parse_stream};
+use crate::python::import::{import_writable, parse_dtype, parse_stream};
 use crate::python::wait::{slot_wait, take_interrupt};
 use crate::step::FieldId;
 use crate::step::{RawStep, StepLayout, StepMode, StepStager};
@@ -493,7 +493,7 @@ impl PyStepStager {
         }
         let bound = match arena.filter(|a| !a.is_none()) {
             Some(a) => {
-                let imp = import_destination(a, None)?;
+                let imp = import_writable(a, None, "arena")?;
                 // SAFETY: `imp` (kept in the stager) keeps the producer's memory alive; the
                 // caller hands the buffer to the stager (documented).
                 b = unsafe { b.bind(&imp.view) };
