@@ -182,13 +182,42 @@ pub(crate) fn parse_stream(
     let Some(obj) = obj.filter(|o| !o.is_none()) else {
         return Ok(None);
     };
-    let raw = parse_stream_object(obj)?;
+    let hit = LAST_STREAM.with(|c| {
+        c.borrow()
+            .as_ref()
+            .and_then(|(o, h)| (o.as_ptr() == obj.as_ptr()).then_some(*h))
+    });
+    let raw = match hit {
+        Some(h) => h,
+        None => parse_stream_object(obj)?,
+    };
     // SAFETY: the handle of a stream object the caller passed, or an integer the caller passed
     // as a stream; the Python API documents that the stream must stay alive while its copies
     // run. Impossible handles are refused here.
-    unsafe { StreamHandle::from_raw(raw) }
-        .map(Some)
-        .map_err(PyErr::from)
+    let handle = unsafe { StreamHandle::from_raw(raw) }?;
+    if hit.is_none() && !obj.is_instance_of::<pyo3::types::PyInt>() && is_framework_stream(obj) {
+        let old = LAST_STREAM.with(|c| c.replace(Some((obj.clone().unbind(), raw))));
+        // Dropped outside the borrow: a destructor may run Python code that passes a stream.
+        drop(old);
+    }
+    Ok(Some(handle))
+}
+
+thread_local! {
+    /// The last torch or cupy stream object this thread passed, and its handle: such an object
+    /// holds one stream for its whole life, and the reference held here keeps its address from
+    /// being reused, so passing the same object again costs a pointer compare instead of a
+    /// Python call (`__cuda_stream__()` or an attribute).
+    static LAST_STREAM: std::cell::RefCell<Option<(Py<PyAny>, usize)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Whether `obj` is a torch or cupy stream object (its handle is fixed for its life).
+fn is_framework_stream(obj: &Bound<'_, PyAny>) -> bool {
+    let ty = obj.get_type();
+    let module = ty.module().map(|m| m.to_string()).unwrap_or_default();
+    (module.starts_with("torch.") || module.starts_with("cupy."))
+        && type_name(obj).contains("Stream")
 }
 
 fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<usize> {

@@ -323,6 +323,53 @@ def test_device_exports_need_a_driver():
             export()
 
 
+def test_a_framework_stream_object_is_read_once_others_every_time():
+    """A torch/cupy stream object's handle is fixed for its life: the same object passed again
+    is not asked again. Any other object is asked each time, and a new object always is."""
+    calls = []
+
+    def stream_type(module, handle):
+        class Stream:
+            def __cuda_stream__(self):
+                calls.append(self)
+                return (0, handle)
+
+        Stream.__module__ = module
+        return Stream
+
+    layout = pinstage.StepLayout({"ids": ("int32", 4)})
+    st = pinstage.StepStager(layout, depth=2)
+    torch_like = stream_type("torch.cuda.streams", 0x7F0000001000)()
+    for _ in range(3):
+        st.stage({"ids": [1]}, stream=torch_like)
+    assert len(calls) == 1
+    other = stream_type("mylib", 0x7F0000001000)()
+    for _ in range(3):
+        st.stage({"ids": [2]}, stream=other)
+    assert len(calls) == 4
+    # A new torch-like object is read, and a handle that cannot be a stream is refused even
+    # right after a cached one.
+    bad = stream_type("torch.cuda.streams", 3)()
+    with pytest.raises(pinstage.PinstageValueError, match="not a CUDA stream"):
+        st.stage({"ids": [3]}, stream=bad)
+    st.stage({"ids": [4]}, stream=torch_like)
+    assert len(calls) == 5 and calls[-1] is bad
+    assert st.read_field("ids")[:1].tolist() == [4]
+
+
+def test_stage_finds_fields_by_name_in_any_order_and_spelling():
+    names = [f"f{i}" for i in range(12)]
+    layout = pinstage.StepLayout({n: ("int32", 4) for n in names})
+    st = pinstage.StepStager(layout, depth=2)
+    built = ["".join(["f", str(i)]) for i in range(12)]  # equal text, other objects
+    for order in (built, built[::-1], built[5:] + built[:5]):
+        st.stage({n: [int(n[1:]) + 100 * k for k in range(2)] for n in order})
+        for n in names:
+            assert st.read_field(n)[:2].tolist() == [int(n[1:]), int(n[1:]) + 100], (order, n)
+    with pytest.raises(KeyError):
+        st.stage({"f1": [1], "f13": [2]})
+
+
 def test_bound_host_arena():
     layout = pinstage.StepLayout({"ids": ("int32", 16)})
     raw = np.zeros(layout.nbytes + 256, np.uint8)

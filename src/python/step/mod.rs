@@ -612,6 +612,7 @@ impl PyStepStager {
         let stream = me.stream_of(stream)?;
         let st = &me.inner;
         let mut raw = me.open(py)?;
+        let mut hint = 0usize;
         let filled = for_each_item(fields, |k, v| {
             let name = k
                 .cast::<PyString>()
@@ -624,7 +625,8 @@ impl PyStepStager {
                 Some(p) => p.get_item(name)?,
                 None => None,
             };
-            let id = me.field_id(name)?;
+            let id = me.field_id_near(name, hint)?;
+            hint = id.index() + 1;
             if pad.is_none() && r.is_none() && me.put_exact(&mut raw, id, &v)? {
                 return Ok(());
             }
@@ -820,6 +822,21 @@ impl PyStepStager {
     /// The field a str names: by pointer for the interned names of a small layout (string
     /// literals), else through the `{name: index}` dict.
     fn field_id(&self, name: &Bound<'_, PyString>) -> PyResult<FieldId> {
+        self.field_id_near(name, usize::MAX)
+    }
+
+    /// [`Self::field_id`], trying field `hint` first (the next field in layout order, where a
+    /// dict of a step's values usually has it): the same interned object, or the same text.
+    fn field_id_near(&self, name: &Bound<'_, PyString>, hint: usize) -> PyResult<FieldId> {
+        if let Some(n) = self.names.get(hint) {
+            if n.as_ptr() == name.as_ptr() {
+                return Ok(FieldId::from_index(hint));
+            }
+            // SAFETY: two live str objects, GIL held; comparing two str never fails.
+            if unsafe { pyo3::ffi::PyUnicode_Compare(n.as_ptr(), name.as_ptr()) } == 0 {
+                return Ok(FieldId::from_index(hint));
+            }
+        }
         if self.names.len() <= 8
             && let Some(i) = self.names.iter().position(|n| n.as_ptr() == name.as_ptr())
         {
