@@ -495,6 +495,64 @@ pub fn step_floor_paced_filled(
     Ok((median_mean(ns), out))
 }
 
+/// Where a paced commit's host time goes, call by call, after `fill` wrote the step's values
+/// into the pinned source (as a step's puts do): `dev.enter()` (`cuCtxGetCurrent`),
+/// `cuStreamIsCapturing`, `cuStreamGetId`, one `cuMemcpyHtoDAsync` of `bytes`, `cuEventRecord`.
+/// The stream is synchronized before each step, outside the timing. Returns the median ns of
+/// each call, in that order, and of the fill; the destination after the last step is checked
+/// against it.
+///
+/// # Errors
+/// Driver errors.
+pub fn commit_parts_paced(
+    dev: &Device,
+    stream: &Stream,
+    bytes: usize,
+    iters: usize,
+    fill: &mut dyn FnMut(&mut [u8], usize),
+) -> Result<[f64; 6]> {
+    use crate::driver::stream::stream_get_id;
+    let mut rig = FloorRig::new(dev, bytes)?;
+    rig.dst.upload(0, &vec![0xEE; bytes])?;
+    let h = stream.handle();
+    let mut parts: [Vec<f64>; 6] = Default::default();
+    let mut last = vec![0u8; bytes];
+    for i in 0..iters {
+        stream.synchronize()?;
+        let t0 = std::time::Instant::now();
+        fill(&mut rig.src.as_mut_slice()[..bytes], i);
+        let t1 = std::time::Instant::now();
+        let cur = dev.enter()?;
+        let t2 = std::time::Instant::now();
+        // SAFETY: our live stream; the context is current (`cur`).
+        let capturing = unsafe { stream_is_capturing(h.raw()) }?;
+        assert!(!capturing);
+        let t3 = std::time::Instant::now();
+        // SAFETY: as above.
+        let _id = unsafe { stream_get_id(h.raw()) }?;
+        let t4 = std::time::Instant::now();
+        rig.copy(&cur, h, 0, bytes)?;
+        let t5 = std::time::Instant::now();
+        rig.ev.record_in(&cur, h)?;
+        let t6 = std::time::Instant::now();
+        drop(cur);
+        for (k, (a, b)) in [(t1, t2), (t2, t3), (t3, t4), (t4, t5), (t5, t6), (t0, t1)]
+            .into_iter()
+            .enumerate()
+        {
+            parts[k].push((b - a).as_nanos() as f64);
+        }
+        if i + 1 == iters {
+            last.copy_from_slice(&rig.src.as_slice()[..bytes]);
+        }
+    }
+    stream.synchronize()?;
+    let mut out = vec![0u8; bytes];
+    rig.dst.download(0, &mut out)?;
+    assert_eq!(out, last, "commit_parts_paced: the last step's bytes");
+    Ok(parts.map(|v| median_mean(v).0))
+}
+
 /// The median and the mean of `v` (not empty).
 pub fn median_mean(mut v: Vec<f64>) -> (f64, f64) {
     let mean = v.iter().sum::<f64>() / v.len() as f64;
