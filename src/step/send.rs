@@ -70,9 +70,13 @@ impl SlotOwner for Owner<'_, '_, '_, '_> {
     }
 
     fn stream_id(&mut self) -> Option<u64> {
-        self.send
+        let id = self
+            .send
             .as_ref()
-            .and_then(|j| j.stream.tracking_id(self.cur))
+            .and_then(|j| j.stream.tracking_id(self.cur));
+        #[cfg(feature = "lab")]
+        crate::lab::probe::point(4);
+        id
     }
 
     fn send(&mut self, _slot: usize) -> Result<()> {
@@ -125,6 +129,8 @@ impl SlotOwner for Owner<'_, '_, '_, '_> {
             j.calls += 1;
             add(&st.stats.copies, 1);
         }
+        #[cfg(feature = "lab")]
+        crate::lab::probe::point(5);
         Ok(())
     }
 
@@ -137,6 +143,8 @@ impl SlotOwner for Owner<'_, '_, '_, '_> {
         if let Some(b) = self.send.as_ref().and_then(|j| j.block) {
             b.record_in(self.cur, stream)?;
         }
+        #[cfg(feature = "lab")]
+        crate::lab::probe::point(6);
         Ok(())
     }
 
