@@ -190,26 +190,7 @@ fn main() {
     let span_step = engine_rounds(&st_span, &arena, &l, &sets, &stream);
     let paced = engine_paced(&st, &arena, &l, &sets, &stream, true);
     let paced_span = engine_paced(&st_span, &arena, &l, &sets, &stream, true);
-    let _ = pinstage::lab::probe::take();
     let paced_quiet = engine_paced(&st, &arena, &l, &sets, &stream, false);
-    let names = [
-        "nvtx push",
-        "mirror + plan",
-        "enter_for_copy (ctx + capturing)",
-        "target + job",
-        "cuStreamGetId + mark/begin",
-        "cuMemcpyHtoDAsync",
-        "cuEventRecord",
-        "done + release + mirror drop",
-        "stats",
-        "-",
-    ];
-    println!("paced commit, lab probe points (mean ns per commit, the last-checked run):");
-    for (n, (ns, hits)) in names.iter().zip(pinstage::lab::probe::take()) {
-        if hits > 0 {
-            println!("  {n:<36} {ns:8.0}   ({hits} hits)");
-        }
-    }
     drop(st_span);
     let (floor_used, floor_six) =
         pinstage::lab::step_floor(&dev, &stream, used, 6, ITERS, ROUNDS).unwrap();

@@ -12,8 +12,6 @@ use crate::{DType, Device, PinnedBuffer, PinnedFlags, PinnedStager, Result, Stre
 #[cfg(feature = "python")]
 pub(crate) mod python;
 
-pub mod probe;
-
 /// The slot-claim ring.
 pub struct Ring(crate::h2d::ring::Ring);
 

@@ -12,11 +12,7 @@ use crate::h2d::ring::{Claim, Release};
 impl StepStager {
     /// Commits a step on `stream` (see [`Step::commit`]). The slot is released in every case.
     pub(crate) fn commit_raw(&self, s: RawStep, stream: StreamHandle<'_>) -> Result<Committed> {
-        #[cfg(feature = "lab")]
-        crate::lab::probe::start();
         let _range = crate::nvtx::NvtxRange::new(c"pinstage.step.commit");
-        #[cfg(feature = "lab")]
-        crate::lab::probe::point(0);
         let index = s.claim.index;
         // SAFETY: we own the slot until the ring releases it below; nothing else touches its
         // scratch.
@@ -53,8 +49,6 @@ impl StepStager {
             plan(self.layout.fields(), &sc.send, max_gap, &mut sc.segs);
         }
         let bytes: usize = sc.segs.iter().map(|&(_, n)| n).sum();
-        #[cfg(feature = "lab")]
-        crate::lab::probe::point(1);
         // The mirror learns the values sent before the send releases the slot (another thread
         // may claim and write it from then on); a failed send forgets everything it knew.
         if let Some(m) = mirror.as_deref_mut() {
@@ -77,8 +71,6 @@ impl StepStager {
             m.iter_mut().for_each(|e| *e = None);
         }
         drop(mirror);
-        #[cfg(feature = "lab")]
-        crate::lab::probe::point(7);
         let (calls, batched, block) = result?;
         add(&self.stats.steps, 1);
         add(&self.stats.skipped_fields, u64::from(skipped));
@@ -86,8 +78,6 @@ impl StepStager {
         if calls == 0 && block.is_none() {
             add(&self.stats.empty_steps, 1);
         }
-        #[cfg(feature = "lab")]
-        crate::lab::probe::point(8);
         Ok(Committed {
             calls,
             batched,
@@ -160,8 +150,6 @@ impl StepStager {
             Ok(c) => c,
             Err(e) => return release_idle(e),
         };
-        #[cfg(feature = "lab")]
-        crate::lab::probe::point(2);
         let (dst, block) = match &self.target {
             Target::Device(d) => (d.ptr(), None),
             Target::Bound { ptr, .. } => (*ptr, None),
@@ -185,8 +173,6 @@ impl StepStager {
             calls: 0,
             batched: false,
         };
-        #[cfg(feature = "lab")]
-        crate::lab::probe::point(3);
         self.ring.finish(
             &claim,
             &mut Owner {

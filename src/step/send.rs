@@ -70,13 +70,9 @@ impl SlotOwner for Owner<'_, '_, '_, '_> {
     }
 
     fn stream_id(&mut self) -> Option<u64> {
-        let id = self
-            .send
+        self.send
             .as_ref()
-            .and_then(|j| j.stream.tracking_id(self.cur));
-        #[cfg(feature = "lab")]
-        crate::lab::probe::point(4);
-        id
+            .and_then(|j| j.stream.tracking_id(self.cur))
     }
 
     fn send(&mut self, _slot: usize) -> Result<()> {
@@ -129,8 +125,6 @@ impl SlotOwner for Owner<'_, '_, '_, '_> {
             j.calls += 1;
             add(&st.stats.copies, 1);
         }
-        #[cfg(feature = "lab")]
-        crate::lab::probe::point(5);
         Ok(())
     }
 
@@ -143,8 +137,6 @@ impl SlotOwner for Owner<'_, '_, '_, '_> {
         if let Some(b) = self.send.as_ref().and_then(|j| j.block) {
             b.record_in(self.cur, stream)?;
         }
-        #[cfg(feature = "lab")]
-        crate::lab::probe::point(6);
         Ok(())
     }
 
