@@ -261,14 +261,11 @@ fn main() {
         "  driver: the 6 fields' values written + 1 HtoD of the used bytes + record \
          {f_fill:9.0} / {f_fill_mean:9.0}"
     );
-    let [enter, capturing, get_id, copy, record, fill] = pinstage::lab::commit_parts_paced(
-        &dev,
-        &stream,
-        used,
-        PACED,
-        &mut |buf, i| packed_of(&sets[i % 64], buf),
-    )
-    .unwrap();
+    let [enter, capturing, get_id, copy, record, fill] =
+        pinstage::lab::commit_parts_paced(&dev, &stream, used, PACED, &mut |buf, i| {
+            packed_of(&sets[i % 64], buf)
+        })
+        .unwrap();
     println!(
         "  driver, call by call after the values were written (median ns): write values {fill:.0}, \
          cuCtxGetCurrent {enter:.0}, cuStreamIsCapturing {capturing:.0}, cuStreamGetId \
