@@ -247,7 +247,13 @@ fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
                 ))
             })?;
         if let Ok((_, h)) = r.extract::<(i64, usize)>() {
-            return Ok(h);
+            // A torch or cupy stream object holds a live stream while it lives; any other
+            // object's handle is checked as an int would be (a stale or made-up handle would
+            // fault in the driver).
+            if is_framework_stream(obj) {
+                return Ok(h);
+            }
+            return checked_int_stream(h);
         }
         if let Ok((_, h)) = r.extract::<(i64, Bound<'_, PyAny>)>()
             && h.is_none()
@@ -267,7 +273,7 @@ fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
                 // A torch or cupy stream object holds a live stream while it lives; anything
                 // else with such an attribute (a cupy Event or MemoryPointer: `.ptr`) is checked
                 // as an int would be.
-                if type_name(obj).contains("Stream") {
+                if is_framework_stream(obj) {
                     return Ok(h);
                 }
                 return checked_int_stream(h);

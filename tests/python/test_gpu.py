@@ -718,6 +718,16 @@ elif case.startswith("heap"):
     h = (lo + 0x1000 if case == "heap-start" else (lo + hi) // 2) & ~7
 else:
     raise SystemExit("unknown case " + case)
+if len(sys.argv) > 2 and sys.argv[2] == "protocol":
+    # The same handle from an object with __cuda_stream__ that is no torch or cupy stream.
+    class Proto:
+        def __init__(self, h):
+            self.h = h
+
+        def __cuda_stream__(self):
+            return (0, self.h)
+
+    h = Proto(h)
 dst = torch.full((16,), -7, dtype=torch.int32, device="cuda")
 src = np.arange(16, dtype=np.int32) + 100
 step = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16)}), depth=2)
@@ -746,21 +756,26 @@ print("alive", flush=True)
 
 
 @pytest.mark.parametrize(
-    "case",
-    ["closed-cupy", "used-then-closed-cupy", "garbage", "python-object", "numpy-data", "event", "heap-start",
-     "heap-middle"],
+    "case, wrap",
+    [(c, "int") for c in ["closed-cupy", "used-then-closed-cupy", "garbage", "python-object", "numpy-data",
+                          "event", "heap-start", "heap-middle"]]
+    + [(c, "protocol") for c in ["closed-cupy", "garbage", "python-object"]],
 )
-def test_integers_that_are_no_live_stream_are_refused(gpu, case):
+def test_integers_that_are_no_live_stream_are_refused(gpu, case, wrap):
     """The driver dereferences a stream handle without validating it: an int into ordinary memory
     (a Python object, the heap, an event, a destroyed stream) crashed the process on driver 580.
-    Every entry that takes a stream refuses such an int with a typed error and writes nothing.
-    Each case runs in a child process, so a crash fails the test instead of ending pytest."""
+    Every entry that takes a stream refuses such an int with a typed error and writes nothing, and
+    so does an object whose ``__cuda_stream__()`` gives one ("protocol"; torch and cupy stream
+    objects are trusted). Each case runs in a child process, so a crash fails the test instead of
+    ending pytest."""
     pytest.importorskip("cupy")
     pytest.importorskip("torch")
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", _HANDLE_CHILD, case], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _HANDLE_CHILD, case, wrap], capture_output=True, text=True, timeout=120
+    )
     print(r.stdout, r.stderr[-2000:])
     assert r.returncode == 0, f"the process died (rc {r.returncode}): {r.stdout} {r.stderr[-500:]}"
     assert "alive" in r.stdout
