@@ -727,7 +727,9 @@ if len(sys.argv) > 2 and sys.argv[2] == "protocol":
         def __cuda_stream__(self):
             return (0, self.h)
 
-    h = Proto(h)
+    raw, h = h, Proto(h)
+else:
+    raw = h
 dst = torch.full((16,), -7, dtype=torch.int32, device="cuda")
 src = np.arange(16, dtype=np.int32) + 100
 step = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16)}), depth=2)
@@ -740,7 +742,8 @@ calls = {
     "copy_h2d": lambda: pinstage.copy_h2d(dst, src, stream=h),
     "to_device": lambda: pinstage.to_device(src, "torch", stream=h),
     "copy_d2h": lambda: pinstage.copy_d2h(dst, stream=h),
-    "StepTensor.__dlpack__": lambda: step.field("ids").__dlpack__(stream=h),
+    # DLPack's stream argument is an int: the protocol case passes the int itself.
+    "StepTensor.__dlpack__": lambda: step.field("ids").__dlpack__(stream=raw),
 }
 for name, call in calls.items():
     try:
