@@ -187,15 +187,15 @@ pub(crate) fn parse_stream(
             .as_ref()
             .and_then(|(o, h)| (o.as_ptr() == obj.as_ptr()).then_some(*h))
     });
-    let raw = match hit {
-        Some(h) => h,
+    let (raw, trusted) = match hit {
+        Some(h) => (h, false),
         None => parse_stream_object(obj)?,
     };
     // SAFETY: the handle of a stream object the caller passed, or an integer the caller passed
     // as a stream; the Python API documents that the stream must stay alive while its copies
     // run. Impossible handles are refused here.
     let handle = unsafe { StreamHandle::from_raw(raw) }?;
-    if hit.is_none() && !obj.is_instance_of::<pyo3::types::PyInt>() && is_framework_stream(obj) {
+    if trusted {
         let old = LAST_STREAM.with(|c| c.replace(Some((obj.clone().unbind(), raw))));
         // Dropped outside the borrow: a destructor may run Python code that passes a stream.
         drop(old);
@@ -212,15 +212,21 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-/// Whether `obj` is a torch or cupy stream object (its handle is fixed for its life).
+/// Whether `obj` is a stream object of torch or cupy that owns its stream: its handle is fixed,
+/// and the stream lives, as long as the object. An `ExternalStream` wraps a handle its caller
+/// owns (and may destroy): it is checked like an int.
 fn is_framework_stream(obj: &Bound<'_, PyAny>) -> bool {
     let ty = obj.get_type();
     let module = ty.module().map(|m| m.to_string()).unwrap_or_default();
+    let name = type_name(obj);
     (module.starts_with("torch.") || module.starts_with("cupy."))
-        && type_name(obj).contains("Stream")
+        && name.contains("Stream")
+        && !name.contains("External")
 }
 
-fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+/// The handle of a stream argument, and whether it is trusted without a check (and may be
+/// remembered): a torch or cupy stream object's.
+fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<(usize, bool)> {
     let py = obj.py();
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Err(type_err(
@@ -234,7 +240,7 @@ fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
                 obj.repr().map(|r| r.to_string()).unwrap_or_default()
             ))
         })?;
-        return checked_int_stream(h);
+        return checked_int_stream(h).map(|h| (h, false));
     }
     if obj.hasattr(pyo3::intern!(py, "__cuda_stream__"))? {
         // A closed stream object (cuda.core's Stream.close()) refuses to give its handle or
@@ -251,9 +257,9 @@ fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
             // object's handle is checked as an int would be (a stale or made-up handle would
             // fault in the driver).
             if is_framework_stream(obj) {
-                return Ok(h);
+                return Ok((h, true));
             }
-            return checked_int_stream(h);
+            return checked_int_stream(h).map(|h| (h, false));
         }
         if let Ok((_, h)) = r.extract::<(i64, Bound<'_, PyAny>)>()
             && h.is_none()
@@ -274,9 +280,9 @@ fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
                 // else with such an attribute (a cupy Event or MemoryPointer: `.ptr`) is checked
                 // as an int would be.
                 if is_framework_stream(obj) {
-                    return Ok(h);
+                    return Ok((h, true));
                 }
-                return checked_int_stream(h);
+                return checked_int_stream(h).map(|h| (h, false));
             }
             if v.is_none() {
                 return Err(value_err(format!(

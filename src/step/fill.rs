@@ -3,6 +3,7 @@
 use super::layout::{FieldId, FieldKey};
 use super::open::RawStep;
 use super::stager::{StepMode, StepStager, add};
+use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
 use crate::h2d::ring::Release;
 use crate::h2d::write::write_padded;
@@ -190,19 +191,35 @@ impl StepStager {
         Ok(self.mem_dev + (slot * self.layout.nbytes() + f.offset()) as u64)
     }
 
-    /// Releases a step's slot untouched. A zero-copy step whose device addresses were handed
-    /// out may have kernels reading the slot on streams it does not know: the context is
-    /// synchronized first, so the next claimer cannot write under them.
+    /// Releases a step's slot untouched (see [`Self::abort_raw_on`]; no stream known).
     pub(crate) fn abort_raw(&self, s: RawStep) {
+        self.abort_raw_on(s, None);
+    }
+
+    /// Releases a step's slot untouched. A zero-copy step whose device addresses were handed
+    /// out may have kernels reading the slot: with `stream`, the stream its readers were queued
+    /// on (as its commit would have been told), the slot's event is recorded there after them,
+    /// as a zero-copy commit does; without one, the context is synchronized first (all its
+    /// streams). Never blocks on the caller's behalf otherwise.
+    pub(crate) fn abort_raw_on(&self, s: RawStep, stream: Option<StreamHandle<'_>>) {
         add(&self.stats.aborted, 1);
         if s.frozen
             && let Some(device) = &self.device
         {
-            // A failed synchronize means a failed context, where no work runs any longer.
+            let r = match stream {
+                Some(stream) => self.release_after_readers(s, device, stream),
+                None => {
+                    // A failed synchronize: a failed context, where no work runs any longer.
+                    let r = device.enter().and_then(|cur| cur.synchronize());
+                    self.ring.release(s.claim.index, Release::Idle);
+                    r
+                }
+            };
             // Drop never panics: the error is recorded.
-            if let Err(Error::Driver(err)) = device.enter().and_then(|cur| cur.synchronize()) {
+            if let Err(Error::Driver(err)) = r {
                 crate::error::record_drop_error(err);
             }
+            return;
         }
         // The slot's last copy is known complete (open) and nothing new was issued.
         self.ring.release(s.claim.index, Release::Idle);

@@ -458,6 +458,27 @@ def test_stream_arguments_are_parsed():
             call()
     assert d[0] == 5
 
+    # Only stream objects of torch and cupy that own their stream are trusted unchecked; an
+    # ExternalStream wraps a handle its caller owns, and any other object's handle is checked.
+    def stream_class(module, name, via):
+        ns = {"__module__": module}
+        if via == "protocol":
+            ns["__cuda_stream__"] = lambda self: (0, 0x2_0000)
+        else:
+            ns[via] = 0x2_0000
+        return type(name, (), ns)
+
+    for module, name in [("torch.cuda.streams", "ExternalStream"), ("cupy.cuda.stream", "ExternalStream"),
+                         ("mylib", "Stream"), ("mylib", "MyStream")]:
+        for via in ("protocol", "cuda_stream", "ptr"):
+            with pytest.raises(ValueError, match="is not a CUDA stream"):
+                st.copy_(d, [9], stream=stream_class(module, name, via)())
+    for module in ("torch.cuda.streams", "cupy.cuda.stream"):
+        for via in ("protocol", "cuda_stream", "ptr"):
+            # Trusted (a host destination: parsed, unused).
+            assert st.copy_(d, [6], stream=stream_class(module, "Stream", via)())
+    assert d[0] == 6
+
 
 def test_closed_stream_objects_raise():
     """Stream objects that say they are closed: cuda.core's Stream after close() refuses

@@ -832,9 +832,17 @@ impl PyStepStager {
             if n.as_ptr() == name.as_ptr() {
                 return Ok(FieldId::from_index(hint));
             }
-            // SAFETY: two live str objects, GIL held; comparing two str never fails.
-            if unsafe { pyo3::ffi::PyUnicode_Compare(n.as_ptr(), name.as_ptr()) } == 0 {
+            // SAFETY: two live str objects, GIL held.
+            let r = unsafe { pyo3::ffi::PyUnicode_Compare(n.as_ptr(), name.as_ptr()) };
+            if r == 0 {
                 return Ok(FieldId::from_index(hint));
+            }
+            // -1 is also "less than": an error only when one is set (a legacy string that
+            // cannot be made ready, before Python 3.12).
+            if r == -1
+                && let Some(e) = PyErr::take(name.py())
+            {
+                return Err(e);
             }
         }
         if self.names.len() <= 8

@@ -179,7 +179,7 @@ impl PyStep {
         let st = &self.stager.get().inner;
         let mut g = self.state()?;
         if let Some(raw) = g.raw.take() {
-            st.abort_raw(raw);
+            st.abort_raw_on(raw, Some(self.stream));
             self.ended();
         }
         Python::attach(|py| Self::end(&mut g, py));
@@ -432,7 +432,7 @@ impl PyStep {
 impl Drop for PyStep {
     fn drop(&mut self) {
         if let Some(raw) = self.state.get_mut().raw.take() {
-            self.stager.get().inner.abort_raw(raw);
+            self.stager.get().inner.abort_raw_on(raw, Some(self.stream));
             self.ended();
         }
         // Views handed out turn read-only here too: their slot is released.
