@@ -188,6 +188,7 @@ def bench_engine(torch, steps, rounds):
 def bench_ksweep(torch, steps, rounds):
     res = {}
     paced = {}
+    device = {}
     s = torch.cuda.Stream()
     for k in (1, 2, 4, 8, 16, 32):
         L = pinstage.StepLayout({f"f{i}": ("int32", 256) for i in range(k)})
@@ -217,12 +218,51 @@ def bench_ksweep(torch, steps, rounds):
         for i in range(k):
             if not np.array_equal(outs[i].cpu().numpy(), sets[(n_paced - 1) % 64][f"f{i}"]):
                 raise AssertionError(f"paced k={k}: field {i} wrong after the run")
+        device[k] = ksweep_device_us(torch, L, sets)
     R["ksweep"] = res
     R["ksweep_paced"] = paced
-    print("\n== k fields of 1 KiB, StepStager.stage, host us per step: loop; paced median / mean (the last step checked after the run)")
+    R["ksweep_device"] = device
+    print("\n== k fields of 1 KiB, StepStager.stage, host us per step: loop; paced median / mean (the last step checked after the run);"
+          "\n   the copy engine's us per step (64 steps queued behind a stall, then drained back to back; every step checked)")
     for k, v in res.items():
         m, mean = paced[k]
-        print(f"  k={k:<3} {v:8.2f} us   ({v / res[1]:.2f}x k=1);   paced {m:6.2f} / {mean:6.2f} us   ({m / paced[1][0]:.2f}x k=1)")
+        d = device[k]
+        print(f"  k={k:<3} {v:8.2f} us   ({v / res[1]:.2f}x k=1);   paced {m:6.2f} / {mean:6.2f} us   ({m / paced[1][0]:.2f}x k=1);"
+              f"   device {d:6.2f} us   ({d / device[1]:.2f}x k=1)")
+
+
+def ksweep_device_us(torch, L, sets, n=64, rounds=5):
+    """The copy engine's time per step in a loop: `n` steps issued behind a stall on one stream
+    (one stager per step, so the host never waits for a slot), timed by events around them once
+    the stall ends. A loop of steps back to back cannot run faster than this whatever the host
+    does. Every step lands in its own bound arena, checked after the run."""
+    names = list(sets[0])
+    s = torch.cuda.Stream()
+    arenas = [torch.empty(L.nbytes, dtype=torch.uint8, device="cuda") for _ in range(n)]
+    bound = [pinstage.StepStager(L, arena=a, depth=1) for a in arenas]
+    out = []
+    for _ in range(rounds):
+        for a in arenas:
+            a.fill_(0xA5)
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(20_000_000)
+            e0.record(s)
+        for i in range(n):
+            bound[i].stage(sets[i % len(sets)], stream=s)
+        e1.record(s)
+        if e0.query():
+            raise AssertionError("the stall ended before every step was issued: the device time would include the host's")
+        s.synchronize()
+        out.append(e0.elapsed_time(e1) * 1e3 / n)
+        for i in range(n):
+            v = sets[i % len(sets)]
+            for name in names:
+                got = torch.from_dlpack(bound[i].field(name)).cpu().numpy()
+                if not np.array_equal(got[: len(v[name])], v[name]):
+                    raise AssertionError(f"device sweep: step {i} field {name} wrong")
+    return statistics.median(out)
 
 
 def bench_jax(jax, steps, rounds):
@@ -462,6 +502,7 @@ def main():
         "paced six targets / stage": R["engine"]["paced_us"]["six pinstage bound targets"][0]
         / R["engine"]["paced_us"]["StepStager.stage (one call)"][0],
         "paced k=32 / k=1": R["ksweep_paced"][32][0] / R["ksweep_paced"][1][0],
+        "device k=32 / k=1": R["ksweep_device"][32] / R["ksweep_device"][1],
         "paced quiet stage us": R["engine"]["paced_quiet_us"]["StepStager.stage (one call)"][0],
     }
     if R["jax"]:

@@ -215,13 +215,32 @@ thread_local! {
 /// Whether `obj` is a stream object of torch or cupy that owns its stream: its handle is fixed,
 /// and the stream lives, as long as the object. An `ExternalStream` wraps a handle its caller
 /// owns (and may destroy): it is checked like an int.
+/// Each thread remembers the answer for the last type it asked about (holding the type, so
+/// its address cannot be reused): `torch.cuda.current_stream()` returns a new object on every
+/// call, of the same type.
 fn is_framework_stream(obj: &Bound<'_, PyAny>) -> bool {
+    thread_local! {
+        static LAST_TYPE: std::cell::RefCell<Option<(Py<pyo3::types::PyType>, bool)>> =
+            const { std::cell::RefCell::new(None) };
+    }
     let ty = obj.get_type();
+    let hit = LAST_TYPE.with(|c| {
+        c.borrow()
+            .as_ref()
+            .and_then(|(t, v)| t.bind(obj.py()).is(&ty).then_some(*v))
+    });
+    if let Some(v) = hit {
+        return v;
+    }
     let module = ty.module().map(|m| m.to_string()).unwrap_or_default();
     let name = type_name(obj);
-    (module.starts_with("torch.") || module.starts_with("cupy."))
+    let v = (module.starts_with("torch.") || module.starts_with("cupy."))
         && name.contains("Stream")
-        && !name.contains("External")
+        && !name.contains("External");
+    // The old entry is dropped after the borrow ends (its drop may run Python code).
+    let old = LAST_TYPE.with(|c| c.replace(Some((ty.unbind(), v))));
+    drop(old);
+    v
 }
 
 /// The handle of a stream argument, and whether it is trusted without a check (and may be

@@ -91,45 +91,15 @@ impl StepStager {
     /// slot's event is recorded on `stream` after the work queued there (its readers), as a
     /// zero-copy commit does, and the slot is released in flight. On a capturing stream, or
     /// when the driver refuses, it is released as a failed commit's is.
-    pub(super) fn release_after_readers(
-        &self,
-        s: RawStep,
-        device: &crate::cuda::Device,
-        stream: StreamHandle<'_>,
-    ) -> Result<()> {
+    pub(super) fn release_after_readers(&self, s: RawStep, stream: StreamHandle<'_>) -> Result<()> {
+        debug_assert!(self.mode == StepMode::ZeroCopy);
         let index = s.claim.index;
-        let cur = match device.enter_for_copy(stream) {
-            Ok(c) => c,
-            Err(e) => {
-                self.ring.release(index, Release::Idle);
-                return Err(e);
-            }
-        };
         // SAFETY: we own the slot until the ring releases it; nothing else touches its scratch.
         let sc = unsafe { &mut *self.slots[index].scratch.get() };
-        let mut send = SendJob {
-            segs: &[],
-            dsts: &mut sc.dsts,
-            srcs: &mut sc.srcs,
-            sizes: &mut sc.sizes,
-            src: std::ptr::null_mut(),
-            dst: 0,
-            stream,
-            zero: true,
-            batch: false,
-            block: None,
-            calls: 0,
-            batched: false,
-        };
-        self.ring.finish(
-            &s.claim,
-            &mut Owner {
-                st: self,
-                cur: &cur,
-                wait: None,
-                send: Some(&mut send),
-            },
-        )
+        // A zero-copy send of nothing: the event recorded after the readers, the slot released.
+        sc.segs.clear();
+        let base = self.slot_base(index);
+        self.send(s.claim, sc, base, stream).map(|_| ())
     }
 
     /// Issues the planned copies and records the slot's event, releasing the slot.

@@ -207,7 +207,7 @@ impl StepStager {
             && let Some(device) = &self.device
         {
             let r = match stream {
-                Some(stream) => self.release_after_readers(s, device, stream),
+                Some(stream) => self.release_after_readers(s, stream),
                 None => {
                     // A failed synchronize: a failed context, where no work runs any longer.
                     let r = device.enter().and_then(|cur| cur.synchronize());

@@ -6,6 +6,7 @@ torch, cupy and JAX consumers, every field of every step checked against poisone
 """
 
 import gc
+import sys
 import threading
 
 import numpy as np
@@ -649,8 +650,12 @@ def test_an_aborted_zero_copy_step_is_not_rewritten_under_its_readers(gpu, how):
     else:
         step = st.step(stream=s)
         seen = read_then_end(step)
+        held = [type(r).__name__ for r in gc.get_referrers(step)]
+        refs = sys.getrefcount(step)
         del step
         gc.collect()
+        # The step's drop is what releases its slot: it must have run here.
+        assert st.stats()["aborted"] == 1, f"the dropped step is still alive: {refs} refs, held by {held}"
     new = np.full(4096, -3, dtype=np.int64)
     with st.step(stream=s) as step:
         step.put("ids", new)
