@@ -635,9 +635,10 @@ def test_an_aborted_zero_copy_step_is_not_rewritten_under_its_readers(gpu, how):
     s = torch.cuda.Stream()
     old = np.arange(7, 7 + 4096, dtype=np.int64)
 
-    def read_then_end(step):
-        step.put("ids", old)
-        t = torch.from_dlpack(step.device("ids"))
+    def read(dev):
+        # Takes the device view, not the step: a frame kept alive by a stored traceback (seen
+        # under compute-sanitizer) must not keep the step alive.
+        t = torch.from_dlpack(dev)
         with torch.cuda.stream(s):
             torch.cuda._sleep(100_000_000)
             return t.clone()
@@ -645,12 +646,14 @@ def test_an_aborted_zero_copy_step_is_not_rewritten_under_its_readers(gpu, how):
     if how == "exception":
         with pytest.raises(RuntimeError, match="planned"):
             with st.step(stream=s) as step:
-                seen = read_then_end(step)
+                step.put("ids", old)
+                seen = read(step.device("ids"))
                 raise RuntimeError("planned")
     else:
         step = st.step(stream=s)
-        seen = read_then_end(step)
-        held = [type(r).__name__ for r in gc.get_referrers(step)]
+        step.put("ids", old)
+        seen = read(step.device("ids"))
+        held = [getattr(getattr(r, "f_code", None), "co_name", type(r).__name__) for r in gc.get_referrers(step)]
         refs = sys.getrefcount(step)
         del step
         gc.collect()
