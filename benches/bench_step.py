@@ -331,21 +331,72 @@ def bench_zero_copy(torch, steps, rounds):
     if results.cpu().tolist() != want:
         raise AssertionError("zero-copy: a kernel read wrong values")
 
+    def slots_now():
+        """Every slot's fields as the host last wrote them (read by the GPU from the slot)."""
+        s.synchronize()
+        return [{n: slot_t[k][n].cpu().numpy() for n in ENGINE} for k in range(depth)]
+
+    def check_stage(last_sets):
+        # The last `depth` steps went to the `depth` slots, one each, in some order.
+        found = []
+        for k, got in enumerate(slots_now()):
+            match = [i for i, v in enumerate(last_sets) if all(np.array_equal(got[n][: len(x)], x) for n, x in v.items())]
+            if len(match) != 1:
+                raise AssertionError(f"zero-copy stage: slot {k} holds none of the last {depth} steps' values")
+            found.append(match[0])
+        if sorted(found) != list(range(depth)):
+            raise AssertionError(f"zero-copy stage: the last {depth} steps are not in the {depth} slots ({found})")
+
     def stage(v):
         st.stage(v, stream=s)
+
+    count = [0]
+
+    def one_write(v):
+        # As the Rust row: claim, one value written in place, commit (the event recorded).
+        count[0] += 1
+        step = st.step(stream=s)
+        step.view("seq_lens", 1)[0] = count[0]
+        step.commit()
+
+    def check_one_write():
+        got = sorted(int(x["seq_lens"][0]) for x in slots_now())
+        want = list(range(count[0] - depth + 1, count[0] + 1))
+        if got != want:
+            raise AssertionError(f"zero-copy one write: slots hold seq_lens[0] {got}, want {want}")
 
     def bare(v):
         step = st.step(stream=s)
         step.commit()
 
-    res = {"zero-copy stage (6 fields written)": [], "zero-copy step + commit (fields written in place)": []}
+    rows = ("zero-copy stage (6 fields' values written)", "zero-copy step + one value written in place + commit",
+            "zero-copy bare step + commit (nothing written)")
+    def poison():
+        s.synchronize()
+        for t in slot_t:
+            for x in t.values():
+                x.fill_(-5)
+        torch.cuda.synchronize()
+
+    res = {k: [] for k in rows}
     for _ in range(rounds):
-        res["zero-copy stage (6 fields written)"].append(timed(stage, steps, sets))
-        res["zero-copy step + commit (fields written in place)"].append(timed(bare, steps, sets))
+        poison()
+        res[rows[0]].append(timed(stage, steps, sets))
+        # timed() runs 100 warm-up calls, then `steps`: its last calls used these sets.
+        check_stage([sets[(steps - depth + i) % len(sets)] for i in range(depth)])
+        count[0] = 0
+        poison()
+        res[rows[1]].append(timed(one_write, steps, sets))
+        check_one_write()
+        before = st.stats()
+        res[rows[2]].append(timed(bare, steps, sets))
+        after = st.stats()
+        if after["steps"] - before["steps"] != steps + 100 or after["copies"] != before["copies"]:
+            raise AssertionError(f"zero-copy bare steps: stats {before} -> {after}")
     torch.cuda.synchronize()
     med = {k: statistics.median(v) for k, v in res.items()}
     R["zero_copy"] = {"us_per_step": med, "checked_steps": n_check}
-    print(f"\n== zero-copy ({n_check} steps read by a kernel, every sum checked), host us per step")
+    print(f"\n== zero-copy ({n_check} steps read by a kernel, every sum checked; each timed batch checked in the slots after it), host us per step")
     for k, v in med.items():
         print(f"  {k:<52} {v:8.2f} us")
 
