@@ -364,7 +364,10 @@ fn main() {
         drop(held);
         got.sort_unstable();
         let want: Vec<i32> = (ITERS - 8..ITERS).map(|i| base + i as i32).collect();
-        assert_eq!(got, want, "zero-copy: the slots do not hold the last 8 steps' writes");
+        assert_eq!(
+            got, want,
+            "zero-copy: the slots do not hold the last 8 steps' writes"
+        );
     }
     println!(
         "zero-copy step (claim + one write + event record; the last 8 steps checked after each batch), host ns: {:.0}",
