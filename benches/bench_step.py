@@ -369,8 +369,6 @@ def bench_zero_copy(torch, steps, rounds):
         step = st.step(stream=s)
         step.commit()
 
-    rows = ("zero-copy stage (6 fields' values written)", "zero-copy step + one value written in place + commit",
-            "zero-copy bare step + commit (nothing written)")
     def poison():
         s.synchronize()
         for t in slot_t:
@@ -378,6 +376,8 @@ def bench_zero_copy(torch, steps, rounds):
                 x.fill_(-5)
         torch.cuda.synchronize()
 
+    rows = ("zero-copy stage (6 fields' values written)", "zero-copy step + one value written in place + commit",
+            "zero-copy bare step + commit (nothing written)")
     res = {k: [] for k in rows}
     for _ in range(rounds):
         poison()

@@ -300,6 +300,18 @@ fn main() {
         let data: Vec<Vec<i32>> = (0..64)
             .map(|j| (0..256).map(|i| j * 1000 + i + 1).collect())
             .collect();
+        // Every field of the arena holds the last of `n` steps' values (the step `it` put
+        // `data[(it + f) % 64]` into field f).
+        let check_last = |n: usize, what: &str| {
+            for f in 0..k {
+                let got = read(&sk, &ak, &lk, &format!("f{f}"), 1024);
+                assert_eq!(
+                    got,
+                    bytemuck::cast_slice::<i32, u8>(&data[(n - 1 + f) % 64]),
+                    "k={k} field {f}{what}"
+                );
+            }
+        };
         let mut ns = Vec::new();
         for _ in 0..ROUNDS {
             ak.upload(0, &vec![0xEE; lk.nbytes()]).unwrap();
@@ -313,14 +325,7 @@ fn main() {
                 s.commit(stream.handle()).unwrap();
             }
             ns.push(t0.elapsed().as_nanos() as f64 / ITERS as f64);
-            for f in 0..k {
-                let got = read(&sk, &ak, &lk, &format!("f{f}"), 1024);
-                assert_eq!(
-                    got,
-                    bytemuck::cast_slice::<i32, u8>(&data[(ITERS - 1 + f) % 64]),
-                    "k={k} field {f}"
-                );
-            }
+            check_last(ITERS, "");
         }
         let m = median(ns);
         if k == 1 {
@@ -350,14 +355,7 @@ fn main() {
                 parts[pi][1] += (t2 - t1).as_nanos() as f64 / n as f64;
                 parts[pi][2] += (t3 - t2).as_nanos() as f64 / n as f64;
             }
-            for f in 0..k {
-                let got = read(&sk, &ak, &lk, &format!("f{f}"), 1024);
-                assert_eq!(
-                    got,
-                    bytemuck::cast_slice::<i32, u8>(&data[(n - 1 + f) % 64]),
-                    "k={k} field {f} (parts)"
-                );
-            }
+            check_last(n, " (parts)");
         }
         let [lp, pp] = parts;
         println!(

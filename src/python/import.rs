@@ -215,6 +215,7 @@ thread_local! {
 /// Whether `obj` is a stream object of torch or cupy that owns its stream: its handle is fixed,
 /// and the stream lives, as long as the object. An `ExternalStream` wraps a handle its caller
 /// owns (and may destroy): it is checked like an int.
+///
 /// Each thread remembers the answer for the last type it asked about (holding the type, so
 /// its address cannot be reused): `torch.cuda.current_stream()` returns a new object on every
 /// call, of the same type.

@@ -636,8 +636,8 @@ def test_an_aborted_zero_copy_step_is_not_rewritten_under_its_readers(gpu, how):
     old = np.arange(7, 7 + 4096, dtype=np.int64)
 
     def read(dev):
-        # Takes the device view, not the step: a frame kept alive by a stored traceback (seen
-        # under compute-sanitizer) must not keep the step alive.
+        # Takes the device view, not the step: under compute-sanitizer a frame that outlived
+        # its call held the step when the step was passed in here (run zzf).
         t = torch.from_dlpack(dev)
         with torch.cuda.stream(s):
             torch.cuda._sleep(100_000_000)
