@@ -166,13 +166,14 @@ pub enum Error {
     /// A pinned pool's `max_outstanding_bytes` would be passed.
     #[error(
         "the pinned pool's budget is exhausted: {requested} more bytes would pass \
-         max_outstanding_bytes = {budget} ({outstanding} bytes are handed out); free arrays from \
-         the pool, raise the budget, or use empty_host, which falls back to pageable memory"
+         max_outstanding_bytes = {budget} ({outstanding} bytes are pinned in it, in use and cached, \
+         with every cached block it could free freed); free arrays from the pool, raise the \
+         budget, or use empty_host, which falls back to pageable memory"
     )]
     PoolExhausted {
-        /// The pool's `max_outstanding_bytes`.
+        /// The pool's budget (`max_outstanding_bytes`).
         budget: usize,
-        /// Bytes handed out now.
+        /// Pinned bytes the pool holds now (in use and cached).
         outstanding: usize,
         /// The block size asked for (its size class).
         requested: usize,

@@ -67,7 +67,9 @@ mod python;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use cuda::{Current, Device, Event, Stream, StreamHandle, cuda_available, device_count};
+pub use cuda::{
+    Current, Device, Event, Stream, StreamHandle, cuda_available, current_device, device_count,
+};
 pub use d2h::{D2HPath, HostRegion, PendingCopy, copy_d2h, copy_d2h_async};
 pub use driver::{DISABLE_ENV, DriverError, Probe, probe};
 pub use error::{DropErrors, Error, Result, drop_errors};

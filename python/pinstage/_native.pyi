@@ -4,10 +4,12 @@ The docstrings live on the runtime objects (``help(pinstage.PinnedStager)``); th
 signatures; ``python -m mypy.stubtest pinstage._native`` finds nothing to report (CI runs it).
 """
 
-from typing import Any, Optional, Sequence, Union, final
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union, final
 
 import numpy as np
 from typing_extensions import TypeAlias
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 __version__: str
 __all__ = [
@@ -92,14 +94,18 @@ def alloc_pinned_numpy(
 def empty_host(
     shape: _ShapeLike,
     dtype: _DTypeLike = None,
-    *,
     pool: Optional["PinnedPool"] = None,
+    *,
     device: _DeviceLike = None,
 ) -> np.ndarray: ...
 @final
 class PinnedPool:
     def __new__(
-        cls, max_outstanding_bytes: Optional[int] = None, *, device: _DeviceLike = None
+        cls,
+        max_outstanding_bytes: Optional[int] = None,
+        *,
+        max_pooled_bytes: Optional[int] = None,
+        device: _DeviceLike = None,
     ) -> "PinnedPool": ...
     @property
     def outstanding_bytes(self) -> int: ...
@@ -107,6 +113,8 @@ class PinnedPool:
     def pooled_bytes(self) -> int: ...
     @property
     def max_outstanding_bytes(self) -> Optional[int]: ...
+    @property
+    def max_pooled_bytes(self) -> Optional[int]: ...
     def clear(self) -> None: ...
     def stats(self) -> dict[str, int]: ...
 
@@ -125,9 +133,10 @@ class PinnedRegion:
 def pin(array: np.ndarray, *, device: _DeviceLike = None) -> PinnedRegion: ...
 @final
 class nvtx_range:
-    def __new__(cls, name: str) -> "nvtx_range": ...
+    def __new__(cls, message: str) -> "nvtx_range": ...
     def __enter__(self) -> "nvtx_range": ...
     def __exit__(self, *_args: Any) -> bool: ...
+    def __call__(self, func: _F) -> _F: ...
     @staticmethod
     def available() -> bool: ...
 def empty_pinned(

@@ -20,6 +20,22 @@ pub fn device_count() -> Result<i32> {
         .map_err(Error::unavailable)
 }
 
+/// The ordinal of the device whose context is current on this thread (as torch's
+/// `torch.cuda.set_device`, cupy's `Device.use()` and JAX leave it), or `None` when no context
+/// is current or CUDA is unavailable.
+pub fn current_device() -> Option<i32> {
+    let count = device_count().ok()?;
+    if driver::forked() {
+        return None;
+    }
+    let ctx = driver::ctx::ctx_get_current().ok()?;
+    if ctx.is_null() {
+        return None;
+    }
+    let dev = driver::ctx::ctx_get_device().ok()?;
+    (0..count).find(|&i| driver::ctx::device_get(i).is_ok_and(|d| d == dev))
+}
+
 /// Checks the probe and that the process was not forked after CUDA was initialised.
 #[inline]
 pub(crate) fn ensure_usable() -> Result<()> {

@@ -8,7 +8,7 @@ mod event;
 mod handle_check;
 mod stream;
 
-pub use device::{Current, Device, cuda_available, device_count};
+pub use device::{Current, Device, cuda_available, current_device, device_count};
 pub use event::Event;
 #[cfg(feature = "python")]
 pub(crate) use handle_check::{Liveness, liveness};

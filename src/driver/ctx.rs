@@ -57,6 +57,15 @@ pub(crate) fn ctx_get_current() -> DResult<CUcontext> {
     Ok(ctx)
 }
 
+/// [cuCtxGetDevice](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html): the
+/// device of the current context (an error without one).
+pub(crate) fn ctx_get_device() -> DResult<CUdevice> {
+    let mut dev = 0;
+    // SAFETY: valid out-pointer; with no current context the driver returns an error.
+    check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut dev) })?;
+    Ok(dev)
+}
+
 /// [cuCtxSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html):
 /// blocks until all work queued in the current context, on every stream, completed.
 pub(crate) fn ctx_synchronize() -> DResult<()> {

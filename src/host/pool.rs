@@ -2,9 +2,10 @@
 //!
 //! Blocks are registered pages ([`PinnedBuffer::alloc`]) at the request's size rounded up to
 //! whole 4 KiB pages (less than a page of waste); a cached block serves the next request of the
-//! same page count. A byte
-//! budget bounds the pinned bytes the pool holds (cached and in use); past it, cached blocks are
-//! evicted, and if that is not enough the request is served by pageable memory (counted).
+//! same page count. A byte budget bounds the pinned bytes the pool holds (cached and in use);
+//! past it, cached blocks are evicted (largest first), and if that is not enough the request is
+//! served by pageable memory (counted) or refused ([`PinnedPool::try_acquire_pinned`]). A
+//! second limit bounds the cached bytes alone.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -36,12 +37,11 @@ pub struct PoolStats {
     pub cached_bytes: usize,
     /// Highest `in_use_bytes + cached_bytes` seen.
     pub peak_bytes: usize,
-    /// The budget.
+    /// The budget: the most pinned bytes the pool holds, in use and cached.
     pub budget_bytes: usize,
-    /// The most pinned bytes handed out at once (`usize::MAX`: no limit); past it, requests are
-    /// refused ([`PinnedPool::try_acquire_pinned`]) or served by pageable memory
-    /// ([`PinnedPool::acquire`]).
-    pub max_outstanding_bytes: usize,
+    /// The most bytes kept cached (`usize::MAX`: only the budget bounds them); blocks returned
+    /// past it are freed, the largest cached first.
+    pub max_cached_bytes: usize,
 }
 
 struct State {
@@ -84,7 +84,7 @@ impl PinnedPool {
                     free: BTreeMap::new(),
                     stats: PoolStats {
                         budget_bytes: budget,
-                        max_outstanding_bytes: usize::MAX,
+                        max_cached_bytes: usize::MAX,
                         ..PoolStats::default()
                     },
                 }),
@@ -92,29 +92,29 @@ impl PinnedPool {
         }
     }
 
-    /// A pool that caches every block returned to it (until [`PinnedPool::empty_cache`]) and
-    /// hands out at most `max_outstanding` pinned bytes at once (`None`: no limit).
-    pub fn with_max_outstanding(device: &Device, max_outstanding: Option<usize>) -> Self {
-        let pool = Self::new(device, usize::MAX);
-        pool.inner.state.lock().stats.max_outstanding_bytes = max_outstanding.unwrap_or(usize::MAX);
+    /// A pool holding at most `max_outstanding` pinned bytes, in use and cached together
+    /// (`None`: no limit), of which at most `max_cached` cached (`None`: only the first limit).
+    /// Past `max_outstanding` cached blocks are freed to make room, then
+    /// [`PinnedPool::try_acquire_pinned`] refuses and [`PinnedPool::acquire`] gives pageable
+    /// memory.
+    pub fn with_max_outstanding(
+        device: &Device,
+        max_outstanding: Option<usize>,
+        max_cached: Option<usize>,
+    ) -> Self {
+        let pool = Self::new(device, max_outstanding.unwrap_or(usize::MAX));
+        pool.inner.state.lock().stats.max_cached_bytes = max_cached.unwrap_or(usize::MAX);
         pool
     }
 
-    /// A pinned block of at least `len` bytes (cached or newly pinned), or `None` when handing
-    /// it out would pass the pool's `max_outstanding_bytes` (nothing is counted then).
+    /// A pinned block of at least `len` bytes (cached or newly pinned), or `None` when the pool
+    /// cannot hold it within its budget even with every cached block freed (nothing is counted
+    /// then but the cached blocks freed).
     ///
     /// # Errors
     /// [`crate::Error::Driver`] / [`crate::Error::OutOfMemory`] when the memory cannot be pinned.
     pub fn try_acquire_pinned(&self, len: usize) -> Result<Option<PoolBlock>> {
-        let class = size_class(len);
-        {
-            let st = self.inner.state.lock();
-            if st.stats.in_use_bytes.saturating_add(class) > st.stats.max_outstanding_bytes {
-                return Ok(None);
-            }
-        }
-        let b = self.acquire(len)?;
-        Ok(b.is_pinned().then_some(b))
+        self.acquire_inner(len, false)
     }
 
     /// The device.
@@ -123,18 +123,33 @@ impl PinnedPool {
     }
 
     /// A block of at least `len` bytes: cached, newly pinned, or pageable past the budget.
+    ///
+    /// # Errors
+    /// [`crate::Error::Driver`] / [`crate::Error::OutOfMemory`] when the memory cannot be pinned
+    /// (or, past the budget, a pageable block cannot be had).
     pub fn acquire(&self, len: usize) -> Result<PoolBlock> {
+        Ok(self
+            .acquire_inner(len, true)?
+            .expect("acquire falls back to pageable memory"))
+    }
+
+    /// Serves `len` bytes: a cached block of its size class, else a new pinned block within the
+    /// budget (cached blocks evicted first, largest first), else pageable memory (`fallback`)
+    /// or `None`. One lock decides, so two threads never both pass the budget.
+    fn acquire_inner(&self, len: usize, fallback: bool) -> Result<Option<PoolBlock>> {
         let class = size_class(len);
         let evicted;
         {
             let mut st = self.inner.state.lock();
-            let fits =
-                st.stats.in_use_bytes.saturating_add(class) <= st.stats.max_outstanding_bytes;
-            if let Some(buf) = st.free.get_mut(&class).filter(|_| fits).and_then(Vec::pop) {
+            // A cached block of the class moves from cached to in use: the total is unchanged.
+            if let Some(buf) = st.free.get_mut(&class).and_then(Vec::pop) {
+                if st.free.get(&class).is_some_and(Vec::is_empty) {
+                    st.free.remove(&class);
+                }
                 st.stats.hits += 1;
                 st.stats.cached_bytes -= class;
                 st.stats.in_use_bytes += class;
-                return Ok(self.block(buf, len));
+                return Ok(Some(self.block(buf, len)));
             }
             // Make room within the budget by evicting cached blocks, largest first.
             evicted = Self::evict_until(&mut st, class);
@@ -144,15 +159,17 @@ impl PinnedPool {
                 .saturating_add(st.stats.cached_bytes)
                 .saturating_add(class)
                 > st.stats.budget_bytes
-                || st.stats.in_use_bytes.saturating_add(class) > st.stats.max_outstanding_bytes
             {
-                st.stats.pageable_fallbacks += 1;
+                st.stats.pageable_fallbacks += u64::from(fallback);
                 drop(st);
                 drop(evicted);
-                return Ok(PoolBlock {
+                if !fallback {
+                    return Ok(None);
+                }
+                return Ok(Some(PoolBlock {
                     kind: Kind::Pageable(super::zeroed_vec(len, "pageable fallback block")?),
                     len,
-                });
+                }));
             }
             // Reserve before allocating outside the lock.
             st.stats.misses += 1;
@@ -162,7 +179,7 @@ impl PinnedPool {
         }
         drop(evicted); // free outside the lock
         match PinnedBuffer::alloc(&self.inner.device, class, PinnedFlags::PORTABLE) {
-            Ok(buf) => Ok(self.block(buf, len)),
+            Ok(buf) => Ok(Some(self.block(buf, len))),
             Err(e) => {
                 self.inner.state.lock().stats.in_use_bytes -= class;
                 Err(e)
@@ -214,16 +231,18 @@ impl PinnedPool {
         Self::evict_until(st, 0)
     }
 
-    /// Frees cached blocks, largest first, until `extra` more bytes fit the budget or nothing is
-    /// cached. Returns them, to be dropped outside the lock.
+    /// Frees cached blocks, largest first, until `extra` more bytes fit the budget and the
+    /// cached bytes fit their own limit, or nothing is cached. Returns them, to be dropped
+    /// outside the lock.
     fn evict_until(st: &mut State, extra: usize) -> Vec<PinnedBuffer> {
         let mut evicted = Vec::new();
-        while st
+        while (st
             .stats
             .in_use_bytes
             .saturating_add(st.stats.cached_bytes)
             .saturating_add(extra)
             > st.stats.budget_bytes
+            || st.stats.cached_bytes > st.stats.max_cached_bytes)
             && st.stats.cached_bytes > 0
         {
             let (&c, list) = st.free.iter_mut().next_back().expect("cached bytes > 0");

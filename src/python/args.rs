@@ -10,8 +10,24 @@ use crate::Error;
 /// A device ordinal argument: None (device 0), an int, `'cuda'`, `'cuda:N'` or a device object
 /// (`torch.device`, `cupy.cuda.Device`), checked against the devices the driver reports.
 pub(crate) fn parse_device(obj: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
+    parse_device_with(obj, 0)
+}
+
+/// As [`parse_device`], but None names the device whose context is current on this thread (as
+/// `torch.cuda.set_device` or cupy's `Device.use()` leave it), else device 0: for the objects
+/// that hold device memory of their own (stagers, step stagers).
+pub(crate) fn parse_device_or_current(obj: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
+    let none = obj.is_none_or(|o| o.is_none());
+    parse_device_with(obj, if none { current_or_0() } else { 0 })
+}
+
+fn current_or_0() -> i32 {
+    crate::current_device().unwrap_or(0)
+}
+
+fn parse_device_with(obj: Option<&Bound<'_, PyAny>>, default: i32) -> PyResult<i32> {
     let ordinal = match obj.filter(|o| !o.is_none()) {
-        None => 0,
+        None => default,
         Some(obj) => device_ordinal(obj)?,
     };
     if ordinal < 0 {
@@ -21,10 +37,13 @@ pub(crate) fn parse_device(obj: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
     }
     match crate::device_count() {
         Ok(count) if ordinal >= count => Err(Error::NoSuchDevice { ordinal, count }.into()),
-        Err(Error::CudaUnavailable { reason }) if ordinal != 0 => Err(value_err(format!(
-            "device={ordinal}: CUDA is unavailable ({reason}); without it only device 0 (host \
-             destinations) can be named"
-        ))),
+        Err(Error::CudaUnavailable { reason }) if ordinal != 0 => Err(Error::CudaUnavailable {
+            reason: format!(
+                "device={ordinal} needs CUDA ({reason}); without it only device 0 (host \
+                 destinations) can be named"
+            ),
+        }
+        .into()),
         _ => Ok(ordinal),
     }
 }
@@ -35,26 +54,36 @@ fn device_ordinal(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
             "device must be an int, 'cuda:N' or a device object, got a bool",
         ));
     }
-    if obj.is_instance_of::<pyo3::types::PyInt>() {
-        return obj
+    if let Some(i) = as_index(obj)? {
+        return i
             .extract::<i32>()
             .map_err(|_| value_err(format!("device={obj}: expected a CUDA device ordinal")));
     }
     if let Ok(s) = obj.extract::<String>() {
         return match s.as_str() {
-            "cuda" => Ok(0),
+            // As torch reads "cuda": the current device.
+            "cuda" => Ok(current_or_0()),
             _ => s
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
                 .ok_or_else(|| value_err(format!("device={s:?}: expected an int or 'cuda:N'"))),
         };
     }
-    // torch.device has .index (None for "cuda"), cupy.cuda.Device has .id; other objects with
-    // such attributes (bytes.index is a method) are not devices.
+    // torch.device has .type and .index (None for "cuda": the current device), cupy.cuda.Device
+    // has .id; other objects with such attributes (bytes.index is a method) are not devices.
+    if let Ok(t) = obj.getattr("type")
+        && let Ok(t) = t.extract::<String>()
+        && t != "cuda"
+    {
+        return Err(type_err(format!(
+            "device must be a CUDA device, got a {t} device ({})",
+            obj.repr()?
+        )));
+    }
     for attr in ["index", "id"] {
         if let Ok(v) = obj.getattr(attr) {
             if v.is_none() {
-                return Ok(0);
+                return Ok(current_or_0());
             }
             if let Ok(i) = v.extract::<i32>()
                 && !v.is_instance_of::<pyo3::types::PyBool>()
@@ -69,22 +98,49 @@ fn device_ordinal(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
     )))
 }
 
-/// A count argument (`numel`, `depth`): an int in `lo..=hi`, else a typed error naming it.
+/// `obj` as a Python int when it is an integer: an `int` (not a `bool`) or an object whose type
+/// defines `__index__` (numpy's integer scalars, 0-d integer arrays), as `operator.index` reads
+/// it; `None` for anything else (floats, bools, numpy bools, strings).
+pub(crate) fn as_index<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    if obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Ok(None);
+    }
+    if obj.is_instance_of::<pyo3::types::PyInt>() {
+        return Ok(Some(obj.clone()));
+    }
+    if !obj
+        .get_type()
+        .hasattr(pyo3::intern!(obj.py(), "__index__"))?
+    {
+        return Ok(None);
+    }
+    // SAFETY: a live object, GIL held; PyNumber_Index returns a new reference or NULL with an
+    // exception set.
+    let r = unsafe { pyo3::ffi::PyNumber_Index(obj.as_ptr()) };
+    if r.is_null() {
+        // numpy's bool defines __index__ only to refuse it: not an integer.
+        let _ = PyErr::take(obj.py());
+        return Ok(None);
+    }
+    // SAFETY: a new reference we own.
+    Ok(Some(unsafe { Bound::from_owned_ptr(obj.py(), r) }))
+}
+
+/// A count argument (`numel`, `depth`): an int (or a numpy integer) in `lo..=hi`, else a typed
+/// error naming it.
 pub(crate) fn count_arg(
     obj: &Bound<'_, PyAny>,
     name: &str,
     lo: usize,
     hi: usize,
 ) -> PyResult<usize> {
-    let int =
-        obj.is_instance_of::<pyo3::types::PyInt>() && !obj.is_instance_of::<pyo3::types::PyBool>();
-    if !int {
+    let Some(int) = as_index(obj)? else {
         return Err(type_err(format!(
             "{name} must be an int in {lo}..={hi}, got {}",
             type_name(obj)
         )));
-    }
-    match obj.extract::<usize>() {
+    };
+    match int.extract::<usize>() {
         Ok(v) if (lo..=hi).contains(&v) => Ok(v),
         _ => Err(value_err(format!(
             "{name}={}: expected an int in {lo}..={hi}",

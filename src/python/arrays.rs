@@ -8,13 +8,11 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::PyTuple;
 
 use super::errors::{type_err, value_err};
-use crate::host::{PinnedBuffer, PinnedFlags, PoolBlock};
+use crate::host::PoolBlock;
 use crate::view::DType;
 
 /// What a [`PinnedBlock`] owns.
 pub(crate) enum Memory {
-    /// A dedicated pinned allocation.
-    Pinned(PinnedBuffer),
     /// A block from a pool; returns to the pool when dropped.
     Pool(PoolBlock),
     /// Plain host memory (fallbacks).
@@ -33,7 +31,6 @@ pub struct PinnedBlock {
 impl PinnedBlock {
     pub(crate) fn new(mut mem: Memory) -> Self {
         let (ptr, len) = match &mut mem {
-            Memory::Pinned(b) => (b.as_mut_ptr() as usize, b.len()),
             Memory::Pool(b) => (b.as_mut_ptr() as usize, b.len()),
             Memory::Vec(v) => (v.as_mut_ptr() as usize, v.len()),
         };
@@ -57,7 +54,6 @@ impl PinnedBlock {
     #[getter]
     pub(crate) fn pinned(&self) -> bool {
         match &self.mem {
-            Memory::Pinned(_) => true,
             Memory::Pool(b) => b.is_pinned(),
             Memory::Vec(_) => false,
         }
@@ -205,20 +201,23 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
 ///     nbytes (int): bytes to pin, at least ``prod(shape) * itemsize``.
 ///     dtype: a numpy, torch, jax or cupy dtype, or its name (``"int32"``).
 ///     shape (int | sequence of int): the array's shape.
-///     pool (PinnedPool, optional): take the block from this pool; it returns there when the last
-///         view of the array is gone, and serves the next request of its size class.
+///     pool (PinnedPool, optional): take the block from this pool (default: the device's result
+///         pool, the one ``copy_d2h`` draws from, bounded by ``set_pool_budget``); it returns
+///         there when the last view of the array is gone, and serves the next request of its size
+///         class.
 ///     device (int | str | device, optional): the CUDA device whose context pins it (default 0).
 ///
 /// Returns:
-///     numpy.ndarray: C-contiguous; its ``base`` (a ``PinnedBlock``) frees the memory (or returns
-///     it to the pool) when the last view of it is gone.
+///     numpy.ndarray: C-contiguous; its ``base`` (a ``PinnedBlock``) returns the memory to the
+///     pool when the last view of it is gone.
 ///
 /// Raises:
 ///     PinstageValueError: ``nbytes`` negative or too small for ``shape``, a negative dimension,
 ///         a device that does not exist. PinstageTypeError: an unknown dtype, a shape that is not
 ///         ints, a pool that is not a PinnedPool. CudaUnavailableError: no driver.
 ///         CudaDriverError: the driver cannot pin the memory. PoolExhaustedError (a RuntimeError):
-///         the pool's ``max_outstanding_bytes`` would be passed; the message names it.
+///         the pool's budget (``max_outstanding_bytes``, or ``set_pool_budget`` for the result
+///         pool) would be passed even with its cached blocks freed; the message names it.
 ///
 /// Example:
 ///     >>> a = pinstage.alloc_pinned_numpy(64, "float32", (4, 4))
@@ -249,25 +248,28 @@ fn alloc_pinned_numpy<'py>(
         )));
     }
     let state = super::device_state(device)?;
-    if let Some(pool) = pool {
-        let Some(p) = pool.get().pool() else {
-            return Err(crate::Error::unavailable("the pool was made without a driver").into());
-        };
-        return match py.detach(|| p.try_acquire_pinned(nbytes))? {
-            Some(block) => array_on(py, Memory::Pool(block), dtype, &shape),
-            None => {
-                let s = p.stats();
-                Err(crate::Error::PoolExhausted {
-                    budget: s.max_outstanding_bytes,
-                    outstanding: s.in_use_bytes,
-                    requested: crate::size_class(nbytes),
-                }
-                .into())
+    // From the pool given, else from the device's result pool (the one `copy_d2h` draws from):
+    // either way the block returns to its pool when the array is collected.
+    let p = match pool {
+        Some(pool) => pool.get().pool().ok_or_else(|| {
+            PyErr::from(crate::Error::unavailable(
+                "the pool was made without a driver",
+            ))
+        })?,
+        None => &state.pool,
+    };
+    match py.detach(|| p.try_acquire_pinned(nbytes))? {
+        Some(block) => array_on(py, Memory::Pool(block), dtype, &shape),
+        None => {
+            let s = p.stats();
+            Err(crate::Error::PoolExhausted {
+                budget: s.budget_bytes,
+                outstanding: s.in_use_bytes + s.cached_bytes,
+                requested: crate::size_class(nbytes),
             }
-        };
+            .into())
+        }
     }
-    let buf = py.detach(|| PinnedBuffer::alloc(&state.device, nbytes, PinnedFlags::PORTABLE))?;
-    array_on(py, Memory::Pinned(buf), dtype, &shape)
 }
 
 /// ``numpy.empty(shape, dtype)`` on pinned memory (dtype defaults to float64).
@@ -334,11 +336,23 @@ fn is_pinned(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
 pub(crate) fn dtype_of(py: Python<'_>, have: &Bound<'_, PyArrayDescr>) -> PyResult<Option<DType>> {
     descr(py, DType::F32)?; // fills the table
     let table = DESCRS.get(py).expect("filled above");
-    Ok(DType::ALL
+    let found = DType::ALL
         .iter()
         .zip(table)
         .find(|(d, t)| **d != DType::BF16 && t.as_ptr() == have.as_ptr())
-        .map(|(d, _)| *d))
+        .map(|(d, _)| *d);
+    if found.is_some() {
+        return Ok(found);
+    }
+    // ml_dtypes' bfloat16: a user dtype, known by its scalar type (asked only off the fast path).
+    let bf16 = have.itemsize() == 2
+        && have.kind() == b'V'
+        && have.typeobj().name()? == "bfloat16"
+        && have
+            .typeobj()
+            .module()
+            .is_ok_and(|m| m.to_cow().is_ok_and(|m| m.starts_with("ml_dtypes")));
+    Ok(bf16.then_some(DType::BF16))
 }
 
 /// Whether `len` bytes at `ptr` of the numpy array `obj` are pinned, when pinstage knows without

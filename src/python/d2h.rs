@@ -86,8 +86,8 @@ fn start<'py>(
         }
         None => {
             let mem = match (pool.and_then(|p| p.get().pool()), state) {
-                (Some(p), _) => Memory::Pool(py.detach(|| p.acquire(nbytes))?),
-                (None, Some(state)) => Memory::Pool(py.detach(|| state.pool.acquire(nbytes))?),
+                (Some(p), _) => super::pool::pinned_or_pageable(py, p, nbytes)?,
+                (None, Some(state)) => super::pool::pinned_or_pageable(py, &state.pool, nbytes)?,
                 (None, None) => Memory::Vec(crate::host::zeroed_vec(nbytes, "host result")?),
             };
             let block = PinnedBlock::new(mem);

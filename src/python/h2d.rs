@@ -95,10 +95,11 @@ pub(super) fn import_host_source(src: &Bound<'_, PyAny>) -> PyResult<Imported> {
     Ok(from)
 }
 
-/// A numpy array (exactly `numpy.ndarray`), C-contiguous, of one of numpy's own dtypes: its view
+/// A numpy array (exactly `numpy.ndarray`), C-contiguous, of one of numpy's own dtypes (or
+/// ml_dtypes' bfloat16): its view
 /// read straight from the array (no DLPack capsule; read-only arrays too, which numpy's
 /// `__dlpack__` refuses to export). `None`: the general path.
-fn numpy_source(src: &Bound<'_, PyAny>) -> PyResult<Option<Imported>> {
+pub(super) fn numpy_source(src: &Bound<'_, PyAny>) -> PyResult<Option<Imported>> {
     use numpy::{PyUntypedArray, PyUntypedArrayMethods};
     let Ok(arr) = src.cast_exact::<PyUntypedArray>() else {
         return Ok(None);

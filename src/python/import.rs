@@ -340,6 +340,13 @@ pub(crate) fn import(
     obj: &Bound<'_, PyAny>,
     stream: Option<StreamHandle<'static>>,
 ) -> PyResult<Imported> {
+    // numpy cannot export ml_dtypes' bfloat16 through DLPack: such arrays are read directly.
+    if let Ok(arr) = obj.cast_exact::<numpy::PyUntypedArray>()
+        && numpy::PyArrayDescrMethods::kind(&numpy::PyUntypedArrayMethods::dtype(arr)) == b'V'
+        && let Some(imp) = super::h2d::numpy_source(obj)?
+    {
+        return Ok(imp);
+    }
     let exchange = Exchange::of(obj)?;
     if let Some(ex) = &exchange
         && stream.is_none()
@@ -488,8 +495,29 @@ pub(crate) fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<crate::DType> {
             "dtype=None: name a dtype (e.g. numpy.int32, 'float32' or torch.int64)",
         ));
     }
+    // As numpy reads it: the dtype's name, refused when its byte order is not the host's.
+    let numpy_name = |obj: &Bound<'_, PyAny>| -> PyResult<Option<String>> {
+        let Ok(d) = py.import("numpy")?.call_method1("dtype", (obj,)) else {
+            return Ok(None);
+        };
+        if !d.getattr("isnative")?.is_truthy()? {
+            return Err(type_err(format!(
+                "unsupported dtype {}: its byte order is not the host's (use a native one, e.g. \
+                 numpy.dtype('{}').newbyteorder('='))",
+                d.repr()?,
+                d.getattr("str")?
+            )));
+        }
+        Ok(Some(d.getattr("name")?.extract()?))
+    };
     let name: String = if let Ok(s) = obj.cast::<PyString>() {
-        s.to_string()
+        let s = s.to_string();
+        if crate::DType::from_name(&s).is_some() {
+            s
+        } else {
+            // Type strings such as '<f4', '=i8', '|u1' (dtype.str, .npy headers).
+            numpy_name(obj)?.unwrap_or(s)
+        }
     } else {
         let module = obj
             .get_type()
@@ -499,10 +527,9 @@ pub(crate) fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<crate::DType> {
         if module.starts_with("torch") {
             obj.str()?.to_string()
         } else {
-            let np = py.import("numpy")?;
-            match np.call_method1("dtype", (obj,)) {
-                Ok(d) => d.getattr("name")?.extract()?,
-                Err(_) => obj.str()?.to_string(),
+            match numpy_name(obj)? {
+                Some(n) => n,
+                None => obj.str()?.to_string(),
             }
         }
     };

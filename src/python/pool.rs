@@ -12,14 +12,20 @@ use crate::host::PinnedPool;
 
 /// A pool of pinned host blocks for ``alloc_pinned_numpy(pool=)``, ``empty_host(pool=)`` and
 /// ``copy_d2h(pool=)``: a block returns to the pool when the last array over it is collected and
-/// serves the next request of its size (whole 4 KiB pages: less than a page of waste). At most
-/// ``max_outstanding_bytes`` pinned bytes are handed out at once: past it
-/// ``alloc_pinned_numpy`` raises ``PoolExhaustedError`` (a ``RuntimeError`` naming the budget),
-/// while ``empty_host`` and ``copy_d2h`` fall back to pageable memory. Works without a driver
-/// (nothing is pinned then: ``empty_host`` gives pageable arrays, the counters stay 0).
+/// serves the next request of its size class (whole 4 KiB pages: less than a page of waste;
+/// bytes are counted in those pages). The pool holds at most ``max_outstanding_bytes`` pinned
+/// bytes, in use and cached together: past it the cached blocks are freed first (largest
+/// first), then ``alloc_pinned_numpy`` raises ``PoolExhaustedError`` (a ``RuntimeError`` naming
+/// the budget) while ``empty_host`` and ``copy_d2h`` fall back to pageable memory. At most
+/// ``max_pooled_bytes`` stay cached (returned blocks past it are freed, largest first). Works
+/// without a driver (nothing is pinned then: ``empty_host`` gives pageable arrays, the counters
+/// stay 0).
 ///
 /// Parameters:
-///     max_outstanding_bytes (int, optional): the limit (>= 0); None: no limit.
+///     max_outstanding_bytes (int, optional): the limit on pinned bytes alive (>= 0); None: no
+///         limit.
+///     max_pooled_bytes (int, optional): the limit on cached bytes (>= 0); None: only the first
+///         limit.
 ///     device: the device whose context pins the memory (default 0; pinned memory is usable from
 ///         every device).
 ///
@@ -36,6 +42,7 @@ use crate::host::PinnedPool;
 pub(crate) struct PyPinnedPool {
     pool: Option<PinnedPool>,
     max: Option<usize>,
+    max_pooled: Option<usize>,
 }
 
 impl PyPinnedPool {
@@ -44,38 +51,48 @@ impl PyPinnedPool {
     }
 }
 
+fn limit_arg(m: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<usize>> {
+    match m.filter(|m| !m.is_none()) {
+        Some(m) => Ok(Some(count_arg(m, name, 0, isize::MAX as usize)?)),
+        None => Ok(None),
+    }
+}
+
 #[pymethods]
 impl PyPinnedPool {
     #[new]
-    #[pyo3(signature = (max_outstanding_bytes=None, *, device=None))]
+    #[pyo3(signature = (max_outstanding_bytes=None, *, max_pooled_bytes=None, device=None))]
     fn new(
-        py: Python<'_>,
         max_outstanding_bytes: Option<&Bound<'_, PyAny>>,
+        max_pooled_bytes: Option<&Bound<'_, PyAny>>,
         device: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let max = match max_outstanding_bytes.filter(|m| !m.is_none()) {
-            Some(m) => Some(count_arg(
-                m,
-                "max_outstanding_bytes",
-                0,
-                isize::MAX as usize,
-            )?),
-            None => None,
-        };
+        let max = limit_arg(max_outstanding_bytes, "max_outstanding_bytes")?;
+        let max_pooled = limit_arg(max_pooled_bytes, "max_pooled_bytes")?;
         let ordinal = parse_device(device)?;
         let pool = match super::device_state(ordinal) {
-            Ok(state) => Some(PinnedPool::with_max_outstanding(&state.device, max)),
+            Ok(state) => Some(PinnedPool::with_max_outstanding(
+                &state.device,
+                max,
+                max_pooled,
+            )),
             Err(Error::CudaUnavailable { .. }) => None,
             Err(e) => return Err(e.into()),
         };
-        let _ = py;
-        Ok(Self { pool, max })
+        Ok(Self {
+            pool,
+            max,
+            max_pooled,
+        })
     }
 
-    /// Pinned bytes handed out now (blocks whose arrays are alive), in size-class bytes.
+    /// Pinned bytes alive in the pool now: handed out (arrays alive) and cached.
     #[getter]
     fn outstanding_bytes(&self) -> usize {
-        self.pool.as_ref().map_or(0, |p| p.stats().in_use_bytes)
+        self.pool.as_ref().map_or(0, |p| {
+            let s = p.stats();
+            s.in_use_bytes + s.cached_bytes
+        })
     }
 
     /// Pinned bytes cached for reuse now.
@@ -84,10 +101,16 @@ impl PyPinnedPool {
         self.pool.as_ref().map_or(0, |p| p.stats().cached_bytes)
     }
 
-    /// The limit given (None: none).
+    /// The limit on pinned bytes alive (None: none).
     #[getter]
     fn max_outstanding_bytes(&self) -> Option<usize> {
         self.max
+    }
+
+    /// The limit on cached bytes (None: none but ``max_outstanding_bytes``).
+    #[getter]
+    fn max_pooled_bytes(&self) -> Option<usize> {
+        self.max_pooled
     }
 
     /// Frees the cached blocks (blocks in use stay, and return to the pool later).
@@ -98,7 +121,8 @@ impl PyPinnedPool {
     }
 
     /// Counters: ``hits``, ``misses``, ``pageable_fallbacks``, ``evictions``,
-    /// ``outstanding_bytes``, ``pooled_bytes``, ``peak_bytes``.
+    /// ``outstanding_bytes`` (in use and cached), ``in_use_bytes``, ``pooled_bytes``,
+    /// ``peak_bytes``.
     ///
     /// Returns:
     ///     dict: the counters.
@@ -109,16 +133,20 @@ impl PyPinnedPool {
         d.set_item("misses", s.misses)?;
         d.set_item("pageable_fallbacks", s.pageable_fallbacks)?;
         d.set_item("evictions", s.evictions)?;
-        d.set_item("outstanding_bytes", s.in_use_bytes)?;
+        d.set_item("outstanding_bytes", s.in_use_bytes + s.cached_bytes)?;
+        d.set_item("in_use_bytes", s.in_use_bytes)?;
         d.set_item("pooled_bytes", s.cached_bytes)?;
         d.set_item("peak_bytes", s.peak_bytes)?;
         Ok(d)
     }
 
     fn __repr__(&self) -> String {
+        let opt = |m: Option<usize>| m.map_or("None".to_owned(), |m| m.to_string());
         format!(
-            "PinnedPool(max_outstanding_bytes={}, outstanding_bytes={}, pooled_bytes={})",
-            self.max.map_or("None".to_owned(), |m| m.to_string()),
+            "PinnedPool(max_outstanding_bytes={}, max_pooled_bytes={}, outstanding_bytes={}, \
+             pooled_bytes={})",
+            opt(self.max),
+            opt(self.max_pooled),
             self.outstanding_bytes(),
             self.pooled_bytes()
         )
@@ -149,13 +177,30 @@ pub(crate) fn host_block(
     device: i32,
 ) -> PyResult<Memory> {
     if let Some(p) = pool.and_then(|p| p.get().pool()) {
-        return Ok(Memory::Pool(py.detach(|| p.acquire(nbytes))?));
+        return pinned_or_pageable(py, p, nbytes);
     }
     if pool.is_none() && crate::cuda_available() {
         let state = super::device_state(device)?;
-        return Ok(Memory::Pool(py.detach(|| state.pool.acquire(nbytes))?));
+        return pinned_or_pageable(py, &state.pool, nbytes);
     }
     Ok(Memory::Vec(crate::host::zeroed_vec(nbytes, "host array")?))
+}
+
+/// A block of `nbytes` from `pool`: pinned, or pageable past its budget or when the memory
+/// cannot be pinned (the driver refusing, the host short of memory it can lock), so
+/// `empty_host` and `copy_d2h` never fail for lack of pinned memory.
+pub(crate) fn pinned_or_pageable(
+    py: Python<'_>,
+    pool: &PinnedPool,
+    nbytes: usize,
+) -> PyResult<Memory> {
+    match py.detach(|| pool.acquire(nbytes)) {
+        Ok(b) => Ok(Memory::Pool(b)),
+        Err(Error::Driver(_) | Error::OutOfMemory { .. }) => Ok(Memory::Vec(
+            crate::host::zeroed_vec(nbytes, "pageable fallback")?,
+        )),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// ``numpy.empty(shape, dtype)`` on pinned memory when it can be had: from ``pool`` (or the
@@ -180,7 +225,7 @@ pub(crate) fn host_block(
 ///     >>> pinstage.empty_host((2, 3), "int32").shape
 ///     (2, 3)
 #[pyfunction]
-#[pyo3(signature = (shape, dtype=None, *, pool=None, device=None))]
+#[pyo3(signature = (shape, dtype=None, pool=None, *, device=None))]
 pub(crate) fn empty_host<'py>(
     py: Python<'py>,
     shape: &Bound<'py, PyAny>,
@@ -207,11 +252,14 @@ pub(crate) fn empty_host<'py>(
 /// does nothing. pinstage's own copies (``copy_d2h``, ``copy_h2d``, step commits) are ranges too.
 /// Ranges are per thread: leave the block on the thread that entered it.
 ///
+/// Also a decorator: ``@pinstage.nvtx_range("plan")`` runs each call of the function inside the
+/// range.
+///
 /// Parameters:
-///     name (str): the range's name.
+///     message (str): the range's name.
 ///
 /// Raises:
-///     PinstageTypeError: a name that is not a str.
+///     PinstageTypeError: a message that is not a str; decorating something not callable.
 ///
 /// Example:
 ///     >>> with pinstage.nvtx_range("plan step"):
@@ -225,10 +273,10 @@ pub(crate) struct NvtxRangeCtx {
 #[pymethods]
 impl NvtxRangeCtx {
     #[new]
-    fn new(name: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let s = name
+    fn new(message: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let s = message
             .cast::<pyo3::types::PyString>()
-            .map_err(|_| super::errors::type_err("nvtx_range(name): name must be a str"))?
+            .map_err(|_| super::errors::type_err("nvtx_range(message): message must be a str"))?
             .to_cow()?
             .replace('\0', " ");
         Ok(Self {
@@ -253,6 +301,22 @@ impl NvtxRangeCtx {
             crate::nvtx::pop();
         }
         false
+    }
+
+    /// As a decorator: ``func`` wrapped so that each call runs inside this range.
+    fn __call__<'py>(
+        slf: &Bound<'py, Self>,
+        func: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if !func.is_callable() {
+            return Err(super::errors::type_err(format!(
+                "nvtx_range(...) decorates a callable, got {}",
+                super::import::type_name(func)
+            )));
+        }
+        slf.py()
+            .import(pyo3::intern!(slf.py(), "pinstage._decorate"))?
+            .call_method1(pyo3::intern!(slf.py(), "wrap"), (slf, func))
     }
 
     /// Whether NVTX was found (ranges reach a profiler when one is attached).

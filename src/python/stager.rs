@@ -6,7 +6,7 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use super::args::{count_arg, parse_device};
+use super::args::{count_arg, parse_device_or_current};
 use super::errors::{type_err, value_err};
 use super::import::{Imported, import_destination, parse_dtype, parse_stream, type_name};
 use super::mirror::PyMirror;
@@ -151,7 +151,7 @@ impl PyStager {
             Some(n) => count_arg(n, "depth", 1, crate::MAX_DEPTH)?,
             None => crate::DEFAULT_DEPTH,
         };
-        let ordinal = parse_device(device)?;
+        let ordinal = parse_device_or_current(device)?;
         let builder = Stager::builder(d).device(ordinal).numel(numel).depth(depth);
         let inner = py.detach(|| builder.build())?;
         Ok(Self {

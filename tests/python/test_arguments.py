@@ -54,9 +54,13 @@ def test_stager_constructor_refusals_name_the_parameter(kwargs, exc, match):
 
 
 def test_device_beyond_the_driver_is_refused():
+    # With a driver: no such device (a ValueError); without one, every device but 0 needs CUDA.
     n = pinstage.device_count()
-    with pytest.raises(ValueError, match="device"):
+    want = ValueError if pinstage.cuda_available() else pinstage.CudaUnavailableError
+    with pytest.raises(want, match="device"):
         pinstage.PinnedStager("int32", device=n + 4)
+    with pytest.raises(want, match="device"):
+        pinstage.PinnedStager("int32", device=np.int64(n + 4))
 
 
 def test_huge_depth_does_not_abort_the_interpreter():
@@ -312,3 +316,49 @@ def test_copy_d2h_never_writes_raw_bytes_over_python_objects(dst):
     with pytest.raises(pinstage.PinstageTypeError, match="Python objects"):
         pinstage.copy_d2h(np.arange(4, dtype=np.int32), d)
     assert repr(d) == repr(before)
+
+
+@pytest.mark.parametrize("spelling", ["<f4", "=f4", "f4", "float32", np.float32, np.dtype("=f4")])
+def test_dtype_type_strings_read_as_numpy_reads_them(spelling):
+    a = pinstage.empty_host(3, spelling)
+    assert a.dtype == np.float32
+    assert pinstage.empty_host(2, "|u1").dtype == np.uint8
+    assert pinstage.empty_host(2, "|b1").dtype == np.bool_
+
+
+@pytest.mark.parametrize("spelling", [">f4", np.dtype(">f4"), np.dtype(">i8")])
+def test_non_native_byte_orders_are_refused_not_reinterpreted(spelling):
+    with pytest.raises(pinstage.PinstageTypeError, match="byte order"):
+        pinstage.empty_host(3, spelling)
+
+
+def test_bfloat16_numpy_arrays_go_both_ways_on_the_host():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    h = pinstage.empty_host(5, "bfloat16")
+    assert h.dtype == ml_dtypes.bfloat16
+    h[:] = [1.5, -2, 3, 0.25, 8]
+    dst = np.full(5, 7, ml_dtypes.bfloat16)
+    pinstage.copy_h2d(dst, h).wait()
+    assert dst.astype(np.float32).tolist() == [1.5, -2, 3, 0.25, 8]
+    out = pinstage.copy_d2h(h)
+    assert out.dtype == ml_dtypes.bfloat16 and out.astype(np.float32).tolist() == [1.5, -2, 3, 0.25, 8]
+    with pytest.raises(pinstage.PinstageTypeError):
+        pinstage.copy_h2d(np.zeros(5, np.uint16), h)  # same bytes, another dtype: refused
+    ro = h.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError):
+        pinstage.copy_h2d(ro, h)  # a read-only bfloat16 destination
+
+
+def test_counts_take_numpy_integers_but_not_bools_or_floats():
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16)}), depth=np.int64(2))
+    step = st.step()
+    step.put("ids", [1], pad_value=3, rows=np.int64(2))
+    step.view("ids", np.int32(2))
+    step.commit()
+    assert st.read_field("ids")[:2].tolist() == [1, 3]
+    for bad in (np.True_, np.float64(2.0), 2.0):
+        with pytest.raises(pinstage.PinstageTypeError):
+            pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16)}), depth=bad)
+    a = pinstage.empty_host(np.int64(3), "int8")
+    assert a.shape == (3,)

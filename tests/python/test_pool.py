@@ -93,7 +93,10 @@ def test_pool_recycles_blocks_and_counts_bytes(gpu):
     addr = a.ctypes.data
     del a
     gc.collect()
-    assert pool.outstanding_bytes == 0 and pool.pooled_bytes == 4096
+    # outstanding_bytes: pinned bytes alive in the pool, handed out and cached (as the
+    # reference module counts them).
+    assert pool.outstanding_bytes == 4096 and pool.pooled_bytes == 4096
+    assert pool.stats()["in_use_bytes"] == 0
     b = pinstage.alloc_pinned_numpy(4096, "int32", (32, 32), pool=pool)
     assert b.ctypes.data == addr, "the collected array's block serves the next request"
     assert pool.stats()["hits"] == 1 and pool.stats()["misses"] == 1
@@ -120,8 +123,11 @@ def test_past_the_budget_alloc_raises_and_the_others_fall_back(gpu):
     assert pool.outstanding_bytes == 64 << 10 and pool.stats()["pageable_fallbacks"] >= 2
     del keep
     gc.collect()
+    # The two cached 32 KiB blocks fill the budget: one is freed to make room.
+    assert pool.outstanding_bytes == 64 << 10 and pool.pooled_bytes == 64 << 10
     out = pinstage.copy_d2h(src, pool=pool)
     assert pinstage.is_pinned(out) and out.tolist() == list(range(1000))
+    assert pool.outstanding_bytes == (32 << 10) + 4096 and pool.stats()["evictions"] == 1
     h = pinstage.empty_host(4096, "uint8", pool=pool)
     assert pinstage.is_pinned(h)
 
@@ -209,3 +215,108 @@ def test_pin_unpin_cycles_do_not_leak(gpu):
     del r
     gc.collect()
     assert not pinstage.is_pinned(arrays[0]), "a collected region unpins"
+
+
+@pytest.mark.gpu
+def test_the_budget_bounds_cached_blocks_too(gpu):
+    # Blocks of ever new sizes, each collected at once: the pool never holds more pinned bytes
+    # than its budget, cached ones included.
+    pool = pinstage.PinnedPool(max_outstanding_bytes=1 << 20)
+    for k in range(1, 64):
+        a = pinstage.alloc_pinned_numpy(k * 4096, "uint8", k * 4096, pool=pool)
+        a[:] = k % 251
+        assert (a == k % 251).all()
+        del a
+        gc.collect()
+        assert pool.outstanding_bytes <= 1 << 20, (k, pool)
+    assert pool.stats()["evictions"] > 0
+    pool.clear()
+    assert pool.outstanding_bytes == 0
+
+
+@pytest.mark.gpu
+def test_max_pooled_bytes_bounds_the_cache(gpu):
+    pool = pinstage.PinnedPool(max_pooled_bytes=8192)
+    assert pool.max_pooled_bytes == 8192
+    arrays = [pinstage.alloc_pinned_numpy(4096, "uint8", 4096, pool=pool) for _ in range(4)]
+    assert pool.outstanding_bytes == 4 * 4096 and pool.pooled_bytes == 0
+    del arrays
+    gc.collect()
+    assert pool.pooled_bytes == 8192 and pool.outstanding_bytes == 8192
+
+
+@pytest.mark.gpu
+def test_the_reference_modules_pool_scenario(gpu):
+    # The reference module's own test, as its users would run it against pinstage.
+    pool = pinstage.PinnedPool()
+    a = pinstage.alloc_pinned_numpy(1 << 20, np.uint8, (1 << 20,), pool=pool)
+    ptr = a.ctypes.data
+    assert pool.outstanding_bytes == 1 << 20
+    assert pool.pooled_bytes == 0
+    del a
+    gc.collect()
+    assert pool.pooled_bytes == 1 << 20
+    b = pinstage.alloc_pinned_numpy(1 << 20, np.uint8, (1 << 20,), pool=pool)
+    assert b.ctypes.data == ptr
+    assert pool.pooled_bytes == 0
+    del b
+    gc.collect()
+    pool.clear()
+    assert pool.outstanding_bytes == 0
+    small = pinstage.PinnedPool(max_outstanding_bytes=1 << 20)
+    keep = pinstage.alloc_pinned_numpy(1 << 19, np.uint8, (1 << 19,), pool=small)
+    with pytest.raises(RuntimeError, match="budget"):
+        pinstage.alloc_pinned_numpy(1 << 20, np.uint8, (1 << 20,), pool=small)
+    del keep
+
+
+@pytest.mark.gpu
+def test_alloc_pinned_numpy_without_a_pool_recycles_through_the_result_pool(gpu):
+    a = pinstage.alloc_pinned_numpy(1 << 16, "uint8", 1 << 16)
+    addr = a.ctypes.data
+    del a
+    gc.collect()
+    b = pinstage.alloc_pinned_numpy(1 << 16, "int32", 1 << 14)
+    assert b.ctypes.data == addr, "the collected array's block serves the next request"
+    assert pinstage.is_pinned(b)
+
+
+def test_limits_and_counts_take_numpy_integers():
+    pool = pinstage.PinnedPool(np.int64(1 << 20), max_pooled_bytes=np.uint32(4096))
+    assert pool.max_outstanding_bytes == 1 << 20 and pool.max_pooled_bytes == 4096
+    with pytest.raises(pinstage.PinstageTypeError):
+        pinstage.PinnedPool(np.True_)
+    with pytest.raises(pinstage.PinstageTypeError):
+        pinstage.PinnedPool(np.float64(4096))
+    with pytest.raises(pinstage.PinstageValueError):
+        pinstage.PinnedPool(max_pooled_bytes=-1)
+
+
+def test_empty_host_takes_its_pool_positionally():
+    pool = pinstage.PinnedPool()
+    a = pinstage.empty_host((4, 4), np.bool_, pool)
+    assert a.shape == (4, 4) and a.dtype == np.bool_
+
+
+def test_nvtx_range_is_a_decorator_and_takes_message():
+    calls = []
+
+    @pinstage.nvtx_range("decorated")
+    def f(x, *, y=0):
+        """f's doc"""
+        calls.append((x, y))
+        return x + y
+
+    assert f(1, y=2) == 3 and f(4) == 4 and calls == [(1, 2), (4, 0)]
+    assert f.__name__ == "f" and f.__doc__ == "f's doc"
+    with pinstage.nvtx_range(message="keyword"):
+        pass
+    with pytest.raises(pinstage.PinstageTypeError):
+        pinstage.nvtx_range("x")(3)
+
+    @pinstage.nvtx_range("raises")
+    def g():
+        raise KeyError("k")
+
+    with pytest.raises(KeyError):
+        g()

@@ -9,7 +9,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::cuda::{Event, Stream, StreamHandle};
 use crate::error::Error;
-use crate::python::args::{count_arg, parse_device};
+use crate::python::args::{count_arg, parse_device_or_current};
 use crate::python::errors::{type_err, value_err};
 use crate::python::import::{import_writable, parse_dtype, parse_stream};
 use crate::python::wait::{slot_wait, take_interrupt};
@@ -477,7 +477,18 @@ impl PyStepStager {
             .cast::<PyStepLayout>()
             .map_err(|_| type_err("layout must be a pinstage.StepLayout"))?
             .clone();
-        let ordinal = parse_device(device)?;
+        let arena_imp = match arena.filter(|a| !a.is_none()) {
+            Some(a) => Some(import_writable(a, None, "arena")?),
+            None => None,
+        };
+        // Without device=, a bound CUDA arena names the device; else the current one.
+        let ordinal = match (device.filter(|d| !d.is_none()), &arena_imp) {
+            (None, Some(imp)) => match imp.view.memory() {
+                crate::view::MemoryKind::Cuda(id) => id,
+                crate::view::MemoryKind::Host => parse_device_or_current(None)?,
+            },
+            _ => parse_device_or_current(device)?,
+        };
         let depth = match depth {
             Some(d) => count_arg(d, "depth", 1, crate::MAX_DEPTH)?,
             None => crate::DEFAULT_STEP_DEPTH,
@@ -491,9 +502,8 @@ impl PyStepStager {
         if let Some(g) = max_gap.filter(|g| !g.is_none()) {
             b = b.max_gap(count_arg(g, "max_gap", 0, isize::MAX as usize)?);
         }
-        let bound = match arena.filter(|a| !a.is_none()) {
-            Some(a) => {
-                let imp = import_writable(a, None, "arena")?;
+        let bound = match arena_imp {
+            Some(imp) => {
                 // SAFETY: `imp` (kept in the stager) keeps the producer's memory alive; the
                 // caller hands the buffer to the stager (documented).
                 b = unsafe { b.bind(&imp.view) };
