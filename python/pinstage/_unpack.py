@@ -15,6 +15,12 @@ def _is_jax(x: Any) -> bool:
 
 
 def _check(packed: Any, nbytes: int) -> None:
+    if not hasattr(packed, "shape") or not hasattr(packed, "dtype"):
+        from ._native import PinstageTypeError
+
+        raise PinstageTypeError(
+            f"packed must be a 1-D uint8 array (numpy, torch, cupy or JAX), got {type(packed).__name__}"
+        )
     shape = tuple(packed.shape)
     if shape != (nbytes,) or "uint8" not in str(packed.dtype):
         from ._native import PinstageValueError
@@ -78,5 +84,14 @@ def unpack(layout: Any, packed: Any) -> dict:
     out = {}
     for f in fields:
         off, n = f["offset"], f["nbytes"]
-        out[f["name"]] = packed[off : off + n].view(_dtype_for(packed, f["dtype"])).reshape(f["shape"])
+        try:
+            out[f["name"]] = packed[off : off + n].view(_dtype_for(packed, f["dtype"])).reshape(f["shape"])
+        except (ValueError, RuntimeError) as e:
+            # e.g. a non-contiguous packed array, which cannot be viewed as another dtype.
+            from ._native import PinstageValueError
+
+            raise PinstageValueError(
+                f"field {f['name']!r}: packed cannot be viewed as {f['dtype']} ({e}); pass a "
+                "contiguous 1-D uint8 array"
+            ) from e
     return out

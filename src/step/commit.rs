@@ -49,6 +49,8 @@ impl StepStager {
             plan(self.layout.fields(), &sc.send, max_gap, &mut sc.segs);
         }
         let bytes: usize = sc.segs.iter().map(|&(_, n)| n).sum();
+        // A zero-copy step sends nothing by design: it is empty when nothing was written.
+        let nothing_written = sc.send.iter().all(|&r| r == 0);
         // The mirror learns the values sent before the send releases the slot (another thread
         // may claim and write it from then on); a failed send forgets everything it knew.
         if let Some(m) = mirror.as_deref_mut() {
@@ -75,7 +77,12 @@ impl StepStager {
         add(&self.stats.steps, 1);
         add(&self.stats.skipped_fields, u64::from(skipped));
         add(&self.stats.bytes, bytes as u64);
-        if calls == 0 && block.is_none() {
+        let empty = if self.mode == StepMode::ZeroCopy {
+            nothing_written
+        } else {
+            calls == 0 && block.is_none()
+        };
+        if empty {
             add(&self.stats.empty_steps, 1);
         }
         Ok(Committed {

@@ -238,7 +238,7 @@ impl StepLayoutBuilder {
     /// # Errors
     /// [`Error::InvalidArgument`] for no fields, more than [`MAX_FIELDS`], an empty or
     /// repeated name, a shape that is not 1-D or 2-D or has a 0 dimension;
-    /// [`Error::OutOfMemory`] when the arena's size overflows.
+    /// or a layout whose size passes `isize::MAX` bytes.
     pub fn build(self) -> Result<StepLayout> {
         if self.fields.is_empty() {
             return Err(Error::arg("fields", "none", "at least one field"));
@@ -250,9 +250,12 @@ impl StepLayoutBuilder {
                 "at most 1024 fields",
             ));
         }
-        let overflow = || Error::OutOfMemory {
-            what: "step arena",
-            bytes: usize::MAX,
+        let overflow = || {
+            Error::arg(
+                "shape",
+                "too large",
+                "fields that fit one arena of at most isize::MAX bytes",
+            )
         };
         let mut fields = Vec::with_capacity(self.fields.len());
         let mut by_name = HashMap::with_capacity(self.fields.len());

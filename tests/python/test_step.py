@@ -609,8 +609,11 @@ def test_zero_copy_kernels_read_the_slot(gpu):
         w = np.full((10, 16), k + 0.5, np.float32)
         with st.step(stream=s) as step:
             step.put("ids", ids)
-            step.put("w", w)
+            early = step.view("w", 10)
+            early[:] = w
             t_ids = torch.from_dlpack(step.device("ids"))
+            # The fields went to the device: views taken before turn read-only.
+            assert not early.flags.writeable
             t_w = torch.from_dlpack(step.device("w"))
             assert t_ids.shape == (300,) and t_w.shape == (10, 16) and t_ids.is_cuda
             with pytest.raises(pinstage.StepStateError):
@@ -698,6 +701,14 @@ def test_capturing_stream_is_refused_and_releases_the_slot(gpu):
         x.add_(1)
         with pytest.raises(pinstage.StreamCaptureError):
             st.stage({"ids": [1]}, stream=s)
+        step = st.step(stream=s)
+        step.put("ids", [2])
+        with pytest.raises(pinstage.StreamCaptureError):
+            step.commit()
+    # The failed commit released the slot and says so.
+    assert step.committed is False and repr(step) == "Step(failed)"
+    with pytest.raises(pinstage.StepStateError, match="failed"):
+        step.commit()
     st.stage({"ids": [5]})
     torch.cuda.synchronize()
     assert st.read_field("ids")[0] == 5
@@ -767,10 +778,23 @@ def test_two_gpus_each_with_its_own_arena(gpu):
                 st.stage(vals[d], stream=torch.cuda.current_stream(d))
         for d in range(2):
             torch.cuda.synchronize(d)
+            for name, v in vals[d].items():
+                got = sts[d].read_field(name)[: len(v)]
+                assert np.array_equal(got, v), (k, d, name)
             assert np.array_equal(fields[d][:64].cpu().numpy(), vals[d]["block_table"]), (k, d)
     t = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda:1")
     with pytest.raises(pinstage.PinstageValueError, match="device"):
         pinstage.StepStager(layout, device=0, arena=t)
+    # Without device=, a bound arena names its device; with torch's current device 1, a new
+    # stager lives there too.
+    bound = pinstage.StepStager(layout, arena=t)
+    vals = engine_values(99)
+    with torch.cuda.device(1):
+        bound.stage(vals, stream=torch.cuda.current_stream(1))
+        torch.cuda.synchronize(1)
+        assert np.array_equal(bound.read_field("input_ids")[: len(vals["input_ids"])], vals["input_ids"])
+        here = pinstage.StepStager(layout)
+        assert torch.from_dlpack(here.field("input_ids")).device.index == 1
 
 
 def test_an_int_stream_pointing_at_no_memory_is_refused():
@@ -947,3 +971,64 @@ def test_stage_refuses_rows_and_pads_of_fields_it_does_not_write():
         st.stage({"ids": [1, 2]}, rows={"pos": 8}, pad_values={"ids": 0})
     st.stage({"ids": [1, 2]}, rows={"ids": 4}, pad_values={"ids": -1})
     assert st.read_field("ids").view(np.int32)[:4].tolist() == [1, 2, -1, -1]
+
+
+def test_layouts_compare_hash_and_pickle():
+    import copy
+    import pickle
+
+    a = pinstage.StepLayout({"ids": ("int32", 8), "t": ("int64", (4, 2))}, skip_unchanged=["t"])
+    b = pickle.loads(pickle.dumps(a))
+    assert a == b and hash(a) == hash(b) and copy.deepcopy(a) == a and {a: 1}[b] == 1
+    assert b.fields == a.fields
+    assert a != pinstage.StepLayout({"ids": ("int32", 8), "t": ("int64", (4, 2))})  # skip differs
+    assert a != pinstage.StepLayout({"t": ("int64", (4, 2)), "ids": ("int32", 8)}, skip_unchanged=["t"])
+    assert a != "layout"
+    st = pinstage.StepStager(b, depth=1)
+    st.stage({"ids": [4, 5]})
+    assert st.read_field("ids")[:2].tolist() == [4, 5]
+
+
+def test_a_stage_reentered_from_a_values_conversion_is_refused_not_waited_for():
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 8)}), depth=1)
+    inner = []
+
+    class Reenters:
+        def __array__(self, dtype=None, copy=None):
+            try:
+                st.stage({"ids": np.arange(8, dtype=np.int32)})
+            except pinstage.StepStateError as e:
+                inner.append(e)
+            return np.arange(10, 18, dtype=np.int32)
+
+    st.stage({"ids": Reenters()})
+    assert len(inner) == 1, "the inner stage must be refused at once"
+    assert st.read_field("ids").tolist() == list(range(10, 18))
+    st.stage({"ids": np.arange(8, dtype=np.int32)})  # the slot was released
+    assert st.read_field("ids").tolist() == list(range(8))
+
+
+def test_unpack_refuses_what_is_not_a_packed_array_with_typed_errors():
+    layout = pinstage.StepLayout({"ids": ("int32", 8), "w": ("float32", 4)})
+    with pytest.raises(pinstage.PinstageTypeError):
+        layout.unpack([1, 2, 3])
+    strided = np.zeros(layout.nbytes * 2, np.uint8)[::2]
+    with pytest.raises(pinstage.PinstageValueError):
+        layout.unpack(strided)
+    ok = layout.unpack(np.zeros(layout.nbytes, np.uint8))
+    assert ok["ids"].dtype == np.int32 and ok["w"].shape == (4,)
+
+
+def test_an_oversized_layout_is_a_value_error():
+    with pytest.raises(pinstage.PinstageValueError):
+        pinstage.StepLayout({"a": ("int64", 2**62)})
+
+
+def test_zero_copy_steps_count_as_empty_only_when_nothing_was_written():
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 8)}), mode="zero_copy", depth=2)
+    with st.step() as step:
+        step.put("ids", [1])
+    with st.step():
+        pass
+    s = st.stats()
+    assert s["steps"] == 2 and s["empty_steps"] == 1, s

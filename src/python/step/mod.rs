@@ -114,7 +114,7 @@ fn parse_shape(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<usize>> {
 #[pymethods]
 impl PyStepLayout {
     #[new]
-    #[pyo3(signature = (fields, *, skip_unchanged=None))]
+    #[pyo3(signature = (fields, skip_unchanged=None))]
     fn new(fields: &Bound<'_, PyAny>, skip_unchanged: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
         let mut entries: Vec<(String, Bound<'_, PyAny>, Bound<'_, PyAny>)> = Vec::new();
         if let Ok(d) = fields.cast::<PyDict>() {
@@ -174,6 +174,45 @@ impl PyStepLayout {
     #[getter]
     fn nbytes(&self) -> usize {
         self.layout.nbytes()
+    }
+
+    /// Layouts are equal when their fields are: the same names, dtypes, shapes and
+    /// ``skip_unchanged`` flags in the same order (so the same offsets).
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<PyStepLayout>()
+            .is_ok_and(|o| o.get().layout == self.layout)
+    }
+
+    fn __hash__(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        for f in self.layout.iter() {
+            (f.name(), f.dtype().name(), f.shape(), f.skip_unchanged()).hash(&mut h);
+        }
+        h.finish()
+    }
+
+    /// Pickling (and ``copy.deepcopy``): rebuilt from its fields, e.g. in a worker process.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let me = slf.get();
+        let fields = PyList::empty(py);
+        let mut skip = Vec::new();
+        for f in me.layout.iter() {
+            fields.append((f.name(), f.dtype().name(), PyTuple::new(py, f.shape())?))?;
+            if f.skip_unchanged() {
+                skip.push(f.name().to_owned());
+            }
+        }
+        PyTuple::new(
+            py,
+            [
+                slf.get_type().into_any(),
+                PyTuple::new(py, [fields.into_any(), PyList::new(py, skip)?.into_any()])?
+                    .into_any(),
+            ],
+        )
     }
 
     /// Field names in declaration order.
@@ -446,6 +485,7 @@ impl PyStepStager {
                 views: Vec::new(),
                 block: None,
                 committed: false,
+                failed: false,
             }),
         })
     }
@@ -623,6 +663,11 @@ impl PyStepStager {
         let st = &me.inner;
         let mut raw = me.open(py)?;
         let mut hint = 0usize;
+        // Off the exact-numpy fast path a value's conversion may run Python code (`__array__`,
+        // `__index__`) that opens steps of this stager: while it runs, this slot counts as held
+        // by a step open on this thread, so such a step is refused instead of waiting forever.
+        let tid = std::thread::current().id();
+        let counted = std::cell::Cell::new(false);
         let filled = for_each_item(fields, |k, v| {
             let name = k
                 .cast::<PyString>()
@@ -640,8 +685,14 @@ impl PyStepStager {
             if pad.is_none() && r.is_none() && me.put_exact(&mut raw, id, &v)? {
                 return Ok(());
             }
+            if !counted.replace(true) {
+                me.count_open(tid, true);
+            }
             put_id(st, &mut raw, id, &v, pad.as_ref(), r.as_ref())
         });
+        if counted.get() {
+            me.count_open(tid, false);
+        }
         if let Err(e) = filled {
             st.abort_raw(raw);
             return Err(e);

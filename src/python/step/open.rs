@@ -88,6 +88,21 @@ pub(super) struct StepState {
     pub(super) views: Vec<Py<PyAny>>,
     pub(super) block: Option<Py<StepTensor>>,
     pub(super) committed: bool,
+    /// The commit was tried and failed (the slot was released all the same).
+    pub(super) failed: bool,
+}
+
+impl StepState {
+    /// Why an ended step refuses a call.
+    fn ended_why(&self) -> &'static str {
+        if self.committed {
+            "this step was already committed"
+        } else if self.failed {
+            "this step's commit failed (its slot was released); open a new step"
+        } else {
+            "this step was aborted"
+        }
+    }
 }
 
 /// An open step of a ``StepStager``: owns one slot until ``commit`` (or the end of its ``with``
@@ -143,12 +158,7 @@ impl PyStep {
         let mut g = self.state()?;
         let state = &mut *g;
         let Some(mut raw) = state.raw.take() else {
-            return Err(Error::StepState(if state.committed {
-                "this step was already committed"
-            } else {
-                "this step was aborted"
-            })
-            .into());
+            return Err(Error::StepState(state.ended_why()).into());
         };
         let r = f(st, &mut raw, state);
         state.raw = Some(raw);
@@ -192,17 +202,18 @@ impl PyStep {
         let st = &stager.inner;
         let mut g = self.state()?;
         let Some(raw) = g.raw.take() else {
-            return Err(Error::StepState(if g.committed {
-                "this step was already committed"
-            } else {
-                "this step was aborted"
-            })
-            .into());
+            return Err(Error::StepState(g.ended_why()).into());
         };
         Self::end(&mut g, py);
-        g.committed = true;
         self.ended();
-        let committed = commit_detached(py, st, raw, self.stream)?;
+        let committed = match commit_detached(py, st, raw, self.stream) {
+            Ok(c) => c,
+            Err(e) => {
+                g.failed = true;
+                return Err(e);
+            }
+        };
+        g.committed = true;
         let block = match committed.block {
             Some(b) => {
                 let t = Py::new(py, StepTensor::of_block(b))?;
@@ -249,8 +260,11 @@ impl PyStep {
     }
 
     /// A writable numpy view of the first ``rows`` rows of field ``name`` in this step's slot,
-    /// for planning code to write in place (zero copies); those rows are sent at commit. The view
-    /// turns read-only when the step ends.
+    /// for planning code to write in place (zero copies); those rows are sent at commit, holding
+    /// whatever they hold then (a new view shows what the slot's last step left there). The view
+    /// turns read-only when the step ends or its fields go to the device (``device``); arrays
+    /// derived from it before (slices, ``memoryview``) keep numpy's writeable flag: write through
+    /// them only inside the step.
     ///
     /// Parameters:
     ///     name (str): the field.
@@ -325,16 +339,18 @@ impl PyStep {
     /// Raises:
     ///     PinstageValueError: not zero-copy mode. CudaUnavailableError: no driver.
     ///     UnknownFieldError, StepStateError.
-    fn device(&self, name: &Bound<'_, PyAny>) -> PyResult<StepTensor> {
+    fn device(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<StepTensor> {
         let name = field_name(name)?;
         let name = name.as_str();
         let stager = self.stager.get();
-        self.with_open(|st, raw, _| {
+        self.with_open(|st, raw, state| {
             let id = st.layout().id(name)?;
             let f = &st.layout().fields()[id.index()];
             let used = st.used_raw(raw, id);
             let rows = if used == 0 { f.rows() } else { used };
             let ptr = st.device_ptr_raw(raw, id)?;
+            // The fields now belong to the device's readers: views handed out turn read-only.
+            Self::end(state, py);
             let mut shape = vec![rows as i64];
             if f.shape().len() == 2 {
                 shape.push(f.cols() as i64);
@@ -420,10 +436,11 @@ impl PyStep {
         let Some(g) = self.state.try_lock() else {
             return "Step(in use)".to_string();
         };
-        let state = match (&g.raw, g.committed) {
-            (Some(_), _) => "open",
-            (None, true) => "committed",
-            (None, false) => "aborted",
+        let state = match (&g.raw, g.committed, g.failed) {
+            (Some(_), _, _) => "open",
+            (None, true, _) => "committed",
+            (None, false, true) => "failed",
+            (None, false, false) => "aborted",
         };
         format!("Step({state})")
     }
