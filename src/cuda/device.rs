@@ -150,6 +150,12 @@ impl Device {
         Ok(driver::mem::is_pinned_host(ptr.cast()))
     }
 
+    /// Whether `ptr..ptr+len` is pinned host memory (its first and last bytes).
+    pub(crate) fn is_pinned_range(&self, ptr: *const u8, len: usize) -> Result<bool> {
+        let _cur = self.enter()?;
+        Ok(driver::mem::is_pinned_range(ptr.cast(), len))
+    }
+
     /// The host NUMA node the device hangs off (its PCI device's `numa_node` in sysfs), where
     /// pinned memory for it is best placed; `None` where the system does not say (one node,
     /// no sysfs, the driver cannot name the PCI address).

@@ -169,7 +169,7 @@ pub(crate) unsafe fn start_d2h<'s>(
         return Ok((D2HPath::Host, Completion::Done));
     }
     let cur = device.enter_for_copy(stream)?;
-    if pinned.unwrap_or_else(|| driver::mem::is_pinned_host(dst_ptr.cast())) {
+    if pinned.unwrap_or_else(|| driver::mem::is_pinned_range(dst_ptr.cast(), n)) {
         if wait
             && LANDING.load(std::sync::atomic::Ordering::Relaxed)
             && let Some(claim) = landing::landing(device).and_then(|l| l.claim())

@@ -293,3 +293,11 @@ pub(crate) fn is_pinned_host(ptr: *const c_void) -> bool {
         unsafe { sys::cuPointerGetAttributes(1, &mut attr, data.as_mut_ptr(), ptr as CUdeviceptr) };
     code == sys::CUresult::CUDA_SUCCESS && mem_type == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
 }
+
+/// Whether all of `ptr..ptr+len` is page-locked host memory known to the driver, as far as its
+/// first and last bytes tell: a copy that treats the range as pinned must not run over into
+/// pageable memory past a pinned start (an array partly pinned by `pin` of a slice).
+pub(crate) fn is_pinned_range(ptr: *const c_void, len: usize) -> bool {
+    is_pinned_host(ptr)
+        && (len <= 1 || is_pinned_host(ptr.cast::<u8>().wrapping_add(len - 1).cast()))
+}

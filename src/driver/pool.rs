@@ -42,6 +42,46 @@ pub(crate) unsafe fn pool_create(ordinal: i32) -> DResult<CUmemoryPool> {
     Ok(pool)
 }
 
+/// [cuMemPoolSetAccess](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+/// for every other device that can access `ordinal`'s memory (`cuDeviceCanAccessPeer`): a
+/// pool's memory is mapped for its own device only, so without this a framework copying an
+/// array of it to another GPU peer to peer (XLA, torch `.to("cuda:1")`) could not read it, as
+/// it can the memory of its own pools. Returns how many devices were granted access.
+///
+/// # Safety
+/// 1. `pool` is a live pool of device `ordinal`; a context is current.
+pub(crate) unsafe fn pool_grant_peers(
+    pool: CUmemoryPool,
+    ordinal: i32,
+    count: i32,
+) -> DResult<usize> {
+    let own = super::ctx::device_get(ordinal)?;
+    let mut descs = Vec::new();
+    for p in (0..count).filter(|&p| p != ordinal) {
+        let peer = super::ctx::device_get(p)?;
+        let mut can = 0;
+        // SAFETY: valid out-pointer, devices from cuDeviceGet.
+        check("cuDeviceCanAccessPeer", unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, peer, own)
+        })?;
+        if can != 0 {
+            // SAFETY: plain C data, every field set below.
+            let mut d: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+            d.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            d.location.id = p;
+            d.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            descs.push(d);
+        }
+    }
+    if !descs.is_empty() {
+        // SAFETY: our live pool (caller) and `descs.len()` descriptors.
+        check("cuMemPoolSetAccess", unsafe {
+            sys::cuMemPoolSetAccess(pool, descs.as_ptr(), descs.len())
+        })?;
+    }
+    Ok(descs.len())
+}
+
 /// [cuMemAllocFromPoolAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
 ///
 /// # Safety

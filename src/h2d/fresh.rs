@@ -49,6 +49,11 @@ fn pool_of(cur: &Current<'_>) -> Result<Arc<DevicePool>> {
     let stream = Stream::new(device)?;
     // SAFETY: the device's context is current (`cur`).
     let pool = unsafe { driver::pool::pool_create(device.ordinal()) }?;
+    if let Ok(count) = crate::device_count() {
+        // Best effort: without peer access a result is still usable on its own device.
+        // SAFETY: the pool just made, of this device; its context is current.
+        let _ = unsafe { driver::pool::pool_grant_peers(pool, device.ordinal(), count) };
+    }
     let p = Arc::new(DevicePool {
         device: device.clone(),
         stream,

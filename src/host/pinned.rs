@@ -310,6 +310,14 @@ impl std::fmt::Debug for PinnedBuffer {
 /// Whether `ptr` lies in page-locked host memory known to the CUDA driver (allocated or
 /// registered by pinstage, PyTorch, CuPy, JAX...). `false` without a driver.
 pub fn is_pinned(ptr: *const u8) -> bool {
+    if crate::driver::probe().is_err() || crate::driver::forked() {
+        return false;
+    }
+    // Asked in the thread's current context when there is one (no context retained for it);
+    // else in device 0's.
+    if crate::driver::ctx::ctx_get_current().is_ok_and(|c| !c.is_null()) {
+        return crate::driver::mem::is_pinned_host(ptr.cast());
+    }
     Device::new(0)
         .and_then(|d| d.is_pinned_host(ptr))
         .unwrap_or(false)

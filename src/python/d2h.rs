@@ -115,7 +115,7 @@ fn start<'py>(
             // asked once, and its answer goes to the copy.
             let small = wait && nbytes <= GIL_HELD_MAX.load(Ordering::Relaxed);
             let pinned = match pinned {
-                None if small => Some(state.device.is_pinned_host(ptr)?),
+                None if small => Some(state.device.is_pinned_range(ptr, nbytes)?),
                 known => known,
             };
             let held = small && pinned == Some(true);

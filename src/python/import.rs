@@ -399,6 +399,17 @@ fn import_standard(
     let consumer = Consumer(stream);
     let request = ImportRequest::new(obj.as_borrowed()).map_err(|e| explain(obj, e))?;
     let device = request.device().ok();
+    // A producer orders its pending work before our stream through its *current* device's
+    // stream (torch's `__dlpack__(stream=)` syncs `torch.cuda.current_stream()`): make the
+    // tensor's device current for the call, so a cuda:1 tensor is not synchronized through
+    // device 0's stream. The thread's previous context is current again after.
+    let _cur = match device {
+        Some(d) if is_cuda(d.device_type.0) => super::device_state(d.device_id)
+            .ok()
+            .map(|s| s.device.enter())
+            .transpose()?,
+        _ => None,
+    };
     let with_stream = if obj.is_instance_of::<PyCapsule>() || device.is_none() {
         None
     } else {
