@@ -204,7 +204,11 @@ fn to_device<'py>(
     let shape: Vec<i64> = from.view.shape().to_vec();
     match fw {
         Framework::Torch | Framework::Cupy => {
-            let dst = empty_like_framework(py, fw, dtype, &shape, ordinal)?;
+            let on = match (stream.filter(|o| !o.is_none()), s) {
+                (Some(obj), Some(h)) if h.as_raw() > 2 => Some((obj, h.as_raw())),
+                _ => None,
+            };
+            let dst = empty_like_framework(py, fw, dtype, &shape, ordinal, on)?;
             let to = import_destination(&dst, s)?;
             let stream = s.unwrap_or(to.stream);
             let (path, event) = start(py, &from, &to, stream)?;
@@ -260,22 +264,47 @@ fn fresh(
     Ok(DeviceArray { mem, dtype, shape })
 }
 
-/// `torch.empty` / `cupy.empty` on CUDA device `ordinal`.
+/// `torch.empty` / `cupy.empty` on CUDA device `ordinal`. With `on` (the caller's `stream=`
+/// object and its handle, not a default stream), the framework's caching allocator learns that
+/// the array is used on that stream, where pinstage fills it: torch records the stream on the
+/// tensor (`record_stream`), cupy allocates it under that stream; so freeing the array early
+/// never hands its memory to another allocation while the fill may still write it.
 fn empty_like_framework<'py>(
     py: Python<'py>,
     fw: Framework,
     dtype: DType,
     shape: &[i64],
     ordinal: i32,
+    on: Option<(&Bound<'py, PyAny>, usize)>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let shape = PyTuple::new(py, shape)?;
+    let is_from = |obj: &Bound<'py, PyAny>, module: &str| {
+        obj.get_type()
+            .module()
+            .is_ok_and(|m| m.to_cow().is_ok_and(|m| m.starts_with(module)))
+    };
     match fw {
         Framework::Torch => {
             let torch = py.import("torch")?;
             let kw = PyDict::new(py);
             kw.set_item("dtype", torch.getattr(dtype.name())?)?;
-            kw.set_item("device", torch.call_method1("device", ("cuda", ordinal))?)?;
-            torch.call_method("empty", (shape,), Some(&kw))
+            let device = torch.call_method1("device", ("cuda", ordinal))?;
+            kw.set_item("device", &device)?;
+            let t = torch.call_method("empty", (shape,), Some(&kw))?;
+            if let Some((obj, handle)) = on {
+                let s = if is_from(obj, "torch") {
+                    obj.clone()
+                } else {
+                    let kw = PyDict::new(py);
+                    kw.set_item("device", &device)?;
+                    torch
+                        .getattr("cuda")?
+                        .getattr("ExternalStream")?
+                        .call((handle,), Some(&kw))?
+                };
+                t.call_method1("record_stream", (s,))?;
+            }
+            Ok(t)
         }
         _ => {
             if dtype == DType::BF16 {
@@ -286,9 +315,25 @@ fn empty_like_framework<'py>(
             let cupy = py.import("cupy")?;
             let dev = cupy.getattr("cuda")?.call_method1("Device", (ordinal,))?;
             dev.call_method0("__enter__")?;
+            // cupy's pool keeps memory per stream: allocate under the fill's stream.
+            let cs = match on {
+                Some((obj, _)) if is_from(obj, "cupy") => Some(obj.clone()),
+                Some((_, handle)) => Some(
+                    cupy.getattr("cuda")?
+                        .getattr("ExternalStream")?
+                        .call1((handle, ordinal))?,
+                ),
+                None => None,
+            };
+            if let Some(cs) = &cs {
+                cs.call_method0("__enter__")?;
+            }
             let kw = PyDict::new(py);
             kw.set_item("dtype", dtype.name())?;
             let out = cupy.call_method("empty", (shape,), Some(&kw));
+            if let Some(cs) = &cs {
+                cs.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
+            }
             dev.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
             out
         }

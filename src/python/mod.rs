@@ -65,6 +65,19 @@ fn device_state(ordinal: i32) -> Result<&'static DeviceState> {
     Ok(slot.get_or_init(|| DeviceState { device, pool }))
 }
 
+/// Waits for all work queued on every device pinstage has used in this process (each one's
+/// context synchronized), so no copy still reads or writes memory about to be unregistered.
+/// Errors (a failed context) are left to the next call that meets them.
+fn synchronize_used_devices() {
+    if let Some(table) = DEVICES.get() {
+        for s in table.iter().filter_map(OnceLock::get) {
+            if let Ok(cur) = s.device.enter() {
+                let _ = cur.synchronize();
+            }
+        }
+    }
+}
+
 /// Whether a CUDA driver is loaded and reports at least one device.
 ///
 /// Never raises; without a driver (or with ``PINSTAGE_DISABLE_CUDA=1``) it returns False and

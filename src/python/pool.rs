@@ -335,8 +335,10 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// An array page-locked in place by ``pin``: ``unpin()`` (or leaving its ``with`` block)
-/// unregisters it. It keeps the array alive while pinned.
+/// An array page-locked in place by ``pin``: ``unpin()`` (or leaving its ``with`` block, or
+/// collecting the region) unregisters it, once the work queued on the GPUs pinstage uses has
+/// completed (so no copy still reads or writes its pages). It keeps the array alive while
+/// pinned.
 ///
 /// Example:
 ///     >>> with pinstage.pin(batch) as a:       # a is batch, pinned
@@ -350,11 +352,18 @@ pub(crate) struct PinnedRegion {
 
 #[pymethods]
 impl PinnedRegion {
-    /// Unregisters the memory (the array stays, pageable again). Call it only once the copies
-    /// that read or write the array completed (``PendingCopy.wait()``). Does nothing when done.
+    /// Unregisters the memory (the array stays, pageable again), after waiting (GIL released)
+    /// for the work queued on every GPU pinstage uses, so a copy still reading or writing the
+    /// array (``copy_h2d`` from it, ``copy_d2h_async`` into it) completes first. Does nothing
+    /// when done.
     fn unpin(&self, py: Python<'_>) {
         let taken = self.reg.lock().take();
-        py.detach(move || drop(taken));
+        if taken.is_some() {
+            py.detach(move || {
+                super::synchronize_used_devices();
+                drop(taken);
+            });
+        }
     }
 
     /// Whether the memory is still registered.
@@ -391,6 +400,20 @@ impl PinnedRegion {
             self.nbytes,
             self.pinned()
         )
+    }
+}
+
+impl Drop for PinnedRegion {
+    fn drop(&mut self) {
+        // Collected while pinned: unregister as `unpin` does, after the GPUs' queued work.
+        if let Some(reg) = self.reg.get_mut().take() {
+            Python::attach(|py| {
+                py.detach(move || {
+                    super::synchronize_used_devices();
+                    drop(reg);
+                })
+            });
+        }
     }
 }
 

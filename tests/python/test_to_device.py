@@ -216,6 +216,32 @@ def test_torch_result_is_ordered_on_the_current_stream(gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("as_int", [False, True])
+def test_a_result_freed_before_its_fill_on_another_stream_is_not_reused_under_it(gpu, as_int):
+    """stream=s fills the torch result on s, not on the stream torch allocated it on: the
+    allocator must learn about s (record_stream), or a tensor freed at once would hand its block
+    to the next allocation while the fill still waits on s to write it."""
+    torch = pytest.importorskip("torch")
+    n = 1 << 18
+    src = pinstage.empty_pinned(n, "float32")  # pinned: one DMA, queued on s
+    src[:] = np.arange(n, dtype=np.float32)
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(100_000_000)  # s busy for ~50 ms: the fill waits behind it
+    x = pinstage.to_device(src, "torch", stream=s.cuda_stream if as_int else s)
+    freed = x.data_ptr()
+    del x
+    y = torch.empty(n, dtype=torch.float32, device="cuda")
+    y.fill_(-7.0)  # the current stream: runs at once
+    reused = y.data_ptr() == freed
+    s.synchronize()
+    torch.cuda.synchronize()
+    assert not reused, "the freed result's block was handed out while its fill was pending"
+    assert (y == -7.0).all()
+
+
+@pytest.mark.gpu
 def test_jax_result_feeds_a_jitted_function(gpu):
     jax = pytest.importorskip("jax")
     vals = np.random.default_rng(4).integers(-1000, 1000, 1 << 24, dtype=np.int32)
@@ -289,8 +315,20 @@ def test_two_gpus_to_device(gpu):
         np.testing.assert_array_equal(to_numpy(x, fw), vals)
         if fw == "torch":
             assert x.device == torch.device("cuda", 1)
+        if fw == "cupy":
+            assert x.device.id == 1
+        if fw == "jax":
+            assert [d.id for d in x.devices()] == [1]
         if fw == "dlpack":
             assert x.device == 1
+    # A JAX result moved to the other GPU (peer access to pinstage's pool).
+    import jax
+
+    x = pinstage.to_device(vals, "jax", device=1)
+    moved = jax.device_put(x, jax.devices("gpu")[0])
+    np.testing.assert_array_equal(np.asarray(moved), vals)
+    t = pinstage.to_device(vals, "dlpack", device=1)
+    np.testing.assert_array_equal(torch.from_dlpack(t).to("cuda:0").cpu().numpy(), vals)
     t1 = torch.zeros(1, device="cuda:1")
     np.testing.assert_array_equal(pinstage.to_device(vals, like=t1).cpu().numpy(), vals)
     assert pinstage.to_device(vals, like=t1).device == torch.device("cuda", 1)
