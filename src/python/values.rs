@@ -288,6 +288,40 @@ fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<(Vec<u8>,
     if kind == b'c' && !matches!(d, DType::C64 | DType::C128) {
         return Err(type_err(format!("complex values cannot be copied as {d}")));
     }
+    // What numpy.asarray gave (a torch CPU tensor's own memory, a buffer's...) may need no
+    // conversion at all, or an integer cast checked here element by element: both skip the
+    // general path's several passes through numpy.
+    let have = arr.dtype();
+    let exact = have.as_ptr() == want.as_ptr() || have.is_equiv_to(&want);
+    let int_cast = matches!(kind, b'i' | b'u')
+        && d.is_integral()
+        && d != DType::Bool
+        && have.is_native_byteorder() != Some(false);
+    if exact || int_cast {
+        let arr = if arr.is_c_contiguous() {
+            arr.clone()
+        } else {
+            np.call_method1("ascontiguousarray", (&arr,))?
+                .cast_into::<PyUntypedArray>()
+                .map_err(|_| type_err("values: not an array"))?
+        };
+        let shape = arr.shape().to_vec();
+        let n = arr.len();
+        // SAFETY: a live C-contiguous array of `n` elements of its dtype, kept alive by `arr`
+        // for this scope (the GIL is held: nothing frees it).
+        let src = unsafe {
+            std::slice::from_raw_parts(
+                (*arr.as_array_ptr()).fields.data as *const u8,
+                n * arr.dtype().itemsize(),
+            )
+        };
+        if exact {
+            return Ok((src.to_vec(), shape));
+        }
+        if let Some(out) = cast_ints(src, arr.dtype().itemsize(), kind == b'i', d)? {
+            return Ok((out, shape));
+        }
+    }
     // Values that do not fit are refused below with a typed error; numpy's own warning about the
     // cast (NaN or inf into an integer) would only repeat that at the caller's line.
     let quiet = PyDict::new(py);
@@ -340,6 +374,52 @@ fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<(Vec<u8>,
     let conv = np.call_method1("ascontiguousarray", (conv,))?;
     let bytes = conv.call_method0("tobytes")?;
     Ok((bytes.cast::<PyBytes>()?.as_bytes().to_vec(), shape))
+}
+
+/// Integers of `width` bytes (signed or not, native byte order) as integers of `d`, refusing a
+/// value out of `d`'s range (nothing converted then); `None` for a width or dtype not handled.
+fn cast_ints(src: &[u8], width: usize, signed: bool, d: DType) -> PyResult<Option<Vec<u8>>> {
+    let read = |c: &[u8]| -> i128 {
+        match (width, signed) {
+            (1, true) => i8::from_ne_bytes([c[0]]).into(),
+            (1, false) => c[0].into(),
+            (2, true) => i16::from_ne_bytes([c[0], c[1]]).into(),
+            (2, false) => u16::from_ne_bytes([c[0], c[1]]).into(),
+            (4, true) => i32::from_ne_bytes(c.try_into().expect("4 bytes")).into(),
+            (4, false) => u32::from_ne_bytes(c.try_into().expect("4 bytes")).into(),
+            (8, true) => i64::from_ne_bytes(c.try_into().expect("8 bytes")).into(),
+            _ => u64::from_ne_bytes(c.try_into().expect("8 bytes")).into(),
+        }
+    };
+    if !matches!(width, 1 | 2 | 4 | 8) {
+        return Ok(None);
+    }
+    macro_rules! cast {
+        ($t:ty) => {{
+            let mut out = Vec::with_capacity(src.len() / width * std::mem::size_of::<$t>());
+            for (i, c) in src.chunks_exact(width).enumerate() {
+                let v = read(c);
+                let Ok(x) = <$t>::try_from(v) else {
+                    return Err(value_err(format!(
+                        "values do not fit {d}: {v} at index {i} cannot be represented exactly"
+                    )));
+                };
+                out.extend_from_slice(&x.to_ne_bytes());
+            }
+            out
+        }};
+    }
+    Ok(Some(match d {
+        DType::I8 => cast!(i8),
+        DType::I16 => cast!(i16),
+        DType::I32 => cast!(i32),
+        DType::I64 => cast!(i64),
+        DType::U8 => cast!(u8),
+        DType::U16 => cast!(u16),
+        DType::U32 => cast!(u32),
+        DType::U64 => cast!(u64),
+        _ => return Ok(None),
+    }))
 }
 
 /// One element of `d` from a Python scalar.

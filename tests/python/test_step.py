@@ -1032,3 +1032,37 @@ def test_zero_copy_steps_count_as_empty_only_when_nothing_was_written():
         pass
     s = st.stats()
     assert s["steps"] == 2 and s["empty_steps"] == 1, s
+
+
+@pytest.mark.parametrize("src_dtype", ["int8", "uint8", "int16", "uint16", "int64", "uint64", "uint32"])
+@pytest.mark.parametrize("dst_dtype", ["int32", "uint8", "int64", "uint16"])
+def test_integer_values_of_another_width_are_cast_exactly_or_refused(src_dtype, dst_dtype):
+    st = pinstage.StepStager(pinstage.StepLayout({"f": (dst_dtype, 8)}), depth=1)
+    src = np.dtype(src_dtype)
+    lo = max(np.iinfo(src).min, np.iinfo(dst_dtype).min)
+    hi = min(np.iinfo(src).max, np.iinfo(dst_dtype).max)
+    ok = np.array([lo, hi, 0, 1, hi // 3, 7], dtype=src)
+    st.stage({"f": ok})
+    assert st.read_field("f")[:6].tolist() == ok.tolist()
+    st.stage({"f": ok[::2]})  # not contiguous
+    assert st.read_field("f")[:3].tolist() == ok[::2].tolist()
+    before = st.read_field("f").tolist()
+    for bad in (int(np.iinfo(dst_dtype).max) + 1, int(np.iinfo(dst_dtype).min) - 1):
+        if np.iinfo(src).min <= bad <= np.iinfo(src).max:
+            with pytest.raises(pinstage.PinstageValueError, match="fit"):
+                st.stage({"f": np.array([1, bad], dtype=src)})
+            assert st.read_field("f").tolist() == before, "nothing written"
+
+
+def test_array_like_values_of_the_fields_dtype_go_in_unconverted():
+    class Tensorish:  # as a torch CPU tensor: numpy.asarray gives its own memory
+        def __init__(self, a):
+            self.a = a
+
+        def __array__(self, dtype=None, copy=None):
+            return self.a
+
+    st = pinstage.StepStager(pinstage.StepLayout({"w": ("float32", (4, 3))}), depth=1)
+    v = np.arange(6, dtype=np.float32).reshape(2, 3) + 0.5
+    st.stage({"w": Tensorish(v)})
+    assert st.read_field("w")[:2].tolist() == v.tolist()
