@@ -5,14 +5,15 @@ use numpy::npyffi::{self, NPY_ARRAY_WRITEABLE, PY_ARRAY_API};
 use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::PyTuple;
 
 use super::errors::{type_err, value_err};
-use crate::host::PoolBlock;
+use crate::host::{PinnedBuffer, PinnedFlags, PoolBlock};
 use crate::view::DType;
 
 /// What a [`PinnedBlock`] owns.
 pub(crate) enum Memory {
+    /// A dedicated pinned allocation.
+    Pinned(PinnedBuffer),
     /// A block from a pool; returns to the pool when dropped.
     Pool(PoolBlock),
     /// Plain host memory (fallbacks).
@@ -31,6 +32,7 @@ pub struct PinnedBlock {
 impl PinnedBlock {
     pub(crate) fn new(mut mem: Memory) -> Self {
         let (ptr, len) = match &mut mem {
+            Memory::Pinned(b) => (b.as_mut_ptr() as usize, b.len()),
             Memory::Pool(b) => (b.as_mut_ptr() as usize, b.len()),
             Memory::Vec(v) => (v.as_mut_ptr() as usize, v.len()),
         };
@@ -54,6 +56,7 @@ impl PinnedBlock {
     #[getter]
     pub(crate) fn pinned(&self) -> bool {
         match &self.mem {
+            Memory::Pinned(_) => true,
             Memory::Pool(b) => b.is_pinned(),
             Memory::Vec(_) => false,
         }
@@ -201,23 +204,24 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
 ///     nbytes (int): bytes to pin, at least ``prod(shape) * itemsize``.
 ///     dtype: a numpy, torch, jax or cupy dtype, or its name (``"int32"``).
 ///     shape (int | sequence of int): the array's shape.
-///     pool (PinnedPool, optional): take the block from this pool (default: the device's result
-///         pool, the one ``copy_d2h`` draws from, bounded by ``set_pool_budget``); it returns
-///         there when the last view of the array is gone, and serves the next request of its size
-///         class.
+///     pool (PinnedPool, optional): take the block from this pool; it returns there when the
+///         last view of the array is gone, and serves the next request of its size class.
+///         Without it the block comes from the device's result pool (the one ``copy_d2h`` draws
+///         from) and returns there, or, past that pool's budget (``set_pool_budget``), is a
+///         dedicated allocation freed with the array.
 ///     device (int | str | device, optional): the CUDA device whose context pins it (default 0).
 ///
 /// Returns:
-///     numpy.ndarray: C-contiguous; its ``base`` (a ``PinnedBlock``) returns the memory to the
-///     pool when the last view of it is gone.
+///     numpy.ndarray: C-contiguous; its ``base`` (a ``PinnedBlock``) returns the memory to its
+///     pool (or frees it) when the last view of it is gone.
 ///
 /// Raises:
 ///     PinstageValueError: ``nbytes`` negative or too small for ``shape``, a negative dimension,
 ///         a device that does not exist. PinstageTypeError: an unknown dtype, a shape that is not
 ///         ints, a pool that is not a PinnedPool. CudaUnavailableError: no driver.
 ///         CudaDriverError: the driver cannot pin the memory. PoolExhaustedError (a RuntimeError):
-///         the pool's budget (``max_outstanding_bytes``, or ``set_pool_budget`` for the result
-///         pool) would be passed even with its cached blocks freed; the message names it.
+///         ``pool``'s ``max_outstanding_bytes`` would be passed even with its cached blocks freed;
+///         the message names it.
 ///
 /// Example:
 ///     >>> a = pinstage.alloc_pinned_numpy(64, "float32", (4, 4))
@@ -247,29 +251,46 @@ fn alloc_pinned_numpy<'py>(
              of {dtype}"
         )));
     }
+    pinned_array(py, nbytes, dtype, &shape, pool, device, true)
+}
+
+/// `nbytes` of pinned memory as an array: from `pool` (refused past its budget), else with
+/// `recycle` from the device's result pool, else (or past that pool's budget) a dedicated
+/// allocation freed with the array.
+fn pinned_array<'py>(
+    py: Python<'py>,
+    nbytes: usize,
+    dtype: DType,
+    shape: &[i64],
+    pool: Option<&Bound<'py, super::pool::PyPinnedPool>>,
+    device: i32,
+    recycle: bool,
+) -> PyResult<Bound<'py, PyAny>> {
     let state = super::device_state(device)?;
-    // From the pool given, else from the device's result pool (the one `copy_d2h` draws from):
-    // either way the block returns to its pool when the array is collected.
-    let p = match pool {
-        Some(pool) => pool.get().pool().ok_or_else(|| {
+    if let Some(pool) = pool {
+        let p = pool.get().pool().ok_or_else(|| {
             PyErr::from(crate::Error::unavailable(
                 "the pool was made without a driver",
             ))
-        })?,
-        None => &state.pool,
-    };
-    match py.detach(|| p.try_acquire_pinned(nbytes))? {
-        Some(block) => array_on(py, Memory::Pool(block), dtype, &shape),
-        None => {
-            let s = p.stats();
-            Err(crate::Error::PoolExhausted {
-                budget: s.budget_bytes,
-                outstanding: s.in_use_bytes + s.cached_bytes,
-                requested: crate::size_class(nbytes),
+        })?;
+        return match py.detach(|| p.try_acquire_pinned(nbytes))? {
+            Some(block) => array_on(py, Memory::Pool(block), dtype, shape),
+            None => {
+                let s = p.stats();
+                Err(crate::Error::PoolExhausted {
+                    budget: s.budget_bytes,
+                    outstanding: s.in_use_bytes + s.cached_bytes,
+                    requested: crate::size_class(nbytes),
+                }
+                .into())
             }
-            .into())
-        }
+        };
     }
+    if recycle && let Some(block) = py.detach(|| state.pool.try_acquire_pinned(nbytes))? {
+        return array_on(py, Memory::Pool(block), dtype, shape);
+    }
+    let buf = py.detach(|| PinnedBuffer::alloc(&state.device, nbytes, PinnedFlags::PORTABLE))?;
+    array_on(py, Memory::Pinned(buf), dtype, shape)
 }
 
 /// ``numpy.empty(shape, dtype)`` on pinned memory (dtype defaults to float64).
@@ -297,14 +318,8 @@ fn empty_pinned<'py>(
     let nbytes = numel(&s)?
         .checked_mul(d.itemsize())
         .ok_or_else(|| value_err(format!("shape {s:?} overflows")))?;
-    alloc_pinned_numpy(
-        py,
-        &nbytes.into_pyobject(py)?.into_any(),
-        &dtype,
-        &PyTuple::new(py, &s)?.into_any(),
-        None,
-        device,
-    )
+    let device = super::args::parse_device(device)?;
+    pinned_array(py, nbytes, d, &s, None, device, false)
 }
 
 /// Whether a numpy array's data, or an address, lies in page-locked memory known to the driver
