@@ -320,3 +320,22 @@ def test_nvtx_range_is_a_decorator_and_takes_message():
 
     with pytest.raises(KeyError):
         g()
+
+
+@pytest.mark.gpu
+def test_alloc_pinned_numpy_past_the_result_pools_budget_is_a_dedicated_allocation(gpu):
+    budget = pinstage.pool_stats()["budget_bytes"]
+    pinstage.set_pool_budget(1 << 20)
+    try:
+        before = pinstage.pinned_bytes()
+        a = pinstage.alloc_pinned_numpy(4 << 20, "uint8", 4 << 20)  # past the 1 MiB budget
+        assert pinstage.is_pinned(a)
+        a[:] = 3
+        assert pinstage.pinned_bytes() >= before + (4 << 20)
+        del a
+        gc.collect()
+        assert pinstage.pinned_bytes() == before, "a dedicated block is freed with its array"
+        with pytest.raises(pinstage.PoolExhaustedError, match="budget"):
+            pinstage.alloc_pinned_numpy(4 << 20, "uint8", 4 << 20, pool=pinstage.PinnedPool(1 << 20))
+    finally:
+        pinstage.set_pool_budget(budget)
