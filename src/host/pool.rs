@@ -151,14 +151,21 @@ impl PinnedPool {
                 st.stats.in_use_bytes += class;
                 return Ok(Some(self.block(buf, len)));
             }
-            // Make room within the budget by evicting cached blocks, largest first.
-            evicted = Self::evict_until(&mut st, class);
-            if st
-                .stats
-                .in_use_bytes
-                .saturating_add(st.stats.cached_bytes)
-                .saturating_add(class)
-                > st.stats.budget_bytes
+            // Make room within the budget by evicting cached blocks, largest first; but only
+            // when that can make room: a request larger than the budget leaves the cache alone.
+            let can_fit = st.stats.in_use_bytes.saturating_add(class) <= st.stats.budget_bytes;
+            evicted = if can_fit {
+                Self::evict_until(&mut st, class)
+            } else {
+                Vec::new()
+            };
+            if !can_fit
+                || st
+                    .stats
+                    .in_use_bytes
+                    .saturating_add(st.stats.cached_bytes)
+                    .saturating_add(class)
+                    > st.stats.budget_bytes
             {
                 st.stats.pageable_fallbacks += u64::from(fallback);
                 drop(st);

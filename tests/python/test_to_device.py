@@ -216,11 +216,13 @@ def test_torch_result_is_ordered_on_the_current_stream(gpu):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("as_int", [False, True])
+@pytest.mark.parametrize("as_int", [False])
 def test_a_result_freed_before_its_fill_on_another_stream_is_not_reused_under_it(gpu, as_int):
     """stream=s fills the torch result on s, not on the stream torch allocated it on: the
     allocator must learn about s (record_stream), or a tensor freed at once would hand its block
-    to the next allocation while the fill still waits on s to write it."""
+    to the next allocation while the fill still waits on s to write it. (An int handle takes the
+    same path through torch.cuda.ExternalStream; in this suite its call found s drained by the
+    time it returned (run 2026-12-02 d), so only benches/probe_record_stream.py shows that case.)"""
     torch = pytest.importorskip("torch")
     n = 1 << 18
     src = pinstage.empty_pinned(n, "float32")  # pinned: one DMA, queued on s
@@ -228,15 +230,19 @@ def test_a_result_freed_before_its_fill_on_another_stream_is_not_reused_under_it
     s = torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(s):
-        torch.cuda._sleep(100_000_000)  # s busy for ~50 ms: the fill waits behind it
+        torch.cuda._sleep(1_000_000_000)  # s busy for ~0.5 s: the fill waits behind it
     x = pinstage.to_device(src, "torch", stream=s.cuda_stream if as_int else s)
+    queued = torch.cuda.Event()
+    queued.record(s)  # after the fill
     freed = x.data_ptr()
     del x
     y = torch.empty(n, dtype=torch.float32, device="cuda")
+    pending = not queued.query()
     y.fill_(-7.0)  # the current stream: runs at once
     reused = y.data_ptr() == freed
     s.synchronize()
     torch.cuda.synchronize()
+    assert pending, "the fill was no longer pending when y was allocated: nothing proven"
     assert not reused, "the freed result's block was handed out while its fill was pending"
     assert (y == -7.0).all()
 
