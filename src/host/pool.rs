@@ -204,6 +204,12 @@ impl PinnedPool {
         }
     }
 
+    /// Counts a request its caller served by pageable memory itself (the memory could not be
+    /// pinned).
+    pub fn count_fallback(&self) {
+        self.inner.state.lock().stats.pageable_fallbacks += 1;
+    }
+
     /// A snapshot of the counters.
     pub fn stats(&self) -> PoolStats {
         self.inner.state.lock().stats

@@ -88,7 +88,12 @@ fn start<'py>(
             let mem = match (pool.and_then(|p| p.get().pool()), state) {
                 (Some(p), _) => super::pool::pinned_or_pageable(py, p, nbytes)?,
                 (None, Some(state)) => super::pool::pinned_or_pageable(py, &state.pool, nbytes)?,
-                (None, None) => Memory::Vec(crate::host::zeroed_vec(nbytes, "host result")?),
+                (None, None) => {
+                    if let Some(p) = pool {
+                        p.get().count_driverless_fallback();
+                    }
+                    Memory::Vec(crate::host::zeroed_vec(nbytes, "host result")?)
+                }
             };
             let block = PinnedBlock::new(mem);
             let (ptr, pinned) = (block.ptr(), block.pinned());

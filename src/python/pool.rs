@@ -18,8 +18,8 @@ use crate::host::PinnedPool;
 /// first), then ``alloc_pinned_numpy`` raises ``PoolExhaustedError`` (a ``RuntimeError`` naming
 /// the budget) while ``empty_host`` and ``copy_d2h`` fall back to pageable memory. At most
 /// ``max_pooled_bytes`` stay cached (returned blocks past it are freed, largest first). Works
-/// without a driver (nothing is pinned then: ``empty_host`` gives pageable arrays, the counters
-/// stay 0).
+/// without a driver (nothing is pinned then: ``empty_host`` gives pageable arrays, counted as
+/// ``pageable_fallbacks``; the byte counts stay 0).
 ///
 /// Parameters:
 ///     max_outstanding_bytes (int, optional): the limit on pinned bytes alive (>= 0); None: no
@@ -43,11 +43,19 @@ pub(crate) struct PyPinnedPool {
     pool: Option<PinnedPool>,
     max: Option<usize>,
     max_pooled: Option<usize>,
+    /// Without a driver: the requests served by pageable memory (every one).
+    driverless_fallbacks: std::sync::atomic::AtomicU64,
 }
 
 impl PyPinnedPool {
     pub(crate) fn pool(&self) -> Option<&PinnedPool> {
         self.pool.as_ref()
+    }
+
+    /// Counts a request served by pageable memory because there is no driver.
+    pub(crate) fn count_driverless_fallback(&self) {
+        self.driverless_fallbacks
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -83,6 +91,7 @@ impl PyPinnedPool {
             pool,
             max,
             max_pooled,
+            driverless_fallbacks: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -131,7 +140,13 @@ impl PyPinnedPool {
         let d = PyDict::new(py);
         d.set_item("hits", s.hits)?;
         d.set_item("misses", s.misses)?;
-        d.set_item("pageable_fallbacks", s.pageable_fallbacks)?;
+        d.set_item(
+            "pageable_fallbacks",
+            s.pageable_fallbacks
+                + self
+                    .driverless_fallbacks
+                    .load(std::sync::atomic::Ordering::Relaxed),
+        )?;
         d.set_item("evictions", s.evictions)?;
         d.set_item("outstanding_bytes", s.in_use_bytes + s.cached_bytes)?;
         d.set_item("in_use_bytes", s.in_use_bytes)?;
@@ -179,6 +194,9 @@ pub(crate) fn host_block(
     if let Some(p) = pool.and_then(|p| p.get().pool()) {
         return pinned_or_pageable(py, p, nbytes);
     }
+    if let Some(p) = pool {
+        p.get().count_driverless_fallback();
+    }
     if pool.is_none() && crate::cuda_available() {
         let state = super::device_state(device)?;
         return pinned_or_pageable(py, &state.pool, nbytes);
@@ -196,9 +214,13 @@ pub(crate) fn pinned_or_pageable(
 ) -> PyResult<Memory> {
     match py.detach(|| pool.acquire(nbytes)) {
         Ok(b) => Ok(Memory::Pool(b)),
-        Err(Error::Driver(_) | Error::OutOfMemory { .. }) => Ok(Memory::Vec(
-            crate::host::zeroed_vec(nbytes, "pageable fallback")?,
-        )),
+        Err(Error::Driver(_) | Error::OutOfMemory { .. }) => {
+            pool.count_fallback();
+            Ok(Memory::Vec(crate::host::zeroed_vec(
+                nbytes,
+                "pageable fallback",
+            )?))
+        }
         Err(e) => Err(e.into()),
     }
 }

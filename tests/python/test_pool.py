@@ -339,3 +339,15 @@ def test_alloc_pinned_numpy_past_the_result_pools_budget_is_a_dedicated_allocati
             pinstage.alloc_pinned_numpy(4 << 20, "uint8", 4 << 20, pool=pinstage.PinnedPool(1 << 20))
     finally:
         pinstage.set_pool_budget(budget)
+
+
+def test_pageable_fallbacks_are_counted_without_a_driver_too():
+    if pinstage.cuda_available():
+        pytest.skip("a driver is present (test_past_the_budget_alloc_raises_and_the_others_fall_back)")
+    pool = pinstage.PinnedPool(max_outstanding_bytes=1 << 20)
+    pinstage.empty_host(16, "uint8", pool)
+    out = pinstage.copy_d2h(np.arange(5), pool=pool)
+    assert out.tolist() == list(range(5))
+    s = pool.stats()
+    assert s["pageable_fallbacks"] == 2, s
+    assert pool.outstanding_bytes == 0 and pool.pooled_bytes == 0
