@@ -150,6 +150,18 @@ impl Device {
         Ok(driver::mem::is_pinned_host(ptr.cast()))
     }
 
+    /// Whether a live stream (a handle other than 0, 1, 2, checked live) belongs to this
+    /// device's primary context.
+    #[cfg(feature = "python")]
+    pub(crate) fn owns_stream(&self, stream: StreamHandle<'_>) -> Result<bool> {
+        if stream.as_raw() <= 2 {
+            return Ok(true);
+        }
+        // SAFETY: a live stream handle (the caller checked it).
+        let ctx = unsafe { driver::stream::stream_get_ctx(stream.raw()) }?;
+        Ok(ctx == self.inner.ctx)
+    }
+
     /// Whether `ptr..ptr+len` is pinned host memory (its first and last bytes).
     #[cfg(feature = "python")]
     pub(crate) fn is_pinned_range(&self, ptr: *const u8, len: usize) -> Result<bool> {

@@ -174,3 +174,17 @@ pub(crate) unsafe fn stream_write_value32(
         )
     })
 }
+
+/// [cuStreamGetCtx](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html): the
+/// context a stream belongs to.
+///
+/// # Safety
+/// 1. `stream` is a live stream (a handle checked live), not a default-stream handle.
+pub(crate) unsafe fn stream_get_ctx(stream: CUstream) -> DResult<super::CUcontext> {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: caller's contract; `ctx` outlives the call.
+    check("cuStreamGetCtx", unsafe {
+        sys::cuStreamGetCtx(stream, &mut ctx)
+    })?;
+    Ok(ctx)
+}

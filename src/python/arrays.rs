@@ -206,9 +206,9 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
 ///     shape (int | sequence of int): the array's shape.
 ///     pool (PinnedPool, optional): take the block from this pool; it returns there when the
 ///         last view of the array is gone, and serves the next request of its size class.
-///         Without it the block comes from the device's result pool (the one ``copy_d2h`` draws
-///         from) and returns there, or, past that pool's budget (``set_pool_budget``), is a
-///         dedicated allocation freed with the array.
+///         Without it the block comes from the device's array pool (apart from ``copy_d2h``'s
+///         results; 4 GiB of pinned memory at most, cached blocks freed first) and returns
+///         there, or, past that pool's budget, is a dedicated allocation freed with the array.
 ///     device (int | str | device, optional): the CUDA device whose context pins it (default 0).
 ///
 /// Returns:
@@ -286,7 +286,7 @@ fn pinned_array<'py>(
             }
         };
     }
-    if recycle && let Some(block) = py.detach(|| state.pool.try_acquire_pinned(nbytes))? {
+    if recycle && let Some(block) = py.detach(|| state.arrays.try_acquire_pinned(nbytes))? {
         return array_on(py, Memory::Pool(block), dtype, shape);
     }
     let buf = py.detach(|| PinnedBuffer::alloc(&state.device, nbytes, PinnedFlags::PORTABLE))?;

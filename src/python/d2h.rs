@@ -398,7 +398,8 @@ fn pool_stats<'py>(
     Ok(d)
 }
 
-/// Frees the pool's cached blocks (blocks in use stay), the bounce buffers, and the device
+/// Frees the pools' cached blocks (results' and ``alloc_pinned_numpy``'s; blocks in use stay),
+/// the bounce buffers, and the device
 /// memory ``to_device`` keeps for reuse, on every device. Works without a driver. Never raises.
 #[pyfunction]
 fn empty_cache(py: Python<'_>) {
@@ -407,6 +408,7 @@ fn empty_cache(py: Python<'_>) {
         if let Some(table) = super::DEVICES.get() {
             for s in table.iter().filter_map(|s| s.get()) {
                 s.pool.empty_cache();
+                s.arrays.empty_cache();
             }
         }
         crate::release_bounce_buffers();

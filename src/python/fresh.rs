@@ -205,7 +205,16 @@ fn to_device<'py>(
     match fw {
         Framework::Torch | Framework::Cupy => {
             let on = match (stream.filter(|o| !o.is_none()), s) {
-                (Some(obj), Some(h)) if h.as_raw() > 2 => Some((obj, h.as_raw())),
+                (Some(obj), Some(h)) => {
+                    // Another device's stream is refused before the framework wraps it (an
+                    // event its allocator recorded there later would fail in a destructor).
+                    if !dev.owns_stream(h)? {
+                        return Err(value_err(format!(
+                            "stream= belongs to another device than the result's (cuda:{ordinal})"
+                        )));
+                    }
+                    Some((obj, h.as_raw()))
+                }
                 _ => None,
             };
             let dst = empty_like_framework(py, fw, dtype, &shape, ordinal, on)?;
@@ -294,6 +303,15 @@ fn empty_like_framework<'py>(
             if let Some((obj, handle)) = on {
                 let s = if is_from(obj, "torch") {
                     obj.clone()
+                } else if handle <= 1 {
+                    // The legacy default stream: torch's default stream of the device.
+                    torch
+                        .getattr("cuda")?
+                        .call_method1("default_stream", (&device,))?
+                } else if handle == 2 {
+                    // The per-thread default stream has no torch object: the fill's completion
+                    // is waited for by the caller's own ordering (documented).
+                    return Ok(t);
                 } else {
                     let kw = PyDict::new(py);
                     kw.set_item("device", &device)?;
@@ -313,29 +331,38 @@ fn empty_like_framework<'py>(
                 ));
             }
             let cupy = py.import("cupy")?;
-            let dev = cupy.getattr("cuda")?.call_method1("Device", (ordinal,))?;
-            dev.call_method0("__enter__")?;
-            // cupy's pool keeps memory per stream: allocate under the fill's stream.
+            // cupy's pool keeps memory per stream: allocate under the fill's stream (a stream
+            // object, or an int handle other than the default streams').
             let cs = match on {
                 Some((obj, _)) if is_from(obj, "cupy") => Some(obj.clone()),
-                Some((_, handle)) => Some(
+                Some((_, handle)) if handle > 2 => Some(
                     cupy.getattr("cuda")?
                         .getattr("ExternalStream")?
                         .call1((handle, ordinal))?,
                 ),
-                None => None,
+                _ => None,
             };
-            if let Some(cs) = &cs {
-                cs.call_method0("__enter__")?;
-            }
-            let kw = PyDict::new(py);
-            kw.set_item("dtype", dtype.name())?;
-            let out = cupy.call_method("empty", (shape,), Some(&kw));
-            if let Some(cs) = &cs {
-                cs.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
-            }
-            dev.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
-            out
+            let dev = cupy.getattr("cuda")?.call_method1("Device", (ordinal,))?;
+            dev.call_method0("__enter__")?;
+            // Whatever happens inside, the device and the stream are left as they were found.
+            let inner = || -> PyResult<Bound<'py, PyAny>> {
+                if let Some(cs) = &cs {
+                    cs.call_method0("__enter__")?;
+                }
+                let kw = PyDict::new(py);
+                kw.set_item("dtype", dtype.name())?;
+                let out = cupy.call_method("empty", (shape,), Some(&kw));
+                if let Some(cs) = &cs {
+                    let exited = cs.call_method1("__exit__", (py.None(), py.None(), py.None()));
+                    exited?;
+                }
+                out
+            };
+            let out = inner();
+            let exited = dev.call_method1("__exit__", (py.None(), py.None(), py.None()));
+            let out = out?;
+            exited?;
+            Ok(out)
         }
     }
 }

@@ -33,7 +33,11 @@ use crate::{Device, PinnedPool};
 /// Per-device state shared by the module: the retained device and its result pool.
 struct DeviceState {
     device: Device,
+    /// `copy_d2h`'s and `empty_host`'s results (`set_pool_budget`).
     pool: PinnedPool,
+    /// `alloc_pinned_numpy`'s arrays without `pool=`: recycled apart from the results, so
+    /// long-lived arrays never take the results' budget.
+    arrays: PinnedPool,
 }
 
 static DEVICES: OnceLock<Vec<OnceLock<DeviceState>>> = OnceLock::new();
@@ -62,7 +66,12 @@ fn device_state(ordinal: i32) -> Result<&'static DeviceState> {
         &device,
         POOL_BUDGET.load(std::sync::atomic::Ordering::Relaxed),
     );
-    Ok(slot.get_or_init(|| DeviceState { device, pool }))
+    let arrays = PinnedPool::new(&device, crate::DEFAULT_BUDGET);
+    Ok(slot.get_or_init(|| DeviceState {
+        device,
+        pool,
+        arrays,
+    }))
 }
 
 /// Waits for all work queued on every device pinstage has used in this process (each one's

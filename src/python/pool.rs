@@ -357,9 +357,10 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// An array page-locked in place by ``pin``: ``unpin()`` (or leaving its ``with`` block, or
-/// collecting the region) unregisters it, once the work queued on the GPUs pinstage uses has
-/// completed (so no copy still reads or writes its pages). It keeps the array alive while
+/// An array page-locked in place by ``pin``: ``unpin()`` (or leaving its ``with`` block)
+/// unregisters it once the work queued on the GPUs pinstage uses has completed (so no copy still
+/// reads or writes its pages; do not unpin inside a CUDA graph capture). Collecting a region
+/// still pinned unregisters it at once, without that wait. It keeps the array alive while
 /// pinned.
 ///
 /// Example:
@@ -427,14 +428,11 @@ impl PinnedRegion {
 
 impl Drop for PinnedRegion {
     fn drop(&mut self) {
-        // Collected while pinned: unregister as `unpin` does, after the GPUs' queued work.
+        // Collected while pinned: unregistered at once, without waiting for the GPUs (a
+        // collection may run anywhere: inside a graph capture, where a synchronize would break
+        // it, or in a host callback of the stream it would wait for). `unpin()` waits.
         if let Some(reg) = self.reg.get_mut().take() {
-            Python::attach(|py| {
-                py.detach(move || {
-                    super::synchronize_used_devices();
-                    drop(reg);
-                })
-            });
+            Python::attach(|py| py.detach(move || drop(reg)));
         }
     }
 }

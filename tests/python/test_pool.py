@@ -271,12 +271,14 @@ def test_the_reference_modules_pool_scenario(gpu):
 
 
 @pytest.mark.gpu
-def test_alloc_pinned_numpy_without_a_pool_recycles_through_the_result_pool(gpu):
+def test_alloc_pinned_numpy_without_a_pool_recycles_its_blocks(gpu):
     a = pinstage.alloc_pinned_numpy(1 << 16, "uint8", 1 << 16)
     addr = a.ctypes.data
     del a
     gc.collect()
+    before = pinstage.pinned_bytes()
     b = pinstage.alloc_pinned_numpy(1 << 16, "int32", 1 << 14)
+    assert pinstage.pinned_bytes() == before, "nothing new was pinned: the block was reused"
     assert b.ctypes.data == addr, "the collected array's block serves the next request"
     assert pinstage.is_pinned(b)
 
@@ -323,18 +325,18 @@ def test_nvtx_range_is_a_decorator_and_takes_message():
 
 
 @pytest.mark.gpu
-def test_alloc_pinned_numpy_past_the_result_pools_budget_is_a_dedicated_allocation(gpu):
+def test_alloc_pinned_numpy_arrays_never_take_the_results_budget(gpu):
+    torch = pytest.importorskip("torch")
     budget = pinstage.pool_stats()["budget_bytes"]
     pinstage.set_pool_budget(1 << 20)
     try:
-        before = pinstage.pinned_bytes()
-        a = pinstage.alloc_pinned_numpy(4 << 20, "uint8", 4 << 20)  # past the 1 MiB budget
-        assert pinstage.is_pinned(a)
-        a[:] = 3
-        assert pinstage.pinned_bytes() >= before + (4 << 20)
-        del a
-        gc.collect()
-        assert pinstage.pinned_bytes() == before, "a dedicated block is freed with its array"
+        keep = [pinstage.alloc_pinned_numpy(1 << 20, "uint8", 1 << 20) for _ in range(4)]
+        assert all(pinstage.is_pinned(k) for k in keep)
+        assert pinstage.pool_stats()["in_use_bytes"] == 0, "the arrays are not the results' pool's"
+        src = torch.arange(1000, dtype=torch.int32, device="cuda")
+        out = pinstage.copy_d2h(src)
+        assert pinstage.is_pinned(out) and out.tolist() == list(range(1000))
+        del keep
         with pytest.raises(pinstage.PoolExhaustedError, match="budget"):
             pinstage.alloc_pinned_numpy(4 << 20, "uint8", 4 << 20, pool=pinstage.PinnedPool(1 << 20))
     finally:

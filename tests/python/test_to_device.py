@@ -216,7 +216,7 @@ def test_torch_result_is_ordered_on_the_current_stream(gpu):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("as_int", [False])
+@pytest.mark.parametrize("as_int", [False, "default"])
 def test_a_result_freed_before_its_fill_on_another_stream_is_not_reused_under_it(gpu, as_int):
     """stream=s fills the torch result on s, not on the stream torch allocated it on: the
     allocator must learn about s (record_stream), or a tensor freed at once would hand its block
@@ -228,17 +228,22 @@ def test_a_result_freed_before_its_fill_on_another_stream_is_not_reused_under_it
     src = pinstage.empty_pinned(n, "float32")  # pinned: one DMA, queued on s
     src[:] = np.arange(n, dtype=np.float32)
     s = torch.cuda.Stream()
+    current = torch.cuda.current_stream()
+    if as_int == "default":
+        # Filled on the default stream while torch's current stream is another one.
+        current, s = s, torch.cuda.default_stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(s):
         torch.cuda._sleep(1_000_000_000)  # s busy for ~0.5 s: the fill waits behind it
-    x = pinstage.to_device(src, "torch", stream=s.cuda_stream if as_int else s)
-    queued = torch.cuda.Event()
-    queued.record(s)  # after the fill
-    freed = x.data_ptr()
-    del x
-    y = torch.empty(n, dtype=torch.float32, device="cuda")
-    pending = not queued.query()
-    y.fill_(-7.0)  # the current stream: runs at once
+    with torch.cuda.stream(current):
+        x = pinstage.to_device(src, "torch", stream=s)
+        queued = torch.cuda.Event()
+        queued.record(s)  # after the fill
+        freed = x.data_ptr()
+        del x
+        y = torch.empty(n, dtype=torch.float32, device="cuda")
+        pending = not queued.query()
+        y.fill_(-7.0)  # the current stream: runs at once
     reused = y.data_ptr() == freed
     s.synchronize()
     torch.cuda.synchronize()

@@ -668,6 +668,20 @@ impl PyStepStager {
         // by a step open on this thread, so such a step is refused instead of waiting forever.
         let tid = std::thread::current().id();
         let counted = std::cell::Cell::new(false);
+        // Uncounted on every way out, a panic's included.
+        struct Uncount<'a>(
+            &'a PyStepStager,
+            std::thread::ThreadId,
+            &'a std::cell::Cell<bool>,
+        );
+        impl Drop for Uncount<'_> {
+            fn drop(&mut self) {
+                if self.2.replace(false) {
+                    self.0.count_open(self.1, false);
+                }
+            }
+        }
+        let uncount = Uncount(me, tid, &counted);
         let filled = for_each_item(fields, |k, v| {
             let name = k
                 .cast::<PyString>()
@@ -690,9 +704,7 @@ impl PyStepStager {
             }
             put_id(st, &mut raw, id, &v, pad.as_ref(), r.as_ref())
         });
-        if counted.get() {
-            me.count_open(tid, false);
-        }
+        drop(uncount);
         if let Err(e) = filled {
             st.abort_raw(raw);
             return Err(e);
