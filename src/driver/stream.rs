@@ -180,6 +180,7 @@ pub(crate) unsafe fn stream_write_value32(
 ///
 /// # Safety
 /// 1. `stream` is a live stream (a handle checked live), not a default-stream handle.
+#[cfg(feature = "python")]
 pub(crate) unsafe fn stream_get_ctx(stream: CUstream) -> DResult<super::CUcontext> {
     let mut ctx = std::ptr::null_mut();
     // SAFETY: caller's contract; `ctx` outlives the call.
