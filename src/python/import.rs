@@ -457,6 +457,17 @@ fn explain(obj: &Bound<'_, PyAny>, e: PyErr) -> PyErr {
         err.set_cause(py, Some(e));
         return err;
     }
+    if e.is_instance_of::<pyo3::exceptions::PyValueError>(py)
+        && e.to_string().contains("DLPack device changed during import")
+    {
+        // The producer's __dlpack_device__ and its capsule disagree.
+        let err = value_err(format!(
+            "{} exported its data on another device than its __dlpack_device__() says ({e})",
+            describe(obj)
+        ));
+        err.set_cause(py, Some(e));
+        return err;
+    }
     if e.is_instance_of::<PyBufferError>(py) || e.is_instance_of::<PyTypeError>(py) {
         let what = describe(obj);
         let err = type_err(format!(

@@ -362,3 +362,20 @@ def test_counts_take_numpy_integers_but_not_bools_or_floats():
             pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16)}), depth=bad)
     a = pinstage.empty_host(np.int64(3), "int8")
     assert a.shape == (3,)
+
+
+def test_a_producer_whose_device_and_capsule_disagree_is_a_typed_error():
+    class Liar:  # says CUDA device 0, exports a CPU capsule
+        def __init__(self):
+            self.a = np.zeros(3)
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+        def __dlpack__(self, **kwargs):
+            return self.a.__dlpack__()
+
+    dst = np.full(3, 7.0)
+    with pytest.raises((pinstage.PinstageValueError, pinstage.CudaUnavailableError)):
+        pinstage.copy_h2d(dst, Liar())
+    assert dst.tolist() == [7.0, 7.0, 7.0]
