@@ -458,7 +458,8 @@ fn explain(obj: &Bound<'_, PyAny>, e: PyErr) -> PyErr {
         return err;
     }
     if e.is_instance_of::<pyo3::exceptions::PyValueError>(py)
-        && e.to_string().contains("DLPack device changed during import")
+        && e.to_string()
+            .contains("DLPack device changed during import")
     {
         // The producer's __dlpack_device__ and its capsule disagree.
         let err = value_err(format!(
