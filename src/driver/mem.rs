@@ -296,8 +296,12 @@ pub(crate) fn is_pinned_host(ptr: *const c_void) -> bool {
 
 /// Whether all of `ptr..ptr+len` is page-locked host memory known to the driver, as far as its
 /// first and last bytes tell: a copy that treats the range as pinned must not run over into
-/// pageable memory past a pinned start (an array partly pinned by `pin` of a slice).
+/// pageable memory past a pinned start (an array partly pinned by `pin` of a slice). Memory is
+/// locked in whole pages, so a range within the first byte's page needs one query (a small
+/// `copy_d2h` round trip asks once, as before).
 pub(crate) fn is_pinned_range(ptr: *const c_void, len: usize) -> bool {
-    is_pinned_host(ptr)
-        && (len <= 1 || is_pinned_host(ptr.cast::<u8>().wrapping_add(len - 1).cast()))
+    use crate::host::mapped::PAGE;
+    let first = ptr as usize;
+    let last = first.wrapping_add(len.saturating_sub(1));
+    is_pinned_host(ptr) && (first / PAGE == last / PAGE || is_pinned_host(last as *const c_void))
 }

@@ -255,7 +255,7 @@ fn alloc_pinned_numpy<'py>(
 }
 
 /// `nbytes` of pinned memory as an array: from `pool` (refused past its budget), else with
-/// `recycle` from the device's result pool, else (or past that pool's budget) a dedicated
+/// `recycle` from the device's array pool, else (or past that pool's budget) a dedicated
 /// allocation freed with the array.
 fn pinned_array<'py>(
     py: Python<'py>,

@@ -8,7 +8,7 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::arrays::{Memory, PinnedBlock, array_over, descr, writable_numpy};
+use super::arrays::{PinnedBlock, array_over, descr, writable_numpy};
 use super::errors::value_err;
 use super::import::{Imported, import, parse_stream};
 use super::wait::wait_interruptibly;
@@ -85,16 +85,8 @@ fn start<'py>(
             (array, ptr as *mut u8, len, pinned)
         }
         None => {
-            let mem = match (pool.and_then(|p| p.get().pool()), state) {
-                (Some(p), _) => super::pool::pinned_or_pageable(py, p, nbytes)?,
-                (None, Some(state)) => super::pool::pinned_or_pageable(py, &state.pool, nbytes)?,
-                (None, None) => {
-                    if let Some(p) = pool {
-                        p.get().count_driverless_fallback();
-                    }
-                    Memory::Vec(crate::host::zeroed_vec(nbytes, "host result")?)
-                }
-            };
+            let device = state.map_or(0, |s| s.device.ordinal());
+            let mem = super::pool::host_block(py, pool, nbytes, device)?;
             let block = PinnedBlock::new(mem);
             let (ptr, pinned) = (block.ptr(), block.pinned());
             let owner = Bound::new(py, block)?.into_any();

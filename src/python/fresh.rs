@@ -355,8 +355,7 @@ fn empty_like_framework<'py>(
                 kw.set_item("dtype", dtype.name())?;
                 let out = cupy.call_method("empty", (shape,), Some(&kw));
                 if let Some(cs) = &cs {
-                    let exited = cs.call_method1("__exit__", (py.None(), py.None(), py.None()));
-                    exited?;
+                    cs.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
                 }
                 out
             };

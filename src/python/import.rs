@@ -446,39 +446,31 @@ fn import_standard(
 /// pinstage error that says what was being imported.
 fn explain(obj: &Bound<'_, PyAny>, e: PyErr) -> PyErr {
     let py = obj.py();
-    if e.is_instance_of::<pyo3::exceptions::PyValueError>(py)
-        && e.to_string()
-            .contains("neither dltensor nor dltensor_versioned")
-    {
-        let err = type_err(format!(
+    let said = |what: &str| {
+        e.is_instance_of::<pyo3::exceptions::PyValueError>(py) && e.to_string().contains(what)
+    };
+    let err = if said("neither dltensor nor dltensor_versioned") {
+        type_err(format!(
             "__dlpack__() of {} did not return a DLPack capsule",
             describe(obj)
-        ));
-        err.set_cause(py, Some(e));
-        return err;
-    }
-    if e.is_instance_of::<pyo3::exceptions::PyValueError>(py)
-        && e.to_string()
-            .contains("DLPack device changed during import")
-    {
+        ))
+    } else if said("DLPack device changed during import") {
         // The producer's __dlpack_device__ and its capsule disagree.
-        let err = value_err(format!(
+        value_err(format!(
             "{} exported its data on another device than its __dlpack_device__() says ({e})",
             describe(obj)
-        ));
-        err.set_cause(py, Some(e));
-        return err;
-    }
-    if e.is_instance_of::<PyBufferError>(py) || e.is_instance_of::<PyTypeError>(py) {
-        let what = describe(obj);
-        let err = type_err(format!(
-            "{what} cannot be shared through DLPack ({e}); pass a C-contiguous array of a \
-             native-endian numeric dtype"
-        ));
-        err.set_cause(py, Some(e));
-        return err;
-    }
-    e
+        ))
+    } else if e.is_instance_of::<PyBufferError>(py) || e.is_instance_of::<PyTypeError>(py) {
+        type_err(format!(
+            "{} cannot be shared through DLPack ({e}); pass a C-contiguous array of a \
+             native-endian numeric dtype",
+            describe(obj)
+        ))
+    } else {
+        return e;
+    };
+    err.set_cause(py, Some(e));
+    err
 }
 
 /// "a numpy array of dtype >i4", "a torch Tensor", ...: for messages.

@@ -30,7 +30,7 @@ use pyo3::prelude::*;
 use crate::error::{Error, Result};
 use crate::{Device, PinnedPool};
 
-/// Per-device state shared by the module: the retained device and its result pool.
+/// Per-device state shared by the module: the retained device and its pinned pools.
 struct DeviceState {
     device: Device,
     /// `copy_d2h`'s and `empty_host`'s results (`set_pool_budget`).

@@ -207,11 +207,7 @@ pub(crate) fn host_block(
 /// A block of `nbytes` from `pool`: pinned, or pageable past its budget or when the memory
 /// cannot be pinned (the driver refusing, the host short of memory it can lock), so
 /// `empty_host` and `copy_d2h` never fail for lack of pinned memory.
-pub(crate) fn pinned_or_pageable(
-    py: Python<'_>,
-    pool: &PinnedPool,
-    nbytes: usize,
-) -> PyResult<Memory> {
+fn pinned_or_pageable(py: Python<'_>, pool: &PinnedPool, nbytes: usize) -> PyResult<Memory> {
     match py.detach(|| pool.acquire(nbytes)) {
         Ok(b) => Ok(Memory::Pool(b)),
         Err(Error::Driver(_) | Error::OutOfMemory { .. }) => {

@@ -193,20 +193,8 @@ pub(crate) fn to_values<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<V
     let py = values.py();
     if let Ok(arr) = values.cast::<PyUntypedArray>() {
         let want = super::arrays::descr(py, d)?;
-        let have = arr.dtype();
-        // The builtin dtypes are singletons: a pointer compare settles the common case.
-        if (have.as_ptr() == want.as_ptr() || have.is_equiv_to(&want)) && arr.is_c_contiguous() {
-            // SAFETY: reading the data pointer of a live, C-contiguous numpy array.
-            let ptr = unsafe { (*arr.as_array_ptr()).fields.data as *const u8 };
-            let len = arr.len() * d.itemsize();
-            return Ok(Values {
-                data: Data::Borrowed {
-                    ptr,
-                    len,
-                    _keep: values.clone(),
-                },
-                shape: Dims::new(arr.shape()),
-            });
+        if let Some(v) = borrowed_exact(arr, &want, d) {
+            return Ok(v);
         }
     } else if let Ok(list) = values.cast::<PyList>() {
         let items: Vec<_> = list.iter().collect();
@@ -229,7 +217,31 @@ pub(crate) fn to_values<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<V
             type_name(values)
         )));
     }
-    convert_with_numpy(values, d).map(|(v, shape)| Values::owned(v, &shape))
+    convert_with_numpy(values, d)
+}
+
+/// A C-contiguous array of exactly the wanted dtype, borrowed as it is (no copy); `None` for
+/// any other array.
+fn borrowed_exact<'py>(
+    arr: &Bound<'py, PyUntypedArray>,
+    want: &Bound<'py, numpy::PyArrayDescr>,
+    d: DType,
+) -> Option<Values<'py>> {
+    let have = arr.dtype();
+    // The builtin dtypes are singletons: a pointer compare settles the common case.
+    if !((have.as_ptr() == want.as_ptr() || have.is_equiv_to(want)) && arr.is_c_contiguous()) {
+        return None;
+    }
+    // SAFETY: reading the data pointer of a live, C-contiguous numpy array.
+    let ptr = unsafe { (*arr.as_array_ptr()).fields.data as *const u8 };
+    Some(Values {
+        data: Data::Borrowed {
+            ptr,
+            len: arr.len() * d.itemsize(),
+            _keep: arr.clone().into_any(),
+        },
+        shape: Dims::new(arr.shape()),
+    })
 }
 
 /// Whether numpy can take `values` as an array of numbers: an array, a buffer, or an object with
@@ -251,7 +263,7 @@ fn is_array_like(values: &Bound<'_, PyAny>) -> PyResult<bool> {
         || values.is_instance_of::<pyo3::types::PyRange>())
 }
 
-fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<(Vec<u8>, Vec<usize>)> {
+fn convert_with_numpy<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<Values<'py>> {
     let py = values.py();
     let np = py.import("numpy")?;
     let want = super::arrays::descr(py, d)?;
@@ -305,21 +317,19 @@ fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<(Vec<u8>,
                 .cast_into::<PyUntypedArray>()
                 .map_err(|_| type_err("values: not an array"))?
         };
-        let shape = arr.shape().to_vec();
-        let n = arr.len();
-        // SAFETY: a live C-contiguous array of `n` elements of its dtype, kept alive by `arr`
-        // for this scope (the GIL is held: nothing frees it).
+        if let Some(v) = borrowed_exact(&arr, &want, d) {
+            return Ok(v);
+        }
+        // SAFETY: a live C-contiguous array of its dtype, kept alive by `arr` for this scope
+        // (the GIL is held: nothing frees it).
         let src = unsafe {
             std::slice::from_raw_parts(
                 (*arr.as_array_ptr()).fields.data as *const u8,
-                n * arr.dtype().itemsize(),
+                arr.len() * arr.dtype().itemsize(),
             )
         };
-        if exact {
-            return Ok((src.to_vec(), shape));
-        }
         if let Some(out) = cast_ints(src, arr.dtype().itemsize(), kind == b'i', d)? {
-            return Ok((out, shape));
+            return Ok(Values::owned(out, arr.shape()));
         }
     }
     // Values that do not fit are refused below with a typed error; numpy's own warning about the
@@ -370,10 +380,12 @@ fn convert_with_numpy(values: &Bound<'_, PyAny>, d: DType) -> PyResult<(Vec<u8>,
             )));
         }
     }
-    let shape = arr.shape().to_vec();
-    let conv = np.call_method1("ascontiguousarray", (conv,))?;
-    let bytes = conv.call_method0("tobytes")?;
-    Ok((bytes.cast::<PyBytes>()?.as_bytes().to_vec(), shape))
+    let conv = np
+        .call_method1("ascontiguousarray", (conv,))?
+        .cast_into::<PyUntypedArray>()
+        .map_err(|_| type_err("values: not an array"))?;
+    // The converted copy is ours: borrowed as it is (it has the wanted dtype).
+    borrowed_exact(&conv, &want, d).ok_or_else(|| type_err(format!("values: not {d} after astype")))
 }
 
 /// Integers of `width` bytes (signed or not, native byte order) as integers of `d`, refusing a

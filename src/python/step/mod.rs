@@ -484,8 +484,7 @@ impl PyStepStager {
                 raw: Some(raw),
                 views: Vec::new(),
                 block: None,
-                committed: false,
-                failed: false,
+                ended: open::Ended::Aborted,
             }),
         })
     }

@@ -87,20 +87,27 @@ pub(super) struct StepState {
     /// numpy views handed out: read-only once the step ends.
     pub(super) views: Vec<Py<PyAny>>,
     pub(super) block: Option<Py<StepTensor>>,
-    pub(super) committed: bool,
+    /// How the step ended (meaningful once `raw` is gone).
+    pub(super) ended: Ended,
+}
+
+/// How a step ended.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Ended {
+    /// Aborted, dropped, or still open.
+    Aborted,
+    Committed,
     /// The commit was tried and failed (the slot was released all the same).
-    pub(super) failed: bool,
+    Failed,
 }
 
 impl StepState {
     /// Why an ended step refuses a call.
     fn ended_why(&self) -> &'static str {
-        if self.committed {
-            "this step was already committed"
-        } else if self.failed {
-            "this step's commit failed (its slot was released); open a new step"
-        } else {
-            "this step was aborted"
+        match self.ended {
+            Ended::Committed => "this step was already committed",
+            Ended::Failed => "this step's commit failed (its slot was released); open a new step",
+            Ended::Aborted => "this step was aborted",
         }
     }
 }
@@ -209,11 +216,11 @@ impl PyStep {
         let committed = match commit_detached(py, st, raw, self.stream) {
             Ok(c) => c,
             Err(e) => {
-                g.failed = true;
+                g.ended = Ended::Failed;
                 return Err(e);
             }
         };
-        g.committed = true;
+        g.ended = Ended::Committed;
         let block = match committed.block {
             Some(b) => {
                 let t = Py::new(py, StepTensor::of_block(b))?;
@@ -404,7 +411,7 @@ impl PyStep {
     /// Whether the step was committed.
     #[getter]
     fn committed(&self) -> PyResult<bool> {
-        Ok(self.state()?.committed)
+        Ok(self.state()?.ended == Ended::Committed)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -436,11 +443,11 @@ impl PyStep {
         let Some(g) = self.state.try_lock() else {
             return "Step(in use)".to_string();
         };
-        let state = match (&g.raw, g.committed, g.failed) {
-            (Some(_), _, _) => "open",
-            (None, true, _) => "committed",
-            (None, false, true) => "failed",
-            (None, false, false) => "aborted",
+        let state = match (&g.raw, g.ended) {
+            (Some(_), _) => "open",
+            (None, Ended::Committed) => "committed",
+            (None, Ended::Failed) => "failed",
+            (None, Ended::Aborted) => "aborted",
         };
         format!("Step({state})")
     }
