@@ -207,7 +207,12 @@ fn available_bytes() -> Option<usize> {
 impl Drop for MappedPages {
     fn drop(&mut self) {
         // SAFETY: our mapping, unmapped once; its registration (if any) was dropped first.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        let _rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        #[cfg(test)]
+        tests::UNMAPPED.with(|u| {
+            u.borrow_mut()
+                .push((self.ptr.as_ptr() as usize, self.len, _rc))
+        });
     }
 }
 
@@ -231,8 +236,15 @@ mod tests {
         }
     }
 
-    /// The tests that map memory run one at a time: an address range just unmapped must not be
-    /// mapped again by another test before it is looked at.
+    thread_local! {
+        /// The ranges this thread's drops unmapped, with `munmap`'s return code. Read instead of
+        /// the address space: another test's mapping may take a freed range at once.
+        pub(super) static UNMAPPED: std::cell::RefCell<Vec<(usize, usize, libc::c_int)>> =
+            const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// The tests that map memory run one at a time (their resident-page counts are read while
+    /// nothing else maps or unmaps within this module's tests).
     static MAPS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     /// How many of the mapping's pages are resident (`mincore`); `None` when the range is not
@@ -261,9 +273,14 @@ mod tests {
                 Some(pages),
                 "every page touched"
             );
-            let (ptr, l) = (m.as_ptr(), m.len());
+            let (ptr, l) = (m.as_ptr() as usize, m.len());
+            UNMAPPED.with(|u| u.borrow_mut().clear());
             drop(m);
-            assert_eq!(resident(ptr, l), None, "the mapping is gone");
+            assert_eq!(
+                UNMAPPED.with(|u| u.borrow().clone()),
+                vec![(ptr, l, 0)],
+                "the drop unmapped exactly the mapping"
+            );
         }
         let u = MappedPages::new_untouched(3 << 20).unwrap();
         assert_eq!(

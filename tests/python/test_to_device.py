@@ -2,6 +2,7 @@
 refusal (everywhere)."""
 
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -216,13 +217,19 @@ def test_torch_result_is_ordered_on_the_current_stream(gpu):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("as_int", [False, "default"])
+@pytest.mark.parametrize("as_int", [False, True, "default"])
 def test_a_result_freed_before_its_fill_on_another_stream_is_not_reused_under_it(gpu, as_int):
     """stream=s fills the torch result on s, not on the stream torch allocated it on: the
     allocator must learn about s (record_stream), or a tensor freed at once would hand its block
-    to the next allocation while the fill still waits on s to write it. (An int handle takes the
-    same path through torch.cuda.ExternalStream; in this suite its call found s drained by the
-    time it returned (run 2026-12-02 d), so only benches/probe_record_stream.py shows that case.)"""
+    to the next allocation while the fill still waits on s to write it. Cases: a torch stream
+    object, its int handle (torch.cuda.ExternalStream inside), and the legacy default stream
+    while torch's current stream is another one.
+
+    torch's allocator keeps free blocks per stream; a stream with none cudaMalloc's a new
+    segment, and a device allocation waits for the busy legacy default stream (CUDA's implicit
+    synchronization), which drained `s` before the check in run 2026-12-02 d and this session's
+    first run. So the current stream's cache is filled first: every allocation below is served
+    from it, and only the allocator's stream bookkeeping decides whether `y` gets x's block."""
     torch = pytest.importorskip("torch")
     n = 1 << 18
     src = pinstage.empty_pinned(n, "float32")  # pinned: one DMA, queued on s
@@ -230,13 +237,17 @@ def test_a_result_freed_before_its_fill_on_another_stream_is_not_reused_under_it
     s = torch.cuda.Stream()
     current = torch.cuda.current_stream()
     if as_int == "default":
-        # Filled on the default stream while torch's current stream is another one.
         current, s = s, torch.cuda.default_stream()
+    with torch.cuda.stream(current):
+        warm = [torch.empty(n, dtype=torch.float32, device="cuda") for _ in range(3)]
+        del warm
     torch.cuda.synchronize()
     with torch.cuda.stream(s):
         torch.cuda._sleep(1_000_000_000)  # s busy for ~0.5 s: the fill waits behind it
+    t0 = time.perf_counter()
     with torch.cuda.stream(current):
-        x = pinstage.to_device(src, "torch", stream=s)
+        x = pinstage.to_device(src, "torch", stream=s.cuda_stream if as_int is True else s)
+        t1 = time.perf_counter()
         queued = torch.cuda.Event()
         queued.record(s)  # after the fill
         freed = x.data_ptr()
@@ -244,10 +255,14 @@ def test_a_result_freed_before_its_fill_on_another_stream_is_not_reused_under_it
         y = torch.empty(n, dtype=torch.float32, device="cuda")
         pending = not queued.query()
         y.fill_(-7.0)  # the current stream: runs at once
+    t2 = time.perf_counter()
     reused = y.data_ptr() == freed
     s.synchronize()
     torch.cuda.synchronize()
-    assert pending, "the fill was no longer pending when y was allocated: nothing proven"
+    assert pending, (
+        f"the fill was no longer pending when y was allocated: nothing proven "
+        f"(to_device took {(t1 - t0) * 1e3:.1f} ms, the rest {(t2 - t1) * 1e3:.1f} ms)"
+    )
     assert not reused, "the freed result's block was handed out while its fill was pending"
     assert (y == -7.0).all()
 
