@@ -68,7 +68,8 @@ mod python;
 pub mod testing;
 
 pub use cuda::{
-    Current, Device, Event, Stream, StreamHandle, cuda_available, current_device, device_count,
+    Current, Device, Event, SlotEvent, Stream, StreamHandle, cuda_available, current_device,
+    device_count,
 };
 pub use d2h::{D2HPath, HostRegion, PendingCopy, copy_d2h, copy_d2h_async};
 pub use driver::{DISABLE_ENV, DriverError, Probe, probe};

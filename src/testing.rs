@@ -92,21 +92,33 @@ pub fn end_capture(stream: &Stream) -> Result<()> {
 }
 
 /// Makes later work on `stream` wait (on the device) until `host_fn` returns; it runs on a
-/// driver thread once earlier work completed. Stalls a stream without any kernel. `host_fn`
-/// must not call CUDA; a panic inside it aborts the process.
+/// driver thread once earlier work completed. Stalls a stream without any kernel. A panic
+/// inside `host_fn` aborts the process.
+///
+/// # Safety
+/// 1. `host_fn` calls no CUDA function, directly or through anything it drops (a pinstage
+///    buffer, stream, device or pending copy among them): the driver forbids it inside a host
+///    function (it may deadlock, or refuse a wait that guards memory).
 ///
 /// # Errors
 /// [`Error::Driver`] if the driver refuses.
-pub fn launch_host_fn<F: FnOnce() + Send + 'static>(stream: &Stream, host_fn: F) -> Result<()> {
-    launch_host_fn_on(stream.device(), stream.handle(), host_fn)
+pub unsafe fn launch_host_fn<F: FnOnce() + Send + 'static>(
+    stream: &Stream,
+    host_fn: F,
+) -> Result<()> {
+    // SAFETY: the caller's contract, passed on.
+    unsafe { launch_host_fn_on(stream.device(), stream.handle(), host_fn) }
 }
 
 /// [`launch_host_fn`] on any stream handle of `device`, a special one included (the legacy or
 /// this thread's per-thread default stream).
 ///
+/// # Safety
+/// As [`launch_host_fn`].
+///
 /// # Errors
 /// [`Error::Driver`] if the driver refuses.
-pub fn launch_host_fn_on<F: FnOnce() + Send + 'static>(
+pub unsafe fn launch_host_fn_on<F: FnOnce() + Send + 'static>(
     device: &Device,
     stream: StreamHandle<'_>,
     host_fn: F,
@@ -262,9 +274,14 @@ impl DeviceBuffer {
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         match self.device.enter() {
-            // SAFETY: ours, freed once; owners synchronize the work that uses the buffer before
-            // dropping it (tests, examples and benches do).
-            Ok(_cur) => on_drop(unsafe { driver::mem::mem_free(self.ptr) }),
+            // Copies queued through views of the buffer may still write it: the context's work
+            // completes first (a failed wait leaks the buffer instead of freeing it).
+            Ok(cur) => match cur.synchronize() {
+                // SAFETY: ours, freed once, no work queued on it any longer.
+                Ok(()) => on_drop(unsafe { driver::mem::mem_free(self.ptr) }),
+                Err(Error::Driver(e)) => on_drop::<()>(Err(e)),
+                Err(_) => {}
+            },
             Err(Error::Driver(e)) => on_drop::<()>(Err(e)),
             Err(_) => {}
         }

@@ -133,11 +133,14 @@ fn gpu_events_query_and_wait_on() {
     assert!(ev.query().unwrap(), "never recorded: complete");
     let go = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let g = go.clone();
-    launch_host_fn(&a, move || {
-        while !g.load(std::sync::atomic::Ordering::Acquire) {
-            std::thread::sleep(std::time::Duration::from_micros(200));
-        }
-    })
+    // SAFETY: the host function calls no CUDA function and drops only an Arc<AtomicBool>.
+    unsafe {
+        launch_host_fn(&a, move || {
+            while !g.load(std::sync::atomic::Ordering::Acquire) {
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+        })
+    }
     .unwrap();
     ev.record(a.handle()).unwrap();
     assert!(!ev.query().unwrap(), "recorded behind a stalled stream");

@@ -92,11 +92,14 @@ fn gpu_d2h_async_and_pool() {
     let block = pool.acquire(bytes).unwrap();
     let go = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let g = go.clone();
-    pinstage::testing::launch_host_fn(&stream, move || {
-        while !g.load(std::sync::atomic::Ordering::Acquire) {
-            std::thread::sleep(std::time::Duration::from_micros(200));
-        }
-    })
+    // SAFETY: the host function calls no CUDA function and drops only an Arc<AtomicBool>.
+    unsafe {
+        pinstage::testing::launch_host_fn(&stream, move || {
+            while !g.load(std::sync::atomic::Ordering::Acquire) {
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+        })
+    }
     .unwrap();
     let pending = copy_d2h_async(&dev, &view(&src), block, stream.handle()).unwrap();
     assert!(

@@ -226,3 +226,23 @@ fn copy_h2d_into_host_destinations_and_refusals() {
     let err = pinstage::copy_h2d(None, &cuda, &[1u8; 4], StreamHandle::LEGACY).unwrap_err();
     assert!(matches!(err, Error::CudaUnavailable { .. }), "{err}");
 }
+
+/// `numel * itemsize` past `isize::MAX` cannot describe memory: refused when the metadata is
+/// made, before any copy trusts its `nbytes()` (it wrapped in release builds).
+#[rstest]
+#[should_panic(expected = "span more bytes than any memory holds")]
+fn one_dimensional_metadata_past_any_memory_panics(#[values(false, true)] cuda: bool) {
+    let numel = usize::MAX / 4 + 2; // * 4 wraps to a few bytes
+    if cuda {
+        let _ = TensorMeta::cuda_1d(0, 4096, DType::I32, numel);
+    } else {
+        let _ = TensorMeta::host_1d(4096, DType::I32, numel, false);
+    }
+}
+
+#[test]
+fn one_dimensional_metadata_up_to_isize_bytes_is_made() {
+    let numel = isize::MAX as usize / 4;
+    let meta = TensorMeta::host_1d(4096, DType::I32, numel, true);
+    assert_eq!(meta.nbytes(), numel * 4);
+}

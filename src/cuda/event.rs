@@ -96,6 +96,62 @@ impl Event {
     }
 }
 
+/// A busy slot's event as a wait function sees it ([`RawCopy::wait_with`](crate::RawCopy::wait_with)):
+/// it can be asked and waited for, not recorded again. pinstage alone records a slot's events (a
+/// record elsewhere would make the slot look free while its copy still reads it).
+///
+/// ```
+/// fn wait(e: pinstage::SlotEvent<'_>) -> pinstage::Result<()> {
+///     while !e.query()? {
+///         std::thread::yield_now();
+///     }
+///     e.synchronize()
+/// }
+/// ```
+///
+/// ```compile_fail
+/// fn wait(e: pinstage::SlotEvent<'_>) -> pinstage::Result<()> {
+///     e.record(pinstage::StreamHandle::LEGACY) // no such method: not recorded again
+/// }
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct SlotEvent<'a>(&'a Event);
+
+impl<'a> SlotEvent<'a> {
+    pub(crate) fn new(event: &'a Event) -> Self {
+        Self(event)
+    }
+
+    /// The event itself (inside the crate only).
+    #[cfg(feature = "python")]
+    pub(crate) fn event(&self) -> &'a Event {
+        self.0
+    }
+
+    /// `true` once the slot's last copy completed.
+    ///
+    /// # Errors
+    /// [`Error::Driver`](crate::Error::Driver) if that work failed.
+    #[inline]
+    pub fn query(&self) -> Result<bool> {
+        self.0.query()
+    }
+
+    /// Blocks until the slot's last copy completed.
+    ///
+    /// # Errors
+    /// [`Error::Driver`](crate::Error::Driver) if that work failed.
+    #[inline]
+    pub fn synchronize(&self) -> Result<()> {
+        self.0.synchronize()
+    }
+
+    /// The device.
+    pub fn device(&self) -> &'a Device {
+        self.0.device()
+    }
+}
+
 impl Drop for Event {
     fn drop(&mut self) {
         self.device

@@ -9,7 +9,7 @@ mod handle_check;
 mod stream;
 
 pub use device::{Current, Device, cuda_available, current_device, device_count};
-pub use event::Event;
+pub use event::{Event, SlotEvent};
 #[cfg(feature = "python")]
 pub(crate) use handle_check::{Liveness, liveness};
 pub use stream::{Stream, StreamHandle};

@@ -49,23 +49,35 @@ impl<B: HostRegion> PendingCopy<B> {
     /// Waits for the copy and returns the region.
     ///
     /// # Errors
-    /// [`crate::Error::Driver`] if the copy failed (the region is dropped).
+    /// [`crate::Error::Driver`] if waiting failed: the region is then leaked, never freed nor
+    /// handed back, since the driver did not say that the copy stopped writing it.
     pub fn wait(mut self) -> Result<B> {
         let r = match self.event.take() {
             Some(e) => e.synchronize(),
             None => Ok(()),
         };
         let buf = self.buf.take().expect("buffer present until wait");
-        r.map(|()| buf)
+        match r {
+            Ok(()) => Ok(buf),
+            Err(e) => {
+                std::mem::forget(buf);
+                Err(e)
+            }
+        }
     }
 }
 
 impl<B: HostRegion> Drop for PendingCopy<B> {
     fn drop(&mut self) {
         if let Some(e) = self.event.take()
-            && let Err(crate::Error::Driver(e)) = e.synchronize()
+            && let Err(err) = e.synchronize()
         {
-            crate::error::record_drop_error(e);
+            // The copy may still write the region: leaked, not freed. Drop never panics: the
+            // error is recorded.
+            std::mem::forget(self.buf.take());
+            if let crate::Error::Driver(err) = err {
+                crate::error::record_drop_error(err);
+            }
         }
     }
 }

@@ -69,8 +69,9 @@ pub(crate) fn ctx_get_device() -> DResult<CUdevice> {
 /// [cuCtxSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html):
 /// blocks until all work queued in the current context, on every stream, completed.
 pub(crate) fn ctx_synchronize() -> DResult<()> {
-    // SAFETY: no arguments; with no current context the driver returns an error.
-    check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    // SAFETY: no arguments; with no current context the driver returns an error. Relaxed, as
+    // `event_synchronize`.
+    super::capture_relaxed(|| check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() }))
 }
 
 /// [cuCtxPushCurrent](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html)

@@ -42,15 +42,16 @@ pub(crate) unsafe fn event_record(ev: CUevent, stream: CUstream) -> DResult<()> 
 /// # Safety
 /// 1. `ev` is live.
 pub(crate) unsafe fn event_query(ev: CUevent) -> DResult<bool> {
-    // SAFETY: caller's contract.
-    match unsafe { sys::cuEventQuery(ev) } {
+    // SAFETY: caller's contract. Relaxed, as `event_synchronize`: a refused query would also
+    // invalidate the other thread's capture.
+    super::capture_relaxed(|| match unsafe { sys::cuEventQuery(ev) } {
         sys::CUresult::CUDA_SUCCESS => Ok(true),
         sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
         code => Err(DriverError {
             call: "cuEventQuery",
             code,
         }),
-    }
+    })
 }
 
 /// [cuEventSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
@@ -58,6 +59,7 @@ pub(crate) unsafe fn event_query(ev: CUevent) -> DResult<bool> {
 /// # Safety
 /// 1. `ev` is live.
 pub(crate) unsafe fn event_synchronize(ev: CUevent) -> DResult<()> {
-    // SAFETY: caller's contract.
-    check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(ev) })
+    // SAFETY: caller's contract. Relaxed: a wait that guards memory must not be refused by
+    // another thread's global-mode capture (`capture_relaxed`).
+    super::capture_relaxed(|| check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(ev) }))
 }

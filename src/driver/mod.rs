@@ -135,6 +135,32 @@ fn check(call: &'static str, code: sys::CUresult) -> DResult<()> {
     }
 }
 
+/// Runs `f` with this thread's stream-capture mode relaxed, then restores the mode.
+///
+/// While a thread captures a CUDA graph in global mode (torch's default), the driver refuses
+/// "potentially unsafe" calls such as `cuEventSynchronize` and `cuEventQuery` on every other
+/// thread (codes 900-908) and invalidates that capture; the work queued before still runs. A
+/// wait that guards memory must not fail then (its caller would free or reuse memory a copy
+/// still reads or writes), and must not break a capture it has nothing to do with: waiting for
+/// work queued outside the capture is safe. So every query and wait of pinstage's runs relaxed
+/// (two thread-local mode swaps around it). pinstage never waits on a capturing stream (its
+/// copies refuse them).
+pub(crate) fn capture_relaxed<T>(f: impl FnOnce() -> DResult<T>) -> DResult<T> {
+    // The seeded bug (`scripts/gpu-run broken-capture`): the thread's mode left as it is.
+    if cfg!(pinstage_seeded_bug = "capture_strict") {
+        return f();
+    }
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: a valid in/out pointer; the call only swaps this thread's mode.
+    let swapped = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    let r = f();
+    if swapped == sys::CUresult::CUDA_SUCCESS {
+        // SAFETY: as above; `mode` holds the thread's previous mode.
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
+    r
+}
+
 /// What the one-time probe found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Probe {

@@ -32,9 +32,12 @@ pub(crate) unsafe fn stream_destroy(s: CUstream) -> DResult<()> {
 /// # Safety
 /// 1. `s` is a live stream of the current context (or null).
 pub(crate) unsafe fn stream_synchronize(s: CUstream) -> DResult<()> {
-    // SAFETY: caller's contract.
-    check("cuStreamSynchronize", unsafe {
-        sys::cuStreamSynchronize(s)
+    // Relaxed, as `event_synchronize`.
+    super::capture_relaxed(|| {
+        // SAFETY: caller's contract.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(s)
+        })
     })
 }
 
@@ -44,15 +47,15 @@ pub(crate) unsafe fn stream_synchronize(s: CUstream) -> DResult<()> {
 /// # Safety
 /// 1. `s` is a live stream of the current context (or a special handle).
 pub(crate) unsafe fn stream_query(s: CUstream) -> DResult<bool> {
-    // SAFETY: caller's contract.
-    match unsafe { sys::cuStreamQuery(s) } {
+    // SAFETY: caller's contract. Relaxed, as `event_query`.
+    super::capture_relaxed(|| match unsafe { sys::cuStreamQuery(s) } {
         sys::CUresult::CUDA_SUCCESS => Ok(true),
         sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
         code => Err(super::DriverError {
             call: "cuStreamQuery",
             code,
         }),
-    }
+    })
 }
 
 /// [cuStreamIsCapturing](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html):

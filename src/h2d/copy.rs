@@ -4,7 +4,7 @@ use std::marker::PhantomData;
 
 use super::mirror::H2DMirror;
 use super::stager::{CopyOutcome, Stager, StagerBuilder, StagerStats};
-use crate::cuda::{Event, StreamHandle};
+use crate::cuda::{SlotEvent, StreamHandle};
 use crate::error::Result;
 use crate::view::{DeviceView, Element};
 
@@ -19,8 +19,9 @@ pub struct RawCopy<'a> {
     pub(super) wait: Option<&'a mut WaitFn<'a>>,
 }
 
-/// How a copy waits for a busy slot's event ([`RawCopy::wait_with`]).
-pub type WaitFn<'a> = dyn FnMut(&Event) -> Result<()> + 'a;
+/// How a copy waits for a busy slot's event ([`RawCopy::wait_with`]): shown as a
+/// [`SlotEvent`], which can be waited for but not recorded.
+pub type WaitFn<'a> = dyn FnMut(SlotEvent<'_>) -> Result<()> + 'a;
 
 impl<'a> RawCopy<'a> {
     /// Fill the rest of the destination with this element (raw bytes of one element).

@@ -12,7 +12,7 @@ use super::copy::RawCopy;
 use super::mirror::CopyKey;
 use super::ring::{Ring, SlotOwner};
 use super::write::{Layout, PARALLEL_WRITE_MIN, store_fence, write_padded, write_padded_parallel};
-use crate::cuda::{Current, Device, Event, StreamHandle};
+use crate::cuda::{Current, Device, Event, SlotEvent, StreamHandle};
 use crate::driver;
 use crate::error::{Error, Result};
 use crate::host::{PinnedBuffer, PinnedFlags};
@@ -374,7 +374,7 @@ impl Stager {
                     // The caller's function decides how to wait, not whether the copy
                     // completed: the slot is rewritten next, so the event is asked again.
                     Some(w) => self.issue(&cur, job, &mut |e: &Event| {
-                        w(e)?;
+                        w(SlotEvent::new(e))?;
                         if !e.query()? {
                             e.synchronize()?;
                         }
@@ -606,13 +606,22 @@ impl SlotOwner for CudaOwner<'_, '_, '_, '_, '_> {
 
 impl Drop for Stager {
     fn drop(&mut self) {
+        let mut failed = false;
         for i in 0..self.slots.len() {
             if self.ring.is_in_flight(i)
-                && let Err(Error::Driver(e)) = self.slots[i].event.synchronize()
+                && let Err(err) = self.slots[i].event.synchronize()
             {
-                // Never free a buffer a copy still reads; drop never panics: record the error.
-                crate::error::record_drop_error(e);
+                failed = true;
+                // Drop never panics: the error is recorded.
+                if let Error::Driver(e) = err {
+                    crate::error::record_drop_error(e);
+                }
             }
+        }
+        if failed {
+            // Never free a buffer a copy may still read: the driver did not say it stopped.
+            std::mem::forget(std::mem::take(&mut self.slots));
+            std::mem::forget(self._arena.take());
         }
     }
 }

@@ -118,9 +118,15 @@ pub(crate) fn as_index<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'p
     // exception set.
     let r = unsafe { pyo3::ffi::PyNumber_Index(obj.as_ptr()) };
     if r.is_null() {
-        // numpy's bool defines __index__ only to refuse it: not an integer.
-        let _ = PyErr::take(obj.py());
-        return Ok(None);
+        let py = obj.py();
+        let err = PyErr::take(py)
+            .unwrap_or_else(|| pyo3::exceptions::PySystemError::new_err("__index__ failed"));
+        // numpy's bool defines __index__ only to refuse it (TypeError): not an integer. Any
+        // other exception (KeyboardInterrupt, MemoryError, the object's own) is the caller's.
+        if err.is_instance_of::<pyo3::exceptions::PyTypeError>(py) {
+            return Ok(None);
+        }
+        return Err(err);
     }
     // SAFETY: a new reference we own.
     Ok(Some(unsafe { Bound::from_owned_ptr(obj.py(), r) }))

@@ -16,6 +16,8 @@ use crate::{Event, FreshMem};
 pub(crate) enum Until {
     Event(Arc<Event>),
     Fresh(Arc<FreshMem>),
+    /// Nothing to wait for: only the GIL was missing when it was let go.
+    Now,
 }
 
 impl Until {
@@ -24,6 +26,7 @@ impl Until {
         match self {
             Until::Event(e) => e.query().unwrap_or(true),
             Until::Fresh(m) => m.ready().query().unwrap_or(true),
+            Until::Now => true,
         }
     }
 }
@@ -50,6 +53,30 @@ pub(crate) fn linger(l: Lingering) {
         return;
     }
     drop(l);
+}
+
+/// Drops `imp` now if this thread holds the GIL (its producer's deleter may need it), else at
+/// the next pinstage call that reaps.
+pub(crate) fn drop_with_gil(imp: Imported) {
+    unsafe extern "C" {
+        // CPython 3.4+ exports it (outside the limited API's headers, which pyo3's abi3 bindings
+        // follow); every interpreter this abi3 wheel loads into has it.
+        fn PyGILState_Check() -> std::ffi::c_int;
+    }
+    // SAFETY: PyGILState_Check may be called from any thread, with or without the GIL.
+    if unsafe { PyGILState_Check() } == 1 {
+        drop(imp);
+        return;
+    }
+    // Its last holder went without the GIL (a consumer's DLPack deleter on a thread of its
+    // own): the next reap drops it.
+    LINGERING.lock().push(Lingering {
+        until: Until::Now,
+        array: None,
+        src: Some(imp),
+    });
+    // Relaxed: see `linger`.
+    ANY.store(true, Ordering::Relaxed);
 }
 
 /// Drops what lingers for copies that completed. Needs the GIL (sources' deleters may).

@@ -63,8 +63,17 @@ fn raw_bytes(values: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
                 type_name(values)
             ))
         })?;
+    let dtype = arr.getattr("dtype")?;
+    // Python objects' bytes are their addresses: equal values would differ, and a reused
+    // address would make different values match.
+    if dtype.getattr("hasobject")?.is_truthy()? {
+        return Err(type_err(format!(
+            "mirror values must be bytes or numbers, got {} that numpy holds as Python objects",
+            type_name(values)
+        )));
+    }
     // dtype identity matters: int32 [1] and int64 [1] are different contents.
-    let mut out = arr.getattr("dtype")?.str()?.to_string().into_bytes();
+    let mut out = dtype.str()?.to_string().into_bytes();
     out.push(0);
     out.extend_from_slice(arr.call_method0("tobytes")?.cast::<PyBytes>()?.as_bytes());
     Ok(out)

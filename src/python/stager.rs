@@ -12,7 +12,7 @@ use super::import::{Imported, import_destination, parse_dtype, parse_stream, typ
 use super::mirror::PyMirror;
 use super::values::{check_shape, scalar_bytes, to_values};
 use super::wait::{slot_wait, take_interrupt};
-use crate::cuda::{Event, StreamHandle};
+use crate::cuda::{SlotEvent, StreamHandle};
 use crate::h2d::write::PARALLEL_WRITE_MIN;
 use crate::view::DType;
 use crate::{Error, H2DMirror as CoreMirror, Stager};
@@ -104,7 +104,7 @@ impl PyStager {
         } else {
             let mut interrupt: Option<PyErr> = None;
             let r = {
-                let mut wait = |ev: &Event| slot_wait(py, ev, &mut interrupt);
+                let mut wait = |ev: SlotEvent<'_>| slot_wait(py, ev.event(), &mut interrupt);
                 let mut c = options(stager.to(view), stream, pad).wait_with(&mut wait);
                 if let Some(m) = guard.as_deref_mut() {
                     c = c.mirror(m);

@@ -443,5 +443,15 @@ pub(crate) fn scalar_bytes(v: &Bound<'_, PyAny>, d: DType) -> PyResult<Vec<u8>> 
     let py = v.py();
     let list = PyList::new(py, [v])?;
     let vals = to_values(list.as_any(), d)?;
+    // A sequence of several values is no pad (refused here, where the pad is given: a bound
+    // target's pad is given once and used by every copy).
+    if vals.bytes().len() != d.itemsize() {
+        return Err(crate::Error::PadSize {
+            got: vals.bytes().len(),
+            expected: d.itemsize(),
+            dtype: d,
+        }
+        .into());
+    }
     Ok(vals.bytes().to_vec())
 }

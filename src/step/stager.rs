@@ -605,14 +605,24 @@ impl StepStager {
 
 impl Drop for StepStager {
     fn drop(&mut self) {
+        let mut failed = false;
         for i in 0..self.slots.len() {
             if self.ring.is_in_flight(i)
                 && let Some(e) = &self.slots[i].event
-                && let Err(Error::Driver(err)) = e.synchronize()
+                && let Err(err) = e.synchronize()
             {
-                // Never free memory a copy still reads; drop never panics: record the error.
-                crate::error::record_drop_error(err);
+                failed = true;
+                // Drop never panics: the error is recorded.
+                if let Error::Driver(err) = err {
+                    crate::error::record_drop_error(err);
+                }
             }
+        }
+        if failed {
+            // Never free memory a copy (or a zero-copy reader) may still use: the driver did not
+            // say it stopped. The slots' memory and the device arena are leaked.
+            std::mem::forget(Arc::clone(&self.mem));
+            std::mem::forget(std::mem::replace(&mut self.target, Target::ZeroCopy));
         }
     }
 }

@@ -357,9 +357,25 @@ pub unsafe fn meta_of_dltensor(t: &DLTensor, read_only: bool) -> Result<TensorMe
     })
 }
 
+/// Panics unless `numel` elements of `dtype` span at most `isize::MAX` bytes.
+fn assert_span(dtype: DType, numel: usize) {
+    assert!(
+        numel
+            .checked_mul(dtype.itemsize())
+            .is_some_and(|n| isize::try_from(n).is_ok()),
+        "{numel} elements of {} span more bytes than any memory holds",
+        dtype.name()
+    );
+}
+
 impl TensorMeta {
     /// Metadata of a contiguous 1-D host tensor.
+    ///
+    /// # Panics
+    /// If `numel` elements of `dtype` span more than `isize::MAX` bytes (no memory holds them;
+    /// [`TensorMeta::nbytes`] could not be trusted).
     pub fn host_1d(addr: u64, dtype: DType, numel: usize, read_only: bool) -> Self {
+        assert_span(dtype, numel);
         Self {
             memory: MemoryKind::Host,
             device_type: DL_CPU,
@@ -392,7 +408,11 @@ impl TensorMeta {
     }
 
     /// Metadata of a contiguous 1-D tensor on CUDA device `device`.
+    ///
+    /// # Panics
+    /// As [`TensorMeta::host_1d`].
     pub fn cuda_1d(device: i32, addr: u64, dtype: DType, numel: usize) -> Self {
+        assert_span(dtype, numel);
         Self {
             memory: MemoryKind::Cuda(device),
             device_type: DL_CUDA,

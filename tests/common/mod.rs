@@ -221,13 +221,16 @@ pub fn stall(stream: &Stream) -> Stall {
 pub fn stall_handle(dev: &pinstage::Device, stream: pinstage::StreamHandle<'_>) -> Stall {
     let go = Arc::new(AtomicBool::new(false));
     let g = go.clone();
-    pinstage::testing::launch_host_fn_on(dev, stream, move || {
-        let t0 = std::time::Instant::now();
-        // Bounded: never hold a stream longer than 20 s even if the test thread died.
-        while !g.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(20) {
-            std::thread::sleep(Duration::from_micros(200));
-        }
-    })
+    // SAFETY: the host function calls no CUDA function and drops only an Arc<AtomicBool>.
+    unsafe {
+        pinstage::testing::launch_host_fn_on(dev, stream, move || {
+            let t0 = std::time::Instant::now();
+            // Bounded: never hold a stream longer than 20 s even if the test thread died.
+            while !g.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        })
+    }
     .unwrap();
     Stall(go)
 }

@@ -196,6 +196,23 @@ def test_jax_arrays_are_never_written():
     assert np.asarray(x).tolist() == list(range(8))
 
 
+@pytest.mark.parametrize("pad", [[5, 6], [], np.zeros(3, np.int32)], ids=["two", "none", "array"])
+def test_a_pad_that_is_not_one_element_is_refused_where_it_is_given(pad):
+    st = pinstage.PinnedStager("int32", numel=8, depth=2)
+    dst = np.full(8, 7, np.int32)
+    with pytest.raises(pinstage.PinstageValueError, match="pad is"):
+        st.target(dst, pad_value=pad)
+    with pytest.raises(pinstage.PinstageValueError, match="pad is"):
+        st.copy_(dst, [1], pad_value=pad)
+    layout = pinstage.StepLayout({"ids": ("int32", 8)})
+    steps = pinstage.StepStager(layout, depth=2)
+    with pytest.raises(pinstage.PinstageValueError, match="pad is"):
+        steps.stage({"ids": [1]}, pad_values={"ids": pad}, rows={"ids": 4})
+    assert dst.tolist() == [7] * 8
+    st.target(dst, pad_value=[9]).copy_([1])  # one value in a list is one element
+    assert dst.tolist() == [1] + [9] * 7
+
+
 def test_bound_target_copies_every_time_unless_asked_to_skip():
     st = stager(numel=8, depth=2)
     d = np.full(4, 5, np.int32)
@@ -239,6 +256,43 @@ def test_mirror_refuses_unhashable_keys():
         m.record([1, 2], np.arange(2))
     with pytest.raises(TypeError, match="hashable"):
         m.matches({}, np.arange(2))
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{"a": 1}, None, [object()], (i for i in range(3)), [10**30], np.array([1, 2], dtype=object)],
+    ids=["dict", "None", "objects", "generator", "wide-int", "object-array"],
+)
+def test_mirror_refuses_values_numpy_holds_as_objects(values):
+    """Their bytes would be addresses: equal values would differ and, an address reused,
+    different ones would match."""
+    m = pinstage.H2DMirror()
+    with pytest.raises(pinstage.PinstageTypeError, match="Python objects"):
+        m.record("k", values)
+    with pytest.raises(pinstage.PinstageTypeError, match="Python objects"):
+        m.matches("k", values)
+    m.record("k", np.arange(3, dtype=np.int32))
+    assert m.matches("k", [0, 1, 2]) is False, "a list of ints is int64 here: another dtype"
+    assert m.matches("k", np.arange(3, dtype=np.int32))
+
+
+def test_a_name_that_is_not_valid_utf8_is_an_unknown_field():
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16)}), depth=2)
+    bad = "\ud800"
+    for call in (
+        lambda: st.stage({bad: [1]}),
+        lambda: st.read_field(bad),
+        lambda: st.field(bad),
+        lambda: st.stage({"ids": [1]}, rows={bad: 1}),
+    ):
+        with pytest.raises(pinstage.UnknownFieldError):
+            call()
+    with st.step() as step:
+        for call in (lambda: step.put(bad, [1]), lambda: step.view(bad), lambda: step.used_rows(bad)):
+            with pytest.raises(KeyError):
+                call()
+        step.put("ids", [4])
+    assert st.read_field("ids")[:1].tolist() == [4]
 
 
 @pytest.mark.parametrize(
@@ -362,6 +416,30 @@ def test_counts_take_numpy_integers_but_not_bools_or_floats():
             pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16)}), depth=bad)
     a = pinstage.empty_host(np.int64(3), "int8")
     assert a.shape == (3,)
+
+
+def test_an_index_that_raises_other_than_type_error_propagates():
+    """A count's __index__ raising TypeError is "not an integer" (a typed error); anything else
+    it raises (Ctrl-C, MemoryError, its own error) reaches the caller as it was raised."""
+
+    class Interrupted:
+        def __index__(self):
+            raise KeyboardInterrupt
+
+    class Broken:
+        def __index__(self):
+            raise ZeroDivisionError("the object's own error")
+
+    class NotAnInt:
+        def __index__(self):
+            raise TypeError("no")
+
+    with pytest.raises(KeyboardInterrupt):
+        pinstage.PinnedStager("int32", numel=Interrupted())
+    with pytest.raises(ZeroDivisionError, match="own error"):
+        pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16)}), depth=Broken())
+    with pytest.raises(pinstage.PinstageTypeError, match="numel"):
+        pinstage.PinnedStager("int32", numel=NotAnInt())
 
 
 def test_a_producer_whose_device_and_capsule_disagree_is_a_typed_error():

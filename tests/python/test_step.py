@@ -8,6 +8,7 @@ torch, cupy and JAX consumers, every field of every step checked against poisone
 import gc
 import sys
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -394,6 +395,33 @@ def test_bound_host_arena():
     assert "arena" in str(e.value) and "dst" not in str(e.value), e.value
     with pytest.raises(pinstage.PinstageValueError):
         pinstage.StepStager(layout, arena=arena, mode="fresh")
+
+
+def test_a_bound_arena_outlives_its_stager_through_its_exports():
+    """field() and arena() exports of a bound arena keep the caller's buffer alive: an import
+    made before, or from an export taken before, the stager and the buffer were dropped reads
+    the last step's values (it read freed memory, and crashed, before); once every export is
+    gone the buffer is freed."""
+    n = 1 << 20  # 4 MiB: numpy maps it, and unmaps it when freed
+    layout = pinstage.StepLayout({"a": ("int32", n)})
+    raw = np.zeros(layout.nbytes + 256, np.uint8)
+    off = (-raw.ctypes.data) % 256
+    st = pinstage.StepStager(layout, arena=raw[off : off + layout.nbytes])
+    vals = np.arange(n, dtype=np.int32) * 3 + 1
+    st.stage({"a": vals})
+    field, whole = st.field("a"), st.arena()
+    early = np.from_dlpack(st.field("a"))
+    freed = weakref.ref(raw)
+    del st, raw
+    gc.collect()
+    assert freed() is not None, "the exports no longer hold the buffer"
+    junk = [np.full(n, -1, np.int32) for _ in range(8)]  # would take freed memory
+    assert np.array_equal(early, vals)
+    assert np.array_equal(np.from_dlpack(field), vals)
+    assert np.array_equal(np.from_dlpack(whole)[: 4 * n].view(np.int32), vals)
+    del junk, field, whole, early
+    gc.collect()
+    assert freed() is None, "the buffer outlived every export"
 
 
 def test_many_threads_one_stager_every_step_checked():

@@ -20,8 +20,28 @@ use crate::view::DType;
     reason = "held for ownership only: dropping the last clone frees the memory"
 )]
 pub(super) enum Keep {
-    Stager(Arc<StepStager>),
+    /// The stager, and its bound arena's producer where it has one.
+    Stager(Arc<StepStager>, Option<Arc<BoundArena>>),
     Block(Arc<StepBlock>),
+}
+
+/// A bound arena's producer (the caller's buffer, `StepStager(arena=...)`): held by the stager
+/// and by every export of its memory, so an import made through `field()` or `arena()` keeps
+/// the buffer alive after the stager is gone. Let go with the GIL (its deleter may need it).
+pub(crate) struct BoundArena(Option<crate::python::import::Imported>);
+
+impl BoundArena {
+    pub(super) fn new(imp: crate::python::import::Imported) -> Self {
+        Self(Some(imp))
+    }
+}
+
+impl Drop for BoundArena {
+    fn drop(&mut self) {
+        if let Some(imp) = self.0.take() {
+            crate::python::linger::drop_with_gil(imp);
+        }
+    }
 }
 
 /// How a consumer's stream is ordered after the writes of the memory.

@@ -51,12 +51,24 @@ pub struct PyStepLayout {
 /// A field-name argument: a str, else a typed error naming the parameter.
 pub(super) fn field_name(obj: &Bound<'_, PyAny>) -> PyResult<String> {
     match obj.cast::<PyString>() {
-        Ok(s) => Ok(s.to_cow()?.into_owned()),
+        Ok(s) => Ok(name_text(s)?.into_owned()),
         Err(_) => Err(type_err(format!(
             "name must be a str (a field name), got {}",
             crate::python::import::type_name(obj)
         ))),
     }
+}
+
+/// The text of a field name; a str that is not valid UTF-8 (a lone surrogate) names no field:
+/// `UnknownFieldError` (a `KeyError`), as any other name the layout lacks.
+pub(super) fn name_text<'a>(s: &'a Bound<'_, PyString>) -> PyResult<std::borrow::Cow<'a, str>> {
+    s.to_cow().map_err(|_| {
+        Error::UnknownField {
+            name: s.repr().map(|r| r.to_string()).unwrap_or_default(),
+            known: "none is named by a str that is not valid UTF-8".into(),
+        }
+        .into()
+    })
 }
 
 /// An optional dict argument `param`, else a typed error naming it.
@@ -338,8 +350,8 @@ impl PyStepLayout {
 pub struct PyStepStager {
     pub(super) inner: Arc<StepStager>,
     pub(super) layout: Py<PyStepLayout>,
-    /// A bound arena's producer, alive as long as the stager.
-    pub(super) _bound: Option<super::import::Imported>,
+    /// A bound arena's producer, alive as long as the stager and every export of the arena.
+    pub(super) bound: Option<Arc<export::BoundArena>>,
     /// The stream of fresh-mode commits without a `stream=`.
     pub(super) own_stream: Option<Stream>,
     /// The field names as interned Python strings, in layout order: a dict key that is one of
@@ -546,7 +558,7 @@ impl PyStepStager {
                 // SAFETY: `imp` (kept in the stager) keeps the producer's memory alive; the
                 // caller hands the buffer to the stager (documented).
                 b = unsafe { b.bind(&imp.view) };
-                Some(imp)
+                Some(Arc::new(export::BoundArena::new(imp)))
             }
             None => None,
         };
@@ -577,7 +589,7 @@ impl PyStepStager {
         Ok(Self {
             inner: Arc::new(inner),
             layout: layout.unbind(),
-            _bound: bound,
+            bound,
             own_stream,
             names,
             name_index: name_index.unbind(),
@@ -740,7 +752,7 @@ impl PyStepStager {
             dtype: f.dtype(),
             shape: f.shape().iter().map(|&d| d as i64).collect(),
             device: self.arena_device(),
-            keep: Keep::Stager(Arc::clone(&self.inner)),
+            keep: Keep::Stager(Arc::clone(&self.inner), self.bound.clone()),
             sync: Order::Commits(Arc::clone(&self.inner)),
         })
     }
@@ -770,7 +782,7 @@ impl PyStepStager {
             dtype: f.dtype(),
             shape: f.shape().iter().map(|&d| d as i64).collect(),
             device: Some(self.inner.ordinal()),
-            keep: Keep::Stager(Arc::clone(&self.inner)),
+            keep: Keep::Stager(Arc::clone(&self.inner), self.bound.clone()),
             sync: Order::None,
         })
     }
@@ -789,7 +801,7 @@ impl PyStepStager {
             dtype: DType::U8,
             shape: vec![self.inner.layout().nbytes() as i64],
             device: self.arena_device(),
-            keep: Keep::Stager(Arc::clone(&self.inner)),
+            keep: Keep::Stager(Arc::clone(&self.inner), self.bound.clone()),
             sync: Order::Commits(Arc::clone(&self.inner)),
         })
     }
@@ -925,7 +937,7 @@ impl PyStepStager {
         match self.name_index.bind(name.py()).get_item(name)? {
             Some(i) => Ok(FieldId::from_index(i.extract()?)),
             // Not a field (the layout says which names exist).
-            None => Ok(self.inner.layout().id(&name.to_cow()?)?),
+            None => Ok(self.inner.layout().id(&name_text(name)?)?),
         }
     }
 
@@ -977,7 +989,7 @@ impl PyStepStager {
                 self.mode()
             ))
         })?;
-        if !self.inner.has_cuda() && self._bound.is_none() {
+        if !self.inner.has_cuda() && self.bound.is_none() {
             // Without a driver the arena is host memory standing in for the device's: steps and
             // `read_field` work, a device export does not.
             return Err(self.inner.unavailable().into());

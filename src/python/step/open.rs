@@ -367,7 +367,7 @@ impl PyStep {
                 dtype: f.dtype(),
                 shape,
                 device: Some(st.ordinal()),
-                keep: Keep::Stager(Arc::clone(&stager.inner)),
+                keep: Keep::Stager(Arc::clone(&stager.inner), stager.bound.clone()),
                 sync: Order::None,
             })
         })
