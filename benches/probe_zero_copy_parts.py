@@ -7,7 +7,8 @@ the bench's one-write step (as `bench_step.py`: `step(stream=s)`, `view("seq_len
 legacy default stream (no stream object), and a call floor: three pyo3 calls that do nothing
 (`stager.depth` read three times), the Python cost of three calls of pinstage. Beside them the
 driver calls a zero-copy step makes, timed in Rust by the lab build (`_driver_costs`): the
-slot's event queried (claim), recorded (commit), and the capture check.
+slot's event queried (claim; with the thread's capture mode relaxed around the query, also timed
+alone), recorded (commit), and the capture check.
 
 Each one-write batch is checked: the slots are poisoned before it (through the GPU), and the last
 `depth` steps' values must be found in the `depth` slots after it.
@@ -116,7 +117,8 @@ print(f"== Python zero-copy step, host ns per step ({args.steps} steps x {args.r
 for name, v in res.items():
     print(f"  {name:<55} {statistics.median(v):8.0f}   ({min(v):.0f}..{max(v):.0f})")
 print("== the driver calls a zero-copy step makes, timed in Rust (`_driver_costs`), ns per call")
-for k in ("cuEventQuery (complete)", "cuEventRecord", "cuStreamIsCapturing", "cuCtxGetCurrent"):
+for k in ("cuEventQuery (complete)", "capture mode relaxed and restored (2 calls)", "cuEventRecord",
+          "cuStreamIsCapturing", "cuCtxGetCurrent"):
     print(f"  {k:<55} {costs[k]:8.0f}")
 floor = costs["cuEventQuery (complete)"] + costs["cuEventRecord"] + costs["cuStreamIsCapturing"]
 one = statistics.median(res["step + view + one write + commit (the bench's row)"])

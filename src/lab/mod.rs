@@ -114,6 +114,10 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         Ok(unsafe { stream_is_capturing(s.raw()) }.map(|_| ())?)
     })?;
     time("cuEventQuery (complete)", &mut || ev.query().map(|_| ()))?;
+    // What every query and wait now adds: the thread's capture mode relaxed around it.
+    time("capture mode relaxed and restored (2 calls)", &mut || {
+        Ok(crate::driver::capture_relaxed(|| Ok(()))?)
+    })?;
     time("cuEventRecord", &mut || ev.record_in(cur, s))?;
     let word = DeviceBuffer::new(&dev, 64)?;
     let mut wv = 0u32;

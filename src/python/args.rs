@@ -132,6 +132,46 @@ pub(crate) fn as_index<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'p
     Ok(Some(unsafe { Bound::from_owned_ptr(obj.py(), r) }))
 }
 
+/// A shape argument: an int, or a sequence (not a str or bytes) of ints; ints as
+/// [`count_arg`] takes them (numpy integers too, never bools). `Ok(None)`: not a shape (the
+/// caller names what it expected); a dimension past `i64` is a value error.
+pub(crate) fn shape_dims(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
+    let dim = |x: &Bound<'_, PyAny>| -> PyResult<Option<i64>> {
+        match as_index(x)? {
+            Some(i) => i
+                .extract::<i64>()
+                .map(Some)
+                .map_err(|_| value_err(format!("shape dimension {i} is out of range"))),
+            None => Ok(None),
+        }
+    };
+    if let Some(n) = dim(obj)? {
+        return Ok(Some(vec![n]));
+    }
+    if obj.is_instance_of::<pyo3::types::PyString>()
+        || obj.is_instance_of::<pyo3::types::PyBytes>()
+        || obj.is_instance_of::<pyo3::types::PyBool>()
+    {
+        return Ok(None);
+    }
+    let Ok(items) = obj.try_iter() else {
+        return Ok(None);
+    };
+    let mut out = Vec::new();
+    for item in items {
+        match dim(&item?)? {
+            Some(n) => out.push(n),
+            None => return Ok(None),
+        }
+    }
+    Ok(Some(out))
+}
+
+/// A bool as Python spells it, for reprs.
+pub(crate) fn py_bool(b: bool) -> &'static str {
+    if b { "True" } else { "False" }
+}
+
 /// A count argument (`numel`, `depth`): an int (or a numpy integer) in `lo..=hi`, else a typed
 /// error naming it.
 pub(crate) fn count_arg(

@@ -69,7 +69,11 @@ impl PinnedBlock {
     }
 
     fn __repr__(&self) -> String {
-        format!("PinnedBlock(nbytes={}, pinned={})", self.len, self.pinned())
+        format!(
+            "PinnedBlock(nbytes={}, pinned={})",
+            self.len,
+            super::args::py_bool(self.pinned())
+        )
     }
 }
 
@@ -184,12 +188,12 @@ pub(crate) fn numel(shape: &[i64]) -> PyResult<usize> {
 }
 
 pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
-    let shape: Vec<i64> = if let Ok(n) = obj.extract::<i64>() {
-        vec![n]
-    } else {
-        obj.extract()
-            .map_err(|_| type_err("shape must be an int or a sequence of ints"))?
-    };
+    let shape = super::args::shape_dims(obj)?.ok_or_else(|| {
+        type_err(format!(
+            "shape must be an int or a sequence of ints, got {}",
+            super::import::type_name(obj)
+        ))
+    })?;
     if let Some(d) = shape.iter().find(|&&d| d < 0) {
         return Err(value_err(format!(
             "shape {shape:?} has a negative dimension {d}"
@@ -340,8 +344,9 @@ fn is_pinned(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
         // SAFETY: reading the data field of a live numpy array object.
         unsafe { (*a.as_array_ptr()).fields.data as usize }
     } else {
-        obj.extract::<usize>()
-            .map_err(|_| type_err("is_pinned() takes a numpy array or an address"))?
+        super::args::as_index(obj)?
+            .and_then(|i| i.extract::<usize>().ok())
+            .ok_or_else(|| type_err("is_pinned() takes a numpy array or an address (an int)"))?
     };
     Ok(crate::is_pinned(ptr as *const u8))
 }

@@ -303,7 +303,10 @@ impl PendingCopy {
     }
 
     fn __repr__(&self) -> PyResult<String> {
-        Ok(format!("PendingCopy(done={})", self.done()?))
+        Ok(format!(
+            "PendingCopy(done={})",
+            super::args::py_bool(self.done()?)
+        ))
     }
 }
 

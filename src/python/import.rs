@@ -253,11 +253,24 @@ fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<(usize, bool)> {
             "stream must be a stream object or an int handle, got a bool",
         ));
     }
-    if obj.is_instance_of::<pyo3::types::PyInt>() {
-        let h = obj.extract::<usize>().map_err(|_| {
+    // An int, or a numpy integer (a handle kept in an array, say).
+    let int = if obj.is_instance_of::<pyo3::types::PyInt>() {
+        Some(obj.clone())
+    } else if obj
+        .get_type()
+        .module()
+        .is_ok_and(|m| m.to_cow().is_ok_and(|m| m == "numpy"))
+        && obj.is_instance(&py.import("numpy")?.getattr("integer")?)?
+    {
+        super::args::as_index(obj)?
+    } else {
+        None
+    };
+    if let Some(int) = int {
+        let h = int.extract::<usize>().map_err(|_| {
             value_err(format!(
-                "stream={}: an int stream handle must be >= 0",
-                obj.repr().map(|r| r.to_string()).unwrap_or_default()
+                "stream={}: an int stream handle is 0 to 2**64 - 1 (0, 1, 2 or a stream's handle)",
+                int.repr().map(|r| r.to_string()).unwrap_or_default()
             ))
         })?;
         return checked_int_stream(h).map(|h| (h, false));

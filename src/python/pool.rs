@@ -417,7 +417,7 @@ impl PinnedRegion {
         format!(
             "PinnedRegion(nbytes={}, pinned={})",
             self.nbytes,
-            self.pinned()
+            super::args::py_bool(self.pinned())
         )
     }
 }

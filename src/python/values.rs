@@ -300,6 +300,14 @@ fn convert_with_numpy<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<Val
     if kind == b'c' && !matches!(d, DType::C64 | DType::C128) {
         return Err(type_err(format!("complex values cannot be copied as {d}")));
     }
+    // Kind 'V' is let through for ml_dtypes' types (bfloat16...); structured and raw void
+    // values (numpy.void) hold no numbers.
+    if kind == b'V' && arr.dtype().getattr("type")?.is(np.getattr("void")?) {
+        return Err(type_err(format!(
+            "values of numpy dtype {} (structured or void) cannot be copied as {d}",
+            arr.dtype().str()?
+        )));
+    }
     // What numpy.asarray gave (a torch CPU tensor's own memory, a buffer's...) may need no
     // conversion at all, or an integer cast checked here element by element: both skip the
     // general path's several passes through numpy.

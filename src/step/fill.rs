@@ -156,7 +156,7 @@ impl StepStager {
         if self.mode != StepMode::ZeroCopy {
             return Err(Error::arg(
                 "mode",
-                format!("{:?}", self.mode),
+                self.mode.to_string(),
                 "zero-copy mode for device views of a slot",
             ));
         }
@@ -178,7 +178,7 @@ impl StepStager {
         if self.mode != StepMode::ZeroCopy {
             return Err(Error::arg(
                 "mode",
-                format!("{:?}", self.mode),
+                self.mode.to_string(),
                 "zero-copy mode for device views of a slot",
             ));
         }

@@ -30,6 +30,17 @@ pub enum StepMode {
     ZeroCopy,
 }
 
+impl std::fmt::Display for StepMode {
+    /// The mode as the Python API spells it: `arena`, `fresh`, `zero_copy`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StepMode::Arena => "arena",
+            StepMode::Fresh => "fresh",
+            StepMode::ZeroCopy => "zero_copy",
+        })
+    }
+}
+
 /// Counters of a step stager (monotonic).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StepStats {
@@ -579,7 +590,7 @@ impl StepStager {
         let src = self.arena_ptr().ok_or_else(|| {
             Error::arg(
                 "mode",
-                format!("{:?}", self.mode),
+                self.mode.to_string(),
                 "arena mode to read the arena",
             )
         })? + f.offset() as u64;

@@ -442,6 +442,59 @@ def test_an_index_that_raises_other_than_type_error_propagates():
         pinstage.PinnedStager("int32", numel=NotAnInt())
 
 
+@pytest.mark.parametrize(
+    "values",
+    [np.zeros(3, dtype=[("a", "i4"), ("b", "i4")]), np.ones(3, dtype=[("a", "i4")]), np.zeros(3, "V4")],
+    ids=["structured", "one-field", "void"],
+)
+def test_structured_and_void_values_are_typed_errors_with_nothing_written(values):
+    st = pinstage.PinnedStager("int32", numel=8, depth=2)
+    dst = np.full(8, 7, np.int32)
+    with pytest.raises(pinstage.PinstageTypeError, match="structured or void"):
+        st.copy_(dst, values, pad_value=0)
+    with pytest.raises(pinstage.PinstageTypeError, match="structured or void"):
+        st.copy_(dst, [1], pad_value=np.zeros(1, "V4")[0])
+    steps = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 8)}), depth=2)
+    with pytest.raises(pinstage.PinstageTypeError, match="structured or void"):
+        steps.stage({"ids": values})
+    assert dst.tolist() == [7] * 8
+
+
+def test_shapes_take_ints_and_numpy_integers_never_bools_or_bytes():
+    for bad in (True, (True, 3), b"\x04", "4", (2, 2.0), None):
+        with pytest.raises(pinstage.PinstageTypeError, match="shape must be"):
+            pinstage.empty_host(bad, "int8")
+        with pytest.raises(pinstage.PinstageTypeError, match="shape must be"):
+            pinstage.StepLayout({"a": ("int8", bad)})
+    with pytest.raises(pinstage.PinstageValueError, match="out of range"):
+        pinstage.empty_host(2**63, "int8")
+    assert pinstage.empty_host((np.int64(2), 3), "int8").shape == (2, 3)
+    assert pinstage.StepLayout({"a": ("int8", (np.uint8(2), 3))}).fields[0]["shape"] == (2, 3)
+    with pytest.raises(pinstage.PinstageTypeError, match="address"):
+        pinstage.is_pinned(True)
+    assert pinstage.is_pinned(np.int64(4096)) is False
+
+
+def test_a_numpy_integer_is_a_stream_handle():
+    st = pinstage.PinnedStager("int32", numel=8, depth=2)
+    dst = np.full(8, 7, np.int32)
+    st.copy_(dst, [1, 2], stream=np.int64(0))
+    assert dst[:2].tolist() == [1, 2]
+    with pytest.raises(pinstage.PinstageValueError, match="0 to 2\\*\\*64 - 1"):
+        st.copy_(dst, [1], stream=np.int64(-1))
+
+
+def test_reprs_spell_booleans_and_modes_as_python_does():
+    st = pinstage.StepStager(pinstage.StepLayout({"a": ("int8", 4)}), mode="zero_copy" if pinstage.cuda_available() else "arena")
+    assert "cuda=True" in repr(st) or "cuda=False" in repr(st), repr(st)
+    assert "mode='" in repr(st), repr(st)
+    p = pinstage.copy_d2h_async(np.arange(4))
+    p.wait()
+    assert repr(p) == "PendingCopy(done=True)"
+    with pytest.raises(pinstage.PinstageValueError, match="mode = (arena|zero_copy):"):
+        pinstage.StepStager(pinstage.StepLayout({"a": ("int8", 4)})).slot_field(0, "a")
+
+
 def test_a_producer_whose_device_and_capsule_disagree_is_a_typed_error():
     class Liar:  # says CUDA device 0, exports a CPU capsule
         def __init__(self):

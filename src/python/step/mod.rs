@@ -103,15 +103,12 @@ fn skip_names(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<String>> {
 }
 
 fn parse_shape(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<usize>> {
-    let dims: Vec<i64> = if let Ok(n) = obj.extract::<i64>() {
-        vec![n]
-    } else {
-        obj.extract().map_err(|_| {
-            type_err(format!(
-                "field {name:?}: shape must be an int or a tuple of ints"
-            ))
-        })?
-    };
+    let dims = crate::python::args::shape_dims(obj)?.ok_or_else(|| {
+        type_err(format!(
+            "field {name:?}: shape must be an int or a tuple of ints, got {}",
+            crate::python::import::type_name(obj)
+        ))
+    })?;
     dims.iter()
         .map(|&d| {
             usize::try_from(d).map_err(|_| {
@@ -891,13 +888,13 @@ impl PyStepStager {
 
     fn __repr__(&self) -> String {
         format!(
-            "StepStager(mode={:?}, fields={}, nbytes={}, depth={}, device={}, cuda={})",
+            "StepStager(mode='{}', fields={}, nbytes={}, depth={}, device={}, cuda={})",
             self.mode(),
             self.inner.layout().len(),
             self.inner.layout().nbytes(),
             self.inner.depth(),
             self.inner.ordinal(),
-            self.inner.has_cuda()
+            crate::python::args::py_bool(self.inner.has_cuda())
         )
     }
 }
