@@ -424,6 +424,49 @@ def test_a_bound_arena_outlives_its_stager_through_its_exports():
     assert freed() is None, "the buffer outlived every export"
 
 
+@pytest.mark.parametrize("how", ["thread", "executor"])
+def test_a_step_left_open_by_an_exited_thread_frees_its_slot(how):
+    """Only its own thread may end a step; one that thread left open (kept alive by a list
+    here, by a Future's stored traceback there) held its slot for good, and every other
+    thread's stage() waited forever. The thread's exit now aborts it."""
+    st = pinstage.StepStager(pinstage.StepLayout({"a": ("int32", 8)}), depth=1)
+    kept = []
+
+    def work():
+        s = st.step()
+        s.put("a", [5])
+        kept.append(s)
+        if how == "executor":
+            s.put("a", [1.5])  # raises: the Future's traceback holds the step
+
+    if how == "thread":
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(work)
+        assert isinstance(fut.exception(), pinstage.PinstageValueError)
+    done = threading.Event()
+
+    def stage():
+        st.stage({"a": [1, 2]})
+        done.set()
+
+    threading.Thread(target=stage, daemon=True).start()
+    assert done.wait(10), "stage() still waits for the slot of a step whose thread exited"
+    assert st.read_field("a")[:2].tolist() == [1, 2]
+    s = kept[0]
+    assert repr(s) == "Step(aborted: its thread exited)"
+    s.abort()  # ended already: nothing to do, from any thread
+    for call in (lambda: s.put("a", [1]), s.commit, lambda: s.view("a")):
+        with pytest.raises(pinstage.StepStateError, match="thread that opened it exited"):
+            call()
+    assert st.stats()["aborted"] >= 1
+
+
 def test_many_threads_one_stager_every_step_checked():
     layout = pinstage.StepLayout({"a": ("int64", 512), "b": ("int32", 64)})
     st = pinstage.StepStager(layout, mode="fresh", depth=4)

@@ -485,16 +485,18 @@ impl PyStepStager {
         let stream = me.stream_of(stream)?;
         let raw = me.open(slf.py())?;
         me.count_open(std::thread::current().id(), true);
+        let state = Arc::new(Mutex::new(StepState {
+            raw: Some(raw),
+            views: Vec::new(),
+            block: None,
+            ended: open::Ended::Aborted,
+        }));
+        open::opened_here(&state, &me.inner);
         Ok(PyStep {
             stager: slf.clone().unbind(),
             thread: std::thread::current().id(),
             stream,
-            state: Mutex::new(StepState {
-                raw: Some(raw),
-                views: Vec::new(),
-                block: None,
-                ended: open::Ended::Aborted,
-            }),
+            state,
         })
     }
 }

@@ -99,6 +99,71 @@ pub(super) enum Ended {
     Committed,
     /// The commit was tried and failed (the slot was released all the same).
     Failed,
+    /// Aborted when the thread that opened it exited with it open.
+    ThreadExited,
+}
+
+/// A step open on this thread, as [`OPEN_HERE`] keeps it.
+struct OpenedHere {
+    state: std::sync::Weak<Mutex<StepState>>,
+    stager: Arc<StepStager>,
+}
+
+/// The steps open on one thread, aborted when the thread exits. Only the thread that opened a
+/// step may end it; one its thread left open (kept alive by a stored traceback, say) would
+/// otherwise hold its slot for good, and every other thread's `step()` / `stage()` would wait
+/// for it forever.
+struct OpenHere(std::cell::RefCell<Vec<OpenedHere>>);
+
+impl Drop for OpenHere {
+    fn drop(&mut self) {
+        // The thread is exiting (no GIL): only the slot is released; views handed out keep
+        // their writeable flag (documented), the Python objects are left alone.
+        for o in self.0.get_mut().drain(..) {
+            let Some(state) = o.state.upgrade() else {
+                continue;
+            };
+            let Some(mut g) = state.try_lock() else {
+                continue;
+            };
+            if let Some(raw) = g.raw.take() {
+                // No stream: the step's may be gone by now. A zero-copy step whose fields went
+                // to the device synchronizes the context instead (its readers complete first).
+                o.stager.abort_raw_on(raw, None);
+                g.ended = Ended::ThreadExited;
+            }
+        }
+    }
+}
+
+thread_local! {
+    static OPEN_HERE: OpenHere = const { OpenHere(std::cell::RefCell::new(Vec::new())) };
+}
+
+/// Registers a step just opened on this thread (see [`OpenHere`]).
+pub(super) fn opened_here(state: &Arc<Mutex<StepState>>, stager: &Arc<StepStager>) {
+    // `try_with`: a thread already exiting has no list; its step is ended by its owner.
+    let _ = OPEN_HERE.try_with(|l| {
+        let mut l = l.0.borrow_mut();
+        l.retain(|o| o.state.strong_count() > 0);
+        l.push(OpenedHere {
+            state: Arc::downgrade(state),
+            stager: Arc::clone(stager),
+        });
+    });
+}
+
+/// Forgets a step that ended on this thread.
+fn ended_here(state: &Arc<Mutex<StepState>>) {
+    let _ = OPEN_HERE.try_with(|l| {
+        if let Ok(mut l) = l.0.try_borrow_mut()
+            && let Some(i) = l
+                .iter()
+                .position(|o| std::ptr::eq(o.state.as_ptr(), Arc::as_ptr(state)))
+        {
+            l.swap_remove(i);
+        }
+    });
 }
 
 impl StepState {
@@ -108,6 +173,9 @@ impl StepState {
             Ended::Committed => "this step was already committed",
             Ended::Failed => "this step's commit failed (its slot was released); open a new step",
             Ended::Aborted => "this step was aborted",
+            Ended::ThreadExited => {
+                "this step was aborted when the thread that opened it exited with it open"
+            }
         }
     }
 }
@@ -124,12 +192,23 @@ pub struct PyStep {
     pub(super) stager: Py<PyStepStager>,
     pub(super) thread: ThreadId,
     pub(super) stream: StreamHandle<'static>,
-    pub(super) state: Mutex<StepState>,
+    /// Shared with the opening thread's list of open steps ([`OpenHere`]).
+    pub(super) state: Arc<Mutex<StepState>>,
 }
 
 impl PyStep {
     fn check_thread(&self) -> PyResult<()> {
         if std::thread::current().id() != self.thread {
+            if self
+                .state
+                .try_lock()
+                .is_some_and(|g| g.ended == Ended::ThreadExited)
+            {
+                return Err(Error::StepState(
+                    "this step was aborted when the thread that opened it exited with it open",
+                )
+                .into());
+            }
             return Err(Error::StepState(
                 "this step belongs to the thread that opened it; open a step per thread",
             )
@@ -151,9 +230,12 @@ impl PyStep {
         })
     }
 
-    /// Counts the step ended on its stager.
+    /// Counts the step ended on its stager and on its thread.
     fn ended(&self) {
         self.stager.get().count_open(self.thread, false);
+        if std::thread::current().id() == self.thread {
+            ended_here(&self.state);
+        }
     }
 
     fn with_open<R>(
@@ -387,11 +469,18 @@ impl PyStep {
     }
 
     /// Ends the step without sending anything; the slot is released untouched. Does nothing on
-    /// an ended step.
+    /// an ended step (one whose thread exited with it open included: that ended it).
     ///
     /// Raises:
-    ///     StepStateError: another thread.
+    ///     StepStateError: another thread, while the step is open.
     fn abort(&self) -> PyResult<()> {
+        if self
+            .state
+            .try_lock()
+            .is_some_and(|g| g.ended == Ended::ThreadExited)
+        {
+            return Ok(());
+        }
         self.check_thread()?;
         self.abort_inner()
     }
@@ -448,6 +537,7 @@ impl PyStep {
             (None, Ended::Committed) => "committed",
             (None, Ended::Failed) => "failed",
             (None, Ended::Aborted) => "aborted",
+            (None, Ended::ThreadExited) => "aborted: its thread exited",
         };
         format!("Step({state})")
     }
@@ -455,14 +545,15 @@ impl PyStep {
 
 impl Drop for PyStep {
     fn drop(&mut self) {
-        if let Some(raw) = self.state.get_mut().raw.take() {
+        let state = Arc::clone(&self.state);
+        let mut g = state.lock();
+        if let Some(raw) = g.raw.take() {
             self.stager.get().inner.abort_raw_on(raw, Some(self.stream));
             self.ended();
         }
         // Views handed out turn read-only here too: their slot is released.
-        let g = self.state.get_mut();
         if !g.views.is_empty() {
-            Python::attach(|py| Self::end(g, py));
+            Python::attach(|py| Self::end(&mut g, py));
         }
     }
 }
