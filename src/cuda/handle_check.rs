@@ -122,6 +122,15 @@ fn learn_in_current() -> Option<Option<usize>> {
     found
 }
 
+/// Learns the driver's stream layout now, if not yet: learning creates two streams, and a
+/// stream's creation waited for busy work of the context (run 2026-12-02 h: the first int handle
+/// checked behind a busy stream blocked its call ~0.5 s). The Python layer learns when it first
+/// uses a device, before a copy's hot path needs the answer.
+#[cfg(feature = "python")]
+pub(crate) fn learn_layout() {
+    let _ = back();
+}
+
 /// The offset, learnt on first use (`None`: the layout is unknown, for now or for good).
 fn back() -> Option<usize> {
     match decode(BACK.load(Relaxed)) {

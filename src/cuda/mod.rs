@@ -11,5 +11,5 @@ mod stream;
 pub use device::{Current, Device, cuda_available, current_device, device_count};
 pub use event::{Event, SlotEvent};
 #[cfg(feature = "python")]
-pub(crate) use handle_check::{Liveness, liveness};
+pub(crate) use handle_check::{Liveness, learn_layout, liveness};
 pub use stream::{Stream, StreamHandle};

@@ -62,6 +62,9 @@ fn device_state(ordinal: i32) -> Result<&'static DeviceState> {
         return Ok(s);
     }
     let device = Device::new(ordinal)?;
+    // Int stream handles are checked against the driver's layout, learnt from two streams made
+    // for it: made here, at the first use of a device, not behind a caller's busy stream.
+    crate::cuda::learn_layout();
     let pool = PinnedPool::new(
         &device,
         POOL_BUDGET.load(std::sync::atomic::Ordering::Relaxed),

@@ -19,6 +19,7 @@ import pinstage
 @pytest.mark.gpu
 def test_copies_on_another_thread_while_a_graph_is_captured_in_global_mode(gpu):
     torch = pytest.importorskip("torch")
+    driver = pytest.importorskip("cuda.bindings.driver")
     dev = torch.device("cuda", 0)
     n = 16384  # 64 KiB of int32 per copy: claims of a depth-2 ring find busy slots
     ws = torch.cuda.Stream()
@@ -35,6 +36,23 @@ def test_copies_on_another_thread_while_a_graph_is_captured_in_global_mode(gpu):
     errors, progress = [], [0]
     warm, stop = threading.Event(), threading.Event()
     last_ids = [None]
+    capture_stream = [None]
+    invalidated_after = []
+
+    def capture_status():
+        """The capture's status as the driver sees it (asking is allowed during a capture)."""
+        cs = capture_stream[0]
+        if cs is None:
+            return "none"
+        err, status = driver.cuStreamIsCapturing(driver.CUstream(cs.cuda_stream))
+        return status.name if err == driver.CUresult.CUDA_SUCCESS else f"error {err}"
+
+    def step(name, fn):
+        """Runs one worker call; notes the first after which the capture was invalidated."""
+        out = fn()
+        if not invalidated_after and capture_status().endswith("INVALIDATED"):
+            invalidated_after.append(name)
+        return out
 
     def worker():
         try:
@@ -43,40 +61,53 @@ def test_copies_on_another_thread_while_a_graph_is_captured_in_global_mode(gpu):
                 while not stop.is_set():
                     k += 1
                     vals = (np.arange(n, dtype=np.int32) * 7 + k).astype(np.int32)
-                    target.copy_(vals, stream=ws)
-                    host = pinstage.copy_d2h(dst, stream=ws)
+                    step("target.copy_", lambda: target.copy_(vals, stream=ws))
+                    host = step("copy_d2h", lambda: pinstage.copy_d2h(dst, stream=ws))
                     if not np.array_equal(host, vals):
                         raise AssertionError(f"round {k}: the device copy came back wrong")
-                    got = pinstage.copy_d2h_async(big, stream=ws).wait()
+                    got = step("copy_d2h_async().wait()", lambda: pinstage.copy_d2h_async(big, stream=ws).wait())
                     if not np.array_equal(got, big_want):
                         raise AssertionError(f"round {k}: the 4 MiB result is wrong")
                     step_vals = np.full(4096, k, dtype=np.int32)
-                    steps.stage({"ids": step_vals}, stream=ws)
+                    step("StepStager.stage", lambda: steps.stage({"ids": step_vals}, stream=ws))
+                    del host, got
                     last_ids[0] = step_vals
                     progress[0] = k
-                    warm.set()
+                    if k >= 5:  # the pools hold every block a round needs (no pinned allocation)
+                        warm.set()
         except BaseException as e:  # reported by the main thread
             errors.append(e)
             warm.set()
 
     th = threading.Thread(target=worker)
     th.start()
+    capture_error = None
     try:
-        assert warm.wait(30), "the worker did not finish a round"
+        assert warm.wait(30), "the worker did not finish its warm-up rounds"
         assert not errors, errors
         x = torch.ones(1 << 16, device=dev)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):  # capture_error_mode="global": torch's default
-            y = x * 3
-            before = progress[0]
-            t_end = time.monotonic() + 0.5
-            while time.monotonic() < t_end and not errors:
-                time.sleep(0.005)  # the GIL goes to the worker
-            during = progress[0] - before
+        graph = torch.cuda.graph(g)  # capture_error_mode="global": torch's default
+        capture_stream[0] = graph.capture_stream
+        try:
+            with graph:
+                y = x * 3
+                before = progress[0]
+                t_end = time.monotonic() + 0.5
+                while time.monotonic() < t_end and not errors:
+                    time.sleep(0.005)  # the GIL goes to the worker
+                during = progress[0] - before
+        except Exception as e:
+            capture_error = e
     finally:
         stop.set()
         th.join(60)
+        capture_stream[0] = None
     assert not errors, f"the worker failed during the capture: {errors[0]!r}"
+    assert capture_error is None, (
+        f"the capture was invalidated (first seen after the worker's {invalidated_after or ['?']}): "
+        f"{capture_error!r}"
+    )
     assert during >= 5, f"only {during} worker rounds ran during the capture: nothing proven"
     x.fill_(2.0)
     g.replay()

@@ -225,11 +225,14 @@ def test_a_result_freed_before_its_fill_on_another_stream_is_not_reused_under_it
     object, its int handle (torch.cuda.ExternalStream inside), and the legacy default stream
     while torch's current stream is another one.
 
-    torch's allocator keeps free blocks per stream; a stream with none cudaMalloc's a new
-    segment, and a device allocation waits for the busy legacy default stream (CUDA's implicit
-    synchronization), which drained `s` before the check in run 2026-12-02 d and this session's
-    first run. So the current stream's cache is filled first: every allocation below is served
-    from it, and only the allocator's stream bookkeeping decides whether `y` gets x's block."""
+    The precondition (the fill still pending when `y` is allocated) failed in some runs:
+    2026-12-02 d and g (an empty allocator cache on the current stream; cause not found:
+    benches/probe_alloc_sync.py shows torch's allocation does not wait for the busy stream) and
+    h (the int case: the call took the whole 0.5 s while each of its parts, and a second
+    call, took under 1 ms alone; the first int handle of the process was checked against the
+    driver's stream layout, learnt then from two streams created for it: pinstage now learns it
+    at a device's first use). The current stream's cache is filled first, so every allocation
+    below is served from it, and a failed precondition reports each part's time alone."""
     torch = pytest.importorskip("torch")
     n = 1 << 18
     src = pinstage.empty_pinned(n, "float32")  # pinned: one DMA, queued on s
@@ -259,9 +262,33 @@ def test_a_result_freed_before_its_fill_on_another_stream_is_not_reused_under_it
     reused = y.data_ptr() == freed
     s.synchronize()
     torch.cuda.synchronize()
+    if not pending:
+        # What blocked: each part of the call timed alone behind a busy s (~0.1 s).
+        h = s.cuda_stream if as_int is True else s
+
+        def busy_then(fn):
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(200_000_000)
+            t = time.perf_counter()
+            with torch.cuda.stream(current):
+                fn()
+            dt = (time.perf_counter() - t) * 1e3
+            torch.cuda.synchronize()
+            return f"{dt:.1f} ms"
+
+        tmp = torch.empty(n, dtype=torch.float32, device="cuda")
+        ext = torch.cuda.ExternalStream(s.cuda_stream) if as_int is True else s
+        parts = {
+            "is_pinned(src)": pinstage.is_pinned(src),
+            "copy_h2d": busy_then(lambda: pinstage.copy_h2d(tmp, src, stream=h)),
+            "empty+record_stream": busy_then(lambda: torch.empty(n, device="cuda").record_stream(ext)),
+            "__dlpack__(stream)": busy_then(lambda: tmp.__dlpack__(stream=s.cuda_stream)),
+            "to_device again": busy_then(lambda: pinstage.to_device(src, "torch", stream=h)),
+        }
     assert pending, (
         f"the fill was no longer pending when y was allocated: nothing proven "
-        f"(to_device took {(t1 - t0) * 1e3:.1f} ms, the rest {(t2 - t1) * 1e3:.1f} ms)"
+        f"(to_device took {(t1 - t0) * 1e3:.1f} ms, the rest {(t2 - t1) * 1e3:.1f} ms; "
+        f"alone: {parts})"
     )
     assert not reused, "the freed result's block was handed out while its fill was pending"
     assert (y == -7.0).all()
