@@ -37,9 +37,13 @@ pub(crate) unsafe fn mem_host_register(
         } else {
             0
         };
-    // SAFETY: caller's contract.
-    check("cuMemHostRegister", unsafe {
-        sys::cuMemHostRegister_v2(ptr, bytes, flags)
+    // Relaxed: see `capture_relaxed` (a page-locking call on this thread must not invalidate
+    // another thread's global-mode capture).
+    super::capture_relaxed(|| {
+        // SAFETY: caller's contract.
+        check("cuMemHostRegister", unsafe {
+            sys::cuMemHostRegister_v2(ptr, bytes, flags)
+        })
     })
 }
 
@@ -49,9 +53,12 @@ pub(crate) unsafe fn mem_host_register(
 /// 1. A context is current; `ptr` was registered by [`mem_host_register`] and no copy in flight
 ///    uses it.
 pub(crate) unsafe fn mem_host_unregister(ptr: *mut c_void) -> DResult<()> {
-    // SAFETY: caller's contract.
-    check("cuMemHostUnregister", unsafe {
-        sys::cuMemHostUnregister(ptr)
+    // Relaxed, as `mem_host_register`.
+    super::capture_relaxed(|| {
+        // SAFETY: caller's contract.
+        check("cuMemHostUnregister", unsafe {
+            sys::cuMemHostUnregister(ptr)
+        })
     })
 }
 
@@ -130,9 +137,12 @@ pub(crate) unsafe fn memcpy_batch_htod_async(
 /// 1. A context must be current on this thread.
 pub(crate) unsafe fn mem_host_alloc(bytes: usize, flags: u32) -> DResult<*mut c_void> {
     let mut ptr = std::ptr::null_mut();
-    // SAFETY: valid out-pointer; a context is current (caller).
-    check("cuMemHostAlloc", unsafe {
-        sys::cuMemHostAlloc(&mut ptr, bytes, flags)
+    // Relaxed, as `mem_host_register`.
+    super::capture_relaxed(|| {
+        // SAFETY: valid out-pointer; a context is current (caller).
+        check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut ptr, bytes, flags)
+        })
     })?;
     Ok(ptr)
 }
@@ -143,8 +153,9 @@ pub(crate) unsafe fn mem_host_alloc(bytes: usize, flags: u32) -> DResult<*mut c_
 /// 1. `ptr` came from [`mem_host_alloc`] and is freed once.
 /// 2. No copy in flight still reads or writes it.
 pub(crate) unsafe fn mem_free_host(ptr: *mut c_void) -> DResult<()> {
+    // Relaxed, as `mem_host_register`.
     // SAFETY: caller's contract.
-    check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(ptr) })
+    super::capture_relaxed(|| check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(ptr) }))
 }
 
 /// [cuMemAlloc](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
@@ -153,8 +164,9 @@ pub(crate) unsafe fn mem_free_host(ptr: *mut c_void) -> DResult<()> {
 /// 1. A context must be current on this thread.
 pub(crate) unsafe fn mem_alloc(bytes: usize) -> DResult<CUdeviceptr> {
     let mut ptr = 0;
+    // Relaxed, as `mem_host_register`.
     // SAFETY: valid out-pointer; a context is current (caller).
-    check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) })?;
+    super::capture_relaxed(|| check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }))?;
     Ok(ptr)
 }
 
@@ -163,8 +175,9 @@ pub(crate) unsafe fn mem_alloc(bytes: usize) -> DResult<CUdeviceptr> {
 /// # Safety
 /// 1. `ptr` came from [`mem_alloc`], is freed once, and no work in flight uses it.
 pub(crate) unsafe fn mem_free(ptr: CUdeviceptr) -> DResult<()> {
+    // Relaxed, as `mem_host_register`.
     // SAFETY: caller's contract.
-    check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
+    super::capture_relaxed(|| check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) }))
 }
 
 /// [cuMemcpyHtoDAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)

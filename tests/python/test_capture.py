@@ -5,8 +5,16 @@ event and stream queries and waits on every other thread, and each refusal also 
 capture. pinstage's queries and waits (a busy slot's event, a step's slot, a pending copy, a D2H
 result) run with their thread's capture mode relaxed: the worker's copies go on and are checked,
 and the capture ends intact. A build whose queries keep the thread's mode (the seeded bug
-`capture_strict`, `scripts/gpu-run broken-capture`) fails this test."""
+`capture_strict`, `scripts/gpu-run broken-capture`) fails this test.
 
+The scenario runs in a child process, as an engine would: a fresh process whose capture nothing
+else disturbs (in the suite, objects other tests left to the garbage collector could be freed
+during the capture on either thread), and whose failure (an invalidated capture leaves CUDA
+state that crashed a later test's JAX in run 2026-12-02 j) cannot take the suite down."""
+
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,8 +26,24 @@ import pinstage
 
 @pytest.mark.gpu
 def test_copies_on_another_thread_while_a_graph_is_captured_in_global_mode(gpu):
-    torch = pytest.importorskip("torch")
-    driver = pytest.importorskip("cuda.bindings.driver")
+    pytest.importorskip("torch")
+    pytest.importorskip("cuda.bindings.driver")
+    r = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "child"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=os.environ.copy(),
+    )
+    assert r.returncode == 0 and "scenario passed" in r.stdout, (
+        f"the child failed (rc={r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    )
+
+
+def scenario():
+    import torch
+    from cuda.bindings import driver
+
     dev = torch.device("cuda", 0)
     n = 16384  # 64 KiB of int32 per copy: claims of a depth-2 ring find busy slots
     ws = torch.cuda.Stream()
@@ -115,3 +139,8 @@ def test_copies_on_another_thread_while_a_graph_is_captured_in_global_mode(gpu):
     assert float(y.sum()) == 6.0 * x.numel(), "the captured graph does not replay x * 3"
     ws.synchronize()
     assert np.array_equal(ids.cpu().numpy(), last_ids[0]), "the last step did not land"
+    print("scenario passed")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["child"]:
+    scenario()
