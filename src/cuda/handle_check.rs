@@ -122,10 +122,9 @@ fn learn_in_current() -> Option<Option<usize>> {
     found
 }
 
-/// Learns the driver's stream layout now, if not yet: learning creates two streams, and a
-/// stream's creation waited for busy work of the context (run 2026-12-02 h: the first int handle
-/// checked behind a busy stream blocked its call ~0.5 s). The Python layer learns when it first
-/// uses a device, before a copy's hot path needs the answer.
+/// Learns the driver's stream layout now, if not yet (two streams created and destroyed): the
+/// Python layer learns it when it first uses a device, so the first int handle a copy is given
+/// does not pay for it.
 #[cfg(feature = "python")]
 pub(crate) fn learn_layout() {
     let _ = back();

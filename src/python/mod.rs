@@ -63,7 +63,7 @@ fn device_state(ordinal: i32) -> Result<&'static DeviceState> {
     }
     let device = Device::new(ordinal)?;
     // Int stream handles are checked against the driver's layout, learnt from two streams made
-    // for it: made here, at the first use of a device, not behind a caller's busy stream.
+    // for it: made here, at the first use of a device, not in a copy's call.
     crate::cuda::learn_layout();
     let pool = PinnedPool::new(
         &device,

@@ -225,14 +225,13 @@ def test_a_result_freed_before_its_fill_on_another_stream_is_not_reused_under_it
     object, its int handle (torch.cuda.ExternalStream inside), and the legacy default stream
     while torch's current stream is another one.
 
-    The precondition (the fill still pending when `y` is allocated) failed in some runs:
-    2026-12-02 d and g (an empty allocator cache on the current stream; cause not found:
-    benches/probe_alloc_sync.py shows torch's allocation does not wait for the busy stream) and
-    h (the int case: the call took the whole 0.5 s while each of its parts, and a second
-    call, took under 1 ms alone; the first int handle of the process was checked against the
-    driver's stream layout, learnt then from two streams created for it: pinstage now learns it
-    at a device's first use). The current stream's cache is filled first, so every allocation
-    below is served from it, and a failed precondition reports each part's time alone."""
+    The precondition (the fill still pending when `y` is allocated) failed in runs 2026-12-02
+    d, g, h, i and k, always in the second or third case: the call took the whole 0.5 s stall
+    while each of its parts, and a second call, took under 1 ms alone (i, k). The previous
+    case's pinned source, kept by pinstage until its copy completed, was freed by the next call
+    that reaped it, inside the timed call, and freeing pinned memory waits for the device's
+    queued work: with `empty_cache()` (a reap) before the stall all three cases passed (run l).
+    A failed precondition reports each part's time alone."""
     torch = pytest.importorskip("torch")
     n = 1 << 18
     src = pinstage.empty_pinned(n, "float32")  # pinned: one DMA, queued on s
@@ -244,6 +243,10 @@ def test_a_result_freed_before_its_fill_on_another_stream_is_not_reused_under_it
     with torch.cuda.stream(current):
         warm = [torch.empty(n, dtype=torch.float32, device="cuda") for _ in range(3)]
         del warm
+    # The previous case's pinned source lingers in pinstage until a call reaps it; freeing pinned
+    # memory waits for the device's work, so reaped inside the timed call it waited for the
+    # stall (run 2026-12-02 k: the first call took the whole 0.5 s, a second one 0.3 ms).
+    pinstage.empty_cache()
     torch.cuda.synchronize()
     with torch.cuda.stream(s):
         torch.cuda._sleep(1_000_000_000)  # s busy for ~0.5 s: the fill waits behind it
