@@ -17,7 +17,9 @@ Each one-write batch is checked: the slots are poisoned before it (through the G
 """
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -25,19 +27,16 @@ import torch
 
 import pinstage
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_step  # noqa: E402  (the engine step's fields)
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=20000)
 ap.add_argument("--rounds", type=int, default=7)
 args = ap.parse_args()
 
-ENGINE = {
-    "input_ids": ("int32", 8192),
-    "positions": ("int64", 8192),
-    "slot_mapping": ("int64", 8192),
-    "seq_lens": ("int32", 256),
-    "query_start_loc": ("int32", 257),
-    "block_table": ("int32", (256, 128)),
-}
+# The engine step's fields, as bench_step.py lays them out (dtype, capacity).
+ENGINE = {n: (dt, cap) for n, (dt, cap, _) in bench_step.ENGINE.items()}
 depth = 4
 st = pinstage.StepStager(pinstage.StepLayout(ENGINE), mode="zero_copy", depth=depth)
 s = torch.cuda.Stream()
