@@ -148,18 +148,23 @@ pub(crate) fn shape_dims(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
     if let Some(n) = dim(obj)? {
         return Ok(Some(vec![n]));
     }
+    // A sequence (a tuple, a list, a numpy array): not a set, a dict or an iterator, whose order
+    // or contents a shape must not depend on.
     if obj.is_instance_of::<pyo3::types::PyString>()
         || obj.is_instance_of::<pyo3::types::PyBytes>()
+        || obj.is_instance_of::<pyo3::types::PyByteArray>()
         || obj.is_instance_of::<pyo3::types::PyBool>()
     {
         return Ok(None);
     }
-    let Ok(items) = obj.try_iter() else {
+    // SAFETY: a live object, GIL held; PySequence_Check only looks at its type (0 for dicts
+    // and sets; 1 for tuples, lists, numpy arrays).
+    if unsafe { pyo3::ffi::PySequence_Check(obj.as_ptr()) } != 1 {
         return Ok(None);
-    };
+    }
     let mut out = Vec::new();
-    for item in items {
-        match dim(&item?)? {
+    for i in 0..obj.len()? {
+        match dim(&obj.get_item(i)?)? {
             Some(n) => out.push(n),
             None => return Ok(None),
         }

@@ -63,8 +63,9 @@ pub(crate) fn drop_with_gil(imp: Imported) {
         // follow); every interpreter this abi3 wheel loads into has it.
         fn PyGILState_Check() -> std::ffi::c_int;
     }
-    // SAFETY: PyGILState_Check may be called from any thread, with or without the GIL.
-    if unsafe { PyGILState_Check() } == 1 {
+    // SAFETY: both may be called from any thread, with or without the GIL. PyGILState_Check
+    // answers 1 on any thread once the interpreter is finalized (3.9-3.12): asked second.
+    if unsafe { pyo3::ffi::Py_IsInitialized() } != 0 && unsafe { PyGILState_Check() } == 1 {
         drop(imp);
         return;
     }

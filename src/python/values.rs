@@ -302,7 +302,17 @@ fn convert_with_numpy<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<Val
     }
     // Kind 'V' is let through for ml_dtypes' types (bfloat16...); structured and raw void
     // values (numpy.void) hold no numbers.
-    if kind == b'V' && arr.dtype().getattr("type")?.is(np.getattr("void")?) {
+    if kind == b'V'
+        && arr
+            .dtype()
+            .getattr("type")?
+            .cast::<pyo3::types::PyType>()
+            .is_ok_and(|t| {
+                np.getattr("void")
+                    .and_then(|v| t.is_subclass(&v))
+                    .unwrap_or(false)
+            })
+    {
         return Err(type_err(format!(
             "values of numpy dtype {} (structured or void) cannot be copied as {d}",
             arr.dtype().str()?

@@ -444,8 +444,13 @@ def test_an_index_that_raises_other_than_type_error_propagates():
 
 @pytest.mark.parametrize(
     "values",
-    [np.zeros(3, dtype=[("a", "i4"), ("b", "i4")]), np.ones(3, dtype=[("a", "i4")]), np.zeros(3, "V4")],
-    ids=["structured", "one-field", "void"],
+    [
+        np.zeros(3, dtype=[("a", "i4"), ("b", "i4")]),
+        np.ones(3, dtype=[("a", "i4")]),
+        np.zeros(3, "V4"),
+        np.ones(3, dtype=np.dtype((np.record, [("a", "i4")]))),
+    ],
+    ids=["structured", "one-field", "void", "record"],
 )
 def test_structured_and_void_values_are_typed_errors_with_nothing_written(values):
     st = pinstage.PinnedStager("int32", numel=8, depth=2)
@@ -461,7 +466,7 @@ def test_structured_and_void_values_are_typed_errors_with_nothing_written(values
 
 
 def test_shapes_take_ints_and_numpy_integers_never_bools_or_bytes():
-    for bad in (True, (True, 3), b"\x04", "4", (2, 2.0), None):
+    for bad in (True, (True, 3), b"\x04", "4", (2, 2.0), None, {3, 2}, {2: 0}, (d for d in (2, 3))):
         with pytest.raises(pinstage.PinstageTypeError, match="shape must be"):
             pinstage.empty_host(bad, "int8")
         with pytest.raises(pinstage.PinstageTypeError, match="shape must be"):
@@ -469,6 +474,7 @@ def test_shapes_take_ints_and_numpy_integers_never_bools_or_bytes():
     with pytest.raises(pinstage.PinstageValueError, match="out of range"):
         pinstage.empty_host(2**63, "int8")
     assert pinstage.empty_host((np.int64(2), 3), "int8").shape == (2, 3)
+    assert pinstage.empty_host(np.array([2, 3]), "int8").shape == (2, 3)
     assert pinstage.StepLayout({"a": ("int8", (np.uint8(2), 3))}).fields[0]["shape"] == (2, 3)
     with pytest.raises(pinstage.PinstageTypeError, match="address"):
         pinstage.is_pinned(True)

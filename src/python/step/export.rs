@@ -68,8 +68,10 @@ pub struct StepTensor {
     pub(super) shape: Vec<i64>,
     /// CUDA ordinal; None: host memory.
     pub(super) device: Option<i32>,
-    pub(super) keep: Keep,
+    /// Dropped before `keep` (fields drop in order): the stager's last owner must be `keep`, so
+    /// its drop waits for the commits into a bound arena before the arena is let go.
     pub(super) sync: Order,
+    pub(super) keep: Keep,
 }
 
 impl StepTensor {

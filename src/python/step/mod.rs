@@ -361,7 +361,7 @@ pub struct PyStepStager {
     pub(super) descrs: Vec<Option<Py<numpy::PyArrayDescr>>>,
     /// Open `Step` objects per thread: a thread whose own open steps hold every slot would wait
     /// for itself forever, so its next step is refused instead.
-    pub(super) open_steps: parking_lot::Mutex<Vec<(std::thread::ThreadId, usize)>>,
+    pub(super) open_steps: Arc<OpenSteps>,
 }
 
 /// Calls `f` on each (key, value) of `d` in order; a dict that changes size meanwhile (a
@@ -409,6 +409,25 @@ fn mode_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<StepMode> {
         _ => Err(value_err(format!(
             "mode={s:?}: expected 'arena', 'fresh' or 'zero_copy'"
         ))),
+    }
+}
+
+/// Steps open per thread on one stager (a thread's own would never end while it waited).
+pub(super) type OpenSteps = parking_lot::Mutex<Vec<(std::thread::ThreadId, usize)>>;
+
+/// Counts a `Step` opened (`true`) or ended (`false`) on `thread`.
+pub(super) fn count_open_in(steps: &OpenSteps, thread: std::thread::ThreadId, opened: bool) {
+    let mut v = steps.lock();
+    match v.iter().position(|(t, _)| *t == thread) {
+        Some(i) if opened => v[i].1 += 1,
+        Some(i) => {
+            v[i].1 -= 1;
+            if v[i].1 == 0 {
+                v.swap_remove(i);
+            }
+        }
+        None if opened => v.push((thread, 1)),
+        None => {}
     }
 }
 
@@ -466,21 +485,13 @@ impl PyStepStager {
 
     /// Counts a `Step` opened (`true`) or ended (`false`) on `thread`.
     pub(super) fn count_open(&self, thread: std::thread::ThreadId, opened: bool) {
-        let mut v = self.open_steps.lock();
-        match v.iter().position(|(t, _)| *t == thread) {
-            Some(i) if opened => v[i].1 += 1,
-            Some(i) => {
-                v[i].1 -= 1;
-                if v[i].1 == 0 {
-                    v.swap_remove(i);
-                }
-            }
-            None if opened => v.push((thread, 1)),
-            None => {}
-        }
+        count_open_in(&self.open_steps, thread, opened);
     }
 
     fn new_step(slf: &Bound<'_, Self>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<PyStep> {
+        // A bound arena let go without the GIL lingers until a call reaps it (one load when
+        // nothing lingers).
+        crate::python::linger::reap(slf.py());
         let me = slf.get();
         let stream = me.stream_of(stream)?;
         let raw = me.open(slf.py())?;
@@ -491,7 +502,7 @@ impl PyStepStager {
             block: None,
             ended: open::Ended::Aborted,
         }));
-        open::opened_here(&state, &me.inner);
+        open::opened_here(&state, &me.inner, &me.open_steps);
         Ok(PyStep {
             stager: slf.clone().unbind(),
             thread: std::thread::current().id(),
@@ -516,6 +527,7 @@ impl PyStepStager {
         max_gap: Option<&Bound<'_, PyAny>>,
         batch: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        crate::python::linger::reap(py);
         let batch = match batch.filter(|b| !b.is_none()) {
             None => true,
             Some(b) => b
@@ -593,7 +605,7 @@ impl PyStepStager {
             names,
             name_index: name_index.unbind(),
             descrs,
-            open_steps: parking_lot::Mutex::new(Vec::new()),
+            open_steps: Arc::new(parking_lot::Mutex::new(Vec::new())),
         })
     }
 
@@ -646,6 +658,7 @@ impl PyStepStager {
         rows: Option<&Bound<'_, PyAny>>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<Py<StepTensor>>> {
+        crate::python::linger::reap(slf.py());
         let fields = dict_arg(Some(fields), "fields")?
             .ok_or_else(|| type_err("fields must be a dict {field name: values}, got None"))?;
         let pad_values = dict_arg(pad_values, "pad_values")?;

@@ -103,10 +103,12 @@ pub(super) enum Ended {
     ThreadExited,
 }
 
-/// A step open on this thread, as [`OPEN_HERE`] keeps it.
+/// A step open on this thread, as [`OPEN_HERE`] keeps it: weak references only (an open step's
+/// `Step` keeps its stager alive; an entry must not).
 struct OpenedHere {
     state: std::sync::Weak<Mutex<StepState>>,
-    stager: Arc<StepStager>,
+    stager: std::sync::Weak<StepStager>,
+    counts: std::sync::Weak<super::OpenSteps>,
 }
 
 /// The steps open on one thread, aborted when the thread exits. Only the thread that opened a
@@ -119,18 +121,29 @@ impl Drop for OpenHere {
     fn drop(&mut self) {
         // The thread is exiting (no GIL): only the slot is released; views handed out keep
         // their writeable flag (documented), the Python objects are left alone.
+        let me = std::thread::current().id();
         for o in self.0.get_mut().drain(..) {
-            let Some(state) = o.state.upgrade() else {
+            let (Some(state), Some(stager)) = (o.state.upgrade(), o.stager.upgrade()) else {
                 continue;
             };
-            let Some(mut g) = state.try_lock() else {
-                continue;
+            // Waits for a call of the step's running elsewhere (a repr, a getter): none waits
+            // for this thread while holding the lock.
+            let raw = {
+                let mut g = state.lock();
+                let raw = g.raw.take();
+                if raw.is_some() {
+                    g.ended = Ended::ThreadExited;
+                }
+                raw
             };
-            if let Some(raw) = g.raw.take() {
-                // No stream: the step's may be gone by now. A zero-copy step whose fields went
-                // to the device synchronizes the context instead (its readers complete first).
-                o.stager.abort_raw_on(raw, None);
-                g.ended = Ended::ThreadExited;
+            if let Some(raw) = raw {
+                // Outside the lock. No stream: the step's may be gone by now; a zero-copy step
+                // whose fields went to the device synchronizes the context instead (its readers
+                // complete first).
+                stager.abort_raw_on(raw, None);
+                if let Some(counts) = o.counts.upgrade() {
+                    super::count_open_in(&counts, me, false);
+                }
             }
         }
     }
@@ -141,14 +154,19 @@ thread_local! {
 }
 
 /// Registers a step just opened on this thread (see [`OpenHere`]).
-pub(super) fn opened_here(state: &Arc<Mutex<StepState>>, stager: &Arc<StepStager>) {
+pub(super) fn opened_here(
+    state: &Arc<Mutex<StepState>>,
+    stager: &Arc<StepStager>,
+    counts: &Arc<super::OpenSteps>,
+) {
     // `try_with`: a thread already exiting has no list; its step is ended by its owner.
     let _ = OPEN_HERE.try_with(|l| {
         let mut l = l.0.borrow_mut();
         l.retain(|o| o.state.strong_count() > 0);
         l.push(OpenedHere {
             state: Arc::downgrade(state),
-            stager: Arc::clone(stager),
+            stager: Arc::downgrade(stager),
+            counts: Arc::downgrade(counts),
         });
     });
 }
