@@ -30,14 +30,21 @@ pub enum StepMode {
     ZeroCopy,
 }
 
-impl std::fmt::Display for StepMode {
+impl StepMode {
     /// The mode as the Python API spells it: `arena`, `fresh`, `zero_copy`.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
+    pub fn name(self) -> &'static str {
+        match self {
             StepMode::Arena => "arena",
             StepMode::Fresh => "fresh",
             StepMode::ZeroCopy => "zero_copy",
-        })
+        }
+    }
+}
+
+impl std::fmt::Display for StepMode {
+    /// [`StepMode::name`].
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 

@@ -52,6 +52,7 @@ def scenario():
     target = stager.target(dst)
     big = torch.arange(1 << 20, dtype=torch.float32, device=dev) * 3  # 4 MiB
     big_want = np.arange(1 << 20, dtype=np.float32) * 3
+    big_out = pinstage.empty_pinned(1 << 20, np.float32)  # poisoned before every copy
     layout = pinstage.StepLayout({"ids": ("int32", 4096)})
     steps = pinstage.StepStager(layout, depth=2)
     ids = torch.from_dlpack(steps.field("ids"))
@@ -89,8 +90,12 @@ def scenario():
                     host = step("copy_d2h", lambda: pinstage.copy_d2h(dst, stream=ws))
                     if not np.array_equal(host, vals):
                         raise AssertionError(f"round {k}: the device copy came back wrong")
-                    got = step("copy_d2h_async().wait()", lambda: pinstage.copy_d2h_async(big, stream=ws).wait())
-                    if not np.array_equal(got, big_want):
+                    big_out.fill(-5.0)
+                    got = step(
+                        "copy_d2h_async().wait()",
+                        lambda: pinstage.copy_d2h_async(big, big_out, stream=ws).wait(),
+                    )
+                    if not np.array_equal(big_out, big_want):
                         raise AssertionError(f"round {k}: the 4 MiB result is wrong")
                     step_vals = np.full(4096, k, dtype=np.int32)
                     step("StepStager.stage", lambda: steps.stage({"ids": step_vals}, stream=ws))

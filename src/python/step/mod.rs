@@ -876,11 +876,7 @@ impl PyStepStager {
     /// ``"arena"``, ``"fresh"`` or ``"zero_copy"``.
     #[getter]
     fn mode(&self) -> &'static str {
-        match self.inner.mode() {
-            StepMode::Arena => "arena",
-            StepMode::Fresh => "fresh",
-            StepMode::ZeroCopy => "zero_copy",
-        }
+        self.inner.mode().name()
     }
 
     /// Number of slots.

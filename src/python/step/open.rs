@@ -103,6 +103,12 @@ pub(super) enum Ended {
     ThreadExited,
 }
 
+impl Ended {
+    /// What a call of a step aborted at its thread's exit is told.
+    const THREAD_EXITED: &'static str =
+        "this step was aborted when the thread that opened it exited with it open";
+}
+
 /// A step open on this thread, as [`OPEN_HERE`] keeps it: weak references only (an open step's
 /// `Step` keeps its stager alive; an entry must not).
 struct OpenedHere {
@@ -191,9 +197,7 @@ impl StepState {
             Ended::Committed => "this step was already committed",
             Ended::Failed => "this step's commit failed (its slot was released); open a new step",
             Ended::Aborted => "this step was aborted",
-            Ended::ThreadExited => {
-                "this step was aborted when the thread that opened it exited with it open"
-            }
+            Ended::ThreadExited => Ended::THREAD_EXITED,
         }
     }
 }
@@ -215,17 +219,17 @@ pub struct PyStep {
 }
 
 impl PyStep {
+    /// Whether the step was aborted when its thread exited with it open.
+    fn thread_exited(&self) -> bool {
+        self.state
+            .try_lock()
+            .is_some_and(|g| g.ended == Ended::ThreadExited)
+    }
+
     fn check_thread(&self) -> PyResult<()> {
         if std::thread::current().id() != self.thread {
-            if self
-                .state
-                .try_lock()
-                .is_some_and(|g| g.ended == Ended::ThreadExited)
-            {
-                return Err(Error::StepState(
-                    "this step was aborted when the thread that opened it exited with it open",
-                )
-                .into());
+            if self.thread_exited() {
+                return Err(Error::StepState(Ended::THREAD_EXITED).into());
             }
             return Err(Error::StepState(
                 "this step belongs to the thread that opened it; open a step per thread",
@@ -492,11 +496,7 @@ impl PyStep {
     /// Raises:
     ///     StepStateError: another thread, while the step is open.
     fn abort(&self) -> PyResult<()> {
-        if self
-            .state
-            .try_lock()
-            .is_some_and(|g| g.ended == Ended::ThreadExited)
-        {
+        if self.thread_exited() {
             return Ok(());
         }
         self.check_thread()?;
