@@ -1,8 +1,11 @@
 //! Events: one type, recycled through its device.
 
+use std::time::{Duration, Instant};
+
 use crate::driver::{self, CUevent};
 use crate::error::Result;
 
+use super::wait::{Backoff, wait_until};
 use super::{Current, Device, StreamHandle};
 
 /// A CUDA event with timing disabled. Events are recycled: a dropped event goes back to its
@@ -68,15 +71,31 @@ impl Event {
         Ok(unsafe { driver::event::event_query(self.raw) }?)
     }
 
-    /// Blocks until the work captured by the last record completed.
+    /// Blocks until the work captured by the last record completed, as
+    /// [`Event::wait_expecting`] with no expected time (busy for the first millisecond).
     ///
     /// # Errors
     /// [`Error::Driver`](crate::Error::Driver) if that work failed.
     #[inline]
     pub fn synchronize(&self) -> Result<()> {
-        // SAFETY: our live event.
-        unsafe { driver::event::event_synchronize(self.raw) }?;
-        Ok(())
+        self.wait_expecting(Duration::ZERO)
+    }
+
+    /// Blocks until the work captured by the last record completed, which should take about
+    /// `expected`: the event is asked again and again (spinning, then yielding the core) for
+    /// about that long, then between sleeps of at most a sixteenth of the time waited so far
+    /// (at most 1 ms), so a long wait costs no core and oversleeps by a small fraction.
+    ///
+    /// # Errors
+    /// [`Error::Driver`](crate::Error::Driver) if that work failed.
+    pub fn wait_expecting(&self, expected: Duration) -> Result<()> {
+        self.wait_until(&Backoff::new(expected), None).map(|_| ())
+    }
+
+    /// Waits as `backoff` says until the event completed (`Ok(true)`) or `until` passed
+    /// (`Ok(false)`).
+    pub(crate) fn wait_until(&self, backoff: &Backoff, until: Option<Instant>) -> Result<bool> {
+        wait_until(backoff, until, || self.query())
     }
 
     /// Makes later work on `stream` wait for this event on the device (no host wait).

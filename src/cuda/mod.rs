@@ -7,6 +7,7 @@ mod event;
 #[cfg(any(feature = "python", test))]
 mod handle_check;
 mod stream;
+pub(crate) mod wait;
 
 pub use device::{Current, Device, cuda_available, current_device, device_count};
 pub use event::{Event, SlotEvent};

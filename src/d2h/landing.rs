@@ -10,6 +10,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::cuda::wait::Backoff;
 use crate::cuda::{Current, Device, StreamHandle};
 use crate::driver;
 use crate::error::Result;
@@ -190,9 +191,9 @@ impl<'s> Waiter<'s> {
         }
     }
 
-    /// Waits until the copy landed: flat out for up to 200 µs, then yielding the core up to 2 ms,
-    /// then sleeping an eighth of the time waited so far (at most 0.5 ms) between looks; the
-    /// driver is asked about the stream every millisecond, so a failed context or copy reports
+    /// Waits until the copy landed: flat out for up to 200 µs, then on the schedule of every
+    /// pinstage wait ([`Backoff`]: yielding the core, then sleeping at most a sixteenth of the
+    /// time waited between looks); the driver is asked about the stream every millisecond, so a failed context or copy reports
     /// its error instead of waiting forever. A refusal because another thread captures a CUDA
     /// graph is no failure: the copy still runs, the wait goes on.
     ///
@@ -205,8 +206,8 @@ impl<'s> Waiter<'s> {
         if self.landed.load(Ordering::Relaxed) || self.spin(SPIN) {
             return Ok(());
         }
-        let start = Instant::now();
-        let mut asked = start;
+        let backoff = Backoff::new(Duration::ZERO);
+        let mut asked = Instant::now();
         loop {
             if self.claim.landed() {
                 count(0);
@@ -221,12 +222,7 @@ impl<'s> Waiter<'s> {
                     Err(e) => return Err(e),
                 }
             }
-            let waited = start.elapsed();
-            if waited < Duration::from_millis(2) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep((waited / 8).min(Duration::from_micros(500)));
-            }
+            backoff.pause();
         }
         self.landed.store(true, Ordering::Relaxed);
         Ok(())

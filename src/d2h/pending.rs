@@ -36,6 +36,8 @@ unsafe impl HostRegion for Vec<u8> {
 pub struct PendingCopy<B: HostRegion> {
     buf: Option<B>,
     event: Option<Event>,
+    /// About how long the copy takes once it runs (how long a wait stays busy).
+    expected: std::time::Duration,
 }
 
 impl<B: HostRegion> PendingCopy<B> {
@@ -53,7 +55,7 @@ impl<B: HostRegion> PendingCopy<B> {
     /// handed back, since the driver did not say that the copy stopped writing it.
     pub fn wait(mut self) -> Result<B> {
         let r = match self.event.take() {
-            Some(e) => e.synchronize(),
+            Some(e) => e.wait_expecting(self.expected),
             None => Ok(()),
         };
         let buf = self.buf.take().expect("buffer present until wait");
@@ -101,5 +103,6 @@ pub fn copy_d2h_async<B: HostRegion>(
     Ok(PendingCopy {
         buf: Some(dst),
         event: done.into_event()?,
+        expected: crate::cuda::wait::copy_time(src.nbytes()),
     })
 }

@@ -69,8 +69,8 @@ pub(crate) fn ctx_get_device() -> DResult<CUdevice> {
 /// [cuCtxSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html):
 /// blocks until all work queued in the current context, on every stream, completed.
 pub(crate) fn ctx_synchronize() -> DResult<()> {
-    // SAFETY: no arguments; with no current context the driver returns an error. Relaxed, as
-    // `event_synchronize`.
+    // SAFETY: no arguments; with no current context the driver returns an error. Relaxed
+    // (`capture_relaxed`): a wait that guards memory must not be refused.
     super::capture_relaxed(|| check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() }))
 }
 

@@ -42,8 +42,8 @@ pub(crate) unsafe fn event_record(ev: CUevent, stream: CUstream) -> DResult<()> 
 /// # Safety
 /// 1. `ev` is live.
 pub(crate) unsafe fn event_query(ev: CUevent) -> DResult<bool> {
-    // SAFETY: caller's contract. Relaxed, as `event_synchronize`: a refused query would also
-    // invalidate the other thread's capture.
+    // SAFETY: caller's contract. Relaxed (`capture_relaxed`): a refused query would
+    // invalidate another thread's global-mode capture.
     super::capture_relaxed(|| match unsafe { sys::cuEventQuery(ev) } {
         sys::CUresult::CUDA_SUCCESS => Ok(true),
         sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
@@ -52,14 +52,4 @@ pub(crate) unsafe fn event_query(ev: CUevent) -> DResult<bool> {
             code,
         }),
     })
-}
-
-/// [cuEventSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html)
-///
-/// # Safety
-/// 1. `ev` is live.
-pub(crate) unsafe fn event_synchronize(ev: CUevent) -> DResult<()> {
-    // SAFETY: caller's contract. Relaxed: a wait that guards memory must not be refused by
-    // another thread's global-mode capture (`capture_relaxed`).
-    super::capture_relaxed(|| check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(ev) }))
 }

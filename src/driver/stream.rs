@@ -32,7 +32,7 @@ pub(crate) unsafe fn stream_destroy(s: CUstream) -> DResult<()> {
 /// # Safety
 /// 1. `s` is a live stream of the current context (or null).
 pub(crate) unsafe fn stream_synchronize(s: CUstream) -> DResult<()> {
-    // Relaxed, as `event_synchronize`.
+    // Relaxed (`capture_relaxed`): a wait that guards memory must not be refused.
     super::capture_relaxed(|| {
         // SAFETY: caller's contract.
         check("cuStreamSynchronize", unsafe {

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crossbeam_utils::CachePadded;
 
+use crate::cuda::wait::copy_time;
 use crate::cuda::{Current, Device, Event, StreamHandle};
 use crate::driver;
 use crate::error::{Error, Result};
@@ -337,7 +338,8 @@ impl Upload<'_, '_> {
         // last copy must fail the GPU tests.)
         #[cfg(not(pinstage_seeded_bug = "units_no_wait"))]
         if self.free[s].load(Ordering::Acquire) <= round {
-            slot.busy.synchronize()?;
+            // The copy waited for is of at most a slot's bytes.
+            slot.busy.wait_expecting(copy_time(slot.buf.len()))?;
             self.free[s].fetch_max(round + 1, Ordering::Release);
         }
         // SAFETY: this range of slot `s` (`at..at+len`, 64 KiB-aligned, within the slot's
@@ -388,7 +390,7 @@ pub fn copy_h2d(
     // SAFETY: `src` is borrowed until we return, and we wait for the copy first.
     let (path, event) = unsafe { start_h2d(device, dst, src.as_ptr(), src.len(), stream) }?;
     if let Some(ev) = event {
-        ev.synchronize()?;
+        ev.wait_expecting(copy_time(src.len()))?;
     }
     Ok(path)
 }

@@ -212,13 +212,17 @@ pub(crate) struct PendingCopy {
     array: Py<PyAny>,
     /// The source, kept alive (a pinned H2D source unchanged) until the copy completed.
     src: Mutex<Option<Imported>>,
+    /// About how long the copy takes once it runs: how long a wait stays busy.
+    expected: Duration,
 }
 
 impl PendingCopy {
+    /// A copy of `src`'s bytes that completes with `event` (`None`: completed).
     pub(crate) fn new(event: Option<Event>, array: Py<PyAny>, src: Imported) -> Self {
         Self {
             event: Mutex::new(event.map(Arc::new)),
             array,
+            expected: crate::cuda::wait::copy_time(src.view.nbytes()),
             src: Mutex::new(Some(src)),
         }
     }
@@ -287,7 +291,7 @@ impl PendingCopy {
         };
         let ev = self.event.lock().clone();
         if let Some(ev) = ev {
-            let done = wait_interruptibly(py, &ev, deadline);
+            let done = wait_interruptibly(py, &ev, deadline, self.expected);
             if !matches!(done, Ok(true)) {
                 done?;
                 return Err(pyo3::exceptions::PyTimeoutError::new_err(format!(

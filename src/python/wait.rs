@@ -5,42 +5,30 @@ use std::time::{Duration, Instant};
 use pyo3::prelude::*;
 
 use crate::cuda::Event;
+use crate::cuda::wait::Backoff;
 
 /// How long a wait runs without the GIL before it takes it back to let Python handle signals.
 const SIGNAL_CHECK: Duration = Duration::from_millis(20);
-/// The longest nap between two queries of the event.
-const MAX_NAP: Duration = Duration::from_micros(100);
 
 /// Waits until `ev` completed (`Ok(true)`) or `deadline` passed (`Ok(false)`), with the GIL
-/// released; every [`SIGNAL_CHECK`] it runs Python's signal handlers, so Ctrl-C raises
-/// `KeyboardInterrupt` here within about 20 ms while the copy keeps running, still guarded by
-/// whoever owns it.
+/// released, on the schedule of [`Backoff`] for work expected to take `expected`; every
+/// [`SIGNAL_CHECK`] it runs Python's signal handlers, so Ctrl-C raises `KeyboardInterrupt` here
+/// within about 20 ms while the copy keeps running, still guarded by whoever owns it.
 pub(crate) fn wait_interruptibly(
     py: Python<'_>,
     ev: &Event,
     deadline: Option<Instant>,
+    expected: Duration,
 ) -> PyResult<bool> {
+    // Done already (or failed): no need to give the GIL away.
+    if ev.query()? {
+        return Ok(true);
+    }
+    let backoff = Backoff::new(expected);
     loop {
         let until = Instant::now() + SIGNAL_CHECK;
         let until = deadline.map_or(until, |d| d.min(until));
-        let done = py.detach(|| -> crate::Result<bool> {
-            let mut nap = Duration::from_micros(2);
-            loop {
-                if ev.query()? {
-                    return Ok(true);
-                }
-                if Instant::now() >= until {
-                    return Ok(false);
-                }
-                if nap < Duration::from_micros(20) {
-                    std::thread::yield_now();
-                } else {
-                    std::thread::sleep(nap);
-                }
-                nap = (nap * 2).min(MAX_NAP);
-            }
-        })?;
-        if done {
+        if py.detach(|| ev.wait_until(&backoff, Some(until)))? {
             return Ok(true);
         }
         py.check_signals()?;
@@ -64,14 +52,11 @@ pub(crate) fn slot_wait(
     ev: &Event,
     interrupt: &mut Option<PyErr>,
 ) -> crate::Result<()> {
-    let t0 = Instant::now();
-    while t0.elapsed() < SPIN_BEFORE_DETACH {
-        if ev.query()? {
-            return Ok(());
-        }
-        std::hint::spin_loop();
+    let spin = Backoff::new(Duration::ZERO);
+    if ev.wait_until(&spin, Some(Instant::now() + SPIN_BEFORE_DETACH))? {
+        return Ok(());
     }
-    match wait_interruptibly(py, ev, None) {
+    match wait_interruptibly(py, ev, None, Duration::ZERO) {
         Ok(_) => Ok(()),
         Err(e) => {
             *interrupt = Some(e);
