@@ -82,6 +82,7 @@ pub use h2d::{
 pub use host::{
     BOUNCE_CHUNK, BOUNCE_DEPTH, DEFAULT_BUDGET, PinnedBuffer, PinnedFlags, PinnedPool, PoolBlock,
     PoolStats, Registered, is_pinned, live_pinned_bytes, release_bounce_buffers, size_class,
+    wait_for_frees,
 };
 pub use nvtx::{NvtxRange, nvtx_available};
 pub use step::{

@@ -605,24 +605,24 @@ impl SlotOwner for CudaOwner<'_, '_, '_, '_, '_> {
 }
 
 impl Drop for Stager {
+    /// Slots whose last copies may still run go to the reaper thread, which frees them once
+    /// those copies completed (never here: the drop does not wait for the device).
     fn drop(&mut self) {
-        let mut failed = false;
-        for i in 0..self.slots.len() {
-            if self.ring.is_in_flight(i)
-                && let Err(err) = self.slots[i].event.synchronize()
-            {
-                failed = true;
-                // Drop never panics: the error is recorded.
-                if let Error::Driver(e) = err {
-                    crate::error::record_drop_error(e);
-                }
+        let busy: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| self.ring.is_in_flight(i))
+            .collect();
+        if busy.is_empty() {
+            return;
+        }
+        // The slots and their arena: parts of this `Send` stager, given up together.
+        let parts = crate::host::reaper::Owned((std::mem::take(&mut self.slots), self._arena.take()));
+        crate::host::reaper::defer(move || {
+            let parts = parts;
+            if !crate::host::reaper::waited(busy.iter().map(|&i| &parts.0.0[i].event)) {
+                // Never free a buffer a copy may still read: the driver did not say it stopped.
+                std::mem::forget(parts);
             }
-        }
-        if failed {
-            // Never free a buffer a copy may still read: the driver did not say it stopped.
-            std::mem::forget(std::mem::take(&mut self.slots));
-            std::mem::forget(self._arena.take());
-        }
+        });
     }
 }
 

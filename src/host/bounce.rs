@@ -8,7 +8,7 @@ use parking_lot::Mutex;
 
 use super::{PinnedBuffer, PinnedFlags};
 use crate::cuda::{Current, Device, Event};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Bytes per D2H bounce chunk.
 pub const BOUNCE_CHUNK: usize = 8 << 20;
@@ -114,14 +114,11 @@ pub(crate) fn give_back(device: &Device, slots: Vec<BounceSlot>) {
     free_after_copies(extra.into_iter());
 }
 
-/// Frees slots once their last copies completed (never under a copy: a failed wait leaks the
-/// buffer and records the error).
+/// Frees slots once their last copies completed, on the reaper thread (never under a copy: a
+/// failed wait leaks the buffer and records the error).
 fn free_after_copies(slots: impl Iterator<Item = BounceSlot>) {
     for slot in slots {
-        if let Err(Error::Driver(e)) = slot.busy.synchronize() {
-            crate::error::record_drop_error(e);
-            std::mem::forget(slot.buf);
-        }
+        super::reaper::free_after(vec![slot.busy], slot.buf);
     }
 }
 

@@ -5,6 +5,7 @@ pub(crate) mod mapped;
 pub(crate) mod numa;
 mod pinned;
 mod pool;
+pub(crate) mod reaper;
 mod registered;
 
 pub use bounce::{BOUNCE_CHUNK, BOUNCE_DEPTH, release_bounce_buffers};
@@ -14,6 +15,14 @@ pub(crate) use pinned::set_pin_by_register;
 pub use pinned::{PinnedBuffer, PinnedFlags, is_pinned, live_pinned_bytes};
 pub use pool::{DEFAULT_BUDGET, PinnedPool, PoolBlock, PoolStats, size_class};
 pub use registered::Registered;
+
+/// Waits until the pinned memory pinstage let go so far is back with the OS. Freeing page-locked
+/// memory waits for all the work queued on its device, so pinstage frees it on a background
+/// thread (a dropped buffer, stager or pool block never stalls the caller); this waits for that
+/// thread, for tests and for callers that want the memory back now.
+pub fn wait_for_frees() {
+    reaper::flush();
+}
 
 /// `vec![0u8; len]`, refused with [`crate::Error::OutOfMemory`] instead of aborting the process
 /// when the memory cannot be had.

@@ -266,14 +266,36 @@ impl PinnedBuffer {
 }
 
 impl Drop for PinnedBuffer {
+    /// Counts the bytes as let go at once, and hands the free to pinstage's reaper thread
+    /// ([`super::reaper`]): freeing page-locked memory waits for all the device's queued work.
     fn drop(&mut self) {
         if self.len == 0 {
             return;
         }
         let counted = self.pages.as_ref().map_or(self.len, |p| p.len());
         LIVE_BYTES.fetch_sub(counted, std::sync::atomic::Ordering::Relaxed);
+        let doomed = Doomed {
+            ptr: self.ptr.as_ptr() as usize,
+            device: self.device.clone(),
+            pages: self.pages.take(),
+        };
+        super::reaper::defer(move || doomed.free());
+    }
+}
+
+/// A dropped buffer's memory on its way to the reaper.
+struct Doomed {
+    /// The `cuMemHostAlloc` block (unused for registered pages).
+    ptr: usize,
+    device: Device,
+    /// Registered pages (`None`: `cuMemHostAlloc` memory).
+    pages: Option<super::mapped::MappedPages>,
+}
+
+impl Doomed {
+    fn free(mut self) {
         // Neither call needs a particular current context for PORTABLE memory, but enter ours
-        // so they work from any thread. Drop never panics: errors are recorded.
+        // so they work from any thread. Never panics: errors are recorded.
         let cur = self.device.enter();
         let freed = match (&cur, &self.pages) {
             // SAFETY: registered in `new_registered`, unregistered once; owners guarantee no
@@ -281,7 +303,7 @@ impl Drop for PinnedBuffer {
             (Ok(_), Some(p)) => unsafe { driver::mem::mem_host_unregister(p.as_ptr().cast()) },
             // SAFETY: allocated by cuMemHostAlloc in `new`, freed once; owners guarantee no copy
             // is in flight.
-            (Ok(_), None) => unsafe { driver::mem::mem_free_host(self.ptr.as_ptr().cast()) },
+            (Ok(_), None) => unsafe { driver::mem::mem_free_host(self.ptr as *mut _) },
             (Err(Error::Driver(e)), _) => Err(*e),
             (Err(_), _) => Ok(()),
         };

@@ -398,8 +398,10 @@ fn pool_stats<'py>(
 }
 
 /// Frees the pools' cached blocks (results' and ``alloc_pinned_numpy``'s; blocks in use stay),
-/// the bounce buffers, and the device
-/// memory ``to_device`` keeps for reuse, on every device. Works without a driver. Never raises.
+/// the bounce buffers, and the device memory ``to_device`` keeps for reuse, on every device, and
+/// waits (GIL released) until the pinned memory pinstage let go so far is back with the OS:
+/// freeing page-locked memory waits for the work queued on the GPU, which every other call
+/// leaves to pinstage's background thread. Works without a driver. Never raises.
 #[pyfunction]
 fn empty_cache(py: Python<'_>) {
     super::linger::reap(py);
@@ -414,6 +416,7 @@ fn empty_cache(py: Python<'_>) {
         if let Err(crate::Error::Driver(e)) = crate::trim_device_pools() {
             crate::error::record_drop_error(e);
         }
+        crate::wait_for_frees();
     });
 }
 

@@ -424,11 +424,18 @@ impl PinnedRegion {
 
 impl Drop for PinnedRegion {
     fn drop(&mut self) {
-        // Collected while pinned: unregistered at once, without waiting for the GPUs (a
-        // collection may run anywhere: inside a graph capture, where a synchronize would break
-        // it, or in a host callback of the stream it would wait for). `unpin()` waits.
+        // Collected while pinned: unregistered by the reaper thread (unregistering waits for the
+        // work queued on the device), without waiting for the GPUs first (a collection may run
+        // anywhere: inside a graph capture, where a synchronize would break it, or in a host
+        // callback of the stream it would wait for). `unpin()` waits. The array goes after the
+        // registration: pyo3 releases a reference dropped without the GIL at the next
+        // acquisition of the GIL.
         if let Some(reg) = self.reg.get_mut().take() {
-            Python::attach(|py| py.detach(move || drop(reg)));
+            let array = Python::attach(|py| std::mem::replace(&mut self.array, py.None()));
+            crate::host::reaper::defer(move || {
+                drop(reg);
+                drop(array);
+            });
         }
     }
 }

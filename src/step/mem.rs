@@ -203,16 +203,15 @@ impl BlockPool {
 }
 
 impl Drop for BlockPool {
+    /// Free blocks whose last copy may still write them are freed by the reaper thread once it
+    /// completed (a failed wait leaks them).
     fn drop(&mut self) {
-        for b in std::mem::take(self.free.get_mut()) {
-            if let Some(e) = &b.event
-                && let Err(Error::Driver(err)) = e.synchronize()
-            {
-                // Never free memory a copy may still write: leak it, record the error.
-                on_drop::<()>(Err(err));
-                std::mem::forget(b);
+        for mut b in std::mem::take(self.free.get_mut()) {
+            match b.event.take() {
+                Some(e) => crate::host::reaper::free_after(vec![e], b),
+                // Its copy completed, nobody holds it: freed as it drops.
+                None => drop(b),
             }
-            // Else the block's memory is freed as it drops: its copy completed, nobody holds it.
         }
     }
 }

@@ -622,25 +622,22 @@ impl StepStager {
 }
 
 impl Drop for StepStager {
+    /// The slots' memory and the arena go to the reaper thread when a copy (or a zero-copy
+    /// reader) may still use them; it frees them once those completed (never here: the drop
+    /// does not wait for the device). A failed wait leaks them.
     fn drop(&mut self) {
-        let mut failed = false;
-        for i in 0..self.slots.len() {
-            if self.ring.is_in_flight(i)
-                && let Some(e) = &self.slots[i].event
-                && let Err(err) = e.synchronize()
-            {
-                failed = true;
-                // Drop never panics: the error is recorded.
-                if let Error::Driver(err) = err {
-                    crate::error::record_drop_error(err);
-                }
-            }
+        let busy: Vec<Event> = (0..self.slots.len())
+            .filter(|&i| self.ring.is_in_flight(i))
+            .filter_map(|i| self.slots[i].event.take())
+            .collect();
+        if busy.is_empty() {
+            return;
         }
-        if failed {
-            // Never free memory a copy (or a zero-copy reader) may still use: the driver did not
-            // say it stopped. The slots' memory and the device arena are leaked.
-            std::mem::forget(Arc::clone(&self.mem));
-            std::mem::forget(std::mem::replace(&mut self.target, Target::ZeroCopy));
-        }
+        // Parts of this `Send` stager, given up together.
+        let memory = crate::host::reaper::Owned((
+            Arc::clone(&self.mem),
+            std::mem::replace(&mut self.target, Target::ZeroCopy),
+        ));
+        crate::host::reaper::free_after(busy, memory);
     }
 }

@@ -1,0 +1,178 @@
+//! Frees page-locked memory off the caller's thread.
+//!
+//! Freeing page-locked memory (`cuMemFreeHost`) or unregistering it (`cuMemHostUnregister`)
+//! waits for all the work queued on the device, whatever stream it is on: done on the caller's
+//! thread, the free of a dropped buffer would stall an unrelated call behind a CUDA graph or
+//! another stream's copies (half a second was seen). So every such free, together with the
+//! waits for the copies that may still use the memory, is handed to one background thread, the
+//! reaper, started at the first one. The caller returns at once; the memory goes once the
+//! device let it go. [`flush`] waits for everything handed over so far (`empty_cache()`).
+//!
+//! A job runs on the caller's thread instead when no reaper can serve it: in a forked child
+//! (the parent's thread is not there; CUDA is unusable there anyway, so the job frees no driver
+//! memory), when the thread cannot be started, and on the reaper's own thread (a job whose drop
+//! frees more memory).
+
+use std::cell::Cell;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Sender, channel};
+
+use crate::cuda::Event;
+use crate::error::Error;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+struct Reaper {
+    tx: Sender<Job>,
+    /// The process that started the thread (a forked child has no reaper).
+    pid: u32,
+    /// Jobs handed over, and jobs finished: [`flush`] waits until the second reaches the first.
+    sent: AtomicU64,
+    finished: parking_lot::Mutex<u64>,
+    finished_cv: parking_lot::Condvar,
+}
+
+static REAPER: OnceLock<Option<Reaper>> = OnceLock::new();
+
+thread_local! {
+    static ON_REAPER: Cell<bool> = const { Cell::new(false) };
+}
+
+fn reaper() -> Option<&'static Reaper> {
+    REAPER
+        .get_or_init(|| {
+            let (tx, rx) = channel::<Job>();
+            std::thread::Builder::new()
+                .name("pinstage-reaper".into())
+                .spawn(move || {
+                    ON_REAPER.with(|r| r.set(true));
+                    while let Ok(job) = rx.recv() {
+                        // A job never panics (its drops record their errors); if one did, the
+                        // count still moves on, so no `flush` waits forever.
+                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                        if let Some(r) = REAPER.get().and_then(Option::as_ref) {
+                            *r.finished.lock() += 1;
+                            r.finished_cv.notify_all();
+                        }
+                    }
+                })
+                .ok()?;
+            Some(Reaper {
+                tx,
+                pid: std::process::id(),
+                sent: AtomicU64::new(0),
+                finished: parking_lot::Mutex::new(0),
+                finished_cv: parking_lot::Condvar::new(),
+            })
+        })
+        .as_ref()
+        .filter(|r| r.pid == std::process::id())
+}
+
+/// Runs `job` on the reaper's thread (see the module docs for when it runs here instead).
+pub(crate) fn defer(job: impl FnOnce() + Send + 'static) {
+    // The seeded-bug harness (`scripts/gpu-run seeded`): frees on the caller's thread must fail
+    // the GPU test that times a call made while the device is busy.
+    if ON_REAPER.with(Cell::get) || cfg!(pinstage_seeded_bug = "free_inline") {
+        return job();
+    }
+    let Some(r) = reaper() else {
+        return job();
+    };
+    // Relaxed: `flush` reads it on the thread that sent (or after synchronizing with it).
+    r.sent.fetch_add(1, Ordering::Relaxed);
+    if let Err(e) = r.tx.send(Box::new(job)) {
+        // The thread is gone (it never exits while the process runs): run it here.
+        *r.finished.lock() += 1;
+        (e.0)();
+    }
+}
+
+/// Waits for every event of `copies`; whether all completed. A failed wait is recorded
+/// ([`crate::drop_errors`]): the driver did not say that the copy stopped using its memory,
+/// which the caller then leaks instead of freeing.
+pub(crate) fn waited<'e>(copies: impl IntoIterator<Item = &'e Event>) -> bool {
+    let mut ok = true;
+    for e in copies {
+        if let Err(err) = e.synchronize() {
+            ok = false;
+            if let Error::Driver(err) = err {
+                crate::error::record_drop_error(err);
+            }
+        }
+    }
+    ok
+}
+
+/// Drops `memory` on the reaper's thread once every event of `copies` completed (leaked if a
+/// wait fails: [`waited`]).
+pub(crate) fn free_after<T: Send + 'static>(copies: Vec<Event>, memory: T) {
+    defer(move || {
+        if !waited(&copies) {
+            std::mem::forget(memory);
+        }
+    });
+}
+
+/// Asserts that a value may go to the reaper's thread: for the parts of a `Send` owner that
+/// hold raw pointers (the owner gives up all of them together).
+pub(crate) struct Owned<T>(pub(crate) T);
+
+// SAFETY: only built from the parts of a value that is `Send` as a whole (see each use), moved
+// together to one thread.
+unsafe impl<T> Send for Owned<T> {}
+
+/// Waits until every job handed over before this call finished (the memory of those frees is
+/// back with the OS).
+pub(crate) fn flush() {
+    let Some(r) = reaper() else { return };
+    if ON_REAPER.with(Cell::get) {
+        return;
+    }
+    let target = r.sent.load(Ordering::Relaxed);
+    let mut finished = r.finished.lock();
+    while *finished < target {
+        r.finished_cv.wait(&mut finished);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicBool;
+
+    #[test]
+    fn jobs_run_off_the_callers_thread_and_flush_waits_for_them() {
+        let me = std::thread::current().id();
+        let ran = Arc::new(parking_lot::Mutex::new(None));
+        let gate = Arc::new(AtomicBool::new(false));
+        let (r, g) = (Arc::clone(&ran), Arc::clone(&gate));
+        defer(move || {
+            while !g.load(Ordering::Acquire) {
+                std::thread::yield_now();
+            }
+            *r.lock() = Some(std::thread::current().id());
+        });
+        // The job waits for the gate: `defer` returned without running it.
+        assert!(ran.lock().is_none());
+        gate.store(true, Ordering::Release);
+        flush();
+        let on = ran.lock().expect("the job ran before flush returned");
+        assert_ne!(on, me);
+    }
+
+    #[test]
+    fn a_job_deferred_by_a_job_runs_at_once_on_the_reaper() {
+        let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let o = Arc::clone(&order);
+        defer(move || {
+            let inner = Arc::clone(&o);
+            defer(move || inner.lock().push("inner"));
+            o.lock().push("outer");
+        });
+        flush();
+        assert_eq!(*order.lock(), ["inner", "outer"]);
+    }
+}
