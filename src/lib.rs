@@ -55,6 +55,7 @@ mod error;
 mod h2d;
 mod host;
 mod nvtx;
+mod ring;
 mod step;
 mod sync;
 mod view;
@@ -71,7 +72,7 @@ pub use cuda::{
     Current, Device, Event, SlotEvent, Stream, StreamHandle, cuda_available, current_device,
     device_count,
 };
-pub use d2h::{D2HPath, HostRegion, PendingCopy, copy_d2h, copy_d2h_async};
+pub use d2h::{D2HPath, PendingCopy, copy_d2h, copy_d2h_async};
 pub use driver::{DISABLE_ENV, DriverError, Probe, probe};
 pub use error::{DropErrors, Error, Result, drop_errors};
 pub use h2d::{
@@ -80,6 +81,7 @@ pub use h2d::{
     WaitFn, copy_h2d, device_pool_stats, start_h2d, start_to_device, to_device, trim_device_pools,
 };
 pub use host::{
+    HostRegion,
     BOUNCE_CHUNK, BOUNCE_DEPTH, DEFAULT_BUDGET, PinnedBuffer, PinnedFlags, PinnedPool, PoolBlock,
     PoolStats, Registered, is_pinned, live_pinned_bytes, release_bounce_buffers, size_class,
     wait_for_frees,

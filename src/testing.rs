@@ -11,9 +11,9 @@ use crate::view::{DType, DeviceView, TensorMeta};
 
 pub use crate::d2h::landing_counts;
 pub use crate::h2d::mirror::CopyKey;
-pub use crate::h2d::ring;
+pub use crate::ring::protocol as ring;
 pub use crate::h2d::stager::row_shape;
-pub use crate::h2d::write::PARALLEL_WRITE_MIN;
+pub use crate::ring::write::PARALLEL_WRITE_MIN;
 pub use crate::step::plan;
 
 /// Whether a slot written with `(values_len, total, pad)` after one written with `old` keeps the
@@ -22,8 +22,8 @@ pub fn same_padding(
     old: (usize, usize, Option<&[u8]>),
     new: (usize, usize, Option<&[u8]>),
 ) -> bool {
-    let a = crate::h2d::write::Layout::new(old.0, old.1, old.2);
-    let b = crate::h2d::write::Layout::new(new.0, new.1, new.2);
+    let a = crate::ring::write::Layout::new(old.0, old.1, old.2);
+    let b = crate::ring::write::Layout::new(new.0, new.1, new.2);
     a.same_padding(&b)
 }
 
@@ -34,7 +34,7 @@ pub fn same_padding(
 pub fn write_padded(dst: &mut [u8], values: &[u8], pad: Option<&[u8]>) {
     check_write(dst, values, pad);
     // SAFETY: checked above: dst holds `dst.len()` bytes, values fit, pad divides the rest.
-    unsafe { crate::h2d::write::write_padded(dst.as_mut_ptr(), values, pad, dst.len(), false) }
+    unsafe { crate::ring::write::write_padded(dst.as_mut_ptr(), values, pad, dst.len(), false) }
 }
 
 /// [`write_padded`] split over the rayon pool, as the stager writes large slots.
@@ -44,7 +44,7 @@ pub fn write_padded(dst: &mut [u8], values: &[u8], pad: Option<&[u8]>) {
 pub fn write_padded_parallel(dst: &mut [u8], values: &[u8], pad: Option<&[u8]>) {
     check_write(dst, values, pad);
     // SAFETY: as in `write_padded`.
-    unsafe { crate::h2d::write::write_padded_parallel(dst.as_mut_ptr(), values, pad, dst.len()) }
+    unsafe { crate::ring::write::write_padded_parallel(dst.as_mut_ptr(), values, pad, dst.len()) }
 }
 
 fn check_write(dst: &[u8], values: &[u8], pad: Option<&[u8]>) {

@@ -1,4 +1,4 @@
-//! Loom models of the slot protocol (`src/h2d/ring.rs`), run by `scripts/test` with
+//! Loom models of the slot protocol (`src/ring/protocol.rs`), run by `scripts/test` with
 //! `RUSTFLAGS="--cfg loom"` and debug assertions on.
 //!
 //! Loom model of the slot protocol with the simulated driver (`sim`): writer threads run the

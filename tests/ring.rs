@@ -1,4 +1,4 @@
-//! The slot ring's protocol (`src/h2d/ring.rs`) against a simulated driver: claims, the state
+//! The slot ring's protocol (`src/ring/protocol.rs`) against a simulated driver: claims, the state
 //! word, the stream table, and the completion watermark that lets one query serve many claims.
 #![cfg(not(loom))]
 

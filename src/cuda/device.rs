@@ -175,7 +175,7 @@ impl Device {
     pub fn numa_node(&self) -> Option<u32> {
         *self.inner.numa_node.get_or_init(|| {
             let bus = driver::ctx::device_pci_bus_id(self.inner.dev).ok()?;
-            crate::host::numa::pci_numa_node(&bus)
+            super::pci::pci_numa_node(&bus)
         })
     }
 

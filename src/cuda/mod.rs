@@ -6,6 +6,7 @@ mod event;
 // Used by the Python layer, which takes stream handles as integers.
 #[cfg(any(feature = "python", test))]
 mod handle_check;
+mod pci;
 mod stream;
 pub(crate) mod wait;
 

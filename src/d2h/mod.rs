@@ -8,7 +8,7 @@ mod bounce;
 mod landing;
 mod pending;
 
-pub use pending::{HostRegion, PendingCopy, copy_d2h_async};
+pub use pending::{PendingCopy, copy_d2h_async};
 
 use crate::cuda::{Current, Device, Event, StreamHandle};
 use crate::driver;

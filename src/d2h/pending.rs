@@ -3,32 +3,8 @@
 use super::start_d2h;
 use crate::cuda::{Device, Event, StreamHandle};
 use crate::error::Result;
-use crate::host::PinnedBuffer;
+use crate::host::HostRegion;
 use crate::view::DeviceView;
-
-/// Host memory a [`PendingCopy`] writes into and hands back when done.
-///
-/// # Safety
-/// Implementors return the same stable region from every call to `region`: its address must not
-/// change while the value is alive (it may be moved, the bytes may not).
-pub unsafe trait HostRegion: Send {
-    /// Start and length of the writable region.
-    fn region(&mut self) -> (*mut u8, usize);
-}
-
-// SAFETY: the heap block of a PinnedBuffer does not move with the value.
-unsafe impl HostRegion for PinnedBuffer {
-    fn region(&mut self) -> (*mut u8, usize) {
-        (self.as_mut_ptr(), self.len())
-    }
-}
-
-// SAFETY: a Vec's heap block does not move with the value (we never push to it).
-unsafe impl HostRegion for Vec<u8> {
-    fn region(&mut self) -> (*mut u8, usize) {
-        (self.as_mut_ptr(), self.len())
-    }
-}
 
 /// An asynchronous D2H copy into an owned host region. The region is handed back by
 /// [`PendingCopy::wait`]; dropping a pending copy waits for it first, so the region is never

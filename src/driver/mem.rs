@@ -6,6 +6,9 @@ use cudarc::driver::sys;
 
 use super::{CUdeviceptr, CUstream, DResult, check};
 
+/// The base page size: the unit the driver locks, and that pinstage rounds pinned blocks to.
+pub(crate) const PAGE: usize = 4096;
+
 /// `CU_MEMHOSTALLOC_PORTABLE`: pinned memory usable from every context.
 pub(crate) const HOSTALLOC_PORTABLE: u32 = sys::CU_MEMHOSTALLOC_PORTABLE;
 /// `CU_MEMHOSTALLOC_WRITECOMBINED`: fast for the device to read, very slow for the CPU to read.
@@ -313,7 +316,6 @@ pub(crate) fn is_pinned_host(ptr: *const c_void) -> bool {
 /// locked in whole pages, so a range within the first byte's page needs one query (a small
 /// `copy_d2h` round trip asks once, as before).
 pub(crate) fn is_pinned_range(ptr: *const c_void, len: usize) -> bool {
-    use crate::host::mapped::PAGE;
     let first = ptr as usize;
     let last = first.wrapping_add(len.saturating_sub(1));
     is_pinned_host(ptr) && (first / PAGE == last / PAGE || is_pinned_host(last as *const c_void))

@@ -5,13 +5,8 @@
 mod copy;
 mod fresh;
 pub(crate) mod mirror;
-#[cfg(any(feature = "testing", loom))]
-pub mod ring;
-#[cfg(not(any(feature = "testing", loom)))]
-pub(crate) mod ring;
 pub(crate) mod stager;
 mod upload;
-pub(crate) mod write;
 
 pub use copy::{Copy, PinnedStager, PinnedStagerBuilder, RawCopy, WaitFn};
 pub use fresh::{

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering as StatOrdering};
 
 use super::copy::RawCopy;
 use super::mirror::CopyKey;
-use super::ring::{Ring, SlotOwner};
-use super::write::{Layout, PARALLEL_WRITE_MIN, store_fence, write_padded, write_padded_parallel};
+use crate::ring::protocol::{Ring, SlotOwner};
+use crate::ring::write::{Layout, PARALLEL_WRITE_MIN, store_fence, write_padded, write_padded_parallel};
 use crate::cuda::{Current, Device, Event, SlotEvent, StreamHandle};
 use crate::driver;
 use crate::error::{Error, Result};
@@ -108,8 +108,7 @@ pub const DEFAULT_NUMEL: usize = 256;
 /// Default ring depth: deep enough that one event query usually serves several claims (the
 /// copy engine lags a few copies behind a host issuing back to back).
 pub const DEFAULT_DEPTH: usize = 16;
-/// The deepest ring a stager accepts.
-pub const MAX_DEPTH: usize = 1 << 16;
+pub use crate::ring::protocol::MAX_DEPTH;
 
 /// The untyped stager: element type chosen at run time (the Python layer uses this one).
 /// [`crate::PinnedStager`] is the typed facade. Made by [`Stager::builder`].

@@ -7,8 +7,7 @@ use std::ptr::NonNull;
 
 use crate::error::{Error, Result};
 
-/// The base page size pinstage rounds to.
-pub(crate) const PAGE: usize = 4096;
+use crate::driver::mem::PAGE;
 /// A transparent huge page (x86-64, aarch64 with 4 KiB pages).
 const HUGE: usize = 2 << 20;
 /// Mappings up to this size are populated by the calling thread alone.

@@ -6,6 +6,7 @@ pub(crate) mod numa;
 mod pinned;
 mod pool;
 pub(crate) mod reaper;
+mod region;
 mod registered;
 
 pub use bounce::{BOUNCE_CHUNK, BOUNCE_DEPTH, release_bounce_buffers};
@@ -14,6 +15,7 @@ pub use bounce::{BOUNCE_CHUNK, BOUNCE_DEPTH, release_bounce_buffers};
 pub(crate) use pinned::set_pin_by_register;
 pub use pinned::{PinnedBuffer, PinnedFlags, is_pinned, live_pinned_bytes};
 pub use pool::{DEFAULT_BUDGET, PinnedPool, PoolBlock, PoolStats, size_class};
+pub use region::HostRegion;
 pub use registered::Registered;
 
 /// Waits until the pinned memory pinstage let go so far is back with the OS. Freeing page-locked

@@ -294,6 +294,11 @@ struct Doomed {
 
 impl Doomed {
     fn free(mut self) {
+        let device = self.device.clone();
+        super::reaper::free_when_idle(&device, || self.free_now());
+    }
+
+    fn free_now(&mut self) {
         // Neither call needs a particular current context for PORTABLE memory, but enter ours
         // so they work from any thread. Never panics: errors are recorded.
         let cur = self.device.enter();

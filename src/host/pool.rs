@@ -14,7 +14,7 @@ use parking_lot::Mutex;
 
 use super::{PinnedBuffer, PinnedFlags};
 use crate::cuda::Device;
-use crate::d2h::HostRegion;
+use super::HostRegion;
 use crate::error::Result;
 
 /// Default budget: 4 GiB of pinned memory.
@@ -71,7 +71,7 @@ impl std::fmt::Debug for PinnedPool {
 /// The size class that serves `len` bytes: whole 4 KiB pages, so a block wastes less than a
 /// page (a cached block serves requests of the same page count).
 pub fn size_class(len: usize) -> usize {
-    len.max(1).next_multiple_of(super::mapped::PAGE)
+    len.max(1).next_multiple_of(crate::driver::mem::PAGE)
 }
 
 impl PinnedPool {

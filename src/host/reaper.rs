@@ -1,12 +1,15 @@
-//! Frees page-locked memory off the caller's thread.
+//! Frees page-locked and device memory off the caller's thread, once the device is idle.
 //!
-//! Freeing page-locked memory (`cuMemFreeHost`) or unregistering it (`cuMemHostUnregister`)
-//! waits for all the work queued on the device, whatever stream it is on: done on the caller's
-//! thread, the free of a dropped buffer would stall an unrelated call behind a CUDA graph or
-//! another stream's copies (half a second was seen). So every such free, together with the
-//! waits for the copies that may still use the memory, is handed to one background thread, the
-//! reaper, started at the first one. The caller returns at once; the memory goes once the
-//! device let it go. [`flush`] waits for everything handed over so far (`empty_cache()`).
+//! Freeing page-locked memory (`cuMemFreeHost`), unregistering it (`cuMemHostUnregister`) and
+//! freeing device memory (`cuMemFree`) wait for all the work queued on the device, whatever
+//! stream it is on, and while they wait the driver holds up every other thread's calls into the
+//! same context (`lab/c/free_lock.c`: a copy issued on an idle stream took 250 ms while another
+//! thread's free waited for a busy one; `cuCtxSynchronize` on that thread held up nothing). So
+//! every such free, with the waits for the copies that may still use the memory, goes to one
+//! background thread, the reaper, started at the first one, which first waits for the device
+//! to drain with `cuCtxSynchronize` ([`free_when_idle`]) and only then frees: the driver's wait
+//! inside the free is then short. The caller returns at once. [`flush`] waits for everything
+//! handed over so far (`empty_cache()`).
 //!
 //! A job runs on the caller's thread instead when no reaper can serve it: in a forked child
 //! (the parent's thread is not there; CUDA is unusable there anyway, so the job frees no driver
@@ -87,6 +90,27 @@ pub(crate) fn defer(job: impl FnOnce() + Send + 'static) {
         *r.finished.lock() += 1;
         (e.0)();
     }
+}
+
+/// Runs `free` (a call that frees driver memory of `device`) once the device drained: after a
+/// `cuCtxSynchronize`, which waits without holding up other threads' calls, so the free itself
+/// finds nothing to wait for (unless work was queued in between). While another thread captures
+/// a CUDA graph the driver may refuse the synchronize: it is tried again every millisecond for
+/// up to a second, then the free goes ahead. Without a usable driver (a forked child, the
+/// driver gone) `free` runs at once: it finds no context and frees nothing.
+pub(crate) fn free_when_idle<T>(device: &crate::cuda::Device, free: impl FnOnce() -> T) -> T {
+    if let Ok(cur) = device.enter() {
+        for _ in 0..1000 {
+            match cur.synchronize() {
+                Err(Error::Driver(e)) if e.is_capture_error() => {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                // Done, or failed (a failing context): the free reports what it meets.
+                _ => break,
+            }
+        }
+    }
+    free()
 }
 
 /// Waits for every event of `copies`; whether all completed. A failed wait is recorded

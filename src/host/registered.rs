@@ -77,6 +77,11 @@ impl Registered {
         self.ptr
     }
 
+    /// The device whose context registered it.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// Bytes registered.
     pub fn len(&self) -> usize {
         self.len

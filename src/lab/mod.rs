@@ -4,8 +4,8 @@
 
 use crate::driver::mem::memcpy_htod_async;
 use crate::driver::stream::{stream_is_capturing, stream_write_value32};
-use crate::h2d::ring::{NO_MARK, Release};
-use crate::h2d::write::store_fence;
+use crate::ring::protocol::{NO_MARK, Release};
+use crate::ring::write::store_fence;
 use crate::testing::DeviceBuffer;
 use crate::{DType, Device, PinnedBuffer, PinnedFlags, PinnedStager, Result, Stream, StreamHandle};
 
@@ -13,12 +13,12 @@ use crate::{DType, Device, PinnedBuffer, PinnedFlags, PinnedStager, Result, Stre
 pub(crate) mod python;
 
 /// The slot-claim ring.
-pub struct Ring(crate::h2d::ring::Ring);
+pub struct Ring(crate::ring::protocol::Ring);
 
 impl Ring {
     /// A ring of `depth` idle slots.
     pub fn new(depth: usize) -> Self {
-        Self(crate::h2d::ring::Ring::new(depth))
+        Self(crate::ring::protocol::Ring::new(depth))
     }
 
     /// One copy's ring bookkeeping as the stager did it before the completion watermark: claim,

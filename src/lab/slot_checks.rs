@@ -4,7 +4,7 @@ use crate::driver::mem::{
     memcpy_2d_htod_async, memcpy_async, memcpy_batch_async_one, memcpy_htod_async,
 };
 use crate::driver::stream::{stream_get_id, stream_is_capturing};
-use crate::h2d::write::store_fence;
+use crate::ring::write::store_fence;
 use crate::testing::DeviceBuffer;
 use crate::{DType, Device, PinnedBuffer, PinnedFlags, PinnedStager, Result, Stream, StreamHandle};
 

@@ -433,7 +433,8 @@ impl Drop for PinnedRegion {
         if let Some(reg) = self.reg.get_mut().take() {
             let array = Python::attach(|py| std::mem::replace(&mut self.array, py.None()));
             crate::host::reaper::defer(move || {
-                drop(reg);
+                let device = reg.device().clone();
+                crate::host::reaper::free_when_idle(&device, || drop(reg));
                 drop(array);
             });
         }

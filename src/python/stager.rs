@@ -13,7 +13,7 @@ use super::mirror::PyMirror;
 use super::values::{check_shape, scalar_bytes, to_values};
 use super::wait::{slot_wait, take_interrupt};
 use crate::cuda::{SlotEvent, StreamHandle};
-use crate::h2d::write::PARALLEL_WRITE_MIN;
+use crate::ring::write::PARALLEL_WRITE_MIN;
 use crate::view::DType;
 use crate::{Error, H2DMirror as CoreMirror, Stager};
 

@@ -7,7 +7,7 @@ use super::send::{Owner, SendJob};
 use super::stager::{Committed, Scratch, StepMode, StepStager, Target, add};
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
-use crate::h2d::ring::{Claim, Release};
+use crate::ring::protocol::{Claim, Release};
 
 impl StepStager {
     /// Commits a step on `stream` (see [`Step::commit`]). The slot is released in every case.

@@ -5,8 +5,8 @@ use super::open::RawStep;
 use super::stager::{StepMode, StepStager, add};
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
-use crate::h2d::ring::Release;
-use crate::h2d::write::write_padded;
+use crate::ring::protocol::Release;
+use crate::ring::write::write_padded;
 
 impl StepStager {
     fn check_open(&self, s: &RawStep) -> Result<()> {

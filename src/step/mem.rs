@@ -109,15 +109,21 @@ impl DeviceMem {
 }
 
 impl Drop for DeviceMem {
+    /// Freed on the reaper thread once the device drained (`cuMemFree` waits for all the
+    /// device's work and holds up other threads' calls meanwhile).
     fn drop(&mut self) {
-        match self.device.enter() {
-            // SAFETY: allocated in `new`; the stager waited for its copies before dropping its
-            // reference, exports drop theirs when their consumer is done with the memory, and
-            // the block pool drops a block only once its copy completed and nobody holds it.
-            Ok(_cur) => on_drop(unsafe { driver::mem::mem_free(self.ptr) }),
-            Err(Error::Driver(e)) => on_drop::<()>(Err(e)),
-            Err(_) => {}
-        }
+        let (ptr, device) = (self.ptr, self.device.clone());
+        crate::host::reaper::defer(move || {
+            crate::host::reaper::free_when_idle(&device, || match device.enter() {
+                // SAFETY: allocated in `new`, freed once; the stager waited for its copies before
+                // dropping its reference, exports drop theirs when their consumer is done with
+                // the memory, the block pool drops a block only once its copy completed and
+                // nobody holds it, and `cuMemFree` waits for any work still queued.
+                Ok(_cur) => on_drop(unsafe { driver::mem::mem_free(ptr) }),
+                Err(Error::Driver(e)) => on_drop::<()>(Err(e)),
+                Err(_) => {}
+            })
+        });
     }
 }
 

@@ -6,7 +6,7 @@ use super::layout::FieldKey;
 use super::stager::{Committed, StepStager};
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
-use crate::h2d::ring::Claim;
+use crate::ring::protocol::Claim;
 use crate::view::Element;
 
 /// An open step: a slot owned by this step until it is committed or dropped (dropping releases

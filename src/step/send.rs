@@ -5,7 +5,7 @@ use super::stager::{StepStager, add};
 use crate::cuda::{Current, Event, StreamHandle};
 use crate::driver;
 use crate::error::{Error, Result};
-use crate::h2d::ring::SlotOwner;
+use crate::ring::protocol::SlotOwner;
 
 /// The copies of one commit.
 pub(super) struct SendJob<'a> {

@@ -11,7 +11,7 @@ use super::send::Owner;
 use crate::cuda::{Device, Event, StreamHandle};
 use crate::driver;
 use crate::error::{Error, Result};
-use crate::h2d::ring::{Claim, Release, Ring};
+use crate::ring::protocol::{Claim, Release, Ring};
 use crate::view::{DeviceView, MemoryKind};
 use std::cell::UnsafeCell;
 

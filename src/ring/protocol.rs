@@ -82,6 +82,9 @@ fn evidence(begin: u64, _other: SlotState) -> u64 {
     begin
 }
 
+/// The deepest ring a stager accepts.
+pub const MAX_DEPTH: usize = 1 << 16;
+
 /// No copy pending from the slot's buffer.
 pub const IDLE: u64 = 0;
 /// Owned by one thread.
