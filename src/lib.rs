@@ -81,10 +81,9 @@ pub use h2d::{
     WaitFn, copy_h2d, device_pool_stats, start_h2d, start_to_device, to_device, trim_device_pools,
 };
 pub use host::{
-    HostRegion,
-    BOUNCE_CHUNK, BOUNCE_DEPTH, DEFAULT_BUDGET, PinnedBuffer, PinnedFlags, PinnedPool, PoolBlock,
-    PoolStats, Registered, is_pinned, live_pinned_bytes, release_bounce_buffers, size_class,
-    wait_for_frees,
+    BOUNCE_CHUNK, BOUNCE_DEPTH, DEFAULT_BUDGET, HostRegion, PinnedBuffer, PinnedFlags, PinnedPool,
+    PoolBlock, PoolStats, Registered, is_pinned, live_pinned_bytes, release_bounce_buffers,
+    size_class, wait_for_frees,
 };
 pub use nvtx::{NvtxRange, nvtx_available};
 pub use step::{

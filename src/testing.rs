@@ -11,8 +11,8 @@ use crate::view::{DType, DeviceView, TensorMeta};
 
 pub use crate::d2h::landing_counts;
 pub use crate::h2d::mirror::CopyKey;
-pub use crate::ring::protocol as ring;
 pub use crate::h2d::stager::row_shape;
+pub use crate::ring::protocol as ring;
 pub use crate::ring::write::PARALLEL_WRITE_MIN;
 pub use crate::step::plan;
 

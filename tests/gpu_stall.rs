@@ -137,7 +137,10 @@ fn gpu_drop_never_waits_and_frees_after_the_copy() {
         std::time::Instant::now() >= released - Duration::from_millis(20),
         "the slots were freed before their copy ran"
     );
-    assert!(pinstage::live_pinned_bytes() < pinned, "the slots were freed");
+    assert!(
+        pinstage::live_pinned_bytes() < pinned,
+        "the slots were freed"
+    );
     release.join().unwrap();
     stream.synchronize().unwrap();
     let out = read(&buf);
@@ -227,7 +230,10 @@ fn gpu_pending_copy_waits_for_its_copy() {
             pinstage::copy_d2h_async(&dev, &src.view(DType::U8), dst, stream.handle()).unwrap();
         assert!(!pending.is_done(), "{bytes} bytes: done behind the stall");
         let dst = pending.wait().unwrap();
-        assert!(std::time::Instant::now() >= released, "{bytes} bytes: returned early");
+        assert!(
+            std::time::Instant::now() >= released,
+            "{bytes} bytes: returned early"
+        );
         assert_eq!(dst.as_slice(), &data[..], "{bytes} bytes");
         release.join().unwrap();
     }

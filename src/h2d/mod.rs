@@ -6,6 +6,7 @@ mod copy;
 mod fresh;
 pub(crate) mod mirror;
 pub(crate) mod stager;
+pub(crate) mod tuning;
 mod upload;
 
 pub use copy::{Copy, PinnedStager, PinnedStagerBuilder, RawCopy, WaitFn};

@@ -10,12 +10,14 @@ use std::sync::atomic::{AtomicU64, Ordering as StatOrdering};
 
 use super::copy::RawCopy;
 use super::mirror::CopyKey;
-use crate::ring::protocol::{Ring, SlotOwner};
-use crate::ring::write::{Layout, PARALLEL_WRITE_MIN, store_fence, write_padded, write_padded_parallel};
 use crate::cuda::{Current, Device, Event, SlotEvent, StreamHandle};
 use crate::driver;
 use crate::error::{Error, Result};
 use crate::host::{PinnedBuffer, PinnedFlags};
+use crate::ring::protocol::{Ring, SlotOwner};
+use crate::ring::write::{
+    Layout, PARALLEL_WRITE_MIN, store_fence, write_padded, write_padded_parallel,
+};
 use crate::sync::UnsafeCell;
 use crate::view::{DType, DeviceView, MemoryKind};
 
@@ -614,7 +616,8 @@ impl Drop for Stager {
             return;
         }
         // The slots and their arena: parts of this `Send` stager, given up together.
-        let parts = crate::host::reaper::Owned((std::mem::take(&mut self.slots), self._arena.take()));
+        let parts =
+            crate::host::reaper::Owned((std::mem::take(&mut self.slots), self._arena.take()));
         crate::host::reaper::defer(move || {
             let parts = parts;
             if !crate::host::reaper::waited(busy.iter().map(|&i| &parts.0.0[i].event)) {

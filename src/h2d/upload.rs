@@ -128,8 +128,8 @@ unsafe fn issue(
 fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle) -> Result<Event> {
     #[cfg(feature = "lab")]
     let t0 = std::time::Instant::now();
-    let tune = bounce::h2d_tuning();
-    let pool = bounce::workers();
+    let tune = super::tuning::h2d_tuning();
+    let pool = crate::host::workers::workers();
     let threads = pool.map_or(1, |p| p.current_num_threads() + 1);
     // The per-thread default stream is a different stream on every thread: the pieces must all
     // be issued from the caller's thread, where the returned event is recorded. (Issuing them on

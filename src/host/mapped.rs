@@ -124,7 +124,7 @@ impl MappedPages {
         } else {
             let touch = |chunk: usize| fill(chunk * HUGE, ((chunk + 1) * HUGE).min(self.len));
             let chunks = self.len.div_ceil(HUGE);
-            match super::bounce::workers() {
+            match super::workers::workers() {
                 Some(pool) => pool.install(|| {
                     use rayon::prelude::*;
                     (0..chunks).into_par_iter().all(touch)

@@ -8,6 +8,7 @@ mod pool;
 pub(crate) mod reaper;
 mod region;
 mod registered;
+pub(crate) mod workers;
 
 pub use bounce::{BOUNCE_CHUNK, BOUNCE_DEPTH, release_bounce_buffers};
 

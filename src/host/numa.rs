@@ -3,7 +3,6 @@
 
 use std::sync::OnceLock;
 
-
 /// How many NUMA nodes are online (`/sys/devices/system/node/online`, e.g. `0-1` or `0,2-3`);
 /// 1 when the system does not say. Read once.
 pub(crate) fn online_nodes() -> usize {
@@ -71,7 +70,6 @@ pub(crate) unsafe fn prefer_node(addr: *mut u8, len: usize, node: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
 
     #[test]
     fn node_lists_count() {

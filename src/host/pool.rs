@@ -12,9 +12,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::HostRegion;
 use super::{PinnedBuffer, PinnedFlags};
 use crate::cuda::Device;
-use super::HostRegion;
 use crate::error::Result;
 
 /// Default budget: 4 GiB of pinned memory.

@@ -26,4 +26,3 @@ unsafe impl HostRegion for Vec<u8> {
         (self.as_mut_ptr(), self.len())
     }
 }
-

@@ -580,7 +580,7 @@ pub fn pinned_costs(sizes: &[usize]) -> Result<Vec<(String, f64)>> {
     // Start pinstage's copy threads first (once per process; it would land on whichever size
     // first populates on them) and say what that costs.
     let t = Instant::now();
-    let _ = crate::host::bounce::workers();
+    let _ = crate::host::workers::workers();
     out.push(("copy threads started ms".to_string(), ms(t)));
     const REPS: usize = 3;
     let warm = sizes.iter().copied().min().unwrap_or(4096);

@@ -72,7 +72,7 @@ fn set_d2h_tuning(landing: bool, gil_held_max: usize, gil_spin_us: u64) -> (bool
 }
 
 /// Sets the pageable H2D path's tuning and returns the previous one as a dict; no arguments:
-/// the defaults (see `host::bounce::H2DTuning`).
+/// the defaults (see `h2d::tuning::H2DTuning`).
 #[pyfunction]
 #[pyo3(name = "_set_h2d_tuning", signature = (workers=None, max_piece=None, min_piece=None, slots=None, ramp=None, nt_upto=None, driver_below=None, unit=None, per_worker=None))]
 #[allow(clippy::too_many_arguments)]
@@ -88,10 +88,10 @@ fn set_h2d_tuning<'py>(
     unit: Option<usize>,
     per_worker: Option<usize>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    use crate::host::bounce::{H2DTuning, h2d_tuning};
+    use crate::h2d::tuning::{H2DTuning, h2d_tuning};
     let old = h2d_tuning();
     let d = H2DTuning::DEFAULT;
-    crate::host::bounce::set_h2d_tuning(H2DTuning {
+    crate::h2d::tuning::set_h2d_tuning(H2DTuning {
         workers: workers.unwrap_or(d.workers),
         max_piece: max_piece.unwrap_or(d.max_piece),
         min_piece: min_piece.unwrap_or(d.min_piece),
