@@ -4,8 +4,6 @@ pulling each step's ids): pinstage `copy_d2h(src, dst)` against torch `copy_(non
 (`benches/c/d2h_roundtrip.c`, built with nvcc and run in the same job).
 
 Every timed call's destination is poisoned first and checked after. Median of `reps` calls.
-With the lab wheel (`_set_d2h_tuning`) it also measures pinstage's other ways of waiting
-(an event instead of the landing word, the GIL released before the copy) in the same loop.
 Usage: python3 benches/bench_d2h_small.py [--c-binary PATH]
 """
 
@@ -37,15 +35,6 @@ if a.c_binary:
         n = int(head.split()[2])
         c_floor.setdefault(n, {})[head.split(" B ")[1]] = float(us.split()[0])
 
-# With the lab wheel: pinstage's earlier ways of waiting, measured beside the default.
-LAB_VARIANTS = {}
-if hasattr(pinstage._native, "_set_d2h_tuning"):
-    LAB_VARIANTS = {
-        "pinstage, event + GIL released (before)": dict(landing=False, gil_held_max=0),
-        "pinstage, landing word + GIL released": dict(landing=True, gil_held_max=0),
-        "pinstage, event + GIL held": dict(landing=False),
-    }
-
 rows = {}
 for n in (1024, 64 << 10, 1 << 20):
     vals = np.random.default_rng(n).integers(1, 1 << 30, n // 4, dtype=np.int32)
@@ -63,13 +52,9 @@ for n in (1024, 64 << 10, 1 << 20):
         cpin = pinstage.empty_pinned(n // 4, np.int32)
         impls["cupy get(out=pinned) + synchronize"] = (
             lambda: (csrc.get(out=cpin), cp.cuda.get_current_stream().synchronize()), cpin)
-    for name, tuning in LAB_VARIANTS.items():
-        impls[name] = (lambda: pinstage.copy_d2h(src, pin), pin, tuning)
     torch.cuda.synchronize()
     row = {}
-    for name, (fn, dst, *tuning) in impls.items():
-        if LAB_VARIANTS:
-            pinstage._native._set_d2h_tuning(**(tuning[0] if tuning else {}))
+    for name, (fn, dst) in impls.items():
         ts = []
         for i in range(a.reps + 200):
             dst.fill(-1)

@@ -314,12 +314,6 @@ def bench_small(torch, cuda_drv, calls=20000, rounds=3):
             run("cuda.bindings ring (depth 16, pad rewritten)", drv_ring)
     row = {k: statistics.median(v) for k, v in loops.items()}
     paced = {k: statistics.median(v) for k, v in paceds.items()}
-    costs = dict(pinstage._native._driver_costs(20000))  # the lab build (scripts/gpu-build)
-    RESULTS["driver costs ns"] = costs
-    print("driver host cost per call, ns (loops of 20,000, then paced): " + ", ".join(f"{k} {v:.0f}" for k, v in costs.items()))
-    prof = pinstage._native._profile_copy_path(dst, value_sets[0], pad, "int32")
-    RESULTS["small copy_ path ns"] = prof
-    print("copy_(dst, ...) steps before the copy, ns/call: " + ", ".join(f"{k} {v:.0f}" for k, v in prof.items()))
     RESULTS["small"] = row
     RESULTS["small paced"] = paced
     RESULTS["small rounds"] = {"loop": loops, "paced": paceds}

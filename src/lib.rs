@@ -60,8 +60,10 @@ mod step;
 mod sync;
 mod view;
 
+// The laboratory lives outside the product tree (lab/): experiments and probes only.
 #[cfg(feature = "lab")]
 #[doc(hidden)]
+#[path = "../lab/src/mod.rs"]
 pub mod lab;
 #[cfg(feature = "python")]
 mod python;

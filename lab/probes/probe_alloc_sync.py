@@ -7,7 +7,7 @@ once with the cache empty (torch asks the driver for a new segment), once after 
 allocated and freed on that stream (served from the cache). A device allocation is one of
 CUDA's implicit synchronization points, so the first is expected to wait for the sleep.
 
-    python3 benches/probe_alloc_sync.py
+    python3 lab/probes/probe_alloc_sync.py
 """
 
 import time

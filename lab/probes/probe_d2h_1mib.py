@@ -1,7 +1,7 @@
 """Probe: why a 1 MiB copy_d2h into pinned memory trails torch (bench_d2h_small, run h): the
 destination's kind (registered pages vs cuMemHostAlloc vs torch's pinned tensor) and whether it
 was just written by the CPU (poisoned) before each copy. Needs the lab wheel.
-Usage: python3 benches/probe_d2h_1mib.py
+Usage: python3 lab/probes/probe_d2h_1mib.py
 """
 
 import statistics
@@ -11,17 +11,17 @@ import numpy as np
 import torch
 
 import pinstage
-from pinstage import _native
+from labmod import lab
 
 n = 1 << 20
 vals = np.random.default_rng(1).integers(1, 1 << 30, n // 4, dtype=np.int32)
 src = torch.from_numpy(vals).cuda()
 cur = torch.cuda.current_stream()
-_native._set_pin_by_register(True)
+lab._set_pin_by_register(True)
 reg = pinstage.empty_pinned(n // 4, np.int32)
-_native._set_pin_by_register(False)
+lab._set_pin_by_register(False)
 host = pinstage.empty_pinned(n // 4, np.int32)
-_native._set_pin_by_register(True)
+lab._set_pin_by_register(True)
 tpin = torch.empty(n // 4, dtype=torch.int32).pin_memory()
 cases = {
     "pinstage into registered pages": (lambda: pinstage.copy_d2h(src, reg), reg),

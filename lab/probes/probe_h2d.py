@@ -2,7 +2,7 @@
 bench's discipline (each timed copy into a poisoned destination, synchronised, checked after),
 under its tunings and in a process that also runs JAX, CuPy and torch CPU work.
 
-Needs the lab wheel (`_set_h2d_tuning`). Usage: python3 benches/probe_h2d.py [--quick]
+Needs the lab wheel (`_set_h2d_tuning`). Usage: python3 lab/probes/probe_h2d.py [--quick]
 Prints GB/s, median of `reps` timed copies each.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 import h2d_timing
 import pinstage
-from pinstage import _native
+from labmod import lab
 
 GB = 1e9
 quick = "--quick" in sys.argv
@@ -53,10 +53,10 @@ def sweep(nb, grid, reps=6):
     print(f"== tuning sweep at {nb >> 20} MiB: GB/s")
     vals, ref, dst = arrays(nb)
     for kw in grid:
-        _native._set_h2d_tuning(**kw)
+        lab._set_h2d_tuning(**kw)
         g = timed(nb, lambda: pinstage.copy_h2d(dst, vals), dst, ref, reps)
         print(f"  {kw}: {g:.2f}", flush=True)
-    _native._set_h2d_tuning()
+    lab._set_h2d_tuning()
 
 
 def pinned_small():
@@ -74,7 +74,7 @@ def pinned_small():
 
 
 sizes = [1 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
-print("defaults:", _native._set_h2d_tuning(), flush=True)
+print("defaults:", lab._set_h2d_tuning(), flush=True)
 table("torch + pinstage only", sizes)
 pinned_small()
 if not quick:

@@ -5,7 +5,7 @@ a poisoned destination, synchronised, checked after; median of `reps`.
 Source states: "warm" (the CPU read the whole source just before the copy: it sits in the
 caches, as an array the program just built does) and "cold" (1 GiB of other memory written
 between copies: the source comes from DRAM, as a batch read from disk long ago does).
-Needs the lab wheel (`_set_h2d_tuning`). Usage: python3 benches/probe_h2d_cache.py
+Needs the lab wheel (`_set_h2d_tuning`). Usage: python3 lab/probes/probe_h2d_cache.py
 """
 
 import statistics
@@ -15,7 +15,7 @@ import torch
 
 import h2d_timing
 import pinstage
-from pinstage import _native
+from labmod import lab
 
 REPS = 9
 scratch = np.ones(1 << 30, dtype=np.uint8)
@@ -52,14 +52,14 @@ def run(label):
                 ("2 MiB pieces", dict(max_piece=2 << 20, slots=24)),
                 ("regular, 12 workers", dict(nt_upto=0, workers=12)),
             ):
-                _native._set_h2d_tuning(**kw)
+                lab._set_h2d_tuning(**kw)
                 g = timed(lambda: pinstage.copy_h2d(dst, vals), dst, ref, state, vals)
                 row.append(f"{name} {g:.2f} ({g / pin:.3f})")
-            _native._set_h2d_tuning()
+            lab._set_h2d_tuning()
             print(f"  {nb >> 20:>3} MiB {state}: torch pinned {pin:.2f}; " + ", ".join(row), flush=True)
 
 
-print("defaults:", _native._set_h2d_tuning(), flush=True)
+print("defaults:", lab._set_h2d_tuning(), flush=True)
 run("torch and pinstage only")
 import cupy  # noqa: E402,F401
 import jax  # noqa: E402

@@ -6,7 +6,7 @@ turn (the slots themselves), and alternating between two streams. Each timed cal
 the GPU idle and ends synchronised; the destination is poisoned first and checked after; median
 of `REPS`.
 
-Usage: python3 benches/probe_h2d_pieces.py
+Usage: python3 lab/probes/probe_h2d_pieces.py
 """
 
 import statistics

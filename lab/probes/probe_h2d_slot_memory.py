@@ -7,7 +7,7 @@ loop as `bench_h2d.py` (poisoned destination, synchronised, checked after every 
    from pinstage's registered pages, from pinstage's `cuMemHostAlloc` pages (lab switch);
 2. `copy_h2d` from pageable memory with the bounce slots made each way (slots freed between).
 
-Needs the lab wheel (`_set_pin_by_register`). Usage: python3 benches/probe_h2d_slot_memory.py
+Needs the lab wheel (`_set_pin_by_register`). Usage: python3 lab/probes/probe_h2d_slot_memory.py
 """
 
 import statistics
@@ -17,7 +17,7 @@ import torch
 
 import h2d_timing
 import pinstage
-from pinstage import _native
+from labmod import lab
 
 REPS = 11
 
@@ -32,17 +32,17 @@ def rate(fn, dst, ref):
 def pinned_from(kind, vals):
     if kind == "torch":
         return torch.from_numpy(vals).pin_memory()
-    was = _native._set_pin_by_register(kind == "registered")
+    was = lab._set_pin_by_register(kind == "registered")
     try:
         a = pinstage.empty_pinned(vals.shape, np.int32)
     finally:
-        _native._set_pin_by_register(was)
+        lab._set_pin_by_register(was)
     a[:] = vals
     assert pinstage.is_pinned(a)
     return torch.from_numpy(a)
 
 
-print("pin by register (default):", _native._set_pin_by_register(True), flush=True)
+print("pin by register (default):", lab._set_pin_by_register(True), flush=True)
 for nb in (4 << 20, 64 << 20):
     n = nb // 4
     vals = np.random.default_rng(nb).integers(-(2**31), 2**31 - 1, n, dtype=np.int32)
@@ -74,11 +74,11 @@ for nb in (16 << 20, 64 << 20, 1 << 30):
     row = []
     for kind in ("registered", "cuMemHostAlloc", "registered"):
         pinstage.empty_cache()
-        was = _native._set_pin_by_register(kind == "registered")
+        was = lab._set_pin_by_register(kind == "registered")
         try:
             g = rate(lambda: pinstage.copy_h2d(dst, vals), dst, ref)
         finally:
-            _native._set_pin_by_register(was)
+            lab._set_pin_by_register(was)
         row.append(f"slots {kind} {g:.2f} ({g / pin:.3f})")
     pinstage.empty_cache()
     print(f"{nb >> 20:>5} MiB copy_h2d from pageable, GB/s (/ torch from pinned {pin:.2f}): " + "; ".join(row), flush=True)

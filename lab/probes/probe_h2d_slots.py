@@ -25,7 +25,7 @@ Run zm (`--demote`) compared regular stores followed by `cldemote` of each unit 
 the switch and that list are gone: commit 2d78d6b has them). Run zq (`--streams`) compared the
 copies alternating over two or three streams against one (not adopted: commit 815b874 has it).
 Needs the lab wheel (`_set_h2d_tuning`).
-Usage: python3 benches/probe_h2d_slots.py [--streams | --as-run-r | --as-run-s | --as-run-v | --as-run-x | --as-run-z | --as-run-zb]
+Usage: python3 lab/probes/probe_h2d_slots.py [--streams | --as-run-r | --as-run-s | --as-run-v | --as-run-x | --as-run-z | --as-run-zb]
 """
 
 import statistics
@@ -36,7 +36,7 @@ import torch
 
 import h2d_timing
 import pinstage
-from pinstage import _native
+from labmod import lab
 
 REPS = 9
 scratch = np.ones(1 << 30, dtype=np.uint8)
@@ -151,7 +151,7 @@ def timed(fn, dst, ref, state, vals):
     return ref.numel() * 4 / statistics.median(ts) / 1e9
 
 
-print("defaults:", _native._set_h2d_tuning(), flush=True)
+print("defaults:", lab._set_h2d_tuning(), flush=True)
 for nb in (16 << 20, 64 << 20, 256 << 20, 1 << 30):
     n = nb // 4
     vals = np.random.default_rng(nb).integers(-(2**31), 2**31 - 1, n, dtype=np.int32)
@@ -166,11 +166,11 @@ for nb in (16 << 20, 64 << 20, 256 << 20, 1 << 30):
         row = []
         for name, kw in TUNINGS:
             pinstage.empty_cache()
-            _native._set_h2d_tuning(**kw)
+            lab._set_h2d_tuning(**kw)
             g = timed(lambda: pinstage.copy_h2d(dst, vals), dst, ref, state, vals)
             row.append(f"{name} {g:.2f} ({g / pin:.3f})")
         pinstage.empty_cache()
-        _native._set_h2d_tuning()
+        lab._set_h2d_tuning()
         where = {"bench": "as bench_h2d.py leaves it", "warm": "in the caches", "cold": "in DRAM"}[state]
         print(f"{nb >> 20:>5} MiB, source {where}: "
               f"torch pinned {pin:.2f}; " + "; ".join(row), flush=True)

@@ -7,7 +7,7 @@ destination poisoned first and checked after). Run y traced 12 and 8 workers (it
 tunings), run z those and 8 workers with regular stores into 512 KiB x 16 slots, run zb 12 and 8
 workers with 12 and with 4 slots (all with two pieces per worker, the rule until run zc).
 
-Usage: python3 benches/probe_h2d_trace.py
+Usage: python3 lab/probes/probe_h2d_trace.py
 """
 
 import statistics
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import pinstage
-from pinstage import _native
+from labmod import lab
 
 REPS = 9
 POISON = -7
@@ -32,14 +32,14 @@ def one(fn, dst, ref, trace):
     dst.fill_(POISON)
     torch.cuda.synchronize()
     if trace:
-        _native._h2d_trace_set(True)
+        lab._h2d_trace_set(True)
     t0 = time.perf_counter()
     fn()
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     t2 = time.perf_counter()
-    tr = _native._h2d_trace() if trace else []
-    _native._h2d_trace_set(False)
+    tr = lab._h2d_trace() if trace else []
+    lab._h2d_trace_set(False)
     if not torch.equal(dst, ref):
         raise AssertionError("wrong result")
     return (t2 - t0) * 1e6, (t1 - t0) * 1e6, tr
@@ -56,7 +56,7 @@ for nb in (16 << 20, 64 << 20, 1 << 30):
     pin = statistics.median(one(lambda: dst.copy_(tpin, non_blocking=True), dst, ref, False)[0] for _ in range(REPS))
     print(f"== {nb >> 20} MiB: torch copy_ from pinned {pin:.0f} us ({nb / pin / 1e3:.2f} GB/s)", flush=True)
     for name, kw in TUNINGS:
-        _native._set_h2d_tuning(**kw)
+        lab._set_h2d_tuning(**kw)
         for _ in range(2):
             one(lambda: pinstage.copy_h2d(dst, vals), dst, ref, False)
         runs = sorted((one(lambda: pinstage.copy_h2d(dst, vals), dst, ref, True) for _ in range(REPS)), key=lambda r: r[0])
@@ -76,5 +76,5 @@ for nb in (16 << 20, 64 << 20, 1 << 30):
                 f"{p[0]} {p[1] >> 10} {p[2]:.0f} {p[3]:.0f}" for p in pieces), flush=True)
         walls = [r[0] for r in runs]
         print(f"    wall us of the {REPS} calls: " + " ".join(f"{w:.0f}" for w in walls), flush=True)
-    _native._set_h2d_tuning()
+    lab._set_h2d_tuning()
     del tpin

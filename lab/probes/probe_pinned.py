@@ -5,7 +5,7 @@ pool empty), `empty_pinned`, the first pageable `copy_h2d` (bounce slots made), 
 rate from each kind of memory.
 
 Needs the lab wheel (`_pinned_costs`, `_set_pin_by_register`).
-Usage: python3 benches/probe_pinned.py
+Usage: python3 lab/probes/probe_pinned.py
 """
 
 import statistics
@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 import pinstage
-from pinstage import _native
+from labmod import lab
 
 MiB = 1 << 20
 sizes = [4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
 print("== pinned memory costs, ms (ms per MiB)")
-costs = dict(_native._pinned_costs(sizes))  # medians of 3, after the copy threads started
+costs = dict(lab._pinned_costs(sizes))  # medians of 3, after the copy threads started
 print(f"  copy threads started (once per process): {costs.pop('copy threads started ms'):.2f} ms")
 for n in sizes:
     mib = n // MiB
@@ -33,7 +33,7 @@ big = torch.arange(256 * MiB, dtype=torch.int32, device="cuda")  # 1 GiB
 vals = np.random.default_rng(1).integers(0, 1 << 30, 64 * MiB, dtype=np.int32)  # 256 MiB
 dst = torch.empty(64 * MiB, dtype=torch.int32, device="cuda")
 for mode in (True, False):
-    _native._set_pin_by_register(mode)
+    lab._set_pin_by_register(mode)
     name = "registered pages" if mode else "cuMemHostAlloc"
     print(f"== {name}")
     ts = []
@@ -88,4 +88,4 @@ for mode in (True, False):
     assert torch.equal(dst, torch.from_numpy(vals).cuda())
     print(f"  copy_h2d 256 MiB from empty_pinned {vals.nbytes / statistics.median(ts) / 1e9:.2f} GB/s")
     del out, pin
-_native._set_pin_by_register(True)
+lab._set_pin_by_register(True)

@@ -1,7 +1,7 @@
 """Probe: the host cost of `StepStager.stage` per field, k fields of 256 int32 (1 KiB) with names
 built at run time (not interned), on host memory (run it where no driver is, or with
 PINSTAGE_DISABLE_CUDA=1): best of 5 rounds of 20,000 calls, µs per call.
-Usage: PINSTAGE_DISABLE_CUDA=1 python3 benches/probe_stage_cpu.py
+Usage: PINSTAGE_DISABLE_CUDA=1 python3 lab/probes/probe_stage_cpu.py
 """
 import time, numpy as np, pinstage
 for k in (1, 2, 8, 32):

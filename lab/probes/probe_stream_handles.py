@@ -6,7 +6,7 @@ named mapping, or a plain value. Part 2 hands ints to `StepStager.stage(stream=.
 child process, and reports whether the child raised a typed error, returned, or died, and where
 the int lay in that child's memory map.
 
-Usage (GPU machine): python3 benches/probe_stream_handles.py
+Usage (GPU machine): python3 lab/probes/probe_stream_handles.py
 """
 
 import ctypes

@@ -13,7 +13,7 @@ alone), recorded (commit), and the capture check.
 Each one-write batch is checked: the slots are poisoned before it (through the GPU), and the last
 `depth` steps' values must be found in the `depth` slots after it.
 
-    PYTHONPATH=<lab wheel> python3 benches/probe_zero_copy_parts.py [--steps N] [--rounds R]
+    PYTHONPATH=<lab wheel> python3 lab/probes/probe_zero_copy_parts.py [--steps N] [--rounds R]
 """
 
 import argparse
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 import pinstage
+from labmod import lab
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402  (the engine step's fields)
@@ -110,7 +111,7 @@ for _ in range(args.rounds):
         if fn is one_write:
             check()
 torch.cuda.synchronize()
-costs = dict(pinstage._native._driver_costs(20000))
+costs = dict(lab._driver_costs(20000))
 print(f"== Python zero-copy step, host ns per step ({args.steps} steps x {args.rounds} rounds, median round; "
       f"min..max of rounds); every one-write batch checked in the slots after it")
 for name, v in res.items():

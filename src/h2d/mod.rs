@@ -6,6 +6,8 @@ mod copy;
 mod fresh;
 pub(crate) mod mirror;
 pub(crate) mod stager;
+#[cfg(feature = "lab")]
+pub(crate) mod trace;
 pub(crate) mod tuning;
 mod upload;
 

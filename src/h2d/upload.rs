@@ -201,7 +201,7 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
         _ => job.work(cur),
     }
     #[cfg(feature = "lab")]
-    crate::lab::h2d_trace::piece(t0, usize::MAX, 0, std::time::Instant::now());
+    super::trace::piece(t0, usize::MAX, 0, std::time::Instant::now());
     let error = job.error.into_inner();
     drop(lent);
     // A failure (copies issued before it may still write into `dst`), or copies that cannot
@@ -272,7 +272,7 @@ impl Drop for UnitDone<'_, '_, '_, '_> {
             job.fail(e);
         }
         #[cfg(feature = "lab")]
-        crate::lab::h2d_trace::piece(job.t0, self.p, job.pieces[self.p].1, filled);
+        super::trace::piece(job.t0, self.p, job.pieces[self.p].1, filled);
     }
 }
 

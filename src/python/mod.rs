@@ -170,8 +170,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     fresh::register(m)?;
     step::register(m)?;
     pool::register(m)?;
-    #[cfg(feature = "lab")]
-    crate::lab::python::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

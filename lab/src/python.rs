@@ -1,5 +1,5 @@
-//! The laboratory's Python functions (feature `lab` with `python`): `_driver_costs` and
-//! `_profile_copy_path`, for `benches/bench_gpu.py`.
+//! The laboratory's Python module `pinstage._lab` (features `lab` and `python`): driver costs,
+//! tuning switches and traces for the probes in `lab/probes`.
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -134,7 +134,7 @@ fn set_pin_by_register(on: bool) -> bool {
 #[pyfunction]
 #[pyo3(name = "_h2d_trace_set")]
 fn h2d_trace_set(on: bool) {
-    super::h2d_trace::set(on);
+    crate::h2d::trace::set(on);
 }
 
 /// The trace since it started: (piece, bytes, filled µs, issued µs) per piece, from the
@@ -142,13 +142,17 @@ fn h2d_trace_set(on: bool) {
 #[pyfunction]
 #[pyo3(name = "_h2d_trace")]
 fn h2d_trace() -> Vec<(i64, usize, f64, f64)> {
-    super::h2d_trace::take()
+    crate::h2d::trace::take()
         .into_iter()
         .map(|(p, n, a, b)| (if p == usize::MAX { -1 } else { p as i64 }, n, a, b))
         .collect()
 }
 
-pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+/// The laboratory's Python module, `pinstage._lab`: a second module of the lab build's
+/// extension library, loaded from its file by `lab/probes/labmod.py` (the product's module never
+/// registers these).
+#[pymodule]
+fn _lab(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(h2d_trace_set, m)?)?;
     m.add_function(wrap_pyfunction!(h2d_trace, m)?)?;
     m.add_function(wrap_pyfunction!(pinned_costs, m)?)?;
