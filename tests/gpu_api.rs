@@ -129,7 +129,7 @@ fn gpu_events_query_and_wait_on() {
     let _serial = serial();
     let a = Stream::new(&dev).unwrap();
     let b = Stream::new(&dev).unwrap();
-    let ev = dev.event().unwrap();
+    let ev = pinstage::Event::new(&dev).unwrap();
     assert!(ev.query().unwrap(), "never recorded: complete");
     let go = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let g = go.clone();
@@ -156,7 +156,7 @@ fn gpu_events_query_and_wait_on() {
         b.handle(),
     )
     .unwrap();
-    let done = dev.event().unwrap();
+    let done = pinstage::Event::new(&dev).unwrap();
     done.record(b.handle()).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(50));
     assert!(!done.query().unwrap(), "b's copy waits for a's event");

@@ -177,7 +177,7 @@ fn gpu_freed_pinned_memory_never_stalls_a_call() {
         .build()
         .unwrap();
     let dropped_steps = pinstage::StepStager::builder(&layout).build().unwrap();
-    let marker = dev.event().unwrap();
+    let marker = pinstage::Event::new(&dev).unwrap();
     let go = stall(&busy);
     let release = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(200));

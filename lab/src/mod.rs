@@ -87,7 +87,7 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     let mut wc = PinnedBuffer::new(&dev, 16384, PinnedFlags::WRITE_COMBINED)?;
     let mut plain = PinnedBuffer::new(&dev, 16384, PinnedFlags::PORTABLE)?;
     let dbuf = DeviceBuffer::new(&dev, 16384)?;
-    let ev = dev.event()?;
+    let ev = crate::Event::new(&dev)?;
     let cur = dev.enter()?;
     let cur = &cur;
     let values = vec![7u8; 1024];
@@ -200,7 +200,7 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     let slices: Vec<usize> = (0..8)
         .map(|i| arena.as_ptr() as usize + i * 16384)
         .collect();
-    let events = (0..8).map(|_| dev.event()).collect::<Result<Vec<_>>>()?;
+    let events = (0..8).map(|_| crate::Event::new(&dev)).collect::<Result<Vec<_>>>()?;
     let copy = |src: usize, h: StreamHandle| -> Result<()> {
         // SAFETY: `src` is 16 KiB of one of our pinned buffers and `dbuf` holds 16 KiB; both
         // outlive the synchronize that ends each measurement; `h` is ours or the legacy stream.
@@ -368,7 +368,7 @@ impl FloorRig {
         Ok(Self {
             src,
             dst: DeviceBuffer::new(dev, bytes.max(1))?,
-            ev: dev.event()?,
+            ev: crate::Event::new(&dev)?,
         })
     }
 

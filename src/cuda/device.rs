@@ -6,7 +6,6 @@ use std::sync::Arc;
 use crate::driver::{self, CUcontext, CUdevice, CUevent};
 use crate::error::{Error, Result, on_drop};
 
-use super::{Event, StreamHandle};
 
 /// Whether a CUDA driver is loaded and initialised, with at least one device.
 pub fn cuda_available() -> bool {
@@ -135,6 +134,11 @@ impl Device {
         })
     }
 
+    /// The device's primary context (for the stream checks beside).
+    pub(super) fn ctx(&self) -> CUcontext {
+        self.inner.ctx
+    }
+
     /// The device ordinal.
     pub fn ordinal(&self) -> i32 {
         self.inner.ordinal
@@ -150,17 +154,6 @@ impl Device {
         Ok(driver::mem::is_pinned_host(ptr.cast()))
     }
 
-    /// Whether a live stream (a handle other than 0, 1, 2, checked live) belongs to this
-    /// device's primary context.
-    #[cfg(feature = "python")]
-    pub(crate) fn owns_stream(&self, stream: StreamHandle<'_>) -> Result<bool> {
-        if stream.as_raw() <= 2 {
-            return Ok(true);
-        }
-        // SAFETY: a live stream handle (the caller checked it).
-        let ctx = unsafe { driver::stream::stream_get_ctx(stream.raw()) }?;
-        Ok(ctx == self.inner.ctx)
-    }
 
     /// Whether `ptr..ptr+len` is pinned host memory (its first and last bytes).
     #[cfg(feature = "python")]
@@ -197,26 +190,7 @@ impl Device {
         Ok(Current::new(self, true))
     }
 
-    /// [`Device::enter`] for a copy on `stream`: also refuses a stream that is capturing a CUDA
-    /// graph (a captured copy would replay a buffer rewritten since).
-    #[inline]
-    pub(crate) fn enter_for_copy(&self, stream: StreamHandle) -> Result<Current<'_>> {
-        let cur = self.enter()?;
-        if stream.is_capturing(&cur)? {
-            return Err(Error::StreamCapturing);
-        }
-        Ok(cur)
-    }
 
-    /// An event of this device, recycled from the events of dropped [`Event`]s when there are
-    /// any.
-    ///
-    /// # Errors
-    /// [`Error::Driver`] if a new event cannot be created.
-    pub fn event(&self) -> Result<Event> {
-        let cur = self.enter()?;
-        Event::new_in(&cur)
-    }
 }
 
 /// Proof that a [`Device`]'s primary context is current on this thread, from

@@ -27,6 +27,15 @@ impl std::fmt::Debug for Event {
 }
 
 impl Event {
+    /// An event of `device`, recycled from the events of dropped [`Event`]s when there are any.
+    ///
+    /// # Errors
+    /// [`Error::Driver`](crate::Error::Driver) if a new event cannot be created.
+    pub fn new(device: &Device) -> Result<Self> {
+        let cur = device.enter()?;
+        Self::new_in(&cur)
+    }
+
     /// An event of the current device: a spare one, or a new one.
     pub(crate) fn new_in(cur: &Current<'_>) -> Result<Self> {
         let device = cur.device();

@@ -95,6 +95,29 @@ impl StreamHandle<'_> {
     /// reused by a new stream; IDs are not). `None` for the per-thread default stream (one handle
     /// for a different stream on every thread) and if the driver cannot tell: the stager then
     /// tracks the stream's copies slot by slot.
+    /// [`Device::enter`] for a copy on this stream: also refuses a stream that is capturing a
+    /// CUDA graph (a captured copy would replay a buffer rewritten since).
+    #[inline]
+    pub(crate) fn enter_for_copy(self, device: &Device) -> Result<Current<'_>> {
+        let cur = device.enter()?;
+        if self.is_capturing(&cur)? {
+            return Err(Error::StreamCapturing);
+        }
+        Ok(cur)
+    }
+
+    /// Whether this stream (a handle other than 0, 1, 2, checked live) belongs to `device`'s
+    /// primary context; the special handles belong to every device.
+    #[cfg(feature = "python")]
+    pub(crate) fn is_on(self, device: &Device) -> Result<bool> {
+        if self.0 <= 2 {
+            return Ok(true);
+        }
+        // SAFETY: a live stream handle (the caller checked it).
+        let ctx = unsafe { driver::stream::stream_get_ctx(self.raw()) }?;
+        Ok(ctx == device.ctx())
+    }
+
     #[inline]
     pub(crate) fn tracking_id(self, _cur: &Current<'_>) -> Option<u64> {
         if self.0 == StreamHandle::PER_THREAD.0 {

@@ -168,7 +168,7 @@ pub(crate) unsafe fn start_d2h<'s>(
         unsafe { std::ptr::copy(src.ptr() as *const u8, dst_ptr, n) };
         return Ok((D2HPath::Host, Completion::Done));
     }
-    let cur = device.enter_for_copy(stream)?;
+    let cur = stream.enter_for_copy(device)?;
     if pinned.unwrap_or_else(|| driver::mem::is_pinned_range(dst_ptr.cast(), n)) {
         if wait
             && LANDING.load(std::sync::atomic::Ordering::Relaxed)

@@ -363,7 +363,7 @@ impl Stager {
                 CopyOutcome::Host
             }
             Some(device) => {
-                let cur = device.enter_for_copy(stream)?;
+                let cur = stream.enter_for_copy(device)?;
                 let job = Job {
                     dst: dst.ptr(),
                     values,

@@ -80,7 +80,7 @@ pub unsafe fn start_h2d(
     if len == 0 {
         return Ok((H2DPath::Empty, None));
     }
-    let cur = device.enter_for_copy(stream)?;
+    let cur = stream.enter_for_copy(device)?;
     if driver::mem::is_pinned_range(src.cast(), len) {
         let ev = Event::new_in(&cur)?;
         // SAFETY: the source is pinned and unchanged until the event completed (caller); `dst`

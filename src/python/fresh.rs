@@ -210,7 +210,7 @@ fn to_device<'py>(
                     // event its allocator recorded there later would fail in a destructor).
                     // Only a definite answer refuses: a driver that cannot tell lets the
                     // copy go on as before.
-                    if dev.owns_stream(h).is_ok_and(|own| !own) {
+                    if h.is_on(dev).is_ok_and(|own| !own) {
                         return Err(value_err(format!(
                             "stream= belongs to another device than the result's (cuda:{ordinal})"
                         )));

@@ -168,7 +168,7 @@ impl StepStager {
             self.ring.release(claim.index, Release::Idle);
             return Ok((sc.segs.len() as u32, false, None));
         }
-        let cur = match device.enter_for_copy(stream) {
+        let cur = match stream.enter_for_copy(device) {
             Ok(c) => c,
             Err(e) => return release_idle(e),
         };
