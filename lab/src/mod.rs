@@ -200,7 +200,9 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     let slices: Vec<usize> = (0..8)
         .map(|i| arena.as_ptr() as usize + i * 16384)
         .collect();
-    let events = (0..8).map(|_| crate::Event::new(&dev)).collect::<Result<Vec<_>>>()?;
+    let events = (0..8)
+        .map(|_| crate::Event::new(&dev))
+        .collect::<Result<Vec<_>>>()?;
     let copy = |src: usize, h: StreamHandle| -> Result<()> {
         // SAFETY: `src` is 16 KiB of one of our pinned buffers and `dbuf` holds 16 KiB; both
         // outlive the synchronize that ends each measurement; `h` is ours or the legacy stream.

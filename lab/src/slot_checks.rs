@@ -30,7 +30,9 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
     const SLOT: usize = 64 << 10;
     let arena = PinnedBuffer::new(&dev, 8 * SLOT, PinnedFlags::WRITE_COMBINED)?;
     let dbuf = DeviceBuffer::new(&dev, SLOT)?;
-    let events = (0..8).map(|_| crate::Event::new(&dev)).collect::<Result<Vec<_>>>()?;
+    let events = (0..8)
+        .map(|_| crate::Event::new(&dev))
+        .collect::<Result<Vec<_>>>()?;
     let cur = dev.enter()?;
     let cur = &cur;
     let base = arena.as_ptr() as usize;
@@ -52,7 +54,9 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
     let sep16 = (0..16)
         .map(|_| PinnedBuffer::new(&dev, 16384, PinnedFlags::WRITE_COMBINED))
         .collect::<Result<Vec<_>>>()?;
-    let ev16 = (0..16).map(|_| crate::Event::new(&dev)).collect::<Result<Vec<_>>>()?;
+    let ev16 = (0..16)
+        .map(|_| crate::Event::new(&dev))
+        .collect::<Result<Vec<_>>>()?;
     let ones = vec![7u8; 1024];
     let sep16p: Vec<usize> = sep16.iter().map(|b| b.as_ptr() as usize).collect();
     let dptr = dbuf.ptr();

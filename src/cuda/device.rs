@@ -6,7 +6,6 @@ use std::sync::Arc;
 use crate::driver::{self, CUcontext, CUdevice, CUevent};
 use crate::error::{Error, Result, on_drop};
 
-
 /// Whether a CUDA driver is loaded and initialised, with at least one device.
 pub fn cuda_available() -> bool {
     driver::probe().is_ok_and(|p| p.device_count > 0)
@@ -154,7 +153,6 @@ impl Device {
         Ok(driver::mem::is_pinned_host(ptr.cast()))
     }
 
-
     /// Whether `ptr..ptr+len` is pinned host memory (its first and last bytes).
     #[cfg(feature = "python")]
     pub(crate) fn is_pinned_range(&self, ptr: *const u8, len: usize) -> Result<bool> {
@@ -189,8 +187,6 @@ impl Device {
         unsafe { driver::ctx::ctx_push(self.inner.ctx) }?;
         Ok(Current::new(self, true))
     }
-
-
 }
 
 /// Proof that a [`Device`]'s primary context is current on this thread, from

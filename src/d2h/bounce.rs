@@ -1,7 +1,7 @@
 //! Device to pageable host memory through a ring of pinned bounce buffers: the copy engine
 //! fills one while the CPU drains another.
 
-use super::issue_d2h;
+use super::issue::issue_d2h;
 use crate::cuda::{Current, StreamHandle};
 use crate::error::Result;
 use crate::host::bounce::{BOUNCE_CHUNK, BOUNCE_DEPTH, BounceSlot, Lent, parallel_copy};
