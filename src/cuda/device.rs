@@ -134,6 +134,7 @@ impl Device {
     }
 
     /// The device's primary context (for the stream checks beside).
+    #[cfg(feature = "python")]
     pub(super) fn ctx(&self) -> CUcontext {
         self.inner.ctx
     }
