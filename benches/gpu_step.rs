@@ -6,8 +6,9 @@
 
 use std::time::Instant;
 
+use pinstage::step::StepMode;
 use pinstage::testing::DeviceBuffer;
-use pinstage::{DType, Device, StepLayout, StepMode, StepStager, Stream};
+use pinstage::{DType, Device, StepLayout, StepStager, Stream};
 
 const ITERS: usize = 20_000;
 const ROUNDS: usize = 5;
@@ -319,7 +320,7 @@ fn main() {
             for it in 0..ITERS {
                 let mut s = sk.step().unwrap();
                 for f in 0..k {
-                    s.put(pinstage::FieldId::from_index(f), &data[(it + f) % 64])
+                    s.put(pinstage::step::FieldId::from_index(f), &data[(it + f) % 64])
                         .unwrap();
                 }
                 s.commit(stream.handle()).unwrap();
@@ -345,7 +346,7 @@ fn main() {
                 let mut s = sk.step().unwrap();
                 let t1 = Instant::now();
                 for f in 0..k {
-                    s.put(pinstage::FieldId::from_index(f), &data[(it + f) % 64])
+                    s.put(pinstage::step::FieldId::from_index(f), &data[(it + f) % 64])
                         .unwrap();
                 }
                 let t2 = Instant::now();

@@ -42,10 +42,9 @@ fn main() -> pinstage::Result<()> {
             let mut pinned = pinstage::PinnedBuffer::new(
                 &device,
                 view.nbytes(),
-                pinstage::PinnedFlags::PORTABLE,
+                pinstage::host::PinnedFlags::PORTABLE,
             )?;
-            let path =
-                pinstage::copy_d2h(&device, &view, pinned.as_mut_slice(), StreamHandle::LEGACY)?;
+            let path = pinstage::copy_d2h(&view, pinned.as_mut_slice(), StreamHandle::LEGACY)?;
             let got: &[i32] = pinned.typed()?;
             assert_eq!(&got[..100], &values[..]);
             assert!(got[100..].iter().all(|&x| x == -1));

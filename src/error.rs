@@ -1,7 +1,7 @@
 //! The crate's error type: one enum, every variant documented, lower layers wrapped.
 
+use crate::dlpack::DType;
 pub use crate::driver::DriverError;
-use crate::view::DType;
 
 /// Everything that can go wrong in pinstage. Bad input never panics: it returns one of these.
 #[derive(Debug, thiserror::Error)]
@@ -86,7 +86,7 @@ pub enum Error {
     StreamCapturing,
     /// DLPack metadata that pinstage cannot use.
     #[error(transparent)]
-    Dlpack(#[from] crate::view::DlpackError),
+    Dlpack(#[from] crate::dlpack::DlpackError),
     /// A mirror already bound to another destination.
     #[error(
         "this H2DMirror mirrors another destination (0x{bound:x}); use one mirror per destination, \

@@ -46,7 +46,8 @@ fn api() -> Option<&'static Api> {
 }
 
 /// Whether the NVTX library was found (ranges then reach a profiler when one is attached).
-pub fn nvtx_available() -> bool {
+#[cfg(feature = "python")]
+pub(crate) fn nvtx_available() -> bool {
     api().is_some()
 }
 

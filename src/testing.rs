@@ -5,16 +5,17 @@
 use std::ffi::c_void;
 
 use crate::cuda::{Device, Stream, StreamHandle};
+use crate::dlpack::{DType, DeviceView, TensorMeta};
 use crate::driver::{self, CUdeviceptr};
 use crate::error::{Error, Result, on_drop};
-use crate::view::{DType, DeviceView, TensorMeta};
 
 pub use crate::d2h::landing_counts;
 pub use crate::h2d::mirror::CopyKey;
 pub use crate::h2d::stager::row_shape;
+pub use crate::h2d::upload::start_h2d;
 pub use crate::ring::protocol as ring;
 pub use crate::ring::write::PARALLEL_WRITE_MIN;
-pub use crate::step::plan;
+pub use crate::step::plan::{AUTO_GAP_BATCH, AUTO_GAP_COPIES, plan};
 
 /// Whether a slot written with `(values_len, total, pad)` after one written with `old` keeps the
 /// old padding (so only the values and the gap need writing): the stager's layout memory.

@@ -2,9 +2,12 @@
 
 mod common;
 
+use pinstage::DType;
+use pinstage::dlpack::DlpackError;
+use pinstage::dlpack::MemoryKind;
+use pinstage::dlpack::TensorDesc;
+use pinstage::dlpack::validate;
 use pinstage::dlpack::{DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED};
-use pinstage::{DType, DlpackError, MemoryKind};
-use pinstage::{TensorDesc, validate};
 use rstest::rstest;
 
 fn desc<'a>(dtype: DType, shape: &'a [i64], strides: Option<&'a [i64]>) -> TensorDesc<'a> {
@@ -350,6 +353,12 @@ fn metadata_keeps_the_device_type_and_integral_kinds() {
     assert_eq!(integral.len(), 9, "bool and the eight integer types");
     assert!(!DType::F32.is_integral() && !DType::C64.is_integral() && !DType::BF16.is_integral());
     assert!(DType::Bool.is_integral() && DType::U64.is_integral());
-    assert_eq!(pinstage::Bool8::from(true), pinstage::Bool8(1));
-    assert_eq!(pinstage::Bool8::from(false), pinstage::Bool8(0));
+    assert_eq!(
+        pinstage::dlpack::Bool8::from(true),
+        pinstage::dlpack::Bool8(1)
+    );
+    assert_eq!(
+        pinstage::dlpack::Bool8::from(false),
+        pinstage::dlpack::Bool8(0)
+    );
 }

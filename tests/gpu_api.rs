@@ -5,10 +5,11 @@
 mod common;
 
 use common::{POISON, Put, gpu_or_skip, poisoned, read};
+use pinstage::dlpack::TensorMeta;
+use pinstage::host::PinnedFlags;
+use pinstage::host::PinnedPool;
 use pinstage::testing::{DeviceBuffer, current_context, launch_host_fn};
-use pinstage::{
-    DType, DeviceView, Error, PinnedBuffer, PinnedFlags, PinnedPool, Stream, TensorMeta,
-};
+use pinstage::{DType, DeviceView, Error, PinnedBuffer, Stream};
 
 /// These tests count process-wide pinned bytes: they run one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -24,10 +25,10 @@ fn gpu_probe_and_device_enter() {
         return;
     };
     let _serial = serial();
-    let p = pinstage::probe().unwrap();
+    let p = pinstage::cuda::probe().unwrap();
     assert!(p.device_count >= 1 && p.driver_version >= 12080, "{p:?}");
-    assert_eq!(pinstage::device_count().unwrap(), p.device_count);
-    assert!(pinstage::cuda_available());
+    assert_eq!(pinstage::cuda::device_count().unwrap(), p.device_count);
+    assert!(pinstage::cuda::cuda_available());
     std::thread::spawn(move || {
         assert_eq!(
             current_context().unwrap(),
@@ -94,7 +95,7 @@ fn gpu_numa_node_of_the_device() {
     let nodes: Vec<Option<u32>> = buses.iter().filter_map(|b| sysfs_node(b)).collect();
     eprintln!("cuda:0 numa_node {node:?}; nvidia-smi's GPUs {buses:?} have nodes {nodes:?}");
     let only_one = buses.len() == 1
-        && pinstage::device_count().unwrap() == 1
+        && pinstage::cuda::device_count().unwrap() == 1
         && std::env::var_os("CUDA_VISIBLE_DEVICES").is_none();
     if only_one && nodes.len() == 1 {
         assert_eq!(node, nodes[0], "the device's node is not its sysfs node");
@@ -129,7 +130,7 @@ fn gpu_events_query_and_wait_on() {
     let _serial = serial();
     let a = Stream::new(&dev).unwrap();
     let b = Stream::new(&dev).unwrap();
-    let ev = pinstage::Event::new(&dev).unwrap();
+    let ev = pinstage::cuda::Event::new(&dev).unwrap();
     assert!(ev.query().unwrap(), "never recorded: complete");
     let go = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let g = go.clone();
@@ -156,7 +157,7 @@ fn gpu_events_query_and_wait_on() {
         b.handle(),
     )
     .unwrap();
-    let done = pinstage::Event::new(&dev).unwrap();
+    let done = pinstage::cuda::Event::new(&dev).unwrap();
     done.record(b.handle()).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(50));
     assert!(!done.query().unwrap(), "b's copy waits for a's event");
@@ -173,11 +174,11 @@ fn gpu_pinned_typed_views_pool_budget_and_bounce_cache() {
         return;
     };
     let _serial = serial();
-    let before = pinstage::live_pinned_bytes();
+    let before = pinstage::host::live_pinned_bytes();
     let mut b = PinnedBuffer::new(&dev, 4096, PinnedFlags::PORTABLE).unwrap();
-    assert!(pinstage::live_pinned_bytes() >= before + 4096);
-    assert!(pinstage::is_pinned(b.as_ptr()));
-    assert!(!pinstage::is_pinned(vec![0u8; 64].as_ptr()));
+    assert!(pinstage::host::live_pinned_bytes() >= before + 4096);
+    assert!(pinstage::host::is_pinned(b.as_ptr()));
+    assert!(!pinstage::host::is_pinned(vec![0u8; 64].as_ptr()));
     b.typed_mut::<u32>().unwrap()[5] = 0xABCD_1234;
     assert_eq!(b.typed::<u32>().unwrap()[5], 0xABCD_1234);
     assert_eq!(b.typed::<u64>().unwrap().len(), 512);
@@ -188,15 +189,18 @@ fn gpu_pinned_typed_views_pool_budget_and_bounce_cache() {
     ));
     assert!(matches!(odd.typed_mut::<u64>(), Err(Error::BadCast { .. })));
     drop((b, odd));
-    assert_eq!(pinstage::live_pinned_bytes(), before);
+    assert_eq!(pinstage::host::live_pinned_bytes(), before);
 
     let pool = PinnedPool::new(&dev, 1 << 20);
     let blocks: Vec<_> = (0..3).map(|_| pool.acquire(200 << 10).unwrap()).collect();
     drop(blocks);
     let cached = pool.stats().cached_bytes;
     assert!(cached > 0);
-    pool.set_budget(pinstage::size_class(200 << 10)); // room for one cached block
-    assert_eq!(pool.stats().cached_bytes, pinstage::size_class(200 << 10));
+    pool.set_budget(pinstage::host::size_class(200 << 10)); // room for one cached block
+    assert_eq!(
+        pool.stats().cached_bytes,
+        pinstage::host::size_class(200 << 10)
+    );
     assert!(pool.stats().evictions >= 2);
     pool.set_budget(0);
     assert_eq!(pool.stats().cached_bytes, 0);
@@ -206,24 +210,23 @@ fn gpu_pinned_typed_views_pool_budget_and_bounce_cache() {
     );
 
     // A pageable D2H fills the bounce cache; releasing it frees the pinned bounce buffers.
-    pinstage::release_bounce_buffers();
+    pinstage::host::release_bounce_buffers();
     let src = DeviceBuffer::new(&dev, 1 << 20).unwrap();
     src.upload(0, &vec![3u8; 1 << 20]).unwrap();
     let mut out = vec![0u8; 1 << 20];
     let path = pinstage::copy_d2h(
-        &dev,
         &src.view(DType::U8),
         &mut out,
         pinstage::StreamHandle::LEGACY,
     )
     .unwrap();
-    assert_eq!(path, pinstage::D2HPath::Bounced);
+    assert_eq!(path, pinstage::host::CopyPath::Bounced);
     assert!(out.iter().all(|&x| x == 3));
-    let with_cache = pinstage::live_pinned_bytes();
-    pinstage::release_bounce_buffers();
+    let with_cache = pinstage::host::live_pinned_bytes();
+    pinstage::host::release_bounce_buffers();
     assert_eq!(
-        with_cache - pinstage::live_pinned_bytes(),
-        pinstage::BOUNCE_DEPTH * pinstage::BOUNCE_CHUNK
+        with_cache - pinstage::host::live_pinned_bytes(),
+        pinstage::host::BOUNCE_DEPTH * pinstage::host::BOUNCE_CHUNK
     );
 }
 

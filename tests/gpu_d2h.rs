@@ -3,11 +3,13 @@
 mod common;
 
 use common::{POISON, gpu_or_skip, values};
+use pinstage::d2h::copy_d2h_async;
+use pinstage::dlpack::TensorMeta;
+use pinstage::host::CopyPath;
+use pinstage::host::PinnedFlags;
+use pinstage::host::PinnedPool;
 use pinstage::testing::DeviceBuffer;
-use pinstage::{
-    D2HPath, DType, DeviceView, Error, PinnedBuffer, PinnedFlags, PinnedPool, StreamHandle,
-    TensorMeta, copy_d2h, copy_d2h_async,
-};
+use pinstage::{DType, DeviceView, Error, PinnedBuffer, StreamHandle, copy_d2h};
 use rstest::rstest;
 
 fn filled(dev: &pinstage::Device, bytes: usize, seed: u64) -> (DeviceBuffer, Vec<u8>) {
@@ -25,8 +27,8 @@ fn view(buf: &DeviceBuffer) -> DeviceView<'_> {
 #[case::one(1)]
 #[case::odd(4097)]
 #[case::mib(1 << 20)]
-#[case::two_chunks_and_a_bit((2 * pinstage::BOUNCE_CHUNK) + 12345)]
-#[case::many_chunks(7 * pinstage::BOUNCE_CHUNK + 1)]
+#[case::two_chunks_and_a_bit((2 * pinstage::host::BOUNCE_CHUNK) + 12345)]
+#[case::many_chunks(7 * pinstage::host::BOUNCE_CHUNK + 1)]
 #[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_d2h_pinned_and_pageable(#[case] bytes: usize) {
     let Some(dev) = gpu_or_skip("gpu_d2h_pinned_and_pageable") else {
@@ -36,22 +38,16 @@ fn gpu_d2h_pinned_and_pageable(#[case] bytes: usize) {
     // pinned destination, one byte longer than needed: the tail must stay poisoned
     let mut pinned = PinnedBuffer::new(&dev, bytes + 1, PinnedFlags::PORTABLE).unwrap();
     pinned.as_mut_slice().fill(POISON);
-    assert!(pinstage::is_pinned(pinned.as_ptr()));
-    let path = copy_d2h(
-        &dev,
-        &view(&src),
-        pinned.as_mut_slice(),
-        StreamHandle::LEGACY,
-    )
-    .unwrap();
-    assert_eq!(path, D2HPath::Pinned);
+    assert!(pinstage::host::is_pinned(pinned.as_ptr()));
+    let path = copy_d2h(&view(&src), pinned.as_mut_slice(), StreamHandle::LEGACY).unwrap();
+    assert_eq!(path, CopyPath::Pinned);
     assert_eq!(&pinned.as_slice()[..bytes], &data[..]);
     assert_eq!(pinned.as_slice()[bytes], POISON);
     // pageable destination
     let mut pageable = vec![POISON; bytes + 1];
-    assert!(!pinstage::is_pinned(pageable.as_ptr()));
-    let path = copy_d2h(&dev, &view(&src), &mut pageable, StreamHandle::LEGACY).unwrap();
-    assert_eq!(path, D2HPath::Bounced);
+    assert!(!pinstage::host::is_pinned(pageable.as_ptr()));
+    let path = copy_d2h(&view(&src), &mut pageable, StreamHandle::LEGACY).unwrap();
+    assert_eq!(path, CopyPath::Bounced);
     assert!(pageable[..bytes] == data[..], "pageable bytes differ");
     assert_eq!(pageable[bytes], POISON);
 }
@@ -68,13 +64,13 @@ fn gpu_d2h_async_and_pool() {
     let mut block = pool.acquire(bytes).unwrap();
     assert!(block.is_pinned());
     block.as_mut_slice().fill(POISON);
-    let pending = copy_d2h_async(&dev, &view(&src), block, StreamHandle::LEGACY).unwrap();
+    let pending = copy_d2h_async(&view(&src), block, StreamHandle::LEGACY).unwrap();
     let block = pending.wait().unwrap();
     assert!(block.as_slice() == &data[..]);
     drop(block);
     let s = pool.stats();
     assert_eq!((s.misses, s.hits, s.in_use_bytes), (1, 0, 0));
-    assert_eq!(s.cached_bytes, pinstage::size_class(bytes));
+    assert_eq!(s.cached_bytes, pinstage::host::size_class(bytes));
     let again = pool.acquire(bytes - 5).unwrap();
     assert_eq!(pool.stats().hits, 1, "same class reused");
     // budget: a block that does not fit falls back to pageable memory
@@ -101,7 +97,7 @@ fn gpu_d2h_async_and_pool() {
         })
     }
     .unwrap();
-    let pending = copy_d2h_async(&dev, &view(&src), block, stream.handle()).unwrap();
+    let pending = copy_d2h_async(&view(&src), block, stream.handle()).unwrap();
     assert!(
         !pending.is_done(),
         "the copy waits behind the stalled stream"
@@ -119,7 +115,7 @@ fn gpu_d2h_async_and_pool() {
         "drop returned after {waited:?}, before the copy could run"
     );
     assert_eq!(pool.stats().in_use_bytes, 0);
-    assert_eq!(pinstage::drop_errors().count, 0);
+    assert_eq!(pinstage::cuda::drop_errors().count, 0);
 }
 
 #[test]
@@ -130,7 +126,7 @@ fn gpu_d2h_refusals() {
     };
     let (src, _) = filled(&dev, 64, 1);
     let mut small = vec![POISON; 63];
-    let err = copy_d2h(&dev, &view(&src), &mut small, StreamHandle::LEGACY).unwrap_err();
+    let err = copy_d2h(&view(&src), &mut small, StreamHandle::LEGACY).unwrap_err();
     assert!(
         matches!(
             err,
@@ -144,7 +140,7 @@ fn gpu_d2h_refusals() {
     // SAFETY: the view is refused before anything reads through it.
     let other = unsafe { DeviceView::from_meta(TensorMeta::cuda_1d(5, src.ptr(), DType::U8, 64)) };
     let mut out = vec![POISON; 64];
-    let err = copy_d2h(&dev, &other, &mut out, StreamHandle::LEGACY).unwrap_err();
+    let err = copy_d2h(&other, &mut out, StreamHandle::LEGACY).unwrap_err();
     assert!(matches!(err, Error::WrongDevice { got: 5, .. }));
     assert!(small.iter().chain(&out).all(|&b| b == POISON));
 }

@@ -6,11 +6,11 @@ mod common;
 use std::sync::Mutex;
 
 use common::{POISON, gpu_or_skip, values};
+use pinstage::dlpack::TensorMeta;
+use pinstage::host::CopyPath;
+use pinstage::host::PinnedFlags;
 use pinstage::testing::DeviceBuffer;
-use pinstage::{
-    DType, DeviceView, H2DPath, PinnedBuffer, PinnedFlags, StreamHandle, TensorMeta, copy_d2h,
-    copy_h2d,
-};
+use pinstage::{DType, DeviceView, PinnedBuffer, StreamHandle, copy_d2h, copy_h2d};
 use rstest::rstest;
 
 /// Every test here takes it: the pool statistics and the pinned-bytes counter the leak tests
@@ -55,8 +55,8 @@ fn gpu_h2d_pageable_and_pinned(#[case] bytes: usize) {
     let data = values(DType::U8, bytes, bytes as u64 + 11);
     let buf = poisoned(&dev, bytes);
     let dst = buf.view_at(0, DType::U8, bytes);
-    let path = copy_h2d(Some(&dev), &dst, &data, StreamHandle::LEGACY).unwrap();
-    assert_eq!(path, H2DPath::Bounced);
+    let path = copy_h2d(&dst, &data, StreamHandle::LEGACY).unwrap();
+    assert_eq!(path, CopyPath::Bounced);
     check(&buf, &data);
 
     let other = values(DType::U8, bytes, bytes as u64 + 12);
@@ -64,8 +64,8 @@ fn gpu_h2d_pageable_and_pinned(#[case] bytes: usize) {
     pinned.as_mut_slice().copy_from_slice(&other);
     let buf = poisoned(&dev, bytes);
     let dst = buf.view_at(0, DType::U8, bytes);
-    let path = copy_h2d(Some(&dev), &dst, pinned.as_slice(), StreamHandle::LEGACY).unwrap();
-    assert_eq!(path, H2DPath::Pinned);
+    let path = copy_h2d(&dst, pinned.as_slice(), StreamHandle::LEGACY).unwrap();
+    assert_eq!(path, CopyPath::Pinned);
     check(&buf, &other);
 }
 
@@ -89,7 +89,7 @@ fn gpu_h2d_threads_share_the_bounce_slots() {
                     let data = values(DType::U8, bytes, t * 1000 + i + 1);
                     let buf = poisoned(dev, bytes);
                     let dst = buf.view_at(0, DType::U8, bytes);
-                    copy_h2d(Some(dev), &dst, &data, stream.handle()).unwrap();
+                    copy_h2d(&dst, &data, stream.handle()).unwrap();
                     check(&buf, &data);
                 }
             });
@@ -113,20 +113,14 @@ fn gpu_h2d_slots_wait_for_their_copies() {
     let buf = poisoned(&dev, bytes);
     let dst = buf.view_at(0, DType::U8, bytes);
     // Everything allocated before the stall (pinned allocations may synchronize the device).
-    copy_h2d(
-        Some(&dev),
-        &dst,
-        &values(DType::U8, bytes, 92),
-        stream.handle(),
-    )
-    .unwrap();
+    copy_h2d(&dst, &values(DType::U8, bytes, 92), stream.handle()).unwrap();
     buf.upload(0, &vec![POISON; bytes + 1]).unwrap();
     let gate = common::stall(&stream);
     let release = std::thread::spawn(move || {
         std::thread::sleep(std::time::Duration::from_millis(50));
         gate.release();
     });
-    copy_h2d(Some(&dev), &dst, &data, stream.handle()).unwrap();
+    copy_h2d(&dst, &data, stream.handle()).unwrap();
     release.join().unwrap();
     check(&buf, &data);
 }
@@ -148,11 +142,11 @@ fn gpu_h2d_pageable_on_the_per_thread_stream_keeps_its_order() {
     let buf = poisoned(&dev, bytes);
     let dst = buf.view_at(0, DType::U8, bytes);
     // Everything allocated before the stall (pinned allocations may synchronize the device).
-    copy_h2d(Some(&dev), &dst, &values(DType::U8, bytes, 314), ptds).unwrap();
+    copy_h2d(&dst, &values(DType::U8, bytes, 314), ptds).unwrap();
     let mut poison = PinnedBuffer::new(&dev, bytes, PinnedFlags::PORTABLE).unwrap();
     poison.as_mut_slice().fill(POISON);
     let mut out = vec![0x11u8; bytes];
-    copy_d2h(&dev, &dst, &mut out, ptds).unwrap(); // the D2H bounce slots, too
+    copy_d2h(&dst, &mut out, ptds).unwrap(); // the D2H bounce slots, too
     out.fill(0x11);
     let gate = common::stall_handle(&dev, ptds);
     let release = std::thread::spawn(move || {
@@ -161,17 +155,19 @@ fn gpu_h2d_pageable_on_the_per_thread_stream_keeps_its_order() {
     });
     // SAFETY: `poison` is pinned and outlives its copy (waited for below, through `out`).
     let (path, _) =
-        unsafe { pinstage::start_h2d(Some(&dev), &dst, poison.as_ptr(), bytes, ptds) }.unwrap();
-    assert_eq!(path, H2DPath::Pinned);
+        unsafe { pinstage::testing::start_h2d(Some(&dev), &dst, poison.as_ptr(), bytes, ptds) }
+            .unwrap();
+    assert_eq!(path, CopyPath::Pinned);
     // SAFETY: pageable: read before the call returns.
     let (path, ev) =
-        unsafe { pinstage::start_h2d(Some(&dev), &dst, data.as_ptr(), bytes, ptds) }.unwrap();
-    assert_eq!(path, H2DPath::Bounced);
+        unsafe { pinstage::testing::start_h2d(Some(&dev), &dst, data.as_ptr(), bytes, ptds) }
+            .unwrap();
+    assert_eq!(path, CopyPath::Bounced);
     assert!(
         !ev.as_ref().unwrap().query().unwrap(),
         "the copies must wait behind the caller's stalled per-thread stream"
     );
-    copy_d2h(&dev, &dst, &mut out, ptds).unwrap();
+    copy_d2h(&dst, &mut out, ptds).unwrap();
     release.join().unwrap();
     assert!(
         out == data,
@@ -198,14 +194,15 @@ fn gpu_h2d_pageable_source_may_change_at_once() {
     let buf = poisoned(&dev, bytes);
     let dst = buf.view_at(0, DType::U8, bytes);
     // Everything allocated before the stall (pinned allocations may synchronize the device).
-    copy_h2d(Some(&dev), &dst, &src, stream.handle()).unwrap();
+    copy_h2d(&dst, &src, stream.handle()).unwrap();
     buf.upload(0, &vec![POISON; bytes + 1]).unwrap();
     let gate = common::stall(&stream);
     // SAFETY: `src` lives until after the event completed; pageable: read before return.
-    let (path, ev) =
-        unsafe { pinstage::start_h2d(Some(&dev), &dst, src.as_ptr(), bytes, stream.handle()) }
-            .unwrap();
-    assert_eq!(path, H2DPath::Bounced);
+    let (path, ev) = unsafe {
+        pinstage::testing::start_h2d(Some(&dev), &dst, src.as_ptr(), bytes, stream.handle())
+    }
+    .unwrap();
+    assert_eq!(path, CopyPath::Bounced);
     assert!(
         !ev.as_ref().unwrap().query().unwrap(),
         "the copies wait behind the stall"
@@ -216,7 +213,7 @@ fn gpu_h2d_pageable_source_may_change_at_once() {
     check(&buf, &data);
 }
 
-fn read_fresh(dev: &pinstage::Device, mem: &pinstage::FreshMem) -> Vec<u8> {
+fn read_fresh(dev: &pinstage::Device, mem: &pinstage::h2d::FreshMem) -> Vec<u8> {
     mem.ready().synchronize().unwrap();
     // SAFETY: `mem` holds `len` bytes of this device, filled (ready) and alive while we read.
     let view = unsafe {
@@ -228,7 +225,7 @@ fn read_fresh(dev: &pinstage::Device, mem: &pinstage::FreshMem) -> Vec<u8> {
         ))
     };
     let mut out = vec![POISON; mem.len()];
-    copy_d2h(dev, &view, &mut out, StreamHandle::LEGACY).unwrap();
+    copy_d2h(&view, &mut out, StreamHandle::LEGACY).unwrap();
     out
 }
 
@@ -242,20 +239,20 @@ fn gpu_to_device_fills_fresh_memory_and_releases_it() {
         return;
     };
     let _serial = serial();
-    let base = pinstage::device_pool_stats(&dev).unwrap();
+    let base = pinstage::h2d::device_pool_stats(&dev).unwrap();
     for bytes in [0usize, 1, 4097, (9 << 20) + 3] {
         // Poison: a released result of the same size first, so the pool hands its memory back.
-        let poison = pinstage::to_device(&dev, &vec![POISON; bytes]).unwrap();
+        let poison = pinstage::h2d::to_device(&vec![POISON; bytes], &dev).unwrap();
         assert_eq!(read_fresh(&dev, &poison), vec![POISON; bytes]);
         let poisoned_at = poison.ptr();
         drop(poison);
         let data = values(DType::U8, bytes, bytes as u64 + 5);
-        let mem = pinstage::to_device(&dev, &data).unwrap();
+        let mem = pinstage::h2d::to_device(&data, &dev).unwrap();
         assert_eq!(mem.ptr(), poisoned_at, "the released memory is reused");
         assert_eq!(mem.len(), bytes);
         assert_eq!(mem.ptr() % 256, 0, "pool memory is 256-byte aligned");
         assert!(read_fresh(&dev, &mem) == data, "pageable: values differ");
-        let s = pinstage::device_pool_stats(&dev).unwrap();
+        let s = pinstage::h2d::device_pool_stats(&dev).unwrap();
         assert_eq!(s.live_arrays, base.live_arrays + 1);
         assert_eq!(s.live_bytes, base.live_bytes + bytes as u64);
         assert!(s.reserved_bytes >= bytes as u64);
@@ -263,11 +260,11 @@ fn gpu_to_device_fills_fresh_memory_and_releases_it() {
         let other = values(DType::U8, bytes, bytes as u64 + 6);
         let mut pinned = PinnedBuffer::new(&dev, bytes.max(1), PinnedFlags::PORTABLE).unwrap();
         pinned.as_mut_slice()[..bytes].copy_from_slice(&other);
-        let mem2 = pinstage::to_device(&dev, &pinned.as_slice()[..bytes]).unwrap();
+        let mem2 = pinstage::h2d::to_device(&pinned.as_slice()[..bytes], &dev).unwrap();
         assert!(read_fresh(&dev, &mem2) == other, "pinned: values differ");
         drop((mem, mem2));
     }
-    let s = pinstage::device_pool_stats(&dev).unwrap();
+    let s = pinstage::h2d::device_pool_stats(&dev).unwrap();
     assert_eq!(
         (s.live_arrays, s.live_bytes),
         (base.live_arrays, base.live_bytes)
@@ -277,8 +274,8 @@ fn gpu_to_device_fills_fresh_memory_and_releases_it() {
         reserved > 0,
         "the pool holds the released memory until trimmed"
     );
-    pinstage::trim_device_pools().unwrap();
-    let s = pinstage::device_pool_stats(&dev).unwrap();
+    pinstage::h2d::trim_device_pools().unwrap();
+    let s = pinstage::h2d::device_pool_stats(&dev).unwrap();
     assert!(
         s.reserved_bytes < reserved,
         "trim gave the memory back: {s:?}, {reserved} before"
@@ -293,8 +290,8 @@ fn gpu_to_device_many_results_leave_nothing() {
         return;
     };
     let _serial = serial();
-    let base = pinstage::device_pool_stats(&dev).unwrap();
-    let pinned_before = pinstage::live_pinned_bytes();
+    let base = pinstage::h2d::device_pool_stats(&dev).unwrap();
+    let pinned_before = pinstage::host::live_pinned_bytes();
     let data = values(DType::U8, 1000, 3);
     let mut peak = 0;
     for i in 0..100_000u32 {
@@ -303,13 +300,17 @@ fn gpu_to_device_many_results_leave_nothing() {
         let check = i % 10_000 == 0;
         let fresh = check.then(|| values(DType::U8, 1000, u64::from(i) + 4));
         let src = fresh.as_ref().unwrap_or(&data);
-        let mem = pinstage::to_device(&dev, src).unwrap();
+        let mem = pinstage::h2d::to_device(src, &dev).unwrap();
         if check {
             assert!(read_fresh(&dev, &mem) == *src);
-            peak = peak.max(pinstage::device_pool_stats(&dev).unwrap().reserved_bytes);
+            peak = peak.max(
+                pinstage::h2d::device_pool_stats(&dev)
+                    .unwrap()
+                    .reserved_bytes,
+            );
         }
     }
-    let s = pinstage::device_pool_stats(&dev).unwrap();
+    let s = pinstage::h2d::device_pool_stats(&dev).unwrap();
     assert_eq!(
         (s.live_arrays, s.live_bytes),
         (base.live_arrays, base.live_bytes)
@@ -319,6 +320,6 @@ fn gpu_to_device_many_results_leave_nothing() {
         "the pool grew to {peak} bytes"
     );
     // The bounce slots are a cache made once; nothing else pinned stays.
-    pinstage::release_bounce_buffers();
-    assert!(pinstage::live_pinned_bytes() <= pinned_before);
+    pinstage::host::release_bounce_buffers();
+    assert!(pinstage::host::live_pinned_bytes() <= pinned_before);
 }

@@ -13,7 +13,7 @@ use pinstage::testing::DeviceBuffer;
 use pinstage::{DType, Device, Error, PinnedStager, Stream, StreamHandle, copy_d2h};
 
 fn two_devices() -> Option<(Device, Device)> {
-    let count = pinstage::device_count().unwrap_or(0);
+    let count = pinstage::cuda::device_count().unwrap_or(0);
     if count < 2 {
         let required = std::env::var("PINSTAGE_REQUIRE_GPUS").is_ok_and(|v| v == "2")
             || std::env::var("PINSTAGE_REQUIRE_GPU").is_ok_and(|v| v == "1");
@@ -64,8 +64,8 @@ fn gpu_two_devices_concurrently() {
                 stream.synchronize().unwrap();
                 let mut out = vec![0u8; copies * n * 4];
                 let whole = buf.view(DType::U8);
-                let path = copy_d2h(&dev, &whole, &mut out, StreamHandle::LEGACY).unwrap();
-                assert_eq!(path, pinstage::D2HPath::Bounced);
+                let path = copy_d2h(&whole, &mut out, StreamHandle::LEGACY).unwrap();
+                assert_eq!(path, pinstage::host::CopyPath::Bounced);
                 let got: &[u32] = bytemuck::cast_slice(&out);
                 for (i, v) in sent.iter().enumerate() {
                     let d = &got[i * n..(i + 1) * n];
@@ -100,12 +100,6 @@ fn gpu_two_devices_concurrently() {
         "{err}"
     );
     let mut out = vec![0u8; 64];
-    let err = copy_d2h(
-        &devs[0],
-        &buf1.view(DType::U8),
-        &mut out,
-        StreamHandle::LEGACY,
-    )
-    .unwrap_err();
+    let err = copy_d2h(&buf1.view(DType::U8), &mut out, StreamHandle::LEGACY).unwrap_err();
     assert!(matches!(err, Error::WrongDevice { .. }));
 }

@@ -8,10 +8,11 @@ use common::Put;
 use std::sync::Arc;
 
 use common::{POISON, check_layout, gpu_or_skip, pad, poisoned, read, values, view};
+use pinstage::dlpack::TensorMeta;
+use pinstage::h2d::CopyOutcome;
+use pinstage::h2d::RawStager as Stager;
 use pinstage::testing::{begin_capture, current_context, end_capture};
-use pinstage::{
-    CopyOutcome, DType, DeviceView, Error, H2DMirror, Stager, Stream, StreamHandle, TensorMeta,
-};
+use pinstage::{DType, DeviceView, Error, H2DMirror, Stream, StreamHandle};
 use rstest::rstest;
 
 #[rstest]

@@ -115,7 +115,7 @@ fn gpu_drop_never_waits_and_frees_after_the_copy() {
     let buf = poisoned(&dev, DType::U32, 1024);
     let st = common::stager::<u32>(0, 1024, 2).unwrap();
     let v: Vec<u32> = (0..1024).map(|i| i * 3 + 1).collect();
-    pinstage::wait_for_frees();
+    pinstage::host::wait_for_frees();
     let go = stall(&stream);
     let released = std::time::Instant::now() + Duration::from_millis(200);
     let release = std::thread::spawn(move || {
@@ -124,7 +124,7 @@ fn gpu_drop_never_waits_and_frees_after_the_copy() {
     });
     let dst = view(&buf, DType::U32, 1024);
     st.put(&dst, &v, None, None, stream.handle()).unwrap();
-    let pinned = pinstage::live_pinned_bytes();
+    let pinned = pinstage::host::live_pinned_bytes();
     let t0 = std::time::Instant::now();
     drop(st);
     let took = t0.elapsed();
@@ -132,13 +132,13 @@ fn gpu_drop_never_waits_and_frees_after_the_copy() {
         took < Duration::from_millis(20),
         "drop waited {took:?} for the stalled copy"
     );
-    pinstage::wait_for_frees();
+    pinstage::host::wait_for_frees();
     assert!(
         std::time::Instant::now() >= released - Duration::from_millis(20),
         "the slots were freed before their copy ran"
     );
     assert!(
-        pinstage::live_pinned_bytes() < pinned,
+        pinstage::host::live_pinned_bytes() < pinned,
         "the slots were freed"
     );
     release.join().unwrap();
@@ -168,7 +168,8 @@ fn gpu_freed_pinned_memory_never_stalls_a_call() {
     // The garbage, allocated before the stall (allocations may wait for the device).
     let garbage: Vec<pinstage::PinnedBuffer> = (0..4)
         .map(|_| {
-            pinstage::PinnedBuffer::new(&dev, 1 << 20, pinstage::PinnedFlags::PORTABLE).unwrap()
+            pinstage::PinnedBuffer::new(&dev, 1 << 20, pinstage::host::PinnedFlags::PORTABLE)
+                .unwrap()
         })
         .collect();
     let dropped_stager = common::stager::<u32>(0, 4096, 4).unwrap();
@@ -177,7 +178,7 @@ fn gpu_freed_pinned_memory_never_stalls_a_call() {
         .build()
         .unwrap();
     let dropped_steps = pinstage::StepStager::builder(&layout).build().unwrap();
-    let marker = pinstage::Event::new(&dev).unwrap();
+    let marker = pinstage::cuda::Event::new(&dev).unwrap();
     let go = stall(&busy);
     let release = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(200));
@@ -218,7 +219,8 @@ fn gpu_pending_copy_waits_for_its_copy() {
         let src = DeviceBuffer::new(&dev, bytes).unwrap();
         src.upload(0, &data).unwrap();
         let mut dst =
-            pinstage::PinnedBuffer::new(&dev, bytes, pinstage::PinnedFlags::PORTABLE).unwrap();
+            pinstage::PinnedBuffer::new(&dev, bytes, pinstage::host::PinnedFlags::PORTABLE)
+                .unwrap();
         dst.as_mut_slice().fill(POISON);
         let go = stall(&stream);
         let released = std::time::Instant::now() + Duration::from_millis(100);
@@ -227,7 +229,7 @@ fn gpu_pending_copy_waits_for_its_copy() {
             drop(go);
         });
         let pending =
-            pinstage::copy_d2h_async(&dev, &src.view(DType::U8), dst, stream.handle()).unwrap();
+            pinstage::d2h::copy_d2h_async(&src.view(DType::U8), dst, stream.handle()).unwrap();
         assert!(!pending.is_done(), "{bytes} bytes: done behind the stall");
         let dst = pending.wait().unwrap();
         assert!(
@@ -437,19 +439,16 @@ fn gpu_copy_d2h_waits_for_its_copy_behind_a_stalled_stream() {
         let src = DeviceBuffer::new(&dev, bytes).unwrap();
         src.upload(0, &data).unwrap();
         let mut dst =
-            pinstage::PinnedBuffer::new(&dev, bytes + 1, pinstage::PinnedFlags::PORTABLE).unwrap();
+            pinstage::PinnedBuffer::new(&dev, bytes + 1, pinstage::host::PinnedFlags::PORTABLE)
+                .unwrap();
         dst.as_mut_slice().fill(POISON);
         let addr = dst.as_mut_ptr() as usize;
         let go = stall(&stream);
         let returned = AtomicBool::new(false);
         let (path, dst) = std::thread::scope(|scope| {
             let copier = scope.spawn(|| {
-                let path = pinstage::copy_d2h(
-                    &dev,
-                    &src.view(DType::U8),
-                    dst.as_mut_slice(),
-                    stream.handle(),
-                );
+                let path =
+                    pinstage::copy_d2h(&src.view(DType::U8), dst.as_mut_slice(), stream.handle());
                 returned.store(true, Ordering::Release);
                 (path, dst)
             });
@@ -464,7 +463,7 @@ fn gpu_copy_d2h_waits_for_its_copy_behind_a_stalled_stream() {
             assert_eq!(first, POISON, "the destination changed before the copy ran");
             out
         });
-        assert_eq!(path.unwrap(), pinstage::D2HPath::Pinned);
+        assert_eq!(path.unwrap(), pinstage::host::CopyPath::Pinned);
         assert_eq!(&dst.as_slice()[..bytes], &data[..], "{bytes} bytes");
         assert_eq!(dst.as_slice()[bytes], POISON, "past the end");
     }
@@ -480,9 +479,9 @@ fn gpu_copy_d2h_waits_for_its_copy_behind_a_stalled_stream() {
 fn warm_landing(dev: &Device) {
     let src = DeviceBuffer::new(dev, 64).unwrap();
     src.upload(0, &[1u8; 64]).unwrap();
-    let mut dst = pinstage::PinnedBuffer::new(dev, 64, pinstage::PinnedFlags::PORTABLE).unwrap();
+    let mut dst =
+        pinstage::PinnedBuffer::new(dev, 64, pinstage::host::PinnedFlags::PORTABLE).unwrap();
     pinstage::copy_d2h(
-        dev,
         &src.view(DType::U8),
         dst.as_mut_slice(),
         pinstage::StreamHandle::LEGACY,
@@ -512,7 +511,8 @@ fn gpu_copy_d2h_more_waits_than_landing_words() {
             let src = DeviceBuffer::new(&dev, n).unwrap();
             src.upload(0, &data).unwrap();
             let mut dst =
-                pinstage::PinnedBuffer::new(&dev, n + 1, pinstage::PinnedFlags::PORTABLE).unwrap();
+                pinstage::PinnedBuffer::new(&dev, n + 1, pinstage::host::PinnedFlags::PORTABLE)
+                    .unwrap();
             dst.as_mut_slice().fill(POISON);
             (Stream::new(&dev).unwrap(), src, dst, data)
         })
@@ -524,10 +524,9 @@ fn gpu_copy_d2h_more_waits_than_landing_words() {
         let copiers: Vec<_> = jobs
             .iter_mut()
             .map(|(stream, src, dst, _)| {
-                let (dev, returned) = (&dev, &returned);
+                let returned = &returned;
                 scope.spawn(move || {
                     let path = pinstage::copy_d2h(
-                        dev,
                         &src.view(DType::U8),
                         dst.as_mut_slice(),
                         stream.handle(),
@@ -543,7 +542,7 @@ fn gpu_copy_d2h_more_waits_than_landing_words() {
             s.release();
         }
         for c in copiers {
-            assert_eq!(c.join().unwrap().unwrap(), pinstage::D2HPath::Pinned);
+            assert_eq!(c.join().unwrap().unwrap(), pinstage::host::CopyPath::Pinned);
         }
         assert_eq!(
             early, 0,

@@ -6,11 +6,11 @@
 mod common;
 
 use common::{gpu_or_skip, stall};
+use pinstage::dlpack::TensorMeta;
+use pinstage::step::FIELD_ALIGN;
+use pinstage::step::StepMode;
 use pinstage::testing::DeviceBuffer;
-use pinstage::{
-    DType, DeviceView, FIELD_ALIGN, StepLayout, StepMode, StepStager, Stream, StreamHandle,
-    TensorMeta,
-};
+use pinstage::{DType, DeviceView, StepLayout, StepStager, Stream, StreamHandle};
 use rstest::rstest;
 
 fn layout() -> StepLayout {
@@ -34,7 +34,7 @@ fn step_values(k: i64) -> (Vec<i32>, Vec<i64>, Vec<i32>, Vec<i32>) {
     )
 }
 
-fn fill(s: &mut pinstage::Step<'_>, k: i64) {
+fn fill(s: &mut pinstage::step::Step<'_>, k: i64) {
     let (ids, pos, lens, table) = step_values(k);
     s.put("ids", &ids).unwrap();
     s.field_mut::<i64>("pos", pos.len())
@@ -198,13 +198,13 @@ fn slots_are_not_rewritten_while_their_copy_is_queued(#[case] depth: usize) {
 }
 
 /// A block's bytes, copied to the host after its copy completed.
-fn read_block(dev: &pinstage::Device, b: &pinstage::StepBlock) -> Vec<u8> {
+fn read_block(dev: &pinstage::Device, b: &pinstage::step::StepBlock) -> Vec<u8> {
     b.synchronize().unwrap();
     let meta = TensorMeta::cuda_1d(dev.ordinal(), b.ptr(), DType::U8, b.len());
     // SAFETY: the block's device memory, held (not rewritten) by `b` during the copy.
     let view = unsafe { DeviceView::from_meta(meta) };
     let mut got = vec![0u8; b.len()];
-    pinstage::copy_d2h(dev, &view, &mut got, StreamHandle::LEGACY).unwrap();
+    pinstage::copy_d2h(&view, &mut got, StreamHandle::LEGACY).unwrap();
     got
 }
 
@@ -266,7 +266,7 @@ fn zero_copy_slots_are_device_addressable() {
         // SAFETY: the slot's mapped memory (the layout's bytes from field 0), ours until commit.
         let view = unsafe { DeviceView::from_meta(meta) };
         let mut got = vec![0u8; l.nbytes()];
-        pinstage::copy_d2h(&dev, &view, &mut got, stream.handle()).unwrap();
+        pinstage::copy_d2h(&view, &mut got, stream.handle()).unwrap();
         drop(view);
         check(&l, &got, k);
         assert!(

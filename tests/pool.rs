@@ -1,6 +1,6 @@
 //! The pool's size classes (the pool's behaviour on the GPU is in gpu_d2h.rs).
 
-use pinstage::size_class;
+use pinstage::host::size_class;
 
 #[test]
 fn size_classes_waste_less_than_a_page() {

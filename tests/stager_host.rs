@@ -5,9 +5,10 @@ mod common;
 use common::Put;
 
 use common::{POISON, check_layout, pad, values};
-use pinstage::{
-    CopyOutcome, DType, DeviceView, Error, H2DMirror, Stager, StreamHandle, TensorMeta,
-};
+use pinstage::dlpack::TensorMeta;
+use pinstage::h2d::CopyOutcome;
+use pinstage::h2d::RawStager as Stager;
+use pinstage::{DType, DeviceView, Error, H2DMirror, StreamHandle};
 use rstest::rstest;
 
 /// A view of `buf` as `numel` elements of `dtype`; unlike `DeviceView::host_mut` it does not
@@ -199,14 +200,13 @@ fn copy_h2d_into_host_destinations_and_refusals() {
     let src: Vec<i32> = (0..1001).map(|i| i * 7 - 3).collect();
     let mut out = vec![POISON; 1001 * 4 + 8];
     let dst = host_view(&mut out, DType::I32, 1001);
-    let path =
-        pinstage::copy_h2d(None, &dst, bytemuck::cast_slice(&src), StreamHandle::LEGACY).unwrap();
-    assert_eq!(path, pinstage::H2DPath::Host);
+    let path = pinstage::copy_h2d(&dst, bytemuck::cast_slice(&src), StreamHandle::LEGACY).unwrap();
+    assert_eq!(path, pinstage::host::CopyPath::Host);
     assert_eq!(&out[..1001 * 4], bytemuck::cast_slice::<i32, u8>(&src));
     assert!(out[1001 * 4..].iter().all(|&b| b == POISON));
     let mut small = vec![POISON; 64];
     let dst = host_view(&mut small, DType::I32, 16);
-    let err = pinstage::copy_h2d(None, &dst, &[1u8; 60], StreamHandle::LEGACY).unwrap_err();
+    let err = pinstage::copy_h2d(&dst, &[1u8; 60], StreamHandle::LEGACY).unwrap_err();
     assert!(
         matches!(
             err,
@@ -218,12 +218,12 @@ fn copy_h2d_into_host_destinations_and_refusals() {
         "{err}"
     );
     let ro = host_view(&mut small, DType::I32, 16).into_read_only();
-    let err = pinstage::copy_h2d(None, &ro, &[1u8; 64], StreamHandle::LEGACY).unwrap_err();
+    let err = pinstage::copy_h2d(&ro, &[1u8; 64], StreamHandle::LEGACY).unwrap_err();
     assert!(matches!(err, Error::ReadOnly));
     assert!(small.iter().all(|&b| b == POISON));
     // SAFETY: refused before anything is written through it.
     let cuda = unsafe { DeviceView::from_meta(TensorMeta::cuda_1d(0, 0x1000, DType::U8, 4)) };
-    let err = pinstage::copy_h2d(None, &cuda, &[1u8; 4], StreamHandle::LEGACY).unwrap_err();
+    let err = pinstage::copy_h2d(&cuda, &[1u8; 4], StreamHandle::LEGACY).unwrap_err();
     assert!(matches!(err, Error::CudaUnavailable { .. }), "{err}");
 }
 

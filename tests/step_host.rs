@@ -2,10 +2,10 @@
 //! (slots, arena and fresh blocks are plain host bytes when there is no driver; on a GPU machine
 //! these tests use a host-bound arena instead, so they run everywhere).
 
+use pinstage::step::FIELD_ALIGN;
+use pinstage::step::StepMode;
 use pinstage::testing::plan;
-use pinstage::{
-    DType, DeviceView, Error, FIELD_ALIGN, StepLayout, StepMode, StepStager, StreamHandle,
-};
+use pinstage::{DType, DeviceView, Error, StepLayout, StepStager, StreamHandle};
 use rstest::rstest;
 
 fn engine() -> StepLayout {
@@ -26,7 +26,7 @@ fn host_stager(layout: &StepLayout, depth: usize, max_gap: usize) -> (StepStager
     let mut arena = vec![0xA5u8; layout.nbytes() + FIELD_ALIGN];
     let off = arena.as_ptr().align_offset(FIELD_ALIGN);
     let b = StepStager::builder(layout).depth(depth).max_gap(max_gap);
-    let st = if pinstage::cuda_available() {
+    let st = if pinstage::cuda::cuda_available() {
         // SAFETY: one thread uses the view.
         let view = unsafe { DeviceView::host_mut(&mut arena[off..off + layout.nbytes()]) };
         // SAFETY: `arena` is returned to the caller, which drops it after the stager; nothing
@@ -65,7 +65,7 @@ fn layout_places_fields_at_aligned_offsets_in_order() {
 #[case::zero_dim(StepLayout::builder().field("a", DType::I32, &[0]))]
 #[case::three_dims(StepLayout::builder().field("a", DType::I32, &[2, 2, 2]))]
 #[case::no_dims(StepLayout::builder().field("a", DType::I32, &[]))]
-fn bad_layouts_are_refused(#[case] b: pinstage::StepLayoutBuilder) {
+fn bad_layouts_are_refused(#[case] b: pinstage::step::StepLayoutBuilder) {
     assert!(matches!(b.build(), Err(Error::InvalidArgument { .. })));
 }
 
@@ -217,18 +217,18 @@ fn skip_unchanged_fields_send_nothing() {
 }
 
 #[rstest]
-#[case::too_many_values(|s: &mut pinstage::Step<'_>| s.put("seq_lens", &[1i32; 257]))]
-#[case::wrong_dtype(|s: &mut pinstage::Step<'_>| s.put("seq_lens", &[1i64; 2]))]
-#[case::unknown(|s: &mut pinstage::Step<'_>| s.put("nope", &[1i32]))]
-#[case::ragged_rows(|s: &mut pinstage::Step<'_>| s.put("block_table", &[1i32; 130]))]
-#[case::missing_pad(|s: &mut pinstage::Step<'_>| s.put_padded("seq_lens", &[1i32; 2], (2, 1), None, Some(5)))]
-#[case::rows_beyond(|s: &mut pinstage::Step<'_>| s.put_padded("seq_lens", &[1i32; 2], (2, 1), Some(0), Some(257)))]
-#[case::cols_beyond(|s: &mut pinstage::Step<'_>| s.put_padded("block_table", &[1i32; 129], (1, 129), Some(0), None))]
-#[case::short_values(|s: &mut pinstage::Step<'_>| s.put_padded("block_table", &[1i32; 5], (2, 3), Some(0), None))]
-#[case::partial_rows_without_pad(|s: &mut pinstage::Step<'_>| s.put_padded("block_table", &[1i32; 6], (2, 3), None, None))]
-#[case::view_beyond(|s: &mut pinstage::Step<'_>| s.field_mut::<i32>("seq_lens", 257).map(|_| ()))]
+#[case::too_many_values(|s: &mut pinstage::step::Step<'_>| s.put("seq_lens", &[1i32; 257]))]
+#[case::wrong_dtype(|s: &mut pinstage::step::Step<'_>| s.put("seq_lens", &[1i64; 2]))]
+#[case::unknown(|s: &mut pinstage::step::Step<'_>| s.put("nope", &[1i32]))]
+#[case::ragged_rows(|s: &mut pinstage::step::Step<'_>| s.put("block_table", &[1i32; 130]))]
+#[case::missing_pad(|s: &mut pinstage::step::Step<'_>| s.put_padded("seq_lens", &[1i32; 2], (2, 1), None, Some(5)))]
+#[case::rows_beyond(|s: &mut pinstage::step::Step<'_>| s.put_padded("seq_lens", &[1i32; 2], (2, 1), Some(0), Some(257)))]
+#[case::cols_beyond(|s: &mut pinstage::step::Step<'_>| s.put_padded("block_table", &[1i32; 129], (1, 129), Some(0), None))]
+#[case::short_values(|s: &mut pinstage::step::Step<'_>| s.put_padded("block_table", &[1i32; 5], (2, 3), Some(0), None))]
+#[case::partial_rows_without_pad(|s: &mut pinstage::step::Step<'_>| s.put_padded("block_table", &[1i32; 6], (2, 3), None, None))]
+#[case::view_beyond(|s: &mut pinstage::step::Step<'_>| s.field_mut::<i32>("seq_lens", 257).map(|_| ()))]
 fn bad_puts_are_typed_errors_and_write_nothing(
-    #[case] bad: fn(&mut pinstage::Step<'_>) -> pinstage::Result<()>,
+    #[case] bad: fn(&mut pinstage::step::Step<'_>) -> pinstage::Result<()>,
 ) {
     let l = engine();
     let (st, _arena) = host_stager(&l, 1, 64 << 10);
@@ -263,7 +263,7 @@ fn threads_commit_concurrently_into_their_own_slots() {
         .field("b", DType::I64, &[512])
         .build()
         .unwrap();
-    let st = if pinstage::cuda_available() {
+    let st = if pinstage::cuda::cuda_available() {
         return; // the fresh-block variant runs on the GPU (tests/gpu_step.rs)
     } else {
         StepStager::builder(&l)
@@ -306,7 +306,7 @@ fn threads_commit_concurrently_into_their_own_slots() {
 
 #[test]
 fn zero_copy_without_a_driver_refuses_device_addresses() {
-    if pinstage::cuda_available() {
+    if pinstage::cuda::cuda_available() {
         return;
     }
     let l = engine();
@@ -326,7 +326,7 @@ fn zero_copy_without_a_driver_refuses_device_addresses() {
 #[rstest]
 #[case::depth0(StepStager::builder(&engine()).depth(0))]
 #[case::negative_device(StepStager::builder(&engine()).device(-1))]
-fn bad_stager_arguments(#[case] b: pinstage::StepStagerBuilder) {
+fn bad_stager_arguments(#[case] b: pinstage::step::StepStagerBuilder) {
     assert!(matches!(b.build(), Err(Error::InvalidArgument { .. })));
 }
 
@@ -369,10 +369,12 @@ fn layout_accessors_describe_each_field() {
     assert!(l.field("b").unwrap().skip_unchanged());
     assert_eq!(l.field("b").unwrap().dtype(), DType::I64);
     // An id past the last field is refused, not used.
-    let past = pinstage::FieldId::from_index(2);
+    let past = pinstage::step::FieldId::from_index(2);
     assert!(matches!(l.field(past), Err(Error::UnknownField { .. })));
     assert_eq!(
-        l.field(pinstage::FieldId::from_index(1)).unwrap().name(),
+        l.field(pinstage::step::FieldId::from_index(1))
+            .unwrap()
+            .name(),
         "b"
     );
 }
@@ -380,7 +382,7 @@ fn layout_accessors_describe_each_field() {
 #[test]
 fn the_field_count_limit_is_exact() {
     let mut b = StepLayout::builder();
-    for i in 0..pinstage::MAX_FIELDS {
+    for i in 0..pinstage::step::MAX_FIELDS {
         b = b.field(format!("f{i}"), DType::U8, &[1]);
     }
     let at_limit = b.clone().build();
@@ -409,7 +411,7 @@ fn the_automatic_plan_sends_the_engine_step_in_one_copy() {
     let l = engine();
     // The default gap allowance (no max_gap): without a driver, or on the legacy stream, the
     // engine step's gaps (at most 62 KiB) are spanned by one copy.
-    let st = if pinstage::cuda_available() {
+    let st = if pinstage::cuda::cuda_available() {
         return;
     } else {
         StepStager::builder(&l).build().unwrap()
@@ -422,7 +424,12 @@ fn the_automatic_plan_sends_the_engine_step_in_one_copy() {
     s.put("query_start_loc", &[5i32; 65]).unwrap();
     s.put("block_table", &[6i32; 64 * 128]).unwrap();
     assert_eq!(s.commit(StreamHandle::LEGACY).unwrap().calls, 1);
-    const { assert!(pinstage::AUTO_GAP_BATCH >= 32 << 10 && pinstage::AUTO_GAP_COPIES >= 64 << 10) };
+    const {
+        assert!(
+            pinstage::testing::AUTO_GAP_BATCH >= 32 << 10
+                && pinstage::testing::AUTO_GAP_COPIES >= 64 << 10
+        )
+    };
 }
 
 #[test]
@@ -467,7 +474,7 @@ fn rows_below_the_values_rows_are_refused() {
 #[test]
 fn slot_device_addresses_are_checked() {
     let l = engine();
-    if pinstage::cuda_available() {
+    if pinstage::cuda::cuda_available() {
         return; // the addresses themselves are checked on the GPU (tests/gpu_step.rs)
     }
     let zc = StepStager::builder(&l)

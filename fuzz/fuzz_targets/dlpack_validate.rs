@@ -8,7 +8,13 @@
 use dlpark::ffi::{DLDataType, DLDataTypeCode, DLDevice, DLDeviceType, DLTensor};
 use libfuzzer_sys::fuzz_target;
 use pinstage::dlpack::{DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED};
-use pinstage::{DlpackError, MAX_NDIM, MemoryKind, TensorDesc, TensorMeta, meta_of_dltensor, validate};
+use pinstage::dlpack::DlpackError;
+use pinstage::dlpack::MAX_NDIM;
+use pinstage::dlpack::MemoryKind;
+use pinstage::dlpack::TensorDesc;
+use pinstage::dlpack::TensorMeta;
+use pinstage::dlpack::meta_of_dltensor;
+use pinstage::dlpack::validate;
 
 fn take<const N: usize>(data: &mut &[u8]) -> [u8; N] {
     let mut out = [0u8; N];

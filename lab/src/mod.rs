@@ -4,10 +4,11 @@
 
 use crate::driver::mem::memcpy_htod_async;
 use crate::driver::stream::{stream_is_capturing, stream_write_value32};
+use crate::host::PinnedFlags;
 use crate::ring::protocol::{NO_MARK, Release};
 use crate::ring::write::store_fence;
 use crate::testing::DeviceBuffer;
-use crate::{DType, Device, PinnedBuffer, PinnedFlags, PinnedStager, Result, Stream, StreamHandle};
+use crate::{DType, Device, PinnedBuffer, PinnedStager, Result, Stream, StreamHandle};
 
 #[cfg(feature = "python")]
 pub(crate) mod python;
@@ -87,7 +88,7 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     let mut wc = PinnedBuffer::new(&dev, 16384, PinnedFlags::WRITE_COMBINED)?;
     let mut plain = PinnedBuffer::new(&dev, 16384, PinnedFlags::PORTABLE)?;
     let dbuf = DeviceBuffer::new(&dev, 16384)?;
-    let ev = crate::Event::new(&dev)?;
+    let ev = crate::cuda::Event::new(&dev)?;
     let cur = dev.enter()?;
     let cur = &cur;
     let values = vec![7u8; 1024];
@@ -201,7 +202,7 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
         .map(|i| arena.as_ptr() as usize + i * 16384)
         .collect();
     let events = (0..8)
-        .map(|_| crate::Event::new(&dev))
+        .map(|_| crate::cuda::Event::new(&dev))
         .collect::<Result<Vec<_>>>()?;
     let copy = |src: usize, h: StreamHandle| -> Result<()> {
         // SAFETY: `src` is 16 KiB of one of our pinned buffers and `dbuf` holds 16 KiB; both
@@ -331,10 +332,10 @@ pub fn driver_costs(iters: usize) -> Result<Vec<(&'static str, f64)>> {
     ));
     // The bounce rings' host side: how fast several threads copy a chunk between pageable and
     // pinned memory, each way (GB/s; `copy_h2d` fills, `copy_d2h` drains).
-    let mut pinned = PinnedBuffer::new(&dev, crate::BOUNCE_CHUNK, PinnedFlags::PORTABLE)?;
-    let mut pageable = vec![7u8; crate::BOUNCE_CHUNK];
+    let mut pinned = PinnedBuffer::new(&dev, crate::host::BOUNCE_CHUNK, PinnedFlags::PORTABLE)?;
+    let mut pageable = vec![7u8; crate::host::BOUNCE_CHUNK];
     let gbs = |t: Instant, reps: usize| {
-        (reps * crate::BOUNCE_CHUNK) as f64 / t.elapsed().as_secs_f64() / 1e9
+        (reps * crate::host::BOUNCE_CHUNK) as f64 / t.elapsed().as_secs_f64() / 1e9
     };
     let reps = 200;
     let t = Instant::now();
@@ -370,7 +371,7 @@ impl FloorRig {
         Ok(Self {
             src,
             dst: DeviceBuffer::new(dev, bytes.max(1))?,
-            ev: crate::Event::new(&dev)?,
+            ev: crate::cuda::Event::new(dev)?,
         })
     }
 

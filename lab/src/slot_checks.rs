@@ -4,9 +4,10 @@ use crate::driver::mem::{
     memcpy_2d_htod_async, memcpy_async, memcpy_batch_async_one, memcpy_htod_async,
 };
 use crate::driver::stream::{stream_get_id, stream_is_capturing};
+use crate::host::PinnedFlags;
 use crate::ring::write::store_fence;
 use crate::testing::DeviceBuffer;
-use crate::{DType, Device, PinnedBuffer, PinnedFlags, PinnedStager, Result, Stream, StreamHandle};
+use crate::{DType, Device, PinnedBuffer, PinnedStager, Result, Stream, StreamHandle};
 
 /// Loop and paced timings that decide how the stager checks its slots and what one copy can
 /// cost at all, on device 0: `(name, ns per call in each of `rounds` rounds)`. Every variant
@@ -31,7 +32,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
     let arena = PinnedBuffer::new(&dev, 8 * SLOT, PinnedFlags::WRITE_COMBINED)?;
     let dbuf = DeviceBuffer::new(&dev, SLOT)?;
     let events = (0..8)
-        .map(|_| crate::Event::new(&dev))
+        .map(|_| crate::cuda::Event::new(&dev))
         .collect::<Result<Vec<_>>>()?;
     let cur = dev.enter()?;
     let cur = &cur;
@@ -55,7 +56,7 @@ pub fn slot_check_costs(iters: usize, rounds: usize) -> Result<Vec<(String, Vec<
         .map(|_| PinnedBuffer::new(&dev, 16384, PinnedFlags::WRITE_COMBINED))
         .collect::<Result<Vec<_>>>()?;
     let ev16 = (0..16)
-        .map(|_| crate::Event::new(&dev))
+        .map(|_| crate::cuda::Event::new(&dev))
         .collect::<Result<Vec<_>>>()?;
     let ones = vec![7u8; 1024];
     let sep16p: Vec<usize> = sep16.iter().map(|b| b.as_ptr() as usize).collect();

@@ -104,6 +104,27 @@ impl PartialEq for Device {
 impl Eq for Device {}
 
 impl Device {
+    /// The device `ordinal`, made once per process and shared after that (a clone of the
+    /// first [`Device::new`] of that ordinal).
+    ///
+    /// # Errors
+    /// As [`Device::new`].
+    pub fn get(ordinal: i32) -> Result<Self> {
+        static DEVICES: parking_lot::Mutex<Vec<Device>> = parking_lot::Mutex::new(Vec::new());
+        if let Some(d) = DEVICES.lock().iter().find(|d| d.ordinal() == ordinal) {
+            return Ok(d.clone());
+        }
+        let d = Self::new(ordinal)?;
+        let mut all = DEVICES.lock();
+        match all.iter().find(|x| x.ordinal() == ordinal) {
+            Some(x) => Ok(x.clone()),
+            None => {
+                all.push(d.clone());
+                Ok(d)
+            }
+        }
+    }
+
     /// Retains the primary context of device `ordinal`.
     ///
     /// # Errors

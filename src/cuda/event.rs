@@ -124,12 +124,12 @@ impl Event {
     }
 }
 
-/// A busy slot's event as a wait function sees it ([`RawCopy::wait_with`](crate::RawCopy::wait_with)):
+/// A busy slot's event as a wait function sees it ([`StagedCopy::wait_with`](crate::h2d::StagedCopy::wait_with)):
 /// it can be asked and waited for, not recorded again. pinstage alone records a slot's events (a
 /// record elsewhere would make the slot look free while its copy still reads it).
 ///
 /// ```
-/// fn wait(e: pinstage::SlotEvent<'_>) -> pinstage::Result<()> {
+/// fn wait(e: pinstage::cuda::SlotEvent<'_>) -> pinstage::Result<()> {
 ///     while !e.query()? {
 ///         std::thread::yield_now();
 ///     }
@@ -138,7 +138,7 @@ impl Event {
 /// ```
 ///
 /// ```compile_fail
-/// fn wait(e: pinstage::SlotEvent<'_>) -> pinstage::Result<()> {
+/// fn wait(e: pinstage::cuda::SlotEvent<'_>) -> pinstage::Result<()> {
 ///     e.record(pinstage::StreamHandle::LEGACY) // no such method: not recorded again
 /// }
 /// ```

@@ -324,7 +324,7 @@ mod tests {
         assert_eq!(judge(h, Some(80)), Liveness::NotAStream);
         // Without a driver the layout cannot be learnt: the check cannot tell, and does not
         // give up learning.
-        if !crate::cuda_available() {
+        if !crate::cuda::cuda_available() {
             assert_eq!(back(), None);
             assert_eq!(BACK.load(Relaxed), 0);
             assert_eq!(liveness(h), Liveness::Unknown);
@@ -335,7 +335,7 @@ mod tests {
     /// taken, and its handle is refused once the stream is destroyed.
     #[test]
     fn the_layout_is_learnt_from_the_drivers_streams() {
-        if !crate::cuda_available() {
+        if !crate::cuda::cuda_available() {
             assert!(
                 !std::env::var("PINSTAGE_REQUIRE_GPU").is_ok_and(|v| v == "1"),
                 "PINSTAGE_REQUIRE_GPU=1 but no CUDA driver"

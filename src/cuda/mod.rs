@@ -10,6 +10,8 @@ mod pci;
 mod stream;
 pub(crate) mod wait;
 
+pub use crate::driver::{DISABLE_ENV, DriverError, Probe, probe};
+pub use crate::error::{DropErrors, drop_errors};
 pub use device::{Current, Device, cuda_available, current_device, device_count};
 pub use event::{Event, SlotEvent};
 #[cfg(feature = "python")]

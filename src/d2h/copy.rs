@@ -5,25 +5,13 @@ use super::bounce;
 use super::issue::issue_d2h;
 use super::landing;
 use crate::cuda::{Device, Event, StreamHandle};
+use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
 use crate::error::{Error, Result};
-use crate::view::{DeviceView, MemoryKind};
+use crate::host::{CopyPath, HostRegion, PendingCopy};
 
-/// How a D2H copy was carried out.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum D2HPath {
-    /// One DMA straight into pinned memory.
-    Pinned,
-    /// Through the pinned bounce ring into pageable memory.
-    Bounced,
-    /// The source was host memory: a plain memcpy.
-    Host,
-    /// Nothing to copy.
-    Empty,
-}
-
-fn check_src(device: &Device, src: &DeviceView<'_>, dst_len: usize) -> Result<()> {
-    if let MemoryKind::Cuda(id) = src.memory()
+fn check_src(device: Option<&Device>, src: &DeviceView<'_>, dst_len: usize) -> Result<()> {
+    if let (MemoryKind::Cuda(id), Some(device)) = (src.memory(), device)
         && id != device.ordinal()
     {
         return Err(Error::WrongDevice {
@@ -46,20 +34,57 @@ fn check_src(device: &Device, src: &DeviceView<'_>, dst_len: usize) -> Result<()
 /// work.
 ///
 /// # Errors
-/// [`Error::WrongDevice`] (src on another device than `device`), [`Error::DestinationTooSmall`],
-/// [`Error::StreamCapturing`], [`Error::Driver`].
-pub fn copy_d2h(
-    device: &Device,
-    src: &DeviceView<'_>,
-    dst: &mut [u8],
-    stream: StreamHandle,
-) -> Result<D2HPath> {
+/// [`Error::DestinationTooSmall`], [`Error::CudaUnavailable`] (a device `src` without a driver),
+/// [`Error::NoSuchDevice`], [`Error::StreamCapturing`], [`Error::Driver`].
+pub fn copy_d2h(src: &DeviceView<'_>, dst: &mut [u8], stream: StreamHandle) -> Result<CopyPath> {
+    let device = device_of(src)?;
     // SAFETY: `dst` is exclusively borrowed until we return, and the copy is waited for first
     // (the completion waits when dropped, too).
-    let (path, done) =
-        unsafe { start_d2h(device, src, dst.as_mut_ptr(), dst.len(), stream, true, None) }?;
+    let (path, done) = unsafe {
+        start_d2h(
+            device.as_ref(),
+            src,
+            dst.as_mut_ptr(),
+            dst.len(),
+            stream,
+            true,
+            None,
+        )
+    }?;
     done.wait()?;
     Ok(path)
+}
+
+/// Starts copying `src` into `dst` and returns at once: a pinned `dst` gets a truly
+/// asynchronous DMA; a pageable one is filled through the bounce ring before this returns (still
+/// correct, not overlapped). The [`PendingCopy`] hands `dst` back once the copy completed.
+///
+/// # Errors
+/// As [`copy_d2h`].
+pub fn copy_d2h_async<B: HostRegion>(
+    src: &DeviceView<'_>,
+    mut dst: B,
+    stream: StreamHandle,
+) -> Result<PendingCopy<B>> {
+    let device = device_of(src)?;
+    let (ptr, len) = dst.region();
+    // SAFETY: the region is owned by `dst`, which the PendingCopy keeps until the copy completed
+    // (also when dropped: the reaper holds it); HostRegion guarantees the address is stable.
+    let (path, done) = unsafe { start_d2h(device.as_ref(), src, ptr, len, stream, false, None) }?;
+    Ok(PendingCopy::new(
+        dst,
+        done.into_event()?,
+        path,
+        src.nbytes(),
+    ))
+}
+
+/// The device of a view's memory (`None`: host memory, whose copies need no device).
+pub(crate) fn device_of(view: &DeviceView<'_>) -> Result<Option<Device>> {
+    match view.memory() {
+        MemoryKind::Cuda(id) => Device::get(id).map(Some),
+        MemoryKind::Host => Ok(None),
+    }
 }
 
 /// How a started copy completes.
@@ -123,26 +148,27 @@ impl Completion<'_> {
 ///    valid, until the returned completion completed (a dropped [`Completion::Landing`] waits).
 /// 2. `pinned`, when given, is true of the destination.
 pub(crate) unsafe fn start_d2h<'s>(
-    device: &Device,
+    device: Option<&Device>,
     src: &DeviceView<'_>,
     dst_ptr: *mut u8,
     len: usize,
     stream: StreamHandle<'s>,
     wait: bool,
     pinned: Option<bool>,
-) -> Result<(D2HPath, Completion<'s>)> {
+) -> Result<(CopyPath, Completion<'s>)> {
     let _range = crate::nvtx::NvtxRange::new(c"pinstage.copy_d2h");
     check_src(device, src, len)?;
     let n = src.nbytes();
     if n == 0 {
-        return Ok((D2HPath::Empty, Completion::Done));
+        return Ok((CopyPath::Empty, Completion::Done));
     }
     if src.memory() == MemoryKind::Host {
         // SAFETY: the view's contract: `src` is readable host memory of n bytes; the caller's
         // destination holds `len >= n` bytes (memmove tolerates overlap).
         unsafe { std::ptr::copy(src.ptr() as *const u8, dst_ptr, n) };
-        return Ok((D2HPath::Host, Completion::Done));
+        return Ok((CopyPath::Host, Completion::Done));
     }
+    let device = device.ok_or_else(|| Error::unavailable("no device was given"))?;
     let cur = stream.enter_for_copy(device)?;
     if pinned.unwrap_or_else(|| driver::mem::is_pinned_range(dst_ptr.cast(), n)) {
         if wait
@@ -166,7 +192,7 @@ pub(crate) unsafe fn start_d2h<'s>(
             });
             return stream
                 .drained_on_err(&cur, tracked)
-                .map(|done| (D2HPath::Pinned, done));
+                .map(|done| (CopyPath::Pinned, done));
         }
         if wait {
             landing::count(1);
@@ -176,12 +202,12 @@ pub(crate) unsafe fn start_d2h<'s>(
         // completed (caller); src is device memory of this device of n bytes (view contract,
         // device checked).
         unsafe { issue_d2h(&cur, &ev, src.ptr(), dst_ptr, n, stream) }?;
-        return Ok((D2HPath::Pinned, Completion::Event(ev)));
+        return Ok((CopyPath::Pinned, Completion::Event(ev)));
     }
     // SAFETY: caller's contract: `len >= n` writable bytes, exclusively ours until return.
     let dst = unsafe { std::slice::from_raw_parts_mut(dst_ptr, n) };
     bounce::bounce(&cur, src.ptr(), dst, stream)?;
-    Ok((D2HPath::Bounced, Completion::Done))
+    Ok((CopyPath::Bounced, Completion::Done))
 }
 
 /// Waits that learned of their copy from a landing word, and waited-for pinned copies that

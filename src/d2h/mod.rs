@@ -8,12 +8,13 @@ mod bounce;
 mod copy;
 mod issue;
 mod landing;
-mod pending;
 
+pub use crate::host::{CopyPath, HostRegion, PendingCopy};
+pub(crate) use copy::device_of;
 #[cfg(feature = "testing")]
 pub use copy::landing_counts;
 #[cfg(all(feature = "lab", feature = "python"))]
 pub(crate) use copy::set_landing;
+#[cfg(feature = "python")]
 pub(crate) use copy::start_d2h;
-pub use copy::{D2HPath, copy_d2h};
-pub use pending::{PendingCopy, copy_d2h_async};
+pub use copy::{copy_d2h, copy_d2h_async};

@@ -13,11 +13,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use super::upload::{H2DPath, start_h2d};
+use super::upload::start_h2d;
 use crate::cuda::{Current, Device, Event, Stream};
+use crate::dlpack::{DType, DeviceView, TensorMeta};
 use crate::driver::{self, pool::CUmemoryPool};
 use crate::error::{Error, Result};
-use crate::view::{DType, DeviceView, TensorMeta};
+use crate::host::CopyPath;
 
 /// Pool allocations are rounded up to this many bytes (and come at least this aligned).
 const FRESH_ALIGN: usize = 512;
@@ -49,7 +50,7 @@ fn pool_of(cur: &Current<'_>) -> Result<Arc<DevicePool>> {
     let stream = Stream::new(device)?;
     // SAFETY: the device's context is current (`cur`).
     let pool = unsafe { driver::pool::pool_create(device.ordinal()) }?;
-    if let Ok(count) = crate::device_count() {
+    if let Ok(count) = crate::cuda::device_count() {
         // Best effort: without peer access a result is still usable on its own device.
         // SAFETY: the pool just made, of this device; its context is current.
         let _ = unsafe { driver::pool::pool_grant_peers(pool, device.ordinal(), count) };
@@ -172,12 +173,12 @@ impl Drop for FreshMem {
 ///
 /// # Safety
 /// 1. `src..src+len` is readable host memory that nothing writes until this returned and, for
-///    [`H2DPath::Pinned`], until the result's event completed.
-pub unsafe fn start_to_device(
+///    [`CopyPath::Pinned`], until the result's event completed.
+pub(crate) unsafe fn start_to_device(
     device: &Device,
     src: *const u8,
     len: usize,
-) -> Result<(FreshMem, H2DPath)> {
+) -> Result<(FreshMem, CopyPath)> {
     let cur = device.enter()?;
     let pool = pool_of(&cur)?;
     let ready = Event::new_in(&cur)?;
@@ -210,11 +211,11 @@ pub unsafe fn start_to_device(
 /// source's copy completed); the result's [`FreshMem::ready`] says when the device copy did.
 ///
 /// # Errors
-/// As [`start_to_device`].
-pub fn to_device(device: &Device, src: &[u8]) -> Result<FreshMem> {
+/// [`Error::OutOfMemory`], [`Error::CudaUnavailable`], [`Error::Driver`].
+pub fn to_device(src: &[u8], device: &Device) -> Result<FreshMem> {
     // SAFETY: `src` is borrowed until we return; a pinned source's copy is waited for.
     let (mem, path) = unsafe { start_to_device(device, src.as_ptr(), src.len()) }?;
-    if path == H2DPath::Pinned {
+    if path == CopyPath::Pinned {
         mem.ready.synchronize()?;
     }
     Ok(mem)

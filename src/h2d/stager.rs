@@ -8,9 +8,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering as StatOrdering};
 
-use super::copy::RawCopy;
-use super::mirror::CopyKey;
+use super::mirror::{CopyKey, H2DMirror};
 use crate::cuda::{Current, Device, Event, SlotEvent, StreamHandle};
+use crate::dlpack::{DType, DeviceView, MemoryKind};
 use crate::driver;
 use crate::error::{Error, Result};
 use crate::host::{PinnedBuffer, PinnedFlags};
@@ -19,11 +19,10 @@ use crate::ring::write::{
     Layout, PARALLEL_WRITE_MIN, store_fence, write_padded, write_padded_parallel,
 };
 use crate::sync::UnsafeCell;
-use crate::view::{DType, DeviceView, MemoryKind};
 
 /// Counters of a stager; every field is monotonic except `pinned_bytes`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StagerStats {
+pub struct PinnedStagerStats {
     /// Device copies issued (one driver copy each).
     pub copies: u64,
     /// Copies of host destinations, written directly.
@@ -112,12 +111,68 @@ pub const DEFAULT_NUMEL: usize = 256;
 pub const DEFAULT_DEPTH: usize = 16;
 pub use crate::ring::protocol::MAX_DEPTH;
 
+/// A copy being configured: [`RawStager::to`], then options, then [`RawCopy::copy`].
+#[must_use = "a copy does nothing until `.copy(values)`"]
+pub struct RawCopy<'a> {
+    pub(super) stager: &'a RawStager,
+    pub(super) dst: &'a DeviceView<'a>,
+    pub(super) pad: Option<&'a [u8]>,
+    pub(super) mirror: Option<&'a mut H2DMirror>,
+    pub(super) stream: StreamHandle<'a>,
+    pub(super) wait: Option<&'a mut WaitFn<'a>>,
+}
+
+/// How a copy waits for a busy slot's event ([`crate::h2d::StagedCopy::wait_with`]): shown as a
+/// [`SlotEvent`], which can be waited for but not recorded.
+pub type WaitFn<'a> = dyn FnMut(SlotEvent<'_>) -> Result<()> + 'a;
+
+impl<'a> RawCopy<'a> {
+    /// Fill the rest of the destination with this element (raw bytes of one element).
+    pub fn pad(mut self, pad: &'a [u8]) -> Self {
+        self.pad = Some(pad);
+        self
+    }
+
+    /// Skip the copy when this mirror shows the destination already holds the values.
+    pub fn mirror(mut self, mirror: &'a mut H2DMirror) -> Self {
+        self.mirror = Some(mirror);
+        self
+    }
+
+    /// The stream to copy on (default: the legacy default stream).
+    pub fn stream(mut self, stream: StreamHandle<'a>) -> Self {
+        self.stream = stream;
+        self
+    }
+
+    /// How to wait when the claimed slot's last copy is still running: `wait(event)` should
+    /// return once the event completed (default: `Event::synchronize`); the event is asked again
+    /// after it returns (and waited for if still running), so a function that returns early
+    /// costs time, not data. A panic in it leaves the slot as it was. The Python layer polls
+    /// briefly, then waits with the GIL released and answers Ctrl-C.
+    pub fn wait_with(mut self, wait: &'a mut WaitFn<'a>) -> Self {
+        self.wait = Some(wait);
+        self
+    }
+
+    /// Copies `values` (raw element bytes). See [`PinnedStager::to`] for the rules.
+    ///
+    /// # Errors
+    /// As [`crate::h2d::StagedCopy::copy`], and [`Error::RaggedBytes`](crate::Error::RaggedBytes) / [`Error::PadSize`](crate::Error::PadSize) for bytes that are not
+    /// whole elements.
+    #[inline]
+    pub fn copy(self, values: &[u8]) -> Result<CopyOutcome> {
+        let pad = self.pad;
+        self.stager.copy_bytes(self, pad, values)
+    }
+}
+
 /// The untyped stager: element type chosen at run time (the Python layer uses this one).
-/// [`crate::PinnedStager`] is the typed facade. Made by [`Stager::builder`].
+/// [`crate::PinnedStager`] is the typed facade. Made by [`RawStager::builder`].
 ///
 /// `Sync`: the slot protocol gives each slot's buffer a single owner at a time (see
 /// the slot ring's protocol); events are driver handles safe to use from any thread.
-pub struct Stager {
+pub struct RawStager {
     dtype: DType,
     ordinal: i32,
     device: Option<Device>,
@@ -133,13 +188,13 @@ pub struct Stager {
 // SAFETY: `Slot::buf` is only accessed by the thread that owns the slot in state WRITING (ring
 // protocol) or through `&mut self`; everything else is atomics or driver handles usable from any
 // thread.
-unsafe impl Sync for Stager {}
+unsafe impl Sync for RawStager {}
 // SAFETY: all fields are owned and may move between threads (see PinnedBuffer and Event).
-unsafe impl Send for Stager {}
+unsafe impl Send for RawStager {}
 
-impl std::fmt::Debug for Stager {
+impl std::fmt::Debug for RawStager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Stager")
+        f.debug_struct("RawStager")
             .field("dtype", &self.dtype)
             .field("device", &self.ordinal)
             .field("depth", &self.ring.depth())
@@ -148,17 +203,17 @@ impl std::fmt::Debug for Stager {
     }
 }
 
-/// Builds a [`Stager`] (or, through [`crate::PinnedStager::builder`], a typed one).
+/// Builds a [`RawStager`] (or, through [`crate::PinnedStager::builder`], a typed one).
 #[derive(Clone, Copy, Debug)]
 #[must_use]
-pub struct StagerBuilder {
+pub struct RawStagerBuilder {
     dtype: DType,
     device: i32,
     numel: usize,
     depth: usize,
 }
 
-impl StagerBuilder {
+impl RawStagerBuilder {
     /// The CUDA device ordinal served (default 0).
     pub fn device(mut self, ordinal: i32) -> Self {
         self.device = ordinal;
@@ -186,15 +241,15 @@ impl StagerBuilder {
     /// [`Error::OutOfMemory`] when the slots' bytes overflow, [`Error::NoSuchDevice`] for an
     /// ordinal the driver does not report, [`Error::Driver`] when pinned memory or events
     /// cannot be had. Nothing is allocated before the arguments are checked.
-    pub fn build(self) -> Result<Stager> {
-        Stager::new(self)
+    pub fn build(self) -> Result<RawStager> {
+        RawStager::new(self)
     }
 }
 
-impl Stager {
+impl RawStager {
     /// A builder for a stager of `dtype` elements.
-    pub fn builder(dtype: DType) -> StagerBuilder {
-        StagerBuilder {
+    pub fn builder(dtype: DType) -> RawStagerBuilder {
+        RawStagerBuilder {
             dtype,
             device: 0,
             numel: DEFAULT_NUMEL,
@@ -202,8 +257,8 @@ impl Stager {
         }
     }
 
-    fn new(b: StagerBuilder) -> Result<Self> {
-        let StagerBuilder {
+    fn new(b: RawStagerBuilder) -> Result<Self> {
+        let RawStagerBuilder {
             dtype,
             device: ordinal,
             numel,
@@ -293,10 +348,10 @@ impl Stager {
     }
 
     /// A snapshot of the counters.
-    pub fn stats(&self) -> StagerStats {
+    pub fn stats(&self) -> PinnedStagerStats {
         let s = &self.stats;
         let l = |c: &AtomicU64| c.load(StatOrdering::Relaxed);
-        StagerStats {
+        PinnedStagerStats {
             copies: l(&s.copies),
             host_copies: l(&s.host_copies),
             skipped: l(&s.skipped),
@@ -519,7 +574,7 @@ impl Stager {
 
 /// The stager's side of [`Ring::drive`]: the CUDA calls of one copy.
 struct CudaOwner<'s, 'c, 'd, 'j, 'w> {
-    stager: &'s Stager,
+    stager: &'s RawStager,
     cur: &'c Current<'d>,
     job: &'j Job<'j>,
     wait: &'w mut dyn FnMut(&Event) -> Result<()>,
@@ -585,7 +640,7 @@ impl SlotOwner for CudaOwner<'_, '_, '_, '_, '_> {
         // The seeded-bug harness's "the stager skips the copy" (`scripts/gpu-run broken`): the
         // slot is written and its event recorded, but nothing reaches the device.
         #[cfg(pinstage_seeded_bug = "skip_copy")]
-        let sent: std::result::Result<(), crate::DriverError> = {
+        let sent: std::result::Result<(), crate::cuda::DriverError> = {
             let _ = (src, stream);
             Ok(())
         };
@@ -605,7 +660,7 @@ impl SlotOwner for CudaOwner<'_, '_, '_, '_, '_> {
     }
 }
 
-impl Drop for Stager {
+impl Drop for RawStager {
     /// Slots whose last copies may still run go to the reaper thread, which frees them once
     /// those copies completed (never here: the drop does not wait for the device).
     fn drop(&mut self) {

@@ -8,24 +8,11 @@ use crossbeam_utils::CachePadded;
 
 use crate::cuda::wait::copy_time;
 use crate::cuda::{Current, Device, Event, StreamHandle};
+use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
 use crate::error::{Error, Result};
 use crate::host::bounce::{self, BounceSlot};
-use crate::view::{DeviceView, MemoryKind};
-
-/// How a host-to-device copy was carried out.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum H2DPath {
-    /// One DMA straight from pinned memory; the source may change only once it completed.
-    Pinned,
-    /// Through pinned bounce slots; the source was read before the call returned (the event
-    /// says when the device copy completed).
-    Bounced,
-    /// The destination was host memory: a plain memcpy.
-    Host,
-    /// Nothing to copy.
-    Empty,
-}
+use crate::host::{CopyPath, HostRegion, PendingCopy};
 
 /// Starts copying `src` into `dst` (all of it: the sizes must be equal). A pinned source gets
 /// one truly asynchronous DMA and the event that says when the source may change; a pageable
@@ -38,14 +25,14 @@ pub enum H2DPath {
 ///
 /// # Safety
 /// 1. `src..src+len` is readable host memory that nothing writes until this returned and, for
-///    [`H2DPath::Pinned`], until the returned event completed.
+///    [`CopyPath::Pinned`], until the returned event completed.
 pub unsafe fn start_h2d(
     device: Option<&Device>,
     dst: &DeviceView<'_>,
     src: *const u8,
     len: usize,
     stream: StreamHandle,
-) -> Result<(H2DPath, Option<Event>)> {
+) -> Result<(CopyPath, Option<Event>)> {
     let _range = crate::nvtx::NvtxRange::new(c"pinstage.copy_h2d");
     if dst.is_read_only() {
         return Err(Error::ReadOnly);
@@ -63,7 +50,7 @@ pub unsafe fn start_h2d(
                 // the caller's source holds `len` readable bytes (memmove tolerates overlap).
                 unsafe { std::ptr::copy(src, dst.ptr() as *mut u8, len) };
             }
-            return Ok((H2DPath::Host, None));
+            return Ok((CopyPath::Host, None));
         }
         MemoryKind::Cuda(id) => {
             let device = device.ok_or_else(|| Error::unavailable("no device was given"))?;
@@ -78,7 +65,7 @@ pub unsafe fn start_h2d(
         }
     };
     if len == 0 {
-        return Ok((H2DPath::Empty, None));
+        return Ok((CopyPath::Empty, None));
     }
     let cur = stream.enter_for_copy(device)?;
     if driver::mem::is_pinned_range(src.cast(), len) {
@@ -86,12 +73,12 @@ pub unsafe fn start_h2d(
         // SAFETY: the source is pinned and unchanged until the event completed (caller); `dst`
         // is device memory of this device of `len` bytes (view contract, device checked).
         unsafe { issue(&cur, &ev, dst.ptr(), src, len, stream) }?;
-        return Ok((H2DPath::Pinned, Some(ev)));
+        return Ok((CopyPath::Pinned, Some(ev)));
     }
     // SAFETY: caller's contract: `len` readable bytes, unchanged until we return.
     let src = unsafe { std::slice::from_raw_parts(src, len) };
     let done = upload_bounced(&cur, src, dst.ptr(), stream)?;
-    Ok((H2DPath::Bounced, Some(done)))
+    Ok((CopyPath::Bounced, Some(done)))
 }
 
 /// Issues one H2D copy and records `ev` after it.
@@ -380,17 +367,36 @@ impl Upload<'_, '_> {
 /// as one DMA (waited for), a pageable one through the bounce ring, a host destination by memcpy.
 ///
 /// # Errors
-/// As [`start_h2d`].
-pub fn copy_h2d(
-    device: Option<&Device>,
-    dst: &DeviceView<'_>,
-    src: &[u8],
-    stream: StreamHandle,
-) -> Result<H2DPath> {
+/// [`Error::ReadOnly`], [`Error::DestinationTooSmall`] (sizes differ), [`Error::CudaUnavailable`]
+/// (a device `dst` without a driver), [`Error::NoSuchDevice`], [`Error::StreamCapturing`],
+/// [`Error::Driver`].
+pub fn copy_h2d(dst: &DeviceView<'_>, src: &[u8], stream: StreamHandle) -> Result<CopyPath> {
+    let device = crate::d2h::device_of(dst)?;
     // SAFETY: `src` is borrowed until we return, and we wait for the copy first.
-    let (path, event) = unsafe { start_h2d(device, dst, src.as_ptr(), src.len(), stream) }?;
+    let (path, event) =
+        unsafe { start_h2d(device.as_ref(), dst, src.as_ptr(), src.len(), stream) }?;
     if let Some(ev) = event {
         ev.wait_expecting(copy_time(src.len()))?;
     }
     Ok(path)
+}
+
+/// Starts copying `src` (all of it) into `dst` and returns: a pinned `src` gets one truly
+/// asynchronous DMA; a pageable one was read completely before this returns (the device side
+/// may still be in flight). The [`PendingCopy`] hands `src` back once the copy completed.
+///
+/// # Errors
+/// As [`copy_h2d`].
+pub fn copy_h2d_async<B: HostRegion>(
+    dst: &DeviceView<'_>,
+    mut src: B,
+    stream: StreamHandle,
+) -> Result<PendingCopy<B>> {
+    let device = crate::d2h::device_of(dst)?;
+    let (ptr, len) = src.region();
+    // SAFETY: the region is owned by `src`, which the PendingCopy keeps until the copy completed
+    // (also when dropped: the reaper holds it); HostRegion guarantees the address is stable,
+    // and nothing else writes it meanwhile (we own it).
+    let (path, event) = unsafe { start_h2d(device.as_ref(), dst, ptr, len, stream) }?;
+    Ok(PendingCopy::new(src, event, path, len))
 }

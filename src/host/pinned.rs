@@ -267,7 +267,7 @@ impl PinnedBuffer {
 
 impl Drop for PinnedBuffer {
     /// Counts the bytes as let go at once, and hands the free to pinstage's reaper thread
-    /// ([`super::reaper`]): freeing page-locked memory waits for all the device's queued work.
+    /// ([`super::wait_for_frees`]): freeing page-locked memory waits for all the device's queued work.
     fn drop(&mut self) {
         if self.len == 0 {
             return;
@@ -348,4 +348,25 @@ pub fn is_pinned(ptr: *const u8) -> bool {
     Device::new(0)
         .and_then(|d| d.is_pinned_host(ptr))
         .unwrap_or(false)
+}
+
+/// `vec![0u8; len]`, refused with [`crate::Error::OutOfMemory`] instead of aborting the process
+/// when the memory cannot be had.
+///
+/// The zeros come from `alloc_zeroed` (calloc: fresh pages from the OS are zero already), so a
+/// large block costs nothing until it is written.
+pub(crate) fn zeroed_vec(len: usize, what: &'static str) -> crate::Result<Vec<u8>> {
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let oom = || crate::Error::OutOfMemory { what, bytes: len };
+    let layout = std::alloc::Layout::array::<u8>(len).map_err(|_| oom())?;
+    // SAFETY: a non-zero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(oom());
+    }
+    // SAFETY: `ptr` comes from the global allocator with the layout of `[u8; len]`, all `len`
+    // bytes initialised (zero); the Vec takes ownership with capacity `len`.
+    Ok(unsafe { Vec::from_raw_parts(ptr, len, len) })
 }

@@ -22,7 +22,7 @@ pub const DEFAULT_BUDGET: usize = 4 << 30;
 
 /// Counters and gauges of a pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PoolStats {
+pub struct PinnedPoolStats {
     /// Requests served from the cache.
     pub hits: u64,
     /// Requests that allocated a new pinned block.
@@ -46,7 +46,7 @@ pub struct PoolStats {
 
 struct State {
     free: BTreeMap<usize, Vec<PinnedBuffer>>,
-    stats: PoolStats,
+    stats: PinnedPoolStats,
 }
 
 struct Inner {
@@ -82,10 +82,10 @@ impl PinnedPool {
                 device: device.clone(),
                 state: Mutex::new(State {
                     free: BTreeMap::new(),
-                    stats: PoolStats {
+                    stats: PinnedPoolStats {
                         budget_bytes: budget,
                         max_cached_bytes: usize::MAX,
-                        ..PoolStats::default()
+                        ..PinnedPoolStats::default()
                     },
                 }),
             }),
@@ -211,7 +211,7 @@ impl PinnedPool {
     }
 
     /// A snapshot of the counters.
-    pub fn stats(&self) -> PoolStats {
+    pub fn stats(&self) -> PinnedPoolStats {
         self.inner.state.lock().stats
     }
 

@@ -114,7 +114,7 @@ pub(crate) fn free_when_idle<T>(device: &crate::cuda::Device, free: impl FnOnce(
 }
 
 /// Waits for every event of `copies`; whether all completed. A failed wait is recorded
-/// ([`crate::drop_errors`]): the driver did not say that the copy stopped using its memory,
+/// ([`crate::cuda::drop_errors`]): the driver did not say that the copy stopped using its memory,
 /// which the caller then leaks instead of freeing.
 pub(crate) fn waited<'e>(copies: impl IntoIterator<Item = &'e Event>) -> bool {
     let mut ok = true;
@@ -147,9 +147,12 @@ pub(crate) struct Owned<T>(pub(crate) T);
 // together to one thread.
 unsafe impl<T> Send for Owned<T> {}
 
-/// Waits until every job handed over before this call finished (the memory of those frees is
-/// back with the OS).
-pub(crate) fn flush() {
+/// Waits until the memory pinstage let go so far is back with the OS. Freeing page-locked or
+/// device memory waits for all the work queued on its device and holds up other threads' calls
+/// meanwhile, so pinstage frees on a background thread once the device drained (a dropped
+/// buffer, stager or pool block never stalls the caller); this waits for that thread, for
+/// tests and for callers that want the memory back now.
+pub fn wait_for_frees() {
     let Some(r) = reaper() else { return };
     if ON_REAPER.with(Cell::get) {
         return;
@@ -182,7 +185,7 @@ mod tests {
         // The job waits for the gate: `defer` returned without running it.
         assert!(ran.lock().is_none());
         gate.store(true, Ordering::Release);
-        flush();
+        wait_for_frees();
         let on = ran.lock().expect("the job ran before flush returned");
         assert_ne!(on, me);
     }
@@ -196,7 +199,7 @@ mod tests {
             defer(move || inner.lock().push("inner"));
             o.lock().push("outer");
         });
-        flush();
+        wait_for_frees();
         assert_eq!(*order.lock(), ["inner", "outer"]);
     }
 }

@@ -22,7 +22,7 @@ pub(crate) fn parse_device_or_current(obj: Option<&Bound<'_, PyAny>>) -> PyResul
 }
 
 fn current_or_0() -> i32 {
-    crate::current_device().unwrap_or(0)
+    crate::cuda::current_device().unwrap_or(0)
 }
 
 fn parse_device_with(obj: Option<&Bound<'_, PyAny>>, default: i32) -> PyResult<i32> {
@@ -35,7 +35,7 @@ fn parse_device_with(obj: Option<&Bound<'_, PyAny>>, default: i32) -> PyResult<i
             "device={ordinal}: expected a CUDA device ordinal >= 0"
         )));
     }
-    match crate::device_count() {
+    match crate::cuda::device_count() {
         Ok(count) if ordinal >= count => Err(Error::NoSuchDevice { ordinal, count }.into()),
         Err(Error::CudaUnavailable { reason }) if ordinal != 0 => Err(Error::CudaUnavailable {
             reason: format!(

@@ -7,8 +7,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
 use super::errors::{type_err, value_err};
+use crate::dlpack::DType;
 use crate::host::{PinnedBuffer, PinnedFlags, PoolBlock};
-use crate::view::DType;
 
 /// What a [`PinnedBlock`] owns.
 pub(crate) enum Memory {
@@ -284,7 +284,7 @@ fn pinned_array<'py>(
                 Err(crate::Error::PoolExhausted {
                     budget: s.budget_bytes,
                     outstanding: s.in_use_bytes + s.cached_bytes,
-                    requested: crate::size_class(nbytes),
+                    requested: crate::host::size_class(nbytes),
                 }
                 .into())
             }
@@ -348,7 +348,7 @@ fn is_pinned(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
             .and_then(|i| i.extract::<usize>().ok())
             .ok_or_else(|| type_err("is_pinned() takes a numpy array or an address (an int)"))?
     };
-    Ok(crate::is_pinned(ptr as *const u8))
+    Ok(crate::host::is_pinned(ptr as *const u8))
 }
 
 /// The pinstage dtype of a numpy dtype that is one of numpy's own (native byte order) dtype

@@ -13,7 +13,7 @@ use super::errors::value_err;
 use super::import::{Imported, import, parse_stream};
 use super::wait::wait_interruptibly;
 use crate::cuda::Event;
-use crate::view::MemoryKind;
+use crate::dlpack::MemoryKind;
 
 /// A raw destination pointer that may cross `py.detach`.
 struct SendPtr(*mut u8);
@@ -55,7 +55,7 @@ fn start<'py>(
     let want = descr(py, dtype)?; // fail early (bfloat16 without ml_dtypes) before any copy
     let state = match view.memory() {
         MemoryKind::Cuda(id) => Some(super::device_state(id)?),
-        MemoryKind::Host if crate::cuda_available() => Some(super::device_state(0)?),
+        MemoryKind::Host if crate::cuda::cuda_available() => Some(super::device_state(0)?),
         MemoryKind::Host => None,
     };
     let (array, ptr, len, pinned) = match dst.filter(|d| !d.is_none()) {
@@ -124,7 +124,15 @@ fn start<'py>(
                 // array until this function returns, and it returns once the copy completed (a
                 // dropped completion waits); it is pinned (its block or the driver says so).
                 let (_, done) = unsafe {
-                    crate::d2h::start_d2h(&state.device, view, ptr, len, stream, true, Some(true))
+                    crate::d2h::start_d2h(
+                        Some(&state.device),
+                        view,
+                        ptr,
+                        len,
+                        stream,
+                        true,
+                        Some(true),
+                    )
                 }?;
                 let spin = Duration::from_micros(GIL_SPIN_US.load(Ordering::Relaxed));
                 if !done.spin(spin) {
@@ -138,7 +146,15 @@ fn start<'py>(
                     // SAFETY: as above; without `wait` the caller holds the array until the
                     // returned event completed.
                     let (_, done) = unsafe {
-                        crate::d2h::start_d2h(&state.device, view, p.0, len, stream, wait, pinned)
+                        crate::d2h::start_d2h(
+                            Some(&state.device),
+                            view,
+                            p.0,
+                            len,
+                            stream,
+                            wait,
+                            pinned,
+                        )
                     }?;
                     if wait {
                         done.wait().map(|()| None)
@@ -377,10 +393,10 @@ fn pool_stats<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     super::linger::reap(py);
     let ordinal = super::args::parse_device(device)?;
-    let s = if crate::cuda_available() {
+    let s = if crate::cuda::cuda_available() {
         super::device_state(ordinal)?.pool.stats()
     } else {
-        crate::PoolStats {
+        crate::host::PinnedPoolStats {
             budget_bytes: super::POOL_BUDGET.load(std::sync::atomic::Ordering::Relaxed),
             ..Default::default()
         }
@@ -412,11 +428,11 @@ fn empty_cache(py: Python<'_>) {
                 s.arrays.empty_cache();
             }
         }
-        crate::release_bounce_buffers();
-        if let Err(crate::Error::Driver(e)) = crate::trim_device_pools() {
+        crate::host::release_bounce_buffers();
+        if let Err(crate::Error::Driver(e)) = crate::h2d::trim_device_pools() {
             crate::error::record_drop_error(e);
         }
-        crate::wait_for_frees();
+        crate::host::wait_for_frees();
     });
 }
 

@@ -10,8 +10,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
+use crate::dlpack::DlpackError;
 use crate::error::Error;
-use crate::view::DlpackError;
 
 const DEFS: &std::ffi::CStr = cr#"
 class PinstageError(Exception):

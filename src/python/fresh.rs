@@ -14,8 +14,9 @@ use super::h2d::{SendPtr, import_host_source, start};
 use super::import::{Imported, describe, import_destination, parse_stream, type_name};
 use super::linger::{Lingering, Until, linger};
 use super::step::export::{consumer_stream, managed_tensor};
-use crate::view::DType;
-use crate::{FreshMem, H2DPath};
+use crate::dlpack::DType;
+use crate::h2d::FreshMem;
+use crate::host::CopyPath;
 
 /// Where a result goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -225,7 +226,7 @@ fn to_device<'py>(
             let (path, event) = start(py, &from, &to, stream)?;
             drop(to);
             // Only a pinned source is still read after the call (one DMA in flight).
-            if let (H2DPath::Pinned, Some(ev)) = (path, event) {
+            if let (CopyPath::Pinned, Some(ev)) = (path, event) {
                 linger(Lingering {
                     until: Until::Event(Arc::new(ev)),
                     array: None,
@@ -261,10 +262,10 @@ fn fresh(
         let ptr = ptr;
         // SAFETY: `len` readable host bytes kept alive by `from`; a pinned one lingers below
         // until its copy completed (the documented contract: unchanged until then).
-        unsafe { crate::start_to_device(dev, ptr.0, len) }
+        unsafe { crate::h2d::start_to_device(dev, ptr.0, len) }
     })?;
     let mem = Arc::new(mem);
-    if path == H2DPath::Pinned {
+    if path == CopyPath::Pinned {
         // The DMA still reads `from`: it lingers until the fill completed.
         linger(Lingering {
             until: Until::Fresh(Arc::clone(&mem)),
@@ -524,10 +525,10 @@ fn device_pool_stats<'py>(
     device: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let ordinal = super::args::parse_device(device)?;
-    let s = if crate::cuda_available() {
-        crate::device_pool_stats(&super::device_state(ordinal)?.device)?
+    let s = if crate::cuda::cuda_available() {
+        crate::h2d::device_pool_stats(&super::device_state(ordinal)?.device)?
     } else {
-        crate::DevicePoolStats::default()
+        crate::h2d::DevicePoolStats::default()
     };
     let d = PyDict::new(py);
     d.set_item("live_arrays", s.live_arrays)?;

@@ -5,9 +5,10 @@ use pyo3::prelude::*;
 use super::d2h::PendingCopy;
 use super::errors::{type_err, value_err};
 use super::import::{Imported, describe, import, import_destination, parse_stream};
+use crate::Error;
 use crate::cuda::StreamHandle;
-use crate::view::MemoryKind;
-use crate::{Error, H2DPath};
+use crate::dlpack::MemoryKind;
+use crate::host::CopyPath;
 
 /// A raw source pointer that may cross `py.detach`.
 pub(super) struct SendPtr(pub(super) *const u8);
@@ -119,12 +120,12 @@ pub(super) fn numpy_source(src: &Bound<'_, PyAny>) -> PyResult<Option<Imported>>
     };
     let shape: Vec<i64> = arr.shape().iter().map(|&d| d as i64).collect();
     let read_only = flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0;
-    let Some(meta) = crate::view::TensorMeta::host_nd(data, dtype, &shape, read_only) else {
+    let Some(meta) = crate::dlpack::TensorMeta::host_nd(data, dtype, &shape, read_only) else {
         return Ok(None);
     };
     // SAFETY: the array's own C-contiguous buffer of `numel * itemsize` bytes, kept alive by the
     // owner (the array) for as long as the view is used; a source is only read.
-    let view = unsafe { crate::view::DeviceView::from_meta(meta) };
+    let view = unsafe { crate::dlpack::DeviceView::from_meta(meta) };
     Ok(Some(Imported {
         view,
         _owner: super::import::Owner::Object(src.clone().unbind()),
@@ -161,7 +162,7 @@ pub(super) fn start(
     from: &Imported,
     to: &Imported,
     stream: StreamHandle<'static>,
-) -> PyResult<(H2DPath, Option<crate::Event>)> {
+) -> PyResult<(CopyPath, Option<crate::cuda::Event>)> {
     let device = match to.view.memory() {
         MemoryKind::Cuda(id) => Some(&super::device_state(id)?.device),
         MemoryKind::Host => None,
@@ -175,9 +176,9 @@ pub(super) fn start(
         // SAFETY: the source is host memory of `len` bytes kept alive by `from` (and, when
         // pinned, by the caller until the event completed); the caller promises not to change
         // a pinned source before then (documented).
-        unsafe { crate::start_h2d(device, view, ptr.0, len, stream) }
+        unsafe { crate::h2d::start_h2d(device, view, ptr.0, len, stream) }
     })?;
-    debug_assert!(event.is_some() == matches!(path, H2DPath::Pinned | H2DPath::Bounced));
+    debug_assert!(event.is_some() == matches!(path, CopyPath::Pinned | CopyPath::Bounced));
     Ok((path, event))
 }
 

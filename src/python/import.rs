@@ -19,7 +19,7 @@ use pyo3::types::{PyCapsule, PyDict, PyString};
 
 use super::errors::{type_err, value_err};
 use crate::cuda::StreamHandle;
-use crate::view::{DL_CUDA, DL_CUDA_MANAGED, DeviceView, MemoryKind};
+use crate::dlpack::{DL_CUDA, DL_CUDA_MANAGED, DeviceView, MemoryKind};
 
 /// What keeps an imported tensor's memory alive.
 pub(crate) enum Owner {

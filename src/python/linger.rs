@@ -10,7 +10,8 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 
 use super::import::Imported;
-use crate::{Event, FreshMem};
+use crate::cuda::Event;
+use crate::h2d::FreshMem;
 
 /// What says the copy completed.
 pub(crate) enum Until {

@@ -27,8 +27,9 @@ use std::sync::OnceLock;
 
 use pyo3::prelude::*;
 
+use crate::Device;
 use crate::error::{Error, Result};
-use crate::{Device, PinnedPool};
+use crate::host::PinnedPool;
 
 /// Per-device state shared by the module: the retained device and its pinned pools.
 struct DeviceState {
@@ -42,7 +43,7 @@ struct DeviceState {
 
 static DEVICES: OnceLock<Vec<OnceLock<DeviceState>>> = OnceLock::new();
 static POOL_BUDGET: std::sync::atomic::AtomicUsize =
-    std::sync::atomic::AtomicUsize::new(crate::DEFAULT_BUDGET);
+    std::sync::atomic::AtomicUsize::new(crate::host::DEFAULT_BUDGET);
 
 fn device_state(ordinal: i32) -> Result<&'static DeviceState> {
     let probe = crate::driver::probe().map_err(Error::unavailable)?;
@@ -69,7 +70,7 @@ fn device_state(ordinal: i32) -> Result<&'static DeviceState> {
         &device,
         POOL_BUDGET.load(std::sync::atomic::Ordering::Relaxed),
     );
-    let arrays = PinnedPool::new(&device, crate::DEFAULT_BUDGET);
+    let arrays = PinnedPool::new(&device, crate::host::DEFAULT_BUDGET);
     Ok(slot.get_or_init(|| DeviceState {
         device,
         pool,
@@ -100,7 +101,7 @@ fn synchronize_used_devices() {
 ///     True
 #[pyfunction]
 fn cuda_available() -> bool {
-    crate::cuda_available()
+    crate::cuda::cuda_available()
 }
 
 /// Number of CUDA devices the driver reports (0 without a driver). Never raises.
@@ -110,7 +111,7 @@ fn cuda_available() -> bool {
 ///     1
 #[pyfunction]
 fn device_count() -> i32 {
-    crate::device_count().unwrap_or(0)
+    crate::cuda::device_count().unwrap_or(0)
 }
 
 /// Pinned host bytes pinstage holds in this process: stager slots, pool blocks, pinned arrays,
@@ -123,7 +124,7 @@ fn device_count() -> i32 {
 fn pinned_bytes(py: Python<'_>) -> usize {
     // Let go of what dropped handles kept for copies that have completed since.
     linger::reap(py);
-    crate::live_pinned_bytes()
+    crate::host::live_pinned_bytes()
 }
 
 /// What the driver probe found.

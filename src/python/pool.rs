@@ -197,7 +197,7 @@ pub(crate) fn host_block(
     if let Some(p) = pool {
         p.get().count_driverless_fallback();
     }
-    if pool.is_none() && crate::cuda_available() {
+    if pool.is_none() && crate::cuda::cuda_available() {
         let state = super::device_state(device)?;
         return pinned_or_pageable(py, &state.pool, nbytes);
     }
@@ -340,7 +340,7 @@ impl NvtxRangeCtx {
     /// Whether NVTX was found (ranges reach a profiler when one is attached).
     #[staticmethod]
     fn available() -> bool {
-        crate::nvtx_available()
+        crate::nvtx::nvtx_available()
     }
 }
 

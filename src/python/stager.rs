@@ -13,11 +13,15 @@ use super::mirror::PyMirror;
 use super::values::{check_shape, scalar_bytes, to_values};
 use super::wait::{slot_wait, take_interrupt};
 use crate::cuda::{SlotEvent, StreamHandle};
+use crate::dlpack::DType;
+use crate::h2d::stager::RawStager as Stager;
 use crate::ring::write::PARALLEL_WRITE_MIN;
-use crate::view::DType;
-use crate::{Error, H2DMirror as CoreMirror, Stager};
+use crate::{Error, H2DMirror as CoreMirror};
 
-fn stats_dict<'py>(py: Python<'py>, s: crate::StagerStats) -> PyResult<Bound<'py, PyDict>> {
+fn stats_dict<'py>(
+    py: Python<'py>,
+    s: crate::h2d::PinnedStagerStats,
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("copies", s.copies)?;
     d.set_item("host_copies", s.host_copies)?;
@@ -119,10 +123,10 @@ impl PyStager {
 
 /// The stream and pad of a copy.
 fn options<'a>(
-    c: crate::RawCopy<'a>,
+    c: crate::h2d::stager::RawCopy<'a>,
     stream: StreamHandle<'a>,
     pad: Option<&'a [u8]>,
-) -> crate::RawCopy<'a> {
+) -> crate::h2d::stager::RawCopy<'a> {
     let c = c.stream(stream);
     match pad {
         Some(p) => c.pad(p),
@@ -145,11 +149,11 @@ impl PyStager {
         let d = parse_dtype(dtype)?;
         let numel = match numel {
             Some(n) => count_arg(n, "numel", 1, isize::MAX as usize / d.itemsize())?,
-            None => crate::DEFAULT_NUMEL,
+            None => crate::h2d::DEFAULT_NUMEL,
         };
         let depth = match depth {
-            Some(n) => count_arg(n, "depth", 1, crate::MAX_DEPTH)?,
-            None => crate::DEFAULT_DEPTH,
+            Some(n) => count_arg(n, "depth", 1, crate::h2d::MAX_DEPTH)?,
+            None => crate::h2d::DEFAULT_DEPTH,
         };
         let ordinal = parse_device_or_current(device)?;
         let builder = Stager::builder(d).device(ordinal).numel(numel).depth(depth);
@@ -403,7 +407,7 @@ impl StagedTarget {
         let stream = match parse_stream(stream)? {
             Some(s) => s,
             None => match (&self.imported.exchange, self.imported.view.memory()) {
-                (Some(ex), crate::MemoryKind::Cuda(id)) => {
+                (Some(ex), crate::dlpack::MemoryKind::Cuda(id)) => {
                     ex.current_stream(py, self.imported.view.device_type(), id)?
                 }
                 _ => self.imported.stream,

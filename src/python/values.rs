@@ -8,7 +8,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use super::errors::{type_err, value_err};
 use super::import::type_name;
 use crate::Error;
-use crate::view::DType;
+use crate::dlpack::DType;
 
 /// Element bytes of `values` and their shape: borrowed from a matching numpy array, or
 /// converted.

@@ -4,14 +4,14 @@ use super::mem::StepBlock;
 use super::open::RawStep;
 use super::plan::{AUTO_GAP_BATCH, AUTO_GAP_COPIES, plan};
 use super::send::{Owner, SendJob};
-use super::stager::{Committed, Scratch, StepMode, StepStager, Target, add};
+use super::stager::{CommitOutcome, Scratch, StepMode, StepStager, Target, add};
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
 use crate::ring::protocol::{Claim, Release};
 
 impl StepStager {
     /// Commits a step on `stream` (see [`Step::commit`]). The slot is released in every case.
-    pub(crate) fn commit_raw(&self, s: RawStep, stream: StreamHandle<'_>) -> Result<Committed> {
+    pub(crate) fn commit_raw(&self, s: RawStep, stream: StreamHandle<'_>) -> Result<CommitOutcome> {
         let _range = crate::nvtx::NvtxRange::new(c"pinstage.step.commit");
         let index = s.claim.index;
         // SAFETY: we own the slot until the ring releases it below; nothing else touches its
@@ -85,7 +85,7 @@ impl StepStager {
         if empty {
             add(&self.stats.empty_steps, 1);
         }
-        Ok(Committed {
+        Ok(CommitOutcome {
             calls,
             batched,
             bytes,

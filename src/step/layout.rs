@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::dlpack::DType;
 use crate::error::{Error, Result};
-use crate::view::DType;
 
 /// Every field starts at a multiple of this many bytes, in the arena and in each slot: enough
 /// for any kernel's vector loads, and the copy engine's preferred alignment.
@@ -125,7 +125,7 @@ impl FieldKey for String {
 ///
 /// Declare the fields a step fills most densely first and large, sparsely used capacities last:
 /// a commit copies the span from the first to the last written byte in one call when the gaps
-/// between the fields' used rows are small (see [`crate::StepStagerBuilder::max_gap`]).
+/// between the fields' used rows are small (see [`crate::step::StepStagerBuilder::max_gap`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StepLayout {
     inner: Arc<Inner>,

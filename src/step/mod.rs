@@ -12,7 +12,7 @@ mod fill;
 mod layout;
 pub(crate) mod mem;
 mod open;
-mod plan;
+pub(crate) mod plan;
 mod send;
 mod stager;
 
@@ -23,9 +23,6 @@ pub use mem::StepBlock;
 #[cfg(feature = "python")]
 pub(crate) use open::RawStep;
 pub use open::Step;
-#[cfg(feature = "testing")]
-pub use plan::plan;
-pub use plan::{AUTO_GAP_BATCH, AUTO_GAP_COPIES};
 pub use stager::{
-    Committed, DEFAULT_STEP_DEPTH, StepMode, StepStager, StepStagerBuilder, StepStats,
+    CommitOutcome, DEFAULT_STEP_DEPTH, StepMode, StepStager, StepStagerBuilder, StepStagerStats,
 };

@@ -3,11 +3,11 @@
 use std::marker::PhantomData;
 
 use super::layout::FieldKey;
-use super::stager::{Committed, StepStager};
+use super::stager::{CommitOutcome, StepStager};
 use crate::cuda::StreamHandle;
+use crate::dlpack::Element;
 use crate::error::{Error, Result};
 use crate::ring::protocol::Claim;
-use crate::view::Element;
 
 /// An open step: a slot owned by this step until it is committed or dropped (dropping releases
 /// it untouched). Not `Send`: a step belongs to the thread that opened it.
@@ -166,7 +166,7 @@ impl<'s> Step<'s> {
     /// # Errors
     /// [`Error::StreamCapturing`] on a capturing stream, [`Error::Driver`]; the slot is
     /// released either way.
-    pub fn commit(mut self, stream: StreamHandle<'_>) -> Result<Committed> {
+    pub fn commit(mut self, stream: StreamHandle<'_>) -> Result<CommitOutcome> {
         let raw = self.raw.take().expect("present until commit");
         self.stager.commit_raw(raw, stream)
     }

@@ -9,10 +9,10 @@ use super::mem::{AlignedBytes, BlockPool, DeviceMem, HostMem, StepBlock, pinned_
 use super::open::{RawStep, Step};
 use super::send::Owner;
 use crate::cuda::{Device, Event, StreamHandle};
+use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
 use crate::error::{Error, Result};
 use crate::ring::protocol::{Claim, Release, Ring};
-use crate::view::{DeviceView, MemoryKind};
 use std::cell::UnsafeCell;
 
 /// Where committed steps go.
@@ -50,7 +50,7 @@ impl std::fmt::Display for StepMode {
 
 /// Counters of a step stager (monotonic).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StepStats {
+pub struct StepStagerStats {
     /// Steps committed.
     pub steps: u64,
     /// `cuMemcpyHtoDAsync` calls (or host copies without a driver).
@@ -63,7 +63,7 @@ pub struct StepStats {
     pub bytes: u64,
     /// Written fields skipped because their values equalled the last committed ones.
     pub skipped_fields: u64,
-    /// Committed steps that issued nothing (nothing written, or all of it unchanged).
+    /// CommitOutcome steps that issued nothing (nothing written, or all of it unchanged).
     pub empty_steps: u64,
     /// Steps released without a commit (dropped, or an exception in a `with` block).
     pub aborted: u64,
@@ -97,7 +97,7 @@ pub(super) fn add(c: &AtomicU64, v: u64) {
 
 /// What one commit did.
 #[derive(Debug)]
-pub struct Committed {
+pub struct CommitOutcome {
     /// Driver calls issued: copies plus batches (0: nothing to send).
     pub calls: u32,
     /// Whether the used spans went as one `cuMemcpyBatchAsync`.
@@ -174,7 +174,7 @@ impl StepStagerBuilder {
         self
     }
 
-    /// Slots in the ring (default [`DEFAULT_STEP_DEPTH`]; 1 to [`crate::MAX_DEPTH`]).
+    /// Slots in the ring (default [`DEFAULT_STEP_DEPTH`]; 1 to [`crate::h2d::MAX_DEPTH`]).
     pub fn depth(mut self, depth: usize) -> Self {
         self.depth = depth;
         self
@@ -189,8 +189,8 @@ impl StepStagerBuilder {
     /// The largest run of unused bytes between two written fields that one copy may span:
     /// bytes in such a gap are copied too, so the device's bytes past a field's used rows are
     /// unspecified after a commit. 0 copies exactly the used rows. Default: chosen per commit
-    /// from the measured costs ([`AUTO_GAP_BATCH`](crate::AUTO_GAP_BATCH) when the spans can go as one batch,
-    /// [`AUTO_GAP_COPIES`](crate::AUTO_GAP_COPIES) when each would be a copy of its own).
+    /// from the measured costs (64 KiB when the spans can go as one batch,
+    /// 256 KiB when each would be a copy of its own).
     pub fn max_gap(mut self, bytes: usize) -> Self {
         self.max_gap = Some(bytes);
         self
@@ -290,7 +290,7 @@ impl StepStager {
     }
 
     fn new(b: StepStagerBuilder) -> Result<Self> {
-        if !(1..=crate::MAX_DEPTH).contains(&b.depth) {
+        if !(1..=crate::h2d::MAX_DEPTH).contains(&b.depth) {
             return Err(Error::arg("depth", b.depth, "1 to 65536"));
         }
         if b.device < 0 {
@@ -465,10 +465,10 @@ impl StepStager {
     }
 
     /// A snapshot of the counters.
-    pub fn stats(&self) -> StepStats {
+    pub fn stats(&self) -> StepStagerStats {
         let s = &self.stats;
         let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        StepStats {
+        StepStagerStats {
             steps: l(&s.steps),
             copies: l(&s.copies),
             batches: l(&s.batches),

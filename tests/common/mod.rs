@@ -130,7 +130,7 @@ pub fn view(buf: &DeviceBuffer, dtype: DType, numel: usize) -> pinstage::DeviceV
 }
 
 /// The stager calls of the tests in one line each: `put(dst, values, pad, mirror, stream)`.
-pub trait Put<T: pinstage::Element> {
+pub trait Put<T: pinstage::dlpack::Element> {
     /// `self.to(dst)` with the options given, then `.copy(values)`.
     fn put(
         &self,
@@ -139,10 +139,10 @@ pub trait Put<T: pinstage::Element> {
         pad: Option<T>,
         mirror: Option<&mut pinstage::H2DMirror>,
         stream: pinstage::StreamHandle,
-    ) -> pinstage::Result<pinstage::CopyOutcome>;
+    ) -> pinstage::Result<pinstage::h2d::CopyOutcome>;
 }
 
-impl<T: pinstage::Element> Put<T> for pinstage::PinnedStager<T> {
+impl<T: pinstage::dlpack::Element> Put<T> for pinstage::PinnedStager<T> {
     fn put(
         &self,
         dst: &pinstage::DeviceView<'_>,
@@ -150,7 +150,7 @@ impl<T: pinstage::Element> Put<T> for pinstage::PinnedStager<T> {
         pad: Option<T>,
         mirror: Option<&mut pinstage::H2DMirror>,
         stream: pinstage::StreamHandle,
-    ) -> pinstage::Result<pinstage::CopyOutcome> {
+    ) -> pinstage::Result<pinstage::h2d::CopyOutcome> {
         let mut c = self.to(dst).stream(stream);
         if let Some(p) = pad {
             c = c.pad(p);
@@ -164,13 +164,13 @@ impl<T: pinstage::Element> Put<T> for pinstage::PinnedStager<T> {
 
 /// [`Put`] for the untyped stager, with raw element bytes.
 pub fn put_bytes(
-    st: &pinstage::Stager,
+    st: &pinstage::h2d::RawStager,
     dst: &pinstage::DeviceView<'_>,
     values: &[u8],
     pad: Option<&[u8]>,
     mirror: Option<&mut pinstage::H2DMirror>,
     stream: pinstage::StreamHandle,
-) -> pinstage::Result<pinstage::CopyOutcome> {
+) -> pinstage::Result<pinstage::h2d::CopyOutcome> {
     let mut c = st.to(dst).stream(stream);
     if let Some(p) = pad {
         c = c.pad(p);
@@ -182,7 +182,7 @@ pub fn put_bytes(
 }
 
 /// `PinnedStager::<T>::builder().device(device).numel(numel).depth(depth).build()`.
-pub fn stager<T: pinstage::Element>(
+pub fn stager<T: pinstage::dlpack::Element>(
     device: i32,
     numel: usize,
     depth: usize,

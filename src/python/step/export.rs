@@ -9,9 +9,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use crate::cuda::StreamHandle;
+use crate::dlpack::DType;
 use crate::python::errors::value_err;
 use crate::step::{StepBlock, StepStager};
-use crate::view::DType;
 
 /// What keeps an export's memory alive (a clone goes into each DLPack capsule as its owner).
 #[derive(Clone)]

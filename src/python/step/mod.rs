@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::cuda::{Event, Stream, StreamHandle};
+use crate::dlpack::DType;
 use crate::error::Error;
 use crate::python::args::{count_arg, parse_device_or_current};
 use crate::python::errors::{type_err, value_err};
@@ -15,7 +16,6 @@ use crate::python::import::{import_writable, parse_dtype, parse_stream};
 use crate::python::wait::{slot_wait, take_interrupt};
 use crate::step::FieldId;
 use crate::step::{RawStep, StepLayout, StepMode, StepStager};
-use crate::view::DType;
 use numpy::npyffi;
 
 pub(super) mod export;
@@ -546,14 +546,14 @@ impl PyStepStager {
         // Without device=, a bound CUDA arena names the device; else the current one.
         let ordinal = match (device.filter(|d| !d.is_none()), &arena_imp) {
             (None, Some(imp)) => match imp.view.memory() {
-                crate::view::MemoryKind::Cuda(id) => id,
-                crate::view::MemoryKind::Host => parse_device_or_current(None)?,
+                crate::dlpack::MemoryKind::Cuda(id) => id,
+                crate::dlpack::MemoryKind::Host => parse_device_or_current(None)?,
             },
             _ => parse_device_or_current(device)?,
         };
         let depth = match depth {
-            Some(d) => count_arg(d, "depth", 1, crate::MAX_DEPTH)?,
-            None => crate::DEFAULT_STEP_DEPTH,
+            Some(d) => count_arg(d, "depth", 1, crate::h2d::MAX_DEPTH)?,
+            None => crate::step::DEFAULT_STEP_DEPTH,
         };
         let mode = mode_arg(mode)?;
         let mut b = StepStager::builder(&layout.get().layout)

@@ -75,7 +75,7 @@ pub(super) fn commit_detached(
     st: &StepStager,
     raw: RawStep,
     stream: StreamHandle<'static>,
-) -> PyResult<crate::step::Committed> {
+) -> PyResult<crate::step::CommitOutcome> {
     if st.mode() == crate::step::StepMode::ZeroCopy {
         return Ok(st.commit_raw(raw, stream)?);
     }
@@ -96,7 +96,7 @@ pub(super) struct StepState {
 pub(super) enum Ended {
     /// Aborted, dropped, or still open.
     Aborted,
-    Committed,
+    CommitOutcome,
     /// The commit was tried and failed (the slot was released all the same).
     Failed,
     /// Aborted when the thread that opened it exited with it open.
@@ -194,7 +194,7 @@ impl StepState {
     /// Why an ended step refuses a call.
     fn ended_why(&self) -> &'static str {
         match self.ended {
-            Ended::Committed => "this step was already committed",
+            Ended::CommitOutcome => "this step was already committed",
             Ended::Failed => "this step's commit failed (its slot was released); open a new step",
             Ended::Aborted => "this step was aborted",
             Ended::ThreadExited => Ended::THREAD_EXITED,
@@ -324,7 +324,7 @@ impl PyStep {
                 return Err(e);
             }
         };
-        g.ended = Ended::Committed;
+        g.ended = Ended::CommitOutcome;
         let block = match committed.block {
             Some(b) => {
                 let t = Py::new(py, StepTensor::of_block(b))?;
@@ -518,7 +518,7 @@ impl PyStep {
     /// Whether the step was committed.
     #[getter]
     fn committed(&self) -> PyResult<bool> {
-        Ok(self.state()?.ended == Ended::Committed)
+        Ok(self.state()?.ended == Ended::CommitOutcome)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -552,7 +552,7 @@ impl PyStep {
         };
         let state = match (&g.raw, g.ended) {
             (Some(_), _) => "open",
-            (None, Ended::Committed) => "committed",
+            (None, Ended::CommitOutcome) => "committed",
             (None, Ended::Failed) => "failed",
             (None, Ended::Aborted) => "aborted",
             (None, Ended::ThreadExited) => "aborted: its thread exited",

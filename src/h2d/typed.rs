@@ -1,73 +1,19 @@
-//! The copy builders ([`RawCopy`], [`Copy`]) and the typed facade [`PinnedStager`].
+//! The public stager: [`PinnedStager<T>`], a ring of pinned slots for values of one element
+//! type, and its copy builder [`StagedCopy`].
 
 use std::marker::PhantomData;
 
 use super::mirror::H2DMirror;
-use super::stager::{CopyOutcome, Stager, StagerBuilder, StagerStats};
-use crate::cuda::{SlotEvent, StreamHandle};
+use super::stager::{CopyOutcome, PinnedStagerStats, RawCopy, RawStager, RawStagerBuilder, WaitFn};
+use crate::cuda::StreamHandle;
+use crate::dlpack::{DeviceView, Element};
 use crate::error::Result;
-use crate::view::{DeviceView, Element};
 
-/// A copy being configured: [`Stager::to`], then options, then [`RawCopy::copy`].
-#[must_use = "a copy does nothing until `.copy(values)`"]
-pub struct RawCopy<'a> {
-    pub(super) stager: &'a Stager,
-    pub(super) dst: &'a DeviceView<'a>,
-    pub(super) pad: Option<&'a [u8]>,
-    pub(super) mirror: Option<&'a mut H2DMirror>,
-    pub(super) stream: StreamHandle<'a>,
-    pub(super) wait: Option<&'a mut WaitFn<'a>>,
-}
-
-/// How a copy waits for a busy slot's event ([`RawCopy::wait_with`]): shown as a
-/// [`SlotEvent`], which can be waited for but not recorded.
-pub type WaitFn<'a> = dyn FnMut(SlotEvent<'_>) -> Result<()> + 'a;
-
-impl<'a> RawCopy<'a> {
-    /// Fill the rest of the destination with this element (raw bytes of one element).
-    pub fn pad(mut self, pad: &'a [u8]) -> Self {
-        self.pad = Some(pad);
-        self
-    }
-
-    /// Skip the copy when this mirror shows the destination already holds the values.
-    pub fn mirror(mut self, mirror: &'a mut H2DMirror) -> Self {
-        self.mirror = Some(mirror);
-        self
-    }
-
-    /// The stream to copy on (default: the legacy default stream).
-    pub fn stream(mut self, stream: StreamHandle<'a>) -> Self {
-        self.stream = stream;
-        self
-    }
-
-    /// How to wait when the claimed slot's last copy is still running: `wait(event)` should
-    /// return once the event completed (default: `Event::synchronize`); the event is asked again
-    /// after it returns (and waited for if still running), so a function that returns early
-    /// costs time, not data. A panic in it leaves the slot as it was. The Python layer polls
-    /// briefly, then waits with the GIL released and answers Ctrl-C.
-    pub fn wait_with(mut self, wait: &'a mut WaitFn<'a>) -> Self {
-        self.wait = Some(wait);
-        self
-    }
-
-    /// Copies `values` (raw element bytes). See [`PinnedStager::to`] for the rules.
-    ///
-    /// # Errors
-    /// As [`Copy::copy`], and [`Error::RaggedBytes`](crate::Error::RaggedBytes) / [`Error::PadSize`](crate::Error::PadSize) for bytes that are not
-    /// whole elements.
-    #[inline]
-    pub fn copy(self, values: &[u8]) -> Result<CopyOutcome> {
-        let pad = self.pad;
-        self.stager.copy_bytes(self, pad, values)
-    }
-}
-
-/// Typed facade over [`Stager`]:
+/// A ring of pinned slots for small host-to-device copies of `T` values (one non-blocking copy
+/// per call, each slot guarded by its event):
 /// `PinnedStager::<i32>::builder().device(0).numel(256).depth(8).build()`.
 pub struct PinnedStager<T: Element> {
-    raw: Stager,
+    raw: RawStager,
     _t: PhantomData<fn() -> T>,
 }
 
@@ -77,41 +23,47 @@ impl<T: Element> std::fmt::Debug for PinnedStager<T> {
     }
 }
 
-/// Builds a [`PinnedStager`]; see [`StagerBuilder`] for the options.
+/// Builds a [`PinnedStager`].
 #[derive(Clone, Copy, Debug)]
 #[must_use]
 pub struct PinnedStagerBuilder<T: Element> {
-    raw: StagerBuilder,
+    raw: RawStagerBuilder,
     _t: PhantomData<fn() -> T>,
 }
 
 impl<T: Element> PinnedStagerBuilder<T> {
-    /// See [`StagerBuilder::device`].
+    /// The CUDA device ordinal served (default 0).
     pub fn device(self, ordinal: i32) -> Self {
         self.map(|b| b.device(ordinal))
     }
 
-    /// See [`StagerBuilder::numel`].
+    /// Initial slot capacity in elements (default [`super::DEFAULT_NUMEL`]); a larger copy
+    /// grows its slot.
     pub fn numel(self, numel: usize) -> Self {
         self.map(|b| b.numel(numel))
     }
 
-    /// See [`StagerBuilder::depth`].
+    /// Number of slots (default [`super::DEFAULT_DEPTH`]; 1 to [`super::MAX_DEPTH`]).
     pub fn depth(self, depth: usize) -> Self {
         self.map(|b| b.depth(depth))
     }
 
-    fn map(self, f: impl FnOnce(StagerBuilder) -> StagerBuilder) -> Self {
+    fn map(self, f: impl FnOnce(RawStagerBuilder) -> RawStagerBuilder) -> Self {
         Self {
             raw: f(self.raw),
             _t: PhantomData,
         }
     }
 
-    /// Builds the stager; see [`StagerBuilder::build`].
+    /// Builds the stager. Without a driver this succeeds and serves host destinations only; a
+    /// device destination then gets [`Error::CudaUnavailable`](crate::Error::CudaUnavailable).
     ///
     /// # Errors
-    /// As [`StagerBuilder::build`].
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a depth outside
+    /// 1..=[`super::MAX_DEPTH`] or a negative device, [`Error::OutOfMemory`](crate::Error::OutOfMemory)
+    /// when the slots' bytes overflow, [`Error::NoSuchDevice`](crate::Error::NoSuchDevice) for an
+    /// ordinal the driver does not report, [`Error::Driver`](crate::Error::Driver) when pinned
+    /// memory or events cannot be had. Nothing is allocated before the arguments are checked.
     pub fn build(self) -> Result<PinnedStager<T>> {
         Ok(PinnedStager {
             raw: self.raw.build()?,
@@ -121,10 +73,10 @@ impl<T: Element> PinnedStagerBuilder<T> {
 }
 
 impl<T: Element> PinnedStager<T> {
-    /// A builder: device 0, [`crate::DEFAULT_NUMEL`] elements per slot, [`crate::DEFAULT_DEPTH`] slots.
+    /// A builder: device 0, [`crate::h2d::DEFAULT_NUMEL`] elements per slot, [`crate::h2d::DEFAULT_DEPTH`] slots.
     pub fn builder() -> PinnedStagerBuilder<T> {
         PinnedStagerBuilder {
-            raw: Stager::builder(T::DTYPE),
+            raw: RawStager::builder(T::DTYPE),
             _t: PhantomData,
         }
     }
@@ -132,13 +84,13 @@ impl<T: Element> PinnedStager<T> {
     /// `dst[..values.len()] = values` on the legacy default stream: `self.to(dst).copy(values)`.
     ///
     /// # Errors
-    /// As [`Copy::copy`].
+    /// As [`StagedCopy::copy`].
     pub fn copy_(&self, dst: &DeviceView<'_>, values: &[T]) -> Result<CopyOutcome> {
         self.raw
             .copy_bytes(self.raw.to(dst), None, bytemuck::cast_slice(values))
     }
 
-    /// A copy into `dst`, configured by the returned builder, issued by [`Copy::copy`]:
+    /// A copy into `dst`, configured by the returned builder, issued by [`StagedCopy::copy`]:
     /// `dst[..values.len()] = values` and, with a pad, the rest of `dst` = pad, as ONE
     /// non-blocking host-to-device copy from a pinned ring slot.
     ///
@@ -146,32 +98,33 @@ impl<T: Element> PinnedStager<T> {
     /// - A host destination is written directly, padding too.
     /// - With a mirror that already records these values for `dst`, nothing is copied.
     /// - `values` may be overwritten as soon as the copy returns.
-    pub fn to<'a>(&'a self, dst: &'a DeviceView<'a>) -> Copy<'a, T> {
-        Copy {
+    pub fn to<'a>(&'a self, dst: &'a DeviceView<'a>) -> StagedCopy<'a, T> {
+        StagedCopy {
             raw: self.raw.to(dst),
             pad: None,
         }
     }
 
     /// Counters.
-    pub fn stats(&self) -> StagerStats {
+    pub fn stats(&self) -> PinnedStagerStats {
         self.raw.stats()
     }
 
-    /// The untyped stager.
-    pub fn raw(&self) -> &Stager {
+    /// The untyped stager (tests check its byte-level errors).
+    #[cfg(feature = "testing")]
+    pub fn raw(&self) -> &RawStager {
         &self.raw
     }
 }
 
-/// A typed copy being configured: [`PinnedStager::to`], then options, then [`Copy::copy`].
+/// A typed copy being configured: [`PinnedStager::to`], then options, then [`StagedCopy::copy`].
 #[must_use = "a copy does nothing until `.copy(values)`"]
-pub struct Copy<'a, T: Element> {
+pub struct StagedCopy<'a, T: Element> {
     raw: RawCopy<'a>,
     pad: Option<T>,
 }
 
-impl<'a, T: Element> Copy<'a, T> {
+impl<'a, T: Element> StagedCopy<'a, T> {
     /// Fill the rest of the destination with `pad`.
     pub fn pad(mut self, pad: T) -> Self {
         self.pad = Some(pad);
@@ -188,6 +141,15 @@ impl<'a, T: Element> Copy<'a, T> {
     /// The stream to copy on (default: the legacy default stream).
     pub fn stream(mut self, stream: StreamHandle<'a>) -> Self {
         self.raw = self.raw.stream(stream);
+        self
+    }
+
+    /// How to wait when the claimed slot's last copy is still running: `wait(event)` should
+    /// return once the event completed (default: [`crate::cuda::SlotEvent::synchronize`]); the event is
+    /// asked again after it returns (and waited for if still running), so a function that
+    /// returns early costs time, not data. A panic in it leaves the slot as it was.
+    pub fn wait_with(mut self, wait: &'a mut WaitFn<'a>) -> Self {
+        self.raw = self.raw.wait_with(wait);
         self
     }
 

@@ -26,7 +26,7 @@ impl<'a> DeviceView<'a> {
     /// 2. For `'a`, nothing else writes that memory while a pinstage copy reads or writes it, and
     ///    nobody else relies on it staying unchanged unless it is marked read-only.
     /// 3. Device memory stays allocated until every asynchronous copy issued through the view
-    ///    completed (a [`PendingCopy`](crate::PendingCopy), a stager copy's event, a step's
+    ///    completed (a [`PendingCopy`](crate::host::PendingCopy), a stager copy's event, a step's
     ///    commit), which may be after `'a` ends: the borrow does not cover queued device work.
     pub unsafe fn from_meta(meta: TensorMeta) -> Self {
         Self {

@@ -119,7 +119,7 @@ pub struct TensorDesc<'a> {
 }
 
 /// Validated metadata of a contiguous tensor: where its bytes would be and what they hold. Only
-/// numbers: holding one promises nothing about the memory (see [`DeviceView`]).
+/// numbers: holding one promises nothing about the memory (see [`DeviceView`](super::DeviceView)).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorMeta {
     memory: MemoryKind,
