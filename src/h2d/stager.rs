@@ -6,19 +6,16 @@
 //! until that event completed. Slots are claimed through the atomics of the slot ring's protocol: no lock
 //! is held while waiting, and a waiting thread blocks no other slot.
 
-use std::sync::atomic::{AtomicU64, Ordering as StatOrdering};
-
 use super::mirror::{CopyKey, H2DMirror};
 use crate::cuda::{Current, Device, Event, SlotEvent, StreamHandle};
 use crate::dlpack::{DType, DeviceView, MemoryKind};
 use crate::driver;
 use crate::error::{Error, Result};
 use crate::host::{PinnedBuffer, PinnedFlags};
-use crate::ring::protocol::{Ring, SlotOwner};
+use crate::ring::slots::{Counter, SlotIo, SlotRing, check_args};
 use crate::ring::write::{
     Layout, PARALLEL_WRITE_MIN, store_fence, write_padded, write_padded_parallel,
 };
-use crate::sync::UnsafeCell;
 
 /// Counters of a stager; every field is monotonic except `pinned_bytes`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -44,27 +41,15 @@ pub struct PinnedStagerStats {
     pub pinned_bytes: u64,
 }
 
+/// The stager's own counters (waits and queries are the ring's).
 #[derive(Default)]
 struct Counters {
-    copies: AtomicU64,
-    host_copies: AtomicU64,
-    skipped: AtomicU64,
-    bytes: AtomicU64,
-    waits: AtomicU64,
-    queries: AtomicU64,
-    growths: AtomicU64,
-    pinned_bytes: AtomicU64,
-}
-
-#[inline]
-fn add(c: &AtomicU64, v: u64) {
-    // Relaxed: statistics only, no data is published through them.
-    c.fetch_add(v, StatOrdering::Relaxed);
-}
-
-struct Slot {
-    buf: UnsafeCell<SlotBuf>,
-    event: Event,
+    copies: Counter,
+    host_copies: Counter,
+    skipped: Counter,
+    bytes: Counter,
+    growths: Counter,
+    pinned_bytes: Counter,
 }
 
 struct SlotBuf {
@@ -79,6 +64,19 @@ struct SlotBuf {
     /// Buffers outgrown by `grown`. They are freed with the stager, not at growth time:
     /// `cuMemFreeHost` may synchronize the whole device, which would stall a live graph.
     retired: Vec<PinnedBuffer>,
+}
+
+impl SlotBuf {
+    /// A slot without memory (no driver: host destinations never use the slots).
+    fn empty() -> Self {
+        Self {
+            ptr: std::ptr::null_mut(),
+            cap: 0,
+            grown: None,
+            layout: None,
+            retired: Vec::new(),
+        }
+    }
 }
 
 /// What one copy did.
@@ -174,31 +172,25 @@ impl<'a> RawCopy<'a> {
 /// the slot ring's protocol); events are driver handles safe to use from any thread.
 pub struct RawStager {
     dtype: DType,
-    ordinal: i32,
-    device: Option<Device>,
-    unavailable: Option<String>,
-    ring: Ring,
-    slots: Box<[Slot]>,
-    /// One pinned allocation holding every slot's initial buffer. Freed only after `Drop`
-    /// waited for every copy in flight.
+    core: SlotRing<SlotBuf>,
+    /// One pinned allocation holding every slot's initial buffer. Freed only once every copy
+    /// from it completed (`Drop`).
     _arena: Option<PinnedBuffer>,
     stats: Counters,
 }
 
-// SAFETY: `Slot::buf` is only accessed by the thread that owns the slot in state WRITING (ring
-// protocol) or through `&mut self`; everything else is atomics or driver handles usable from any
-// thread.
-unsafe impl Sync for RawStager {}
-// SAFETY: all fields are owned and may move between threads (see PinnedBuffer and Event).
-unsafe impl Send for RawStager {}
+// SAFETY: a slot's buffer pointer leads into the stager's own pinned memory, touched only by the
+// slot's owner in the ring protocol (see `SlotRing`); the rest is owned and may move between
+// threads.
+unsafe impl Send for SlotBuf {}
 
 impl std::fmt::Debug for RawStager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RawStager")
             .field("dtype", &self.dtype)
-            .field("device", &self.ordinal)
-            .field("depth", &self.ring.depth())
-            .field("cuda", &self.device.is_some())
+            .field("device", &self.core.ordinal())
+            .field("depth", &self.core.depth())
+            .field("cuda", &self.core.device().is_some())
             .finish()
     }
 }
@@ -264,12 +256,7 @@ impl RawStager {
             numel,
             depth,
         } = b;
-        if !(1..=MAX_DEPTH).contains(&depth) {
-            return Err(Error::arg("depth", depth, "1 to 65536"));
-        }
-        if ordinal < 0 {
-            return Err(Error::arg("device", ordinal, "a CUDA device ordinal >= 0"));
-        }
+        check_args(ordinal, depth)?;
         let overflow = || Error::OutOfMemory {
             what: "stager slots",
             bytes: usize::MAX,
@@ -284,44 +271,31 @@ impl RawStager {
             .filter(|&b| b <= isize::MAX as usize)
             .ok_or_else(overflow)?;
         let stats = Counters::default();
-        let (device, unavailable, slots, arena) = match Device::new(ordinal) {
-            Ok(device) => {
-                let mut arena =
-                    PinnedBuffer::new(&device, arena_bytes, PinnedFlags::WRITE_COMBINED)?;
-                let base = arena.as_mut_ptr();
-                let cur = device.enter()?;
-                let slots = (0..depth)
-                    .map(|i| {
-                        Ok(Slot {
-                            buf: UnsafeCell::new(SlotBuf {
-                                // SAFETY: i * stride + slot_bytes <= arena_bytes: in bounds
-                                // (a 0-byte arena is only ever offset by 0).
-                                ptr: unsafe { base.add(i * stride) },
-                                cap: slot_bytes,
-                                grown: None,
-                                retired: Vec::new(),
-                                layout: None,
-                            }),
-                            event: Event::new_in(&cur)?,
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                drop(cur);
-                stats
-                    .pinned_bytes
-                    .store(arena.len() as u64, StatOrdering::Relaxed);
-                (Some(device), None, slots, Some(arena))
+        let mut arena: Option<PinnedBuffer> = None;
+        let core = SlotRing::new(ordinal, depth, |i, device| {
+            let Some(device) = device else {
+                // No driver: host destinations only, the slots are never written.
+                return Ok(SlotBuf::empty());
+            };
+            if arena.is_none() {
+                let a = PinnedBuffer::new(device, arena_bytes, PinnedFlags::WRITE_COMBINED)?;
+                stats.pinned_bytes.add(a.len() as u64);
+                arena = Some(a);
             }
-            Err(Error::CudaUnavailable { reason }) => (None, Some(reason), Vec::new(), None),
-            Err(e) => return Err(e),
-        };
+            let base = arena.as_mut().expect("allocated above").as_mut_ptr();
+            Ok(SlotBuf {
+                // SAFETY: i * stride + slot_bytes <= arena_bytes: in bounds (a 0-byte arena is
+                // only ever offset by 0).
+                ptr: unsafe { base.add(i * stride) },
+                cap: slot_bytes,
+                grown: None,
+                retired: Vec::new(),
+                layout: None,
+            })
+        })?;
         Ok(Self {
             dtype,
-            ordinal,
-            device,
-            unavailable,
-            ring: Ring::new(depth),
-            slots: slots.into_boxed_slice(),
+            core,
             _arena: arena,
             stats,
         })
@@ -334,32 +308,31 @@ impl RawStager {
 
     /// The device ordinal served.
     pub fn ordinal(&self) -> i32 {
-        self.ordinal
+        self.core.ordinal()
     }
 
     /// Number of slots.
     pub fn depth(&self) -> usize {
-        self.ring.depth()
+        self.core.depth()
     }
 
     /// Whether device destinations can be served (a driver and the device were found).
     pub fn has_cuda(&self) -> bool {
-        self.device.is_some()
+        self.core.device().is_some()
     }
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> PinnedStagerStats {
         let s = &self.stats;
-        let l = |c: &AtomicU64| c.load(StatOrdering::Relaxed);
         PinnedStagerStats {
-            copies: l(&s.copies),
-            host_copies: l(&s.host_copies),
-            skipped: l(&s.skipped),
-            bytes: l(&s.bytes),
-            waits: l(&s.waits),
-            queries: l(&s.queries),
-            growths: l(&s.growths),
-            pinned_bytes: l(&s.pinned_bytes),
+            copies: s.copies.get(),
+            host_copies: s.host_copies.get(),
+            skipped: s.skipped.get(),
+            bytes: s.bytes.get(),
+            waits: self.core.waits(),
+            queries: self.core.queries(),
+            growths: s.growths.get(),
+            pinned_bytes: s.pinned_bytes.get(),
         }
     }
 
@@ -404,7 +377,7 @@ impl RawStager {
         if let Some(m) = mirror.as_deref_mut() {
             m.bind(dst.ptr(), dst.nbytes())?;
             if m.matches(key.as_bytes(), values) {
-                add(&self.stats.skipped, 1);
+                self.stats.skipped.add(1);
                 return Ok(CopyOutcome::Skipped);
             }
         }
@@ -414,7 +387,7 @@ impl RawStager {
                 // elements (checked not read-only); `total <= numel * itemsize`.
                 // `write_padded` tolerates `values` overlapping `dst` (memmove).
                 unsafe { write_padded(dst.ptr() as *mut u8, values, pad, total, true) };
-                add(&self.stats.host_copies, 1);
+                self.stats.host_copies.add(1);
                 CopyOutcome::Host
             }
             Some(device) => {
@@ -438,11 +411,11 @@ impl RawStager {
                     }),
                     None => self.issue(&cur, job, &mut |e: &Event| e.synchronize()),
                 }?;
-                add(&self.stats.copies, 1);
+                self.stats.copies.add(1);
                 CopyOutcome::Issued { slot }
             }
         };
-        add(&self.stats.bytes, total as u64);
+        self.stats.bytes.add(total as u64);
         if let Some(m) = mirror {
             m.record(key.as_bytes(), values);
         }
@@ -492,15 +465,11 @@ impl RawStager {
         match dst.memory() {
             MemoryKind::Host => Ok(None),
             MemoryKind::Cuda(id) => {
-                let Some(device) = &self.device else {
-                    return Err(Error::unavailable(
-                        self.unavailable.clone().unwrap_or_default(),
-                    ));
-                };
-                if id != self.ordinal {
+                let device = self.core.require_device()?;
+                if id != self.core.ordinal() {
                     return Err(Error::WrongDevice {
                         what: "stager",
-                        expected: self.ordinal,
+                        expected: self.core.ordinal(),
                         got: id,
                     });
                 }
@@ -509,21 +478,24 @@ impl RawStager {
         }
     }
 
-    /// Claims a slot, writes it and issues the one copy (the ring's [`Ring::drive`] with the
-    /// CUDA calls below); the slot is released whatever happens.
+    /// Claims a slot, writes it and issues the one copy (the ring's `drive` with the CUDA calls
+    /// of [`CopyIo`]); the slot is released whatever happens.
     fn issue(
         &self,
         cur: &Current<'_>,
         job: Job<'_>,
         wait: &mut dyn FnMut(&Event) -> Result<()>,
     ) -> Result<usize> {
-        self.ring.drive(&mut CudaOwner {
+        let stream = job.stream;
+        let mut io = CopyIo {
             stager: self,
             cur,
             job: &job,
-            wait,
             src: std::ptr::null(),
-        })
+        };
+        self.core
+            .ring()
+            .drive(&mut self.core.owner(cur, stream, wait, &mut io))
     }
 
     /// Writes values and padding into the slot's buffer (growing it first if needed); returns
@@ -566,52 +538,32 @@ impl RawStager {
             b.retired.push(old);
         }
         b.layout = None;
-        add(&self.stats.pinned_bytes, cap as u64);
-        add(&self.stats.growths, 1);
+        self.stats.pinned_bytes.add(cap as u64);
+        self.stats.growths.add(1);
         Ok(())
     }
 }
 
-/// The stager's side of [`Ring::drive`]: the CUDA calls of one copy.
-struct CudaOwner<'s, 'c, 'd, 'j, 'w> {
+/// What one copy does with its claimed slot: write the values and padding, copy them.
+struct CopyIo<'s, 'c, 'd, 'j> {
     stager: &'s RawStager,
     cur: &'c Current<'d>,
     job: &'j Job<'j>,
-    wait: &'w mut dyn FnMut(&Event) -> Result<()>,
     /// Where the copy reads from, once `fill` wrote the slot.
     src: *const u8,
 }
 
-impl SlotOwner for CudaOwner<'_, '_, '_, '_, '_> {
-    type Error = Error;
-
-    #[inline]
-    fn query(&mut self, slot: usize) -> Result<bool> {
-        add(&self.stager.stats.queries, 1);
-        self.stager.slots[slot].event.query()
-    }
-
-    #[cold]
-    fn wait(&mut self, slot: usize) -> Result<()> {
-        add(&self.stager.stats.waits, 1);
-        (self.wait)(&self.stager.slots[slot].event)
-    }
-
+impl SlotIo for CopyIo<'_, '_, '_, '_> {
     #[inline]
     fn fill(&mut self, slot: usize) -> Result<()> {
-        let buf = &self.stager.slots[slot].buf;
         // SAFETY: we own the slot (state WRITING) and its last copy completed (`drive`), so
         // nobody else reads or writes the buffer until we release it.
-        self.src = unsafe { buf.with_mut(|b| self.stager.fill(&mut *b, self.cur, self.job)) }?;
+        let b = unsafe { &mut *self.stager.core.data(slot) };
+        self.src = self.stager.fill(b, self.cur, self.job)?;
         // The buffer is write-combined: drain the CPU's write-combining buffers before the copy
         // engine may read it.
         store_fence();
         Ok(())
-    }
-
-    #[inline]
-    fn stream_id(&mut self) -> Option<u64> {
-        self.job.stream.tracking_id(self.cur)
     }
 
     #[inline]
@@ -646,40 +598,15 @@ impl SlotOwner for CudaOwner<'_, '_, '_, '_, '_> {
         };
         Ok(sent?)
     }
-
-    #[inline]
-    fn record(&mut self, slot: usize) -> Result<()> {
-        self.stager.slots[slot]
-            .event
-            .record_in(self.cur, self.job.stream)
-    }
-
-    #[cold]
-    fn settle(&mut self) -> bool {
-        self.job.stream.synchronize(self.cur).is_ok()
-    }
 }
 
 impl Drop for RawStager {
-    /// Slots whose last copies may still run go to the reaper thread, which frees them once
-    /// those copies completed (never here: the drop does not wait for the device).
+    /// Slots whose last copies may still run go to the reaper thread with the arena, which
+    /// frees them once those copies completed (never here: the drop does not wait for the
+    /// device).
     fn drop(&mut self) {
-        let busy: Vec<usize> = (0..self.slots.len())
-            .filter(|&i| self.ring.is_in_flight(i))
-            .collect();
-        if busy.is_empty() {
-            return;
-        }
-        // The slots and their arena: parts of this `Send` stager, given up together.
-        let parts =
-            crate::host::reaper::Owned((std::mem::take(&mut self.slots), self._arena.take()));
-        crate::host::reaper::defer(move || {
-            let parts = parts;
-            if !crate::host::reaper::waited(busy.iter().map(|&i| &parts.0.0[i].event)) {
-                // Never free a buffer a copy may still read: the driver did not say it stopped.
-                std::mem::forget(parts);
-            }
-        });
+        let arena = &mut self._arena;
+        self.core.release_after_copies(|| arena.take());
     }
 }
 

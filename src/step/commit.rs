@@ -3,8 +3,8 @@
 use super::mem::StepBlock;
 use super::open::RawStep;
 use super::plan::{AUTO_GAP_BATCH, AUTO_GAP_COPIES, plan};
-use super::send::{Owner, SendJob};
-use super::stager::{CommitOutcome, Scratch, StepMode, StepStager, Target, add};
+use super::send::SendJob;
+use super::stager::{CommitOutcome, Scratch, StepMode, StepStager, Target};
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
 use crate::ring::protocol::{Claim, Release};
@@ -16,7 +16,7 @@ impl StepStager {
         let index = s.claim.index;
         // SAFETY: we own the slot until the ring releases it below; nothing else touches its
         // scratch.
-        let sc = unsafe { &mut *self.slots[index].scratch.get() };
+        let sc = unsafe { &mut *self.core.data(index) };
         let base = self.slot_base(index);
         sc.send.copy_from_slice(&sc.used);
         // Skip fields whose values equal the last committed ones (mirror held until updated).
@@ -74,16 +74,16 @@ impl StepStager {
         }
         drop(mirror);
         let (calls, batched, block) = result?;
-        add(&self.stats.steps, 1);
-        add(&self.stats.skipped_fields, u64::from(skipped));
-        add(&self.stats.bytes, bytes as u64);
+        self.stats.steps.add(1);
+        self.stats.skipped_fields.add(u64::from(skipped));
+        self.stats.bytes.add(bytes as u64);
         let empty = if self.mode == StepMode::ZeroCopy {
             nothing_written
         } else {
             calls == 0 && block.is_none()
         };
         if empty {
-            add(&self.stats.empty_steps, 1);
+            self.stats.empty_steps.add(1);
         }
         Ok(CommitOutcome {
             calls,
@@ -102,7 +102,7 @@ impl StepStager {
         debug_assert!(self.mode == StepMode::ZeroCopy);
         let index = s.claim.index;
         // SAFETY: we own the slot until the ring releases it; nothing else touches its scratch.
-        let sc = unsafe { &mut *self.slots[index].scratch.get() };
+        let sc = unsafe { &mut *self.core.data(index) };
         // A zero-copy send of nothing: the event recorded after the readers, the slot released.
         sc.segs.clear();
         let base = self.slot_base(index);
@@ -118,12 +118,12 @@ impl StepStager {
         stream: StreamHandle<'_>,
     ) -> Result<(u32, bool, Option<StepBlock>)> {
         let release_idle = |e: Error| {
-            self.ring.release(claim.index, Release::Idle);
+            self.core.ring().release(claim.index, Release::Idle);
             Err(e)
         };
         let zero = self.mode == StepMode::ZeroCopy;
         if sc.segs.is_empty() && self.mode == StepMode::Arena {
-            self.ring.release(claim.index, Release::Idle);
+            self.core.ring().release(claim.index, Release::Idle);
             return Ok((0, false, None));
         }
         let host_dst = match &self.target {
@@ -131,7 +131,7 @@ impl StepStager {
             Target::Bound { ptr, host: true } => Some(*ptr as *mut u8),
             _ => None,
         };
-        let Some(device) = &self.device else {
+        let Some(device) = self.core.device() else {
             // No driver: host arena or host blocks, written now.
             let block = match &self.target {
                 Target::Fresh(p) => match p.take(None) {
@@ -152,9 +152,9 @@ impl StepStager {
                     // SAFETY: slot and arena both hold the layout's bytes; they never overlap.
                     unsafe { std::ptr::copy_nonoverlapping(base.add(start), dst.add(start), len) };
                 }
-                add(&self.stats.copies, sc.segs.len() as u64);
+                self.stats.copies.add(sc.segs.len() as u64);
             }
-            self.ring.release(claim.index, Release::Idle);
+            self.core.ring().release(claim.index, Release::Idle);
             return Ok((if zero { 0 } else { sc.segs.len() as u32 }, false, block));
         };
         if let Some(dst) = host_dst {
@@ -164,8 +164,8 @@ impl StepStager {
                 // SAFETY: as above.
                 unsafe { std::ptr::copy_nonoverlapping(base.add(start), dst.add(start), len) };
             }
-            add(&self.stats.copies, sc.segs.len() as u64);
-            self.ring.release(claim.index, Release::Idle);
+            self.stats.copies.add(sc.segs.len() as u64);
+            self.core.ring().release(claim.index, Release::Idle);
             return Ok((sc.segs.len() as u32, false, None));
         }
         let cur = match stream.enter_for_copy(device) {
@@ -192,17 +192,18 @@ impl StepStager {
             zero,
             batch: self.batch && stream.as_raw() > 1,
             block: block.as_ref().and_then(|b| b.event()),
+            stats: &self.stats,
+            cur: &cur,
             calls: 0,
             batched: false,
         };
-        self.ring.finish(
+        // The slot was claimed and made ready at the step's open: nothing waits here.
+        let mut no_wait = |_: &crate::cuda::Event| -> Result<()> {
+            unreachable!("a commit never waits for its own slot")
+        };
+        self.core.ring().finish(
             &claim,
-            &mut Owner {
-                st: self,
-                cur: &cur,
-                wait: None,
-                send: Some(&mut send),
-            },
+            &mut self.core.owner(&cur, stream, &mut no_wait, &mut send),
         )?;
         Ok((send.calls, send.batched, block))
     }

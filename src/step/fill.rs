@@ -2,7 +2,7 @@
 
 use super::layout::{FieldId, FieldKey};
 use super::open::RawStep;
-use super::stager::{StepMode, StepStager, add};
+use super::stager::{StepMode, StepStager};
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};
 use crate::ring::protocol::Release;
@@ -124,7 +124,7 @@ impl StepStager {
     #[inline]
     unsafe fn set_used(&self, s: &RawStep, id: FieldId, rows: usize) {
         // SAFETY: the caller owns the slot.
-        unsafe { (&mut *self.slots[s.claim.index].scratch.get()).used[id.0] = rows };
+        unsafe { (&mut *self.core.data(s.claim.index)).used[id.0] = rows };
     }
 
     /// The first `rows` rows of field `id` in the step's slot, marked used: `(address, bytes)`.
@@ -147,7 +147,7 @@ impl StepStager {
     /// Rows of field `id` written in the step so far.
     pub(crate) fn used_raw(&self, s: &RawStep, id: FieldId) -> usize {
         // SAFETY: we own the slot; a read.
-        unsafe { (&*self.slots[s.claim.index].scratch.get()).used[id.0] }
+        unsafe { (&*self.core.data(s.claim.index)).used[id.0] }
     }
 
     /// Zero-copy mode: the device address of field `id` in the step's slot; the step's fields
@@ -160,8 +160,8 @@ impl StepStager {
                 "zero-copy mode for device views of a slot",
             ));
         }
-        if self.device.is_none() {
-            return Err(self.unavailable());
+        if self.core.device().is_none() {
+            return Err(self.core.unavailable());
         }
         s.frozen = true;
         let off = s.claim.index * self.layout.nbytes() + self.layout.fields()[id.0].offset();
@@ -185,8 +185,8 @@ impl StepStager {
         if slot >= self.depth() {
             return Err(Error::arg("slot", slot, "a slot below the depth"));
         }
-        if self.device.is_none() {
-            return Err(self.unavailable());
+        if self.core.device().is_none() {
+            return Err(self.core.unavailable());
         }
         Ok(self.mem_dev + (slot * self.layout.nbytes() + f.offset()) as u64)
     }
@@ -202,16 +202,16 @@ impl StepStager {
     /// as a zero-copy commit does; without one, the context is synchronized first (all its
     /// streams). Never blocks on the caller's behalf otherwise.
     pub(crate) fn abort_raw_on(&self, s: RawStep, stream: Option<StreamHandle<'_>>) {
-        add(&self.stats.aborted, 1);
+        self.stats.aborted.add(1);
         if s.frozen
-            && let Some(device) = &self.device
+            && let Some(device) = self.core.device()
         {
             let r = match stream {
                 Some(stream) => self.release_after_readers(s, stream),
                 None => {
                     // A failed synchronize: a failed context, where no work runs any longer.
                     let r = device.enter().and_then(|cur| cur.synchronize());
-                    self.ring.release(s.claim.index, Release::Idle);
+                    self.core.ring().release(s.claim.index, Release::Idle);
                     r
                 }
             };
@@ -222,6 +222,6 @@ impl StepStager {
             return;
         }
         // The slot's last copy is known complete (open) and nothing new was issued.
-        self.ring.release(s.claim.index, Release::Idle);
+        self.core.ring().release(s.claim.index, Release::Idle);
     }
 }

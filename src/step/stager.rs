@@ -2,18 +2,17 @@
 
 use std::marker::PhantomData;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use super::layout::{FieldKey, StepLayout};
 use super::mem::{AlignedBytes, BlockPool, DeviceMem, HostMem, StepBlock, pinned_slots};
 use super::open::{RawStep, Step};
-use super::send::Owner;
 use crate::cuda::{Device, Event, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
 use crate::error::{Error, Result};
-use crate::ring::protocol::{Claim, Release, Ring};
-use std::cell::UnsafeCell;
+use crate::ring::protocol::Claim;
+use crate::ring::slots::{Counter, SlotRing, check_args};
 
 /// Where committed steps go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,22 +76,14 @@ pub struct StepStagerStats {
 
 #[derive(Default)]
 pub(super) struct Counters {
-    pub(super) steps: AtomicU64,
-    pub(super) copies: AtomicU64,
-    pub(super) batches: AtomicU64,
-    pub(super) batch_entries: AtomicU64,
-    pub(super) bytes: AtomicU64,
-    pub(super) skipped_fields: AtomicU64,
-    pub(super) empty_steps: AtomicU64,
-    pub(super) aborted: AtomicU64,
-    pub(super) waits: AtomicU64,
-    pub(super) queries: AtomicU64,
-}
-
-#[inline]
-pub(super) fn add(c: &AtomicU64, v: u64) {
-    // Relaxed: statistics only.
-    c.fetch_add(v, Ordering::Relaxed);
+    pub(super) steps: Counter,
+    pub(super) copies: Counter,
+    pub(super) batches: Counter,
+    pub(super) batch_entries: Counter,
+    pub(super) bytes: Counter,
+    pub(super) skipped_fields: Counter,
+    pub(super) empty_steps: Counter,
+    pub(super) aborted: Counter,
 }
 
 /// What one commit did.
@@ -121,11 +112,6 @@ pub(super) struct Scratch {
     pub(super) dsts: Vec<u64>,
     pub(super) srcs: Vec<u64>,
     pub(super) sizes: Vec<usize>,
-}
-
-pub(super) struct StepSlot {
-    pub(super) event: Option<Event>,
-    pub(super) scratch: UnsafeCell<Scratch>,
 }
 
 pub(super) enum Target {
@@ -239,11 +225,8 @@ impl StepStagerBuilder {
 pub struct StepStager {
     pub(super) layout: StepLayout,
     pub(super) mode: StepMode,
-    pub(super) ordinal: i32,
-    pub(super) device: Option<Device>,
-    pub(super) unavailable: Option<String>,
-    pub(super) ring: Ring,
-    pub(super) slots: Box<[StepSlot]>,
+    /// The ring of slots (events, per-slot scratch), the device, the wait counters.
+    pub(super) core: SlotRing<Scratch>,
     pub(super) mem: Arc<HostMem>,
     /// Device address of the slot memory (zero-copy reads); 0 without a driver.
     pub(super) mem_dev: u64,
@@ -257,7 +240,7 @@ pub struct StepStager {
     pub(super) host_arena: parking_lot::Mutex<()>,
 }
 
-// SAFETY: each slot's scratch and bytes are touched only by the thread owning the slot (ring
+// SAFETY: each slot's bytes (in `mem`) are touched only by the thread owning the slot (ring
 // protocol); everything else is atomics, locks, or driver handles usable from any thread.
 unsafe impl Sync for StepStager {}
 // SAFETY: all fields are owned and movable between threads.
@@ -269,8 +252,8 @@ impl std::fmt::Debug for StepStager {
             .field("fields", &self.layout.len())
             .field("nbytes", &self.layout.nbytes())
             .field("mode", &self.mode)
-            .field("depth", &self.ring.depth())
-            .field("cuda", &self.device.is_some())
+            .field("depth", &self.core.depth())
+            .field("cuda", &self.core.device().is_some())
             .finish()
     }
 }
@@ -290,12 +273,7 @@ impl StepStager {
     }
 
     fn new(b: StepStagerBuilder) -> Result<Self> {
-        if !(1..=crate::h2d::MAX_DEPTH).contains(&b.depth) {
-            return Err(Error::arg("depth", b.depth, "1 to 65536"));
-        }
-        if b.device < 0 {
-            return Err(Error::arg("device", b.device, "a CUDA device ordinal >= 0"));
-        }
+        check_args(b.device, b.depth)?;
         let nbytes = b.layout.nbytes();
         if let Some((ptr, len, memory, read_only)) = b.bound {
             if b.mode != StepMode::Arena {
@@ -338,28 +316,21 @@ impl StepStager {
                 what: "step slots",
                 bytes: usize::MAX,
             })?;
-        let (device, unavailable) = match Device::new(b.device) {
-            Ok(d) => (Some(d), None),
-            Err(Error::CudaUnavailable { reason }) => (None, Some(reason)),
-            Err(e) => return Err(e),
-        };
+        let nfields = b.layout.len();
+        let core = SlotRing::new(b.device, b.depth, |_, _| {
+            Ok(Scratch {
+                used: vec![0; nfields],
+                send: vec![0; nfields],
+                ..Scratch::default()
+            })
+        })?;
+        let device = core.device().cloned();
         if let (Some((_, _, MemoryKind::Cuda(_), _)), None) = (b.bound, &device) {
-            return Err(Error::unavailable(unavailable.clone().unwrap_or_default()));
+            return Err(core.unavailable());
         }
-        let (mem, mem_dev, events) = match &device {
-            Some(d) => {
-                let (mem, dev) = pinned_slots(d, total)?;
-                let cur = d.enter()?;
-                let events = (0..b.depth)
-                    .map(|_| Event::new_in(&cur).map(Some))
-                    .collect::<Result<Vec<_>>>()?;
-                (mem, dev, events)
-            }
-            None => (
-                HostMem::Plain(AlignedBytes::new(total, "step slots")?),
-                0,
-                (0..b.depth).map(|_| None).collect(),
-            ),
+        let (mem, mem_dev) = match &device {
+            Some(d) => pinned_slots(d, total)?,
+            None => (HostMem::Plain(AlignedBytes::new(total, "step slots")?), 0),
         };
         let target = match (b.mode, b.bound, &device) {
             (StepMode::Arena, Some((ptr, _, memory, _)), _) => Target::Bound {
@@ -374,18 +345,6 @@ impl StepStager {
             (StepMode::Fresh, _, d) => Target::Fresh(Arc::new(BlockPool::new(d.clone(), nbytes))),
             (StepMode::ZeroCopy, _, _) => Target::ZeroCopy,
         };
-        let nfields = b.layout.len();
-        let slots = events
-            .into_iter()
-            .map(|event| StepSlot {
-                event,
-                scratch: UnsafeCell::new(Scratch {
-                    used: vec![0; nfields],
-                    send: vec![0; nfields],
-                    ..Scratch::default()
-                }),
-            })
-            .collect();
         let mirror = (b.layout.any_skip() && b.mode == StepMode::Arena)
             .then(|| parking_lot::Mutex::new(vec![None; nfields]));
         let batch = b.batch
@@ -393,11 +352,7 @@ impl StepStager {
         Ok(Self {
             layout: b.layout,
             mode: b.mode,
-            ordinal: b.device,
-            device,
-            unavailable,
-            ring: Ring::new(b.depth),
-            slots,
+            core,
             mem: Arc::new(mem),
             mem_dev,
             target,
@@ -421,26 +376,28 @@ impl StepStager {
 
     /// Number of slots.
     pub fn depth(&self) -> usize {
-        self.ring.depth()
+        self.core.depth()
     }
 
     /// The device ordinal.
     pub fn ordinal(&self) -> i32 {
-        self.ordinal
+        self.core.ordinal()
     }
 
     /// Whether a driver and the device were found (else everything lives in host memory).
     pub fn has_cuda(&self) -> bool {
-        self.device.is_some()
+        self.core.device().is_some()
     }
 
     /// The device, when there is a driver.
     pub fn device(&self) -> Option<&Device> {
-        self.device.as_ref()
+        self.core.device()
     }
 
+    /// Why there is no device (`Error::CudaUnavailable`), for the Python layer.
+    #[cfg(feature = "python")]
     pub(crate) fn unavailable(&self) -> Error {
-        Error::unavailable(self.unavailable.clone().unwrap_or_default())
+        self.core.unavailable()
     }
 
     /// Address of the arena (arena mode): a device address, or a host address without a
@@ -460,25 +417,24 @@ impl StepStager {
             Target::Device(_) | Target::ZeroCopy => false,
             Target::Host(_) => true,
             Target::Bound { host, .. } => *host,
-            Target::Fresh(_) => self.device.is_none(),
+            Target::Fresh(_) => self.core.device().is_none(),
         }
     }
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> StepStagerStats {
         let s = &self.stats;
-        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
         StepStagerStats {
-            steps: l(&s.steps),
-            copies: l(&s.copies),
-            batches: l(&s.batches),
-            batch_entries: l(&s.batch_entries),
-            bytes: l(&s.bytes),
-            skipped_fields: l(&s.skipped_fields),
-            empty_steps: l(&s.empty_steps),
-            aborted: l(&s.aborted),
-            waits: l(&s.waits),
-            queries: l(&s.queries),
+            steps: s.steps.get(),
+            copies: s.copies.get(),
+            batches: s.batches.get(),
+            batch_entries: s.batch_entries.get(),
+            bytes: s.bytes.get(),
+            skipped_fields: s.skipped_fields.get(),
+            empty_steps: s.empty_steps.get(),
+            aborted: s.aborted.get(),
+            waits: self.core.waits(),
+            queries: self.core.queries(),
             blocks: match &self.target {
                 Target::Fresh(p) => p.allocated.load(Ordering::Relaxed),
                 _ => 0,
@@ -503,7 +459,7 @@ impl StepStager {
     /// thread's open step (the Python layer then blocks with the GIL released).
     #[cfg(feature = "python")]
     pub(crate) fn try_claim(&self) -> Option<Claim> {
-        self.ring.try_claim()
+        self.core.ring().try_claim()
     }
 
     /// A claim, spinning (yielding) while every slot is in another thread's open step, for at
@@ -512,7 +468,7 @@ impl StepStager {
     pub(crate) fn claim_within(&self, within: std::time::Duration) -> Option<Claim> {
         let t0 = std::time::Instant::now();
         loop {
-            if let Some(c) = self.ring.try_claim() {
+            if let Some(c) = self.core.ring().try_claim() {
                 return Some(c);
             }
             if t0.elapsed() >= within {
@@ -528,15 +484,7 @@ impl StepStager {
     /// # Errors
     /// [`Error::Driver`].
     pub fn order_after_commits(&self, stream: Option<StreamHandle<'_>>) -> Result<()> {
-        for s in self.slots.iter() {
-            if let Some(e) = &s.event {
-                match stream {
-                    Some(h) => e.wait_on(h)?,
-                    None => e.synchronize()?,
-                }
-            }
-        }
-        Ok(())
+        self.core.order_after(stream)
     }
 
     /// Opens a step on `claim` (or a new blocking claim), waiting for the slot's last copy with
@@ -546,30 +494,10 @@ impl StepStager {
         claim: Option<Claim>,
         wait: &mut dyn FnMut(&Event) -> Result<()>,
     ) -> Result<RawStep> {
-        let claim = claim.unwrap_or_else(|| self.ring.claim());
-        if claim.was_in_flight() {
-            let Some(device) = &self.device else {
-                unreachable!("slots are only released in flight after a device copy")
-            };
-            let cur = match device.enter() {
-                Ok(c) => c,
-                Err(e) => {
-                    self.ring.release(claim.index, Release::Restore(claim.prev));
-                    return Err(e);
-                }
-            };
-            self.ring.ready(
-                &claim,
-                &mut Owner {
-                    st: self,
-                    cur: &cur,
-                    wait: Some(wait),
-                    send: None,
-                },
-            )?;
-        }
+        let claim = claim.unwrap_or_else(|| self.core.ring().claim());
+        self.core.ready(&claim, wait)?;
         // SAFETY: we own the slot (WRITING) and its last copy completed.
-        unsafe { &mut *self.slots[claim.index].scratch.get() }
+        unsafe { &mut *self.core.data(claim.index) }
             .used
             .iter_mut()
             .for_each(|u| *u = 0);
@@ -601,18 +529,14 @@ impl StepStager {
                 "arena mode to read the arena",
             )
         })? + f.offset() as u64;
-        for s in self.slots.iter() {
-            if let Some(e) = &s.event {
-                e.synchronize()?;
-            }
-        }
+        self.core.order_after(None)?;
         if self.arena_is_host() {
             let _turn = self.host_arena.lock();
             // SAFETY: the arena holds the layout's bytes; every commit into it completed, and
             // none writes it meanwhile (`_turn`).
             unsafe { std::ptr::copy_nonoverlapping(src as *const u8, out.as_mut_ptr(), out.len()) };
         } else {
-            let device = self.device.as_ref().ok_or_else(|| self.unavailable())?;
+            let device = self.core.require_device()?;
             let _cur = device.enter()?;
             // SAFETY: device memory of the layout's bytes on this device; `out` is ours.
             unsafe { driver::mem::memcpy_dtoh(out.as_mut_ptr().cast(), src, out.len()) }?;
@@ -626,18 +550,13 @@ impl Drop for StepStager {
     /// reader) may still use them; it frees them once those completed (never here: the drop
     /// does not wait for the device). A failed wait leaks them.
     fn drop(&mut self) {
-        let busy: Vec<Event> = (0..self.slots.len())
-            .filter(|&i| self.ring.is_in_flight(i))
-            .filter_map(|i| self.slots[i].event.take())
-            .collect();
-        if busy.is_empty() {
-            return;
-        }
+        let (mem, target) = (&self.mem, &mut self.target);
         // Parts of this `Send` stager, given up together.
-        let memory = crate::host::reaper::Owned((
-            Arc::clone(&self.mem),
-            std::mem::replace(&mut self.target, Target::ZeroCopy),
-        ));
-        crate::host::reaper::free_after(busy, memory);
+        self.core.release_after_copies(|| {
+            crate::host::reaper::Owned((
+                Arc::clone(mem),
+                std::mem::replace(target, Target::ZeroCopy),
+            ))
+        });
     }
 }
