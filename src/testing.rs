@@ -11,7 +11,7 @@ use crate::error::{Error, Result, on_drop};
 
 pub use crate::d2h::landing_counts;
 pub use crate::h2d::mirror::CopyKey;
-pub use crate::h2d::stager::row_shape;
+pub use crate::h2d::slot::row_shape;
 pub use crate::h2d::upload::start_h2d;
 pub use crate::ring::protocol as ring;
 pub use crate::ring::write::PARALLEL_WRITE_MIN;

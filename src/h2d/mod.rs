@@ -5,6 +5,7 @@
 
 mod fresh;
 pub(crate) mod mirror;
+pub(crate) mod slot;
 pub(crate) mod stager;
 #[cfg(feature = "lab")]
 pub(crate) mod trace;

@@ -7,15 +7,13 @@
 //! is held while waiting, and a waiting thread blocks no other slot.
 
 use super::mirror::{CopyKey, H2DMirror};
+use super::slot::{CopyIo, Grew, Job, SlotBuf};
 use crate::cuda::{Current, Device, Event, SlotEvent, StreamHandle};
 use crate::dlpack::{DType, DeviceView, MemoryKind};
-use crate::driver;
 use crate::error::{Error, Result};
 use crate::host::{PinnedBuffer, PinnedFlags};
-use crate::ring::slots::{Counter, SlotIo, SlotRing, check_args};
-use crate::ring::write::{
-    Layout, PARALLEL_WRITE_MIN, store_fence, write_padded, write_padded_parallel,
-};
+use crate::ring::slots::{Counter, SlotRing, check_args};
+use crate::ring::write::write_padded;
 
 /// Counters of a stager; every field is monotonic except `pinned_bytes`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -50,33 +48,6 @@ struct Counters {
     bytes: Counter,
     growths: Counter,
     pinned_bytes: Counter,
-}
-
-struct SlotBuf {
-    /// The slot's bytes: its slice of the stager's arena, or `grown` once it outgrew that.
-    ptr: *mut u8,
-    cap: usize,
-    /// The slot's own buffer after a copy exceeded its arena slice.
-    grown: Option<PinnedBuffer>,
-    /// What the buffer holds after its last write, so the next write can skip padding that is
-    /// already there.
-    layout: Option<Layout>,
-    /// Buffers outgrown by `grown`. They are freed with the stager, not at growth time:
-    /// `cuMemFreeHost` may synchronize the whole device, which would stall a live graph.
-    retired: Vec<PinnedBuffer>,
-}
-
-impl SlotBuf {
-    /// A slot without memory (no driver: host destinations never use the slots).
-    fn empty() -> Self {
-        Self {
-            ptr: std::ptr::null_mut(),
-            cap: 0,
-            grown: None,
-            layout: None,
-            retired: Vec::new(),
-        }
-    }
 }
 
 /// What one copy did.
@@ -179,11 +150,6 @@ pub struct RawStager {
     stats: Counters,
 }
 
-// SAFETY: a slot's buffer pointer leads into the stager's own pinned memory, touched only by the
-// slot's owner in the ring protocol (see `SlotRing`); the rest is owned and may move between
-// threads.
-unsafe impl Send for SlotBuf {}
-
 impl std::fmt::Debug for RawStager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RawStager")
@@ -283,15 +249,9 @@ impl RawStager {
                 arena = Some(a);
             }
             let base = arena.as_mut().expect("allocated above").as_mut_ptr();
-            Ok(SlotBuf {
-                // SAFETY: i * stride + slot_bytes <= arena_bytes: in bounds (a 0-byte arena is
-                // only ever offset by 0).
-                ptr: unsafe { base.add(i * stride) },
-                cap: slot_bytes,
-                grown: None,
-                retired: Vec::new(),
-                layout: None,
-            })
+            // SAFETY: i * stride + slot_bytes <= arena_bytes: in bounds (a 0-byte arena is only
+            // ever offset by 0).
+            Ok(SlotBuf::new(unsafe { base.add(i * stride) }, slot_bytes))
         })?;
         Ok(Self {
             dtype,
@@ -488,7 +448,11 @@ impl RawStager {
     ) -> Result<usize> {
         let stream = job.stream;
         let mut io = CopyIo {
-            stager: self,
+            core: &self.core,
+            grew: Grew {
+                growths: &self.stats.growths,
+                pinned_bytes: &self.stats.pinned_bytes,
+            },
             cur,
             job: &job,
             src: std::ptr::null(),
@@ -496,107 +460,6 @@ impl RawStager {
         self.core
             .ring()
             .drive(&mut self.core.owner(cur, stream, wait, &mut io))
-    }
-
-    /// Writes values and padding into the slot's buffer (growing it first if needed); returns
-    /// where the copy reads from.
-    #[inline]
-    fn fill(&self, b: &mut SlotBuf, cur: &Current<'_>, job: &Job<'_>) -> Result<*const u8> {
-        if b.cap < job.total {
-            self.grow(b, cur, job.total)?;
-        }
-        // Padding already in the buffer from the last write (same pad, same total) need not be
-        // written again: only [values.len(), old values_len) is.
-        let new_layout = Layout::new(job.values.len(), job.total, job.pad);
-        let fresh_pad_end = match (b.layout.as_ref(), job.pad) {
-            (Some(old), Some(_)) if old.same_padding(&new_layout) => {
-                old.values_len.max(job.values.len())
-            }
-            _ => job.total,
-        };
-        // SAFETY: `b.ptr` is valid for `b.cap >= total` bytes (arena slice or own buffer) and
-        // owned by this slot; `values` is the caller's memory, not ours.
-        unsafe {
-            if fresh_pad_end >= PARALLEL_WRITE_MIN {
-                write_padded_parallel(b.ptr, job.values, job.pad, fresh_pad_end);
-            } else {
-                write_padded(b.ptr, job.values, job.pad, fresh_pad_end, false);
-            }
-        }
-        b.layout = Some(new_layout);
-        Ok(b.ptr)
-    }
-
-    /// Gives a slot its own, larger buffer.
-    #[cold]
-    fn grow(&self, b: &mut SlotBuf, cur: &Current<'_>, total: usize) -> Result<()> {
-        let cap = total.max(b.cap.saturating_mul(2));
-        let mut new = PinnedBuffer::new(cur.device(), cap, PinnedFlags::WRITE_COMBINED)?;
-        b.ptr = new.as_mut_ptr();
-        b.cap = cap;
-        if let Some(old) = b.grown.replace(new) {
-            b.retired.push(old);
-        }
-        b.layout = None;
-        self.stats.pinned_bytes.add(cap as u64);
-        self.stats.growths.add(1);
-        Ok(())
-    }
-}
-
-/// What one copy does with its claimed slot: write the values and padding, copy them.
-struct CopyIo<'s, 'c, 'd, 'j> {
-    stager: &'s RawStager,
-    cur: &'c Current<'d>,
-    job: &'j Job<'j>,
-    /// Where the copy reads from, once `fill` wrote the slot.
-    src: *const u8,
-}
-
-impl SlotIo for CopyIo<'_, '_, '_, '_> {
-    #[inline]
-    fn fill(&mut self, slot: usize) -> Result<()> {
-        // SAFETY: we own the slot (state WRITING) and its last copy completed (`drive`), so
-        // nobody else reads or writes the buffer until we release it.
-        let b = unsafe { &mut *self.stager.core.data(slot) };
-        self.src = self.stager.fill(b, self.cur, self.job)?;
-        // The buffer is write-combined: drain the CPU's write-combining buffers before the copy
-        // engine may read it.
-        store_fence();
-        Ok(())
-    }
-
-    #[inline]
-    fn send(&mut self, _slot: usize) -> Result<()> {
-        let (job, src) = (self.job, self.src);
-        let stream = job.stream;
-        // SAFETY: `src` holds `total` bytes and stays untouched until the event recorded next
-        // completed (ring protocol); `dst` is device memory of this device of at least `total`
-        // bytes (the view's contract, size and device checked); the stream is a special handle,
-        // ours, or vouched for by its maker; the context is current (`cur`).
-        #[cfg(not(pinstage_seeded_bug = "skip_copy"))]
-        let sent = unsafe {
-            match row_shape(job.total).filter(|_| job.dst % ROW_DST_ALIGN == 0) {
-                Some((width, height)) => driver::mem::memcpy_2d_htod_async(
-                    job.dst,
-                    src.cast(),
-                    width,
-                    height,
-                    stream.raw(),
-                ),
-                None => {
-                    driver::mem::memcpy_htod_async(job.dst, src.cast(), job.total, stream.raw())
-                }
-            }
-        };
-        // The seeded-bug harness's "the stager skips the copy" (`scripts/gpu-run broken`): the
-        // slot is written and its event recorded, but nothing reaches the device.
-        #[cfg(pinstage_seeded_bug = "skip_copy")]
-        let sent: std::result::Result<(), crate::cuda::DriverError> = {
-            let _ = (src, stream);
-            Ok(())
-        };
-        Ok(sent?)
     }
 }
 
@@ -608,32 +471,4 @@ impl Drop for RawStager {
         let arena = &mut self._arena;
         self.core.release_after_copies(|| arena.take());
     }
-}
-
-/// Destinations whose address is a multiple of this take the 2-D path ([`row_shape`]).
-pub(crate) const ROW_DST_ALIGN: u64 = 256;
-
-/// Copies from 2 KiB up to 32 KiB go as one 2-D copy of packed 1 KiB rows (or 512- or 256-byte
-/// rows when the size is not a multiple of 1 KiB): `Some((row bytes, rows))`. The driver stages a
-/// small `cuMemcpyHtoDAsync` through its own command buffer, copying the bytes on the host; a 2-D
-/// copy of several rows is handed to the copy engine as is (benches/RESULTS.md has the costs).
-/// Either way it is ONE copy of the same contiguous bytes. Only for destinations aligned to
-/// 256 bytes.
-pub fn row_shape(total: usize) -> Option<(usize, usize)> {
-    if !(2048..=32768).contains(&total) {
-        return None;
-    }
-    [1024usize, 512, 256]
-        .into_iter()
-        .find(|w| total % w == 0)
-        .map(|w| (w, total / w))
-}
-
-/// One device copy: destination address, values, pad, bytes in all, stream.
-struct Job<'a> {
-    dst: u64,
-    values: &'a [u8],
-    pad: Option<&'a [u8]>,
-    total: usize,
-    stream: StreamHandle<'a>,
 }

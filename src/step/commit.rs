@@ -1,9 +1,9 @@
 //! Committing a step: skipping unchanged fields, planning the spans, sending them.
 
 use super::mem::StepBlock;
-use super::open::RawStep;
 use super::plan::{AUTO_GAP_BATCH, AUTO_GAP_COPIES, plan};
 use super::send::SendJob;
+use super::stager::RawStep;
 use super::stager::{CommitOutcome, Scratch, StepMode, StepStager, Target};
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};

@@ -1,7 +1,7 @@
 //! Writing an open step's fields: values and pads, in-place views, zero-copy device addresses.
 
 use super::layout::{FieldId, FieldKey};
-use super::open::RawStep;
+use super::stager::RawStep;
 use super::stager::{StepMode, StepStager};
 use crate::cuda::StreamHandle;
 use crate::error::{Error, Result};

@@ -20,9 +20,9 @@ pub use layout::{
     FIELD_ALIGN, Field, FieldId, FieldKey, MAX_FIELDS, StepLayout, StepLayoutBuilder,
 };
 pub use mem::StepBlock;
-#[cfg(feature = "python")]
-pub(crate) use open::RawStep;
 pub use open::Step;
+#[cfg(feature = "python")]
+pub(crate) use stager::RawStep;
 pub use stager::{
     CommitOutcome, DEFAULT_STEP_DEPTH, StepMode, StepStager, StepStagerBuilder, StepStagerStats,
 };

@@ -3,11 +3,11 @@
 use std::marker::PhantomData;
 
 use super::layout::FieldKey;
-use super::stager::{CommitOutcome, StepStager};
+use super::stager::{CommitOutcome, RawStep, StepStager};
+use crate::cuda::Event;
 use crate::cuda::StreamHandle;
 use crate::dlpack::Element;
 use crate::error::{Error, Result};
-use crate::ring::protocol::Claim;
 
 /// An open step: a slot owned by this step until it is committed or dropped (dropping releases
 /// it untouched). Not `Send`: a step belongs to the thread that opened it.
@@ -22,21 +22,6 @@ impl std::fmt::Debug for Step<'_> {
         f.debug_struct("Step")
             .field("slot", &self.raw.as_ref().map(|r| r.claim.index))
             .finish()
-    }
-}
-
-/// The state of an open step, for the Python layer (which holds the stager in an `Arc`).
-#[derive(Debug)]
-pub(crate) struct RawStep {
-    pub(super) claim: Claim,
-    /// Zero-copy: device views were handed out, host writes would race the consumer.
-    pub(super) frozen: bool,
-}
-
-#[cfg(feature = "python")]
-impl RawStep {
-    pub(crate) fn slot(&self) -> usize {
-        self.claim.index
     }
 }
 
@@ -177,5 +162,20 @@ impl Drop for Step<'_> {
         if let Some(raw) = self.raw.take() {
             self.stager.abort_raw(raw);
         }
+    }
+}
+
+impl StepStager {
+    /// Claims a slot for a new step, waiting (blocking) for its last copy if it still runs.
+    ///
+    /// # Errors
+    /// [`Error::Driver`] when the driver fails while learning that the slot's copy completed.
+    pub fn step(&self) -> Result<Step<'_>> {
+        let raw = self.open(None, &mut |e: &Event| e.synchronize())?;
+        Ok(Step {
+            stager: self,
+            raw: Some(raw),
+            _not_send: PhantomData,
+        })
     }
 }

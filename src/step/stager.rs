@@ -1,12 +1,10 @@
 //! The step stager: a ring of pinned slots laid out like the device arena, one commit per step.
 
-use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::layout::{FieldKey, StepLayout};
 use super::mem::{AlignedBytes, BlockPool, DeviceMem, HostMem, StepBlock, pinned_slots};
-use super::open::{RawStep, Step};
 use crate::cuda::{Device, Event, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
@@ -126,6 +124,21 @@ pub(super) enum Target {
     },
     Fresh(Arc<BlockPool>),
     ZeroCopy,
+}
+
+/// The state of an open step, for the Python layer (which holds the stager in an `Arc`).
+#[derive(Debug)]
+pub(crate) struct RawStep {
+    pub(super) claim: Claim,
+    /// Zero-copy: device views were handed out, host writes would race the consumer.
+    pub(super) frozen: bool,
+}
+
+#[cfg(feature = "python")]
+impl RawStep {
+    pub(crate) fn slot(&self) -> usize {
+        self.claim.index
+    }
 }
 
 /// Builds a [`StepStager`].
@@ -440,19 +453,6 @@ impl StepStager {
                 _ => 0,
             },
         }
-    }
-
-    /// Claims a slot for a new step, waiting (blocking) for its last copy if it still runs.
-    ///
-    /// # Errors
-    /// [`Error::Driver`] when the driver fails while learning that the slot's copy completed.
-    pub fn step(&self) -> Result<Step<'_>> {
-        let raw = self.open(None, &mut |e: &Event| e.synchronize())?;
-        Ok(Step {
-            stager: self,
-            raw: Some(raw),
-            _not_send: PhantomData,
-        })
     }
 
     /// The claim of a new step without spinning: `None` when every slot is owned by another
