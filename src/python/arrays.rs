@@ -270,7 +270,7 @@ fn pinned_array<'py>(
     device: i32,
     recycle: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let state = super::device_state(device)?;
+    let state = super::device::device_state(device)?;
     if let Some(pool) = pool {
         let p = pool.get().pool().ok_or_else(|| {
             PyErr::from(crate::Error::unavailable(

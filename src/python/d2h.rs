@@ -54,8 +54,8 @@ fn start<'py>(
     let (dtype, shape, nbytes) = (view.dtype(), view.shape().to_vec(), view.nbytes());
     let want = descr(py, dtype)?; // fail early (bfloat16 without ml_dtypes) before any copy
     let state = match view.memory() {
-        MemoryKind::Cuda(id) => Some(super::device_state(id)?),
-        MemoryKind::Host if crate::cuda::cuda_available() => Some(super::device_state(0)?),
+        MemoryKind::Cuda(id) => Some(super::device::device_state(id)?),
+        MemoryKind::Host if crate::cuda::cuda_available() => Some(super::device::device_state(0)?),
         MemoryKind::Host => None,
     };
     let (array, ptr, len, pinned) = match dst.filter(|d| !d.is_none()) {
@@ -394,10 +394,10 @@ fn pool_stats<'py>(
     super::linger::reap(py);
     let ordinal = super::args::parse_device(device)?;
     let s = if crate::cuda::cuda_available() {
-        super::device_state(ordinal)?.pool.stats()
+        super::device::device_state(ordinal)?.pool.stats()
     } else {
         crate::host::PinnedPoolStats {
-            budget_bytes: super::POOL_BUDGET.load(std::sync::atomic::Ordering::Relaxed),
+            budget_bytes: super::device::pool_budget(),
             ..Default::default()
         }
     };
@@ -422,11 +422,9 @@ fn pool_stats<'py>(
 fn empty_cache(py: Python<'_>) {
     super::linger::reap(py);
     py.detach(|| {
-        if let Some(table) = super::DEVICES.get() {
-            for s in table.iter().filter_map(|s| s.get()) {
-                s.pool.empty_cache();
-                s.arrays.empty_cache();
-            }
+        for s in super::device::used() {
+            s.pool.empty_cache();
+            s.arrays.empty_cache();
         }
         crate::host::release_bounce_buffers();
         if let Err(crate::Error::Driver(e)) = crate::h2d::trim_device_pools() {
@@ -450,14 +448,7 @@ fn empty_cache(py: Python<'_>) {
 #[pyfunction]
 fn set_pool_budget(py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
     let nbytes = super::args::count_arg(nbytes, "nbytes", 0, isize::MAX as usize)?;
-    super::POOL_BUDGET.store(nbytes, std::sync::atomic::Ordering::Relaxed);
-    py.detach(|| {
-        if let Some(table) = super::DEVICES.get() {
-            for s in table.iter().filter_map(|s| s.get()) {
-                s.pool.set_budget(nbytes);
-            }
-        }
-    });
+    py.detach(|| super::device::set_pool_budget(nbytes));
     Ok(())
 }
 

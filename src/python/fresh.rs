@@ -200,7 +200,7 @@ fn to_device<'py>(
             }
         },
     };
-    let dev = &super::device_state(ordinal)?.device;
+    let dev = &super::device::device_state(ordinal)?.device;
     let dtype = from.view.dtype();
     let shape: Vec<i64> = from.view.shape().to_vec();
     match fw {
@@ -526,7 +526,7 @@ fn device_pool_stats<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let ordinal = super::args::parse_device(device)?;
     let s = if crate::cuda::cuda_available() {
-        crate::h2d::device_pool_stats(&super::device_state(ordinal)?.device)?
+        crate::h2d::device_pool_stats(&super::device::device_state(ordinal)?.device)?
     } else {
         crate::h2d::DevicePoolStats::default()
     };

@@ -164,7 +164,7 @@ pub(super) fn start(
     stream: StreamHandle<'static>,
 ) -> PyResult<(CopyPath, Option<crate::cuda::Event>)> {
     let device = match to.view.memory() {
-        MemoryKind::Cuda(id) => Some(&super::device_state(id)?.device),
+        MemoryKind::Cuda(id) => Some(&super::device::device_state(id)?.device),
         MemoryKind::Host => None,
     };
     let (ptr, len) = (SendPtr(from.view.ptr() as *const u8), from.view.nbytes());

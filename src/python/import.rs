@@ -417,7 +417,7 @@ fn import_standard(
     // tensor's device current for the call, so a cuda:1 tensor is not synchronized through
     // device 0's stream. The thread's previous context is current again after.
     let _cur = match device {
-        Some(d) if is_cuda(d.device_type.0) => super::device_state(d.device_id)
+        Some(d) if is_cuda(d.device_type.0) => super::device::device_state(d.device_id)
             .ok()
             .map(|s| s.device.enter())
             .transpose()?,

@@ -78,7 +78,7 @@ impl PyPinnedPool {
         let max = limit_arg(max_outstanding_bytes, "max_outstanding_bytes")?;
         let max_pooled = limit_arg(max_pooled_bytes, "max_pooled_bytes")?;
         let ordinal = parse_device(device)?;
-        let pool = match super::device_state(ordinal) {
+        let pool = match super::device::device_state(ordinal) {
             Ok(state) => Some(PinnedPool::with_max_outstanding(
                 &state.device,
                 max,
@@ -198,7 +198,7 @@ pub(crate) fn host_block(
         p.get().count_driverless_fallback();
     }
     if pool.is_none() && crate::cuda::cuda_available() {
-        let state = super::device_state(device)?;
+        let state = super::device::device_state(device)?;
         return pinned_or_pageable(py, &state.pool, nbytes);
     }
     Ok(Memory::Vec(crate::host::zeroed_vec(nbytes, "host array")?))
@@ -379,7 +379,7 @@ impl PinnedRegion {
         let taken = self.reg.lock().take();
         if taken.is_some() {
             py.detach(move || {
-                super::synchronize_used_devices();
+                super::device::synchronize_used_devices();
                 drop(taken);
             });
         }
@@ -496,7 +496,7 @@ pub(crate) fn pin(
         (f.data as usize, f.flags)
     };
     let read_only = flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0;
-    let state = super::device_state(parse_device(device)?)?;
+    let state = super::device::device_state(parse_device(device)?)?;
     let addr = data;
     let reg = py.detach(move || {
         // SAFETY: the array's memory stays mapped while the region lives: the region holds the
