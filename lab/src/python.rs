@@ -4,7 +4,9 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::python::import::{import, parse_dtype, parse_stream};
+use crate::python::dtype::parse_dtype;
+use crate::python::import::import;
+use crate::python::stream::parse_stream;
 use crate::python::values::{scalar_bytes, to_values};
 
 /// Host ns per call of `f`: one warm-up call, then the mean of `n` calls.

@@ -3,8 +3,8 @@
 
 use pyo3::prelude::*;
 
+use super::errors::type_name;
 use super::errors::{type_err, value_err};
-use super::import::type_name;
 use crate::Error;
 
 /// A device ordinal argument: None (device 0), an int, `'cuda'`, `'cuda:N'` or a device object

@@ -2,13 +2,13 @@
 //! so the block lives until the array and every view of it are gone.
 
 use numpy::npyffi::{self, NPY_ARRAY_WRITEABLE, PY_ARRAY_API};
-use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 
+use super::dtype::descr;
 use super::errors::{type_err, value_err};
 use crate::dlpack::DType;
-use crate::host::{PinnedBuffer, PinnedFlags, PoolBlock};
+use crate::host::{PinnedBuffer, PoolBlock};
 
 /// What a [`PinnedBlock`] owns.
 pub(crate) enum Memory {
@@ -75,46 +75,6 @@ impl PinnedBlock {
             super::args::py_bool(self.pinned())
         )
     }
-}
-
-static DESCRS: PyOnceLock<Vec<Py<PyArrayDescr>>> = PyOnceLock::new();
-
-/// The numpy dtype of `d`; bfloat16 needs `ml_dtypes`.
-pub(crate) fn descr<'py>(py: Python<'py>, d: DType) -> PyResult<Bound<'py, PyArrayDescr>> {
-    if d == DType::BF16 {
-        let ml = py.import("ml_dtypes").map_err(|_| {
-            type_err(
-                "bfloat16 results need the ml_dtypes package (pip install ml_dtypes), which \
-                 provides numpy's bfloat16 dtype",
-            )
-        })?;
-        let np = py.import("numpy")?;
-        return Ok(np
-            .call_method1("dtype", (ml.getattr("bfloat16")?,))?
-            .cast_into()?);
-    }
-    let table = DESCRS.get_or_try_init(py, || -> PyResult<_> {
-        let np = py.import("numpy")?;
-        DType::ALL
-            .iter()
-            .map(|d| {
-                let name = if *d == DType::BF16 {
-                    "uint16"
-                } else {
-                    d.name()
-                };
-                Ok(np
-                    .call_method1("dtype", (name,))?
-                    .cast_into::<PyArrayDescr>()?
-                    .unbind())
-            })
-            .collect()
-    })?;
-    let i = DType::ALL
-        .iter()
-        .position(|x| *x == d)
-        .expect("every dtype is in ALL");
-    Ok(table[i].bind(py).clone())
 }
 
 /// A writable C-contiguous array of `dtype` and `shape` over `ptr`, whose base is `owner`.
@@ -191,7 +151,7 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     let shape = super::args::shape_dims(obj)?.ok_or_else(|| {
         type_err(format!(
             "shape must be an int or a sequence of ints, got {}",
-            super::import::type_name(obj)
+            super::errors::type_name(obj)
         ))
     })?;
     if let Some(d) = shape.iter().find(|&&d| d < 0) {
@@ -200,179 +160,6 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         )));
     }
     Ok(shape)
-}
-
-/// A writable numpy array of ``dtype`` and ``shape`` on ``nbytes`` of pinned memory.
-///
-/// Parameters:
-///     nbytes (int): bytes to pin, at least ``prod(shape) * itemsize``.
-///     dtype: a numpy, torch, jax or cupy dtype, or its name (``"int32"``).
-///     shape (int | sequence of int): the array's shape.
-///     pool (PinnedPool, optional): take the block from this pool; it returns there when the
-///         last view of the array is gone, and serves the next request of its size class.
-///         Without it the block comes from the device's array pool (apart from ``copy_d2h``'s
-///         results; 4 GiB of pinned memory at most, cached blocks freed first) and returns
-///         there, or, past that pool's budget, is a dedicated allocation freed with the array.
-///     device (int | str | device, optional): the CUDA device whose context pins it (default 0).
-///
-/// Returns:
-///     numpy.ndarray: C-contiguous; its ``base`` (a ``PinnedBlock``) returns the memory to its
-///     pool (or frees it) when the last view of it is gone.
-///
-/// Raises:
-///     PinstageValueError: ``nbytes`` negative or too small for ``shape``, a negative dimension,
-///         a device that does not exist. PinstageTypeError: an unknown dtype, a shape that is not
-///         ints, a pool that is not a PinnedPool. CudaUnavailableError: no driver.
-///         CudaDriverError: the driver cannot pin the memory. PoolExhaustedError (a RuntimeError):
-///         ``pool``'s ``max_outstanding_bytes`` would be passed even with its cached blocks freed;
-///         the message names it.
-///
-/// Example:
-///     >>> a = pinstage.alloc_pinned_numpy(64, "float32", (4, 4))
-///     >>> pinstage.is_pinned(a)
-///     True
-#[pyfunction]
-#[pyo3(signature = (nbytes, dtype, shape, pool=None, *, device=None))]
-fn alloc_pinned_numpy<'py>(
-    py: Python<'py>,
-    nbytes: &Bound<'py, PyAny>,
-    dtype: &Bound<'py, PyAny>,
-    shape: &Bound<'py, PyAny>,
-    pool: Option<&Bound<'py, PyAny>>,
-    device: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let pool = super::pool::pool_arg(pool)?;
-    let nbytes = super::args::count_arg(nbytes, "nbytes", 0, isize::MAX as usize)?;
-    let device = super::args::parse_device(device)?;
-    let dtype = super::import::parse_dtype(dtype)?;
-    let shape = parse_shape(shape)?;
-    let need = numel(&shape)?
-        .checked_mul(dtype.itemsize())
-        .ok_or_else(|| value_err("shape overflows"))?;
-    if nbytes < need {
-        return Err(value_err(format!(
-            "nbytes={nbytes} is smaller than prod(shape) * itemsize = {need} for shape {shape:?} \
-             of {dtype}"
-        )));
-    }
-    pinned_array(py, nbytes, dtype, &shape, pool, device, true)
-}
-
-/// `nbytes` of pinned memory as an array: from `pool` (refused past its budget), else with
-/// `recycle` from the device's array pool, else (or past that pool's budget) a dedicated
-/// allocation freed with the array.
-fn pinned_array<'py>(
-    py: Python<'py>,
-    nbytes: usize,
-    dtype: DType,
-    shape: &[i64],
-    pool: Option<&Bound<'py, super::pool::PyPinnedPool>>,
-    device: i32,
-    recycle: bool,
-) -> PyResult<Bound<'py, PyAny>> {
-    let state = super::device::device_state(device)?;
-    if let Some(pool) = pool {
-        let p = pool.get().pool().ok_or_else(|| {
-            PyErr::from(crate::Error::unavailable(
-                "the pool was made without a driver",
-            ))
-        })?;
-        return match py.detach(|| p.try_acquire_pinned(nbytes))? {
-            Some(block) => array_on(py, Memory::Pool(block), dtype, shape),
-            None => {
-                let s = p.stats();
-                Err(crate::Error::PoolExhausted {
-                    budget: s.budget_bytes,
-                    outstanding: s.in_use_bytes + s.cached_bytes,
-                    requested: crate::host::size_class(nbytes),
-                }
-                .into())
-            }
-        };
-    }
-    if recycle && let Some(block) = py.detach(|| state.arrays.try_acquire_pinned(nbytes))? {
-        return array_on(py, Memory::Pool(block), dtype, shape);
-    }
-    let buf = py.detach(|| PinnedBuffer::alloc(&state.device, nbytes, PinnedFlags::PORTABLE))?;
-    array_on(py, Memory::Pinned(buf), dtype, shape)
-}
-
-/// ``numpy.empty(shape, dtype)`` on pinned memory (dtype defaults to float64).
-///
-/// Parameters, return value and errors as ``alloc_pinned_numpy``, with ``nbytes`` computed from the
-/// shape.
-///
-/// Example:
-///     >>> pinstage.empty_pinned((2, 3), "int64").shape
-///     (2, 3)
-#[pyfunction]
-#[pyo3(signature = (shape, dtype=None, *, device=None))]
-fn empty_pinned<'py>(
-    py: Python<'py>,
-    shape: &Bound<'py, PyAny>,
-    dtype: Option<Bound<'py, PyAny>>,
-    device: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let dtype = match dtype {
-        Some(d) if !d.is_none() => d,
-        _ => pyo3::types::PyString::new(py, "float64").into_any(),
-    };
-    let d = super::import::parse_dtype(&dtype)?;
-    let s = parse_shape(shape)?;
-    let nbytes = numel(&s)?
-        .checked_mul(d.itemsize())
-        .ok_or_else(|| value_err(format!("shape {s:?} overflows")))?;
-    let device = super::args::parse_device(device)?;
-    pinned_array(py, nbytes, d, &s, None, device, false)
-}
-
-/// Whether a numpy array's data, or an address, lies in page-locked memory known to the driver
-/// (pinned by pinstage, torch, cupy, jax...). False without a driver.
-///
-/// Parameters:
-///     obj (numpy.ndarray | int): an array, or an address.
-///
-/// Raises:
-///     PinstageTypeError: anything else.
-///
-/// Example:
-///     >>> pinstage.is_pinned(numpy.zeros(4))
-///     False
-#[pyfunction]
-fn is_pinned(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
-    let ptr = if let Ok(a) = obj.cast::<PyUntypedArray>() {
-        // SAFETY: reading the data field of a live numpy array object.
-        unsafe { (*a.as_array_ptr()).fields.data as usize }
-    } else {
-        super::args::as_index(obj)?
-            .and_then(|i| i.extract::<usize>().ok())
-            .ok_or_else(|| type_err("is_pinned() takes a numpy array or an address (an int)"))?
-    };
-    Ok(crate::host::is_pinned(ptr as *const u8))
-}
-
-/// The pinstage dtype of a numpy dtype that is one of numpy's own (native byte order) dtype
-/// objects; `None` for any other (bfloat16, big-endian, structured...: the general paths).
-pub(crate) fn dtype_of(py: Python<'_>, have: &Bound<'_, PyArrayDescr>) -> PyResult<Option<DType>> {
-    descr(py, DType::F32)?; // fills the table
-    let table = DESCRS.get(py).expect("filled above");
-    let found = DType::ALL
-        .iter()
-        .zip(table)
-        .find(|(d, t)| **d != DType::BF16 && t.as_ptr() == have.as_ptr())
-        .map(|(d, _)| *d);
-    if found.is_some() {
-        return Ok(found);
-    }
-    // ml_dtypes' bfloat16: a user dtype, known by its scalar type (asked only off the fast path).
-    let bf16 = have.itemsize() == 2
-        && have.kind() == b'V'
-        && have.typeobj().name()? == "bfloat16"
-        && have
-            .typeobj()
-            .module()
-            .is_ok_and(|m| m.to_cow().is_ok_and(|m| m.starts_with("ml_dtypes")));
-    Ok(bf16.then_some(DType::BF16))
 }
 
 /// Whether `len` bytes at `ptr` of the numpy array `obj` are pinned, when pinstage knows without
@@ -398,7 +185,7 @@ pub(crate) fn writable_numpy(obj: &Bound<'_, PyAny>) -> PyResult<(usize, usize)>
     let Ok(a) = obj.cast::<PyUntypedArray>() else {
         return Err(type_err(format!(
             "dst must be a numpy array, got {}",
-            super::import::type_name(obj)
+            super::errors::type_name(obj)
         )));
     };
     if !a.is_c_contiguous() {
@@ -428,9 +215,5 @@ pub(crate) fn writable_numpy(obj: &Bound<'_, PyAny>) -> PyResult<(usize, usize)>
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PinnedBlock>()?;
-    m.add_function(wrap_pyfunction!(alloc_pinned_numpy, m)?)?;
-    m.add_function(wrap_pyfunction!(empty_pinned, m)?)?;
-    m.add_function(wrap_pyfunction!(is_pinned, m)?)?;
-    Ok(())
+    m.add_class::<PinnedBlock>()
 }

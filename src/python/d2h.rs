@@ -1,24 +1,18 @@
-//! `copy_d2h`, `copy_d2h_async`, `PendingCopy` and the result pool.
+//! `copy_d2h` and `copy_d2h_async`: device to host, into a pinned pool block or the caller's array.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 
-use super::arrays::{PinnedBlock, array_over, descr, writable_numpy};
+use super::arrays::{PinnedBlock, array_over, writable_numpy};
+use super::dtype::descr;
 use super::errors::value_err;
-use super::import::{Imported, import, parse_stream};
-use super::wait::wait_interruptibly;
+use super::import::{Imported, import};
+use super::pending::{PendingCopy, SendPtr};
+use super::stream::parse_stream;
 use crate::cuda::Event;
 use crate::dlpack::MemoryKind;
-
-/// A raw destination pointer that may cross `py.detach`.
-struct SendPtr(*mut u8);
-// SAFETY: the memory is kept alive by the result array held in the caller's frame.
-unsafe impl Send for SendPtr {}
 
 /// Copies of at most this many bytes that the caller waits for at once are issued with the GIL
 /// held (laboratory setting).
@@ -215,137 +209,6 @@ fn copy_d2h<'py>(
     Ok(array)
 }
 
-/// A copy in flight (from ``copy_d2h_async`` or ``copy_h2d``): ``done()``,
-/// ``wait(timeout=None)``. It keeps the source and the destination alive; dropped before the
-/// copy completed, it leaves them to pinstage, which lets them go once the copy completed
-/// (never blocking the drop).
-#[pyclass(frozen, module = "pinstage._native")]
-pub(crate) struct PendingCopy {
-    /// The copy's event until a wait saw it complete. Shared, so threads waiting at once all
-    /// wait on it (none may see `None` while the copy still runs).
-    event: Mutex<Option<Arc<Event>>>,
-    /// The result array (D2H) or the destination (H2D), handed back by `wait`.
-    array: Py<PyAny>,
-    /// The source, kept alive (a pinned H2D source unchanged) until the copy completed.
-    src: Mutex<Option<Imported>>,
-    /// About how long the copy takes once it runs: how long a wait stays busy.
-    expected: Duration,
-}
-
-impl PendingCopy {
-    /// A copy of `src`'s bytes that completes with `event` (`None`: completed).
-    pub(crate) fn new(event: Option<Event>, array: Py<PyAny>, src: Imported) -> Self {
-        Self {
-            event: Mutex::new(event.map(Arc::new)),
-            array,
-            expected: crate::cuda::wait::copy_time(src.view.nbytes()),
-            src: Mutex::new(Some(src)),
-        }
-    }
-
-    /// Whether the copy completed (never blocks).
-    pub(crate) fn is_done(&self) -> crate::Result<bool> {
-        match &*self.event.lock() {
-            Some(ev) => ev.query(),
-            None => Ok(true),
-        }
-    }
-}
-
-#[pymethods]
-impl PendingCopy {
-    /// Whether the copy completed (never blocks).
-    ///
-    /// Raises:
-    ///     CudaDriverError: the copy failed.
-    fn done(&self) -> PyResult<bool> {
-        Ok(self.is_done()?)
-    }
-
-    /// Waits for the copy with the GIL released and returns the result array.
-    ///
-    /// Parameters:
-    ///     timeout (float, optional): seconds to wait at most; None waits for as long as it takes.
-    ///
-    /// Returns:
-    ///     the result array (``copy_d2h_async``), or the destination (``copy_h2d``).
-    ///
-    /// Raises:
-    ///     TimeoutError: not complete within ``timeout``. KeyboardInterrupt: Ctrl-C (answered within
-    ///     about 20 ms). Either way the copy stays pending and guarded, and ``wait()`` may be called
-    ///     again. PinstageValueError: a negative, NaN or infinite timeout. CudaDriverError: the copy
-    ///     failed.
-    #[pyo3(signature = (timeout=None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
-        let timeout = match timeout.filter(|t| !t.is_none()) {
-            None => None,
-            Some(t) if t.is_instance_of::<pyo3::types::PyBool>() => {
-                return Err(super::errors::type_err(
-                    "timeout must be None or a number of seconds, got a bool",
-                ));
-            }
-            Some(t) => Some(t.extract::<f64>().map_err(|_| {
-                super::errors::type_err(format!(
-                    "timeout must be None or a number of seconds, got {}",
-                    super::import::type_name(t)
-                ))
-            })?),
-        };
-        let deadline = match timeout {
-            None => None,
-            Some(t) => Some(
-                Duration::try_from_secs_f64(t)
-                    .ok()
-                    .and_then(|d| Instant::now().checked_add(d))
-                    .ok_or_else(|| {
-                        value_err(format!(
-                            "timeout={t}: expected None or a finite number of seconds >= 0 (at \
-                             most about 10^11)"
-                        ))
-                    })?,
-            ),
-        };
-        let ev = self.event.lock().clone();
-        if let Some(ev) = ev {
-            let done = wait_interruptibly(py, &ev, deadline, self.expected);
-            if !matches!(done, Ok(true)) {
-                done?;
-                return Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
-                    "the copy did not complete within {} s",
-                    timeout.unwrap_or_default()
-                )));
-            }
-            // Completed: every waiter may let the event go.
-            *self.event.lock() = None;
-        }
-        drop(self.src.lock().take());
-        Ok(self.array.clone_ref(py))
-    }
-
-    fn __repr__(&self) -> PyResult<String> {
-        Ok(format!(
-            "PendingCopy(done={})",
-            super::args::py_bool(self.done()?)
-        ))
-    }
-}
-
-impl Drop for PendingCopy {
-    fn drop(&mut self) {
-        // Never release the source (or let the destination die) while the copy runs: they
-        // linger until it completed, without blocking here.
-        if let Some(ev) = self.event.get_mut().take() {
-            // A pyclass drops with the GIL held (attach only confirms it).
-            let array = Python::attach(|py| std::mem::replace(&mut self.array, py.None()));
-            super::linger::linger(super::linger::Lingering {
-                until: super::linger::Until::Event(ev),
-                array: Some(array),
-                src: self.src.get_mut().take(),
-            });
-        }
-    }
-}
-
 /// Starts the copy of ``copy_d2h`` and returns at once.
 ///
 /// Parameters and errors as ``copy_d2h``. A pinned destination (``dst`` or a pool block) gets a
@@ -373,91 +236,9 @@ fn copy_d2h_async<'py>(
     Ok(PendingCopy::new(event, array.unbind(), imp))
 }
 
-/// Counters of the pinned pool behind ``copy_d2h`` results, for ``device`` (default 0).
-///
-/// Returns:
-///     dict: ``hits``, ``misses``, ``pageable_fallbacks``, ``evictions``, ``in_use_bytes``,
-///     ``cached_bytes``, ``peak_bytes``, ``budget_bytes``. Without a driver: zeros and the budget.
-///
-/// Raises:
-///     PinstageValueError: a device that does not exist.
-///
-/// Example:
-///     >>> pinstage.pool_stats()["budget_bytes"]
-///     4294967296
-#[pyfunction]
-#[pyo3(signature = (device=None))]
-fn pool_stats<'py>(
-    py: Python<'py>,
-    device: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Bound<'py, PyDict>> {
-    super::linger::reap(py);
-    let ordinal = super::args::parse_device(device)?;
-    let s = if crate::cuda::cuda_available() {
-        super::device::device_state(ordinal)?.pool.stats()
-    } else {
-        crate::host::PinnedPoolStats {
-            budget_bytes: super::device::pool_budget(),
-            ..Default::default()
-        }
-    };
-    let d = PyDict::new(py);
-    d.set_item("hits", s.hits)?;
-    d.set_item("misses", s.misses)?;
-    d.set_item("pageable_fallbacks", s.pageable_fallbacks)?;
-    d.set_item("evictions", s.evictions)?;
-    d.set_item("in_use_bytes", s.in_use_bytes)?;
-    d.set_item("cached_bytes", s.cached_bytes)?;
-    d.set_item("peak_bytes", s.peak_bytes)?;
-    d.set_item("budget_bytes", s.budget_bytes)?;
-    Ok(d)
-}
-
-/// Frees the pools' cached blocks (results' and ``alloc_pinned_numpy``'s; blocks in use stay),
-/// the bounce buffers, and the device memory ``to_device`` keeps for reuse, on every device, and
-/// waits (GIL released) until the pinned memory pinstage let go so far is back with the OS:
-/// freeing page-locked memory waits for the work queued on the GPU, which every other call
-/// leaves to pinstage's background thread. Works without a driver. Never raises.
-#[pyfunction]
-fn empty_cache(py: Python<'_>) {
-    super::linger::reap(py);
-    py.detach(|| {
-        for s in super::device::used() {
-            s.pool.empty_cache();
-            s.arrays.empty_cache();
-        }
-        crate::host::release_bounce_buffers();
-        if let Err(crate::Error::Driver(e)) = crate::h2d::trim_device_pools() {
-            crate::error::record_drop_error(e);
-        }
-        crate::host::wait_for_frees();
-    });
-}
-
-/// Sets the pinned byte budget of the result pools (every device; default 4 GiB). Cached blocks
-/// beyond it are freed now; past it, results use pageable memory. Works without a driver.
-///
-/// Parameters:
-///     nbytes (int): the budget, >= 0.
-///
-/// Raises:
-///     PinstageValueError: a negative value. PinstageTypeError: not an int.
-///
-/// Example:
-///     >>> pinstage.set_pool_budget(1 << 30)
-#[pyfunction]
-fn set_pool_budget(py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
-    let nbytes = super::args::count_arg(nbytes, "nbytes", 0, isize::MAX as usize)?;
-    py.detach(|| super::device::set_pool_budget(nbytes));
-    Ok(())
-}
-
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PendingCopy>()?;
     m.add_function(wrap_pyfunction!(copy_d2h, m)?)?;
     m.add_function(wrap_pyfunction!(copy_d2h_async, m)?)?;
-    m.add_function(wrap_pyfunction!(pool_stats, m)?)?;
-    m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
-    m.add_function(wrap_pyfunction!(set_pool_budget, m)?)?;
     Ok(())
 }

@@ -42,10 +42,7 @@ pub(crate) fn device_state(ordinal: i32) -> Result<&'static DeviceState> {
     // Int stream handles are checked against the driver's layout, learnt from two streams made
     // for it: made here, at the first use of a device, not in a copy's call.
     crate::cuda::learn_layout();
-    let pool = PinnedPool::new(
-        &device,
-        pool_budget(),
-    );
+    let pool = PinnedPool::new(&device, pool_budget());
     let arrays = PinnedPool::new(&device, crate::host::DEFAULT_BUDGET);
     Ok(slot.get_or_init(|| DeviceState {
         device,
@@ -67,7 +64,11 @@ pub(crate) fn synchronize_used_devices() {
 
 /// The devices used so far in this process.
 pub(crate) fn used() -> impl Iterator<Item = &'static DeviceState> {
-    DEVICES.get().into_iter().flatten().filter_map(OnceLock::get)
+    DEVICES
+        .get()
+        .into_iter()
+        .flatten()
+        .filter_map(OnceLock::get)
 }
 
 /// The pinned byte budget of the result pools (`set_pool_budget`).

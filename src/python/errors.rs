@@ -151,3 +151,23 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     Ok(())
 }
+
+/// "a numpy array of dtype >i4", "a torch Tensor", ...: for messages.
+pub(crate) fn describe(obj: &Bound<'_, PyAny>) -> String {
+    let ty = type_name(obj);
+    match obj
+        .getattr("dtype")
+        .and_then(|d| d.str().map(|s| s.to_string()))
+    {
+        Ok(d) => format!("a {ty} of dtype {d}"),
+        Err(_) => format!("a {ty}"),
+    }
+}
+
+/// The name of an object's type, for messages.
+pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
+}

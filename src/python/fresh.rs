@@ -9,11 +9,15 @@ use dlpark::{DlpackFlags, Managed};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyModule, PyString, PyTuple};
 
+use super::errors::{describe, type_name};
 use super::errors::{type_err, value_err};
-use super::h2d::{SendPtr, import_host_source, start};
-use super::import::{Imported, describe, import_destination, parse_stream, type_name};
+use super::h2d::start;
+use super::import::import_host_source;
+use super::import::{Imported, import_destination};
 use super::linger::{Lingering, Until, linger};
+use super::pending::SendPtr;
 use super::step::export::{consumer_stream, managed_tensor};
+use super::stream::parse_stream;
 use crate::dlpack::DType;
 use crate::h2d::FreshMem;
 use crate::host::CopyPath;

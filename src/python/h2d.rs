@@ -2,18 +2,15 @@
 
 use pyo3::prelude::*;
 
-use super::d2h::PendingCopy;
-use super::errors::{type_err, value_err};
-use super::import::{Imported, describe, import, import_destination, parse_stream};
+use super::errors::value_err;
+use super::import::import_host_source;
+use super::import::{Imported, import_destination};
+use super::pending::{PendingCopy, SendPtr};
+use super::stream::parse_stream;
 use crate::Error;
 use crate::cuda::StreamHandle;
 use crate::dlpack::MemoryKind;
 use crate::host::CopyPath;
-
-/// A raw source pointer that may cross `py.detach`.
-pub(super) struct SendPtr(pub(super) *const u8);
-// SAFETY: the memory is kept alive by the imported source held in the caller's frame.
-unsafe impl Send for SendPtr {}
 
 /// Copies a whole host array into a device tensor of the same dtype and size.
 ///
@@ -63,75 +60,6 @@ fn copy_h2d(
     let (_, event) = start(py, &from, &to, stream)?;
     drop(to);
     Ok(PendingCopy::new(event, dst.clone().unbind(), from))
-}
-
-/// Imports a host array for an H2D copy: anything with DLPack on the CPU, or an object numpy
-/// can view (``__array__`` / ``__array_interface__``).
-pub(super) fn import_host_source(src: &Bound<'_, PyAny>) -> PyResult<Imported> {
-    let py = src.py();
-    if let Some(from) = numpy_source(src)? {
-        return Ok(from);
-    }
-    let from_obj = if src.hasattr(pyo3::intern!(py, "__dlpack__"))? {
-        src.clone()
-    } else if src.hasattr(pyo3::intern!(py, "__array__"))?
-        || src.hasattr(pyo3::intern!(py, "__array_interface__"))?
-    {
-        py.import("numpy")?.call_method1("asarray", (src,))?
-    } else {
-        return Err(type_err(format!(
-            "src must be a host array (numpy, a torch CPU tensor, anything with DLPack on the \
-             CPU), got {}",
-            describe(src)
-        )));
-    };
-    let from = import(&from_obj, None)?;
-    if from.view.memory() != MemoryKind::Host {
-        return Err(type_err(format!(
-            "src is {}, on a CUDA device: pinstage copies host arrays to the device \
-             (device-to-device copies are the framework's)",
-            describe(src)
-        )));
-    }
-    Ok(from)
-}
-
-/// A numpy array (exactly `numpy.ndarray`), C-contiguous, of one of numpy's own dtypes (or
-/// ml_dtypes' bfloat16): its view
-/// read straight from the array (no DLPack capsule; read-only arrays too, which numpy's
-/// `__dlpack__` refuses to export). `None`: the general path.
-pub(super) fn numpy_source(src: &Bound<'_, PyAny>) -> PyResult<Option<Imported>> {
-    use numpy::{PyUntypedArray, PyUntypedArrayMethods};
-    let Ok(arr) = src.cast_exact::<PyUntypedArray>() else {
-        return Ok(None);
-    };
-    if !arr.is_c_contiguous() {
-        return Ok(None);
-    }
-    let Some(dtype) = super::arrays::dtype_of(src.py(), &arr.dtype())? else {
-        return Ok(None);
-    };
-    // SAFETY: reading fields of a live numpy array object.
-    let (data, flags) = unsafe {
-        (
-            (*arr.as_array_ptr()).fields.data as u64,
-            (*arr.as_array_ptr()).fields.flags,
-        )
-    };
-    let shape: Vec<i64> = arr.shape().iter().map(|&d| d as i64).collect();
-    let read_only = flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0;
-    let Some(meta) = crate::dlpack::TensorMeta::host_nd(data, dtype, &shape, read_only) else {
-        return Ok(None);
-    };
-    // SAFETY: the array's own C-contiguous buffer of `numel * itemsize` bytes, kept alive by the
-    // owner (the array) for as long as the view is used; a source is only read.
-    let view = unsafe { crate::dlpack::DeviceView::from_meta(meta) };
-    Ok(Some(Imported {
-        view,
-        _owner: super::import::Owner::Object(src.clone().unbind()),
-        stream: crate::cuda::StreamHandle::LEGACY,
-        exchange: None,
-    }))
 }
 
 /// Refuses a source and a destination of different dtypes or sizes.

@@ -15,8 +15,10 @@ use dlpark::python::consumer::stream as dlstream;
 use dlpark::python::{DlpackStream, ImportRequest, ImportedDlpack, StreamArg};
 use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyDict, PyString};
+use pyo3::types::{PyCapsule, PyDict};
 
+use super::errors::describe;
+use super::errors::type_name;
 use super::errors::{type_err, value_err};
 use crate::cuda::StreamHandle;
 use crate::dlpack::{DL_CUDA, DL_CUDA_MANAGED, DeviceView, MemoryKind};
@@ -174,163 +176,6 @@ unsafe impl DlpackStream for Consumer {
     }
 }
 
-/// Parses a `stream=` argument: None, an int handle, an object with `__cuda_stream__()`, a torch
-/// stream (`.cuda_stream`) or a cupy stream (`.ptr`).
-pub(crate) fn parse_stream(
-    obj: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Option<StreamHandle<'static>>> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok(None);
-    };
-    let hit = LAST_STREAM.with(|c| {
-        c.borrow()
-            .as_ref()
-            .and_then(|(o, h)| (o.as_ptr() == obj.as_ptr()).then_some(*h))
-    });
-    let (raw, trusted) = match hit {
-        Some(h) => (h, false),
-        None => parse_stream_object(obj)?,
-    };
-    // SAFETY: the handle of a stream object the caller passed, or an integer the caller passed
-    // as a stream; the Python API documents that the stream must stay alive while its copies
-    // run. Impossible handles are refused here.
-    let handle = unsafe { StreamHandle::from_raw(raw) }?;
-    if trusted {
-        let old = LAST_STREAM.with(|c| c.replace(Some((obj.clone().unbind(), raw))));
-        // Dropped outside the borrow: a destructor may run Python code that passes a stream.
-        drop(old);
-    }
-    Ok(Some(handle))
-}
-
-thread_local! {
-    /// The last torch or cupy stream object this thread passed, and its handle: such an object
-    /// holds one stream for its whole life, and the reference held here keeps its address from
-    /// being reused, so passing the same object again costs a pointer compare instead of a
-    /// Python call (`__cuda_stream__()` or an attribute).
-    static LAST_STREAM: std::cell::RefCell<Option<(Py<PyAny>, usize)>> =
-        const { std::cell::RefCell::new(None) };
-}
-
-/// Whether `obj` is a stream object of torch or cupy that owns its stream: its handle is fixed,
-/// and the stream lives, as long as the object. An `ExternalStream` wraps a handle its caller
-/// owns (and may destroy): it is checked like an int.
-///
-/// Each thread remembers the answer for the last type it asked about (holding the type, so
-/// its address cannot be reused): `torch.cuda.current_stream()` returns a new object on every
-/// call, of the same type.
-fn is_framework_stream(obj: &Bound<'_, PyAny>) -> bool {
-    thread_local! {
-        static LAST_TYPE: std::cell::RefCell<Option<(Py<pyo3::types::PyType>, bool)>> =
-            const { std::cell::RefCell::new(None) };
-    }
-    let ty = obj.get_type();
-    let hit = LAST_TYPE.with(|c| {
-        c.borrow()
-            .as_ref()
-            .and_then(|(t, v)| t.bind(obj.py()).is(&ty).then_some(*v))
-    });
-    if let Some(v) = hit {
-        return v;
-    }
-    let module = ty.module().map(|m| m.to_string()).unwrap_or_default();
-    let name = type_name(obj);
-    let v = (module.starts_with("torch.") || module.starts_with("cupy."))
-        && name.contains("Stream")
-        && !name.contains("External");
-    // The old entry is dropped after the borrow ends (its drop may run Python code).
-    let old = LAST_TYPE.with(|c| c.replace(Some((ty.unbind(), v))));
-    drop(old);
-    v
-}
-
-/// The handle of a stream argument, and whether it is trusted without a check (and may be
-/// remembered): a torch or cupy stream object's.
-fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<(usize, bool)> {
-    let py = obj.py();
-    if obj.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(type_err(
-            "stream must be a stream object or an int handle, got a bool",
-        ));
-    }
-    // An int, or a numpy integer (a handle kept in an array, say).
-    let int = if obj.is_instance_of::<pyo3::types::PyInt>() {
-        Some(obj.clone())
-    } else if obj
-        .get_type()
-        .module()
-        .is_ok_and(|m| m.to_cow().is_ok_and(|m| m == "numpy"))
-        && obj.is_instance(&py.import("numpy")?.getattr("integer")?)?
-    {
-        super::args::as_index(obj)?
-    } else {
-        None
-    };
-    if let Some(int) = int {
-        let h = int.extract::<usize>().map_err(|_| {
-            value_err(format!(
-                "stream={}: an int stream handle is 0 to 2**64 - 1 (0, 1, 2 or a stream's handle)",
-                int.repr().map(|r| r.to_string()).unwrap_or_default()
-            ))
-        })?;
-        return checked_int_stream(h).map(|h| (h, false));
-    }
-    if obj.hasattr(pyo3::intern!(py, "__cuda_stream__"))? {
-        // A closed stream object (cuda.core's Stream.close()) refuses to give its handle or
-        // gives None: a typed error, never a handle the driver would dereference.
-        let r = obj
-            .call_method0(pyo3::intern!(py, "__cuda_stream__"))
-            .map_err(|e| {
-                value_err(format!(
-                    "the stream object's __cuda_stream__() failed (is the stream closed?): {e}"
-                ))
-            })?;
-        if let Ok((_, h)) = r.extract::<(i64, usize)>() {
-            // A torch or cupy stream object holds a live stream while it lives; any other
-            // object's handle is checked as an int would be (a stale or made-up handle would
-            // fault in the driver).
-            if is_framework_stream(obj) {
-                return Ok((h, true));
-            }
-            return checked_int_stream(h).map(|h| (h, false));
-        }
-        if let Ok((_, h)) = r.extract::<(i64, Bound<'_, PyAny>)>()
-            && h.is_none()
-        {
-            return Err(value_err(
-                "the stream object has no handle (__cuda_stream__() gave None): it is closed",
-            ));
-        }
-        return Err(type_err(format!(
-            "__cuda_stream__() returned {}, expected a (version, handle) tuple",
-            r.repr()?
-        )));
-    }
-    for attr in ["cuda_stream", "ptr"] {
-        if let Ok(v) = obj.getattr(attr) {
-            if let Ok(h) = v.extract::<usize>() {
-                // A torch or cupy stream object holds a live stream while it lives; anything
-                // else with such an attribute (a cupy Event or MemoryPointer: `.ptr`) is checked
-                // as an int would be.
-                if is_framework_stream(obj) {
-                    return Ok((h, true));
-                }
-                return checked_int_stream(h).map(|h| (h, false));
-            }
-            if v.is_none() {
-                return Err(value_err(format!(
-                    "the stream object's .{attr} is None: the stream is closed"
-                )));
-            }
-        }
-    }
-    Err(type_err(format!(
-        "stream must be None, an int handle, an object with __cuda_stream__(), a torch stream or a \
-         cupy stream; got {}",
-        type_name(obj)
-    )))
-}
-
 fn view_of(imported: &ImportedDlpack) -> PyResult<DeviceView<'static>> {
     let read_only = imported.flags().contains(DlpackFlags::READ_ONLY);
     let r = match imported {
@@ -356,7 +201,7 @@ pub(crate) fn import(
     // numpy cannot export ml_dtypes' bfloat16 through DLPack: such arrays are read directly.
     if let Ok(arr) = obj.cast_exact::<numpy::PyUntypedArray>()
         && numpy::PyArrayDescrMethods::kind(&numpy::PyUntypedArrayMethods::dtype(arr)) == b'V'
-        && let Some(imp) = super::h2d::numpy_source(obj)?
+        && let Some(imp) = numpy_source(obj)?
     {
         return Ok(imp);
     }
@@ -486,86 +331,12 @@ fn explain(obj: &Bound<'_, PyAny>, e: PyErr) -> PyErr {
     err
 }
 
-/// "a numpy array of dtype >i4", "a torch Tensor", ...: for messages.
-pub(crate) fn describe(obj: &Bound<'_, PyAny>) -> String {
-    let ty = type_name(obj);
-    match obj
-        .getattr("dtype")
-        .and_then(|d| d.str().map(|s| s.to_string()))
-    {
-        Ok(d) => format!("a {ty} of dtype {d}"),
-        Err(_) => format!("a {ty}"),
-    }
-}
-
-/// The name of an object's type, for messages.
-pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_else(|_| "?".into())
-}
-
 /// Whether `obj` is a JAX array: JAX treats its arrays as immutable and may share their buffers,
 /// so pinstage never writes into one.
 pub(crate) fn is_jax_array(obj: &Bound<'_, PyAny>) -> bool {
     obj.get_type().module().is_ok_and(|m| {
         let m = m.to_string();
         m == "jax" || m.starts_with("jax.") || m.starts_with("jaxlib")
-    })
-}
-
-/// Resolves a dtype argument: numpy dtypes/types/strings, torch dtypes, jax and cupy dtypes.
-pub(crate) fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<crate::DType> {
-    let py = obj.py();
-    if obj.is_none() {
-        return Err(type_err(
-            "dtype=None: name a dtype (e.g. numpy.int32, 'float32' or torch.int64)",
-        ));
-    }
-    // As numpy reads it: the dtype's name, refused when its byte order is not the host's.
-    let numpy_name = |obj: &Bound<'_, PyAny>| -> PyResult<Option<String>> {
-        let Ok(d) = py.import("numpy")?.call_method1("dtype", (obj,)) else {
-            return Ok(None);
-        };
-        if !d.getattr("isnative")?.is_truthy()? {
-            return Err(type_err(format!(
-                "unsupported dtype {}: its byte order is not the host's (use a native one, e.g. \
-                 numpy.dtype('{}').newbyteorder('='))",
-                d.repr()?,
-                d.getattr("str")?
-            )));
-        }
-        Ok(Some(d.getattr("name")?.extract()?))
-    };
-    let name: String = if let Ok(s) = obj.cast::<PyString>() {
-        let s = s.to_string();
-        if crate::DType::from_name(&s).is_some() {
-            s
-        } else {
-            // Type strings such as '<f4', '=i8', '|u1' (dtype.str, .npy headers).
-            numpy_name(obj)?.unwrap_or(s)
-        }
-    } else {
-        let module = obj
-            .get_type()
-            .module()
-            .map(|m| m.to_string())
-            .unwrap_or_default();
-        if module.starts_with("torch") {
-            obj.str()?.to_string()
-        } else {
-            match numpy_name(obj)? {
-                Some(n) => n,
-                None => obj.str()?.to_string(),
-            }
-        }
-    };
-    crate::DType::from_name(&name).ok_or_else(|| {
-        type_err(format!(
-            "unsupported dtype {name:?}: expected bool, int8-64, uint8-64, float16/32/64, \
-             bfloat16, complex64/128"
-        ))
     })
 }
 
@@ -605,65 +376,71 @@ pub(crate) fn import_writable(
     Ok(imp)
 }
 
-/// An integer given as a stream handle, if the driver may see it: 0, 1, 2, or the handle of a
-/// live stream (its driver object holds it back, read without faulting). An integer the driver
-/// would dereference into a fault (a segfault, not an error) is refused here with a typed error.
-/// Where the driver's layout could not be learnt, the handle must at least lie in private
-/// read-write heap or anonymous memory, where stream objects live.
-pub(crate) fn checked_int_stream(h: usize) -> PyResult<usize> {
-    let live = match crate::cuda::liveness(h) {
-        crate::cuda::Liveness::Live => true,
-        crate::cuda::Liveness::NotAStream => false,
-        // Only a possible handle other than 0, 1, 2 is unknown.
-        crate::cuda::Liveness::Unknown => stream_memory_plausible(h),
-    };
-    if live {
-        Ok(h)
+/// Imports a host array for an H2D copy: anything with DLPack on the CPU, or an object numpy
+/// can view (``__array__`` / ``__array_interface__``).
+pub(crate) fn import_host_source(src: &Bound<'_, PyAny>) -> PyResult<Imported> {
+    let py = src.py();
+    if let Some(from) = numpy_source(src)? {
+        return Ok(from);
+    }
+    let from_obj = if src.hasattr(pyo3::intern!(py, "__dlpack__"))? {
+        src.clone()
+    } else if src.hasattr(pyo3::intern!(py, "__array__"))?
+        || src.hasattr(pyo3::intern!(py, "__array_interface__"))?
+    {
+        py.import("numpy")?.call_method1("asarray", (src,))?
     } else {
-        Err(crate::Error::BadStreamHandle { handle: h }.into())
-    }
-}
-
-/// Whether `addr` can be a stream object, judged from the memory map alone: readable, writable,
-/// private memory that is anonymous or the heap (where the driver allocates its stream objects),
-/// not a mapping of a file or of a device (`/dev/nvidia*`: pinned and unified memory). The
-/// fallback where the driver's stream layout is unknown: an address inside the heap that is not
-/// a live stream passes it.
-fn stream_memory_plausible(addr: usize) -> bool {
-    use std::sync::atomic::Ordering::Relaxed;
-    // The map is read once per handle (a torch process has thousands of mappings).
-    if PLAUSIBLE.iter().any(|a| a.load(Relaxed) == addr) {
-        return true;
-    }
-    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
-        // No /proc: nothing can be checked; the handle is used as given, as documented.
-        return true;
+        return Err(type_err(format!(
+            "src must be a host array (numpy, a torch CPU tensor, anything with DLPack on the \
+             CPU), got {}",
+            describe(src)
+        )));
     };
-    let ok = maps.lines().any(|line| {
-        let mut parts = line.split_whitespace();
-        let (Some(range), Some(perms)) = (parts.next(), parts.next()) else {
-            return false;
-        };
-        let path = parts.nth(3).unwrap_or("");
-        let Some((lo, hi)) = range.split_once('-') else {
-            return false;
-        };
-        let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
-        else {
-            return false;
-        };
-        (lo..hi).contains(&addr)
-            && addr.checked_add(64).is_some_and(|end| end <= hi)
-            && perms.starts_with("rw")
-            && perms.ends_with('p')
-            && (path.is_empty() || path == "[heap]" || path.starts_with("[anon"))
-    });
-    if ok {
-        PLAUSIBLE[addr / 16 % PLAUSIBLE.len()].store(addr, Relaxed);
+    let from = import(&from_obj, None)?;
+    if from.view.memory() != MemoryKind::Host {
+        return Err(type_err(format!(
+            "src is {}, on a CUDA device: pinstage copies host arrays to the device \
+             (device-to-device copies are the framework's)",
+            describe(src)
+        )));
     }
-    ok
+    Ok(from)
 }
 
-/// Handles the memory-map check accepted recently (the fallback's cache).
-static PLAUSIBLE: [std::sync::atomic::AtomicUsize; 8] =
-    [const { std::sync::atomic::AtomicUsize::new(0) }; 8];
+/// A numpy array (exactly `numpy.ndarray`), C-contiguous, of one of numpy's own dtypes (or
+/// ml_dtypes' bfloat16): its view
+/// read straight from the array (no DLPack capsule; read-only arrays too, which numpy's
+/// `__dlpack__` refuses to export). `None`: the general path.
+pub(crate) fn numpy_source(src: &Bound<'_, PyAny>) -> PyResult<Option<Imported>> {
+    use numpy::{PyUntypedArray, PyUntypedArrayMethods};
+    let Ok(arr) = src.cast_exact::<PyUntypedArray>() else {
+        return Ok(None);
+    };
+    if !arr.is_c_contiguous() {
+        return Ok(None);
+    }
+    let Some(dtype) = super::dtype::dtype_of(src.py(), &arr.dtype())? else {
+        return Ok(None);
+    };
+    // SAFETY: reading fields of a live numpy array object.
+    let (data, flags) = unsafe {
+        (
+            (*arr.as_array_ptr()).fields.data as u64,
+            (*arr.as_array_ptr()).fields.flags,
+        )
+    };
+    let shape: Vec<i64> = arr.shape().iter().map(|&d| d as i64).collect();
+    let read_only = flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0;
+    let Some(meta) = crate::dlpack::TensorMeta::host_nd(data, dtype, &shape, read_only) else {
+        return Ok(None);
+    };
+    // SAFETY: the array's own C-contiguous buffer of `numel * itemsize` bytes, kept alive by the
+    // owner (the array) for as long as the view is used; a source is only read.
+    let view = unsafe { crate::dlpack::DeviceView::from_meta(meta) };
+    Ok(Some(Imported {
+        view,
+        _owner: super::import::Owner::Object(src.clone().unbind()),
+        stream: crate::cuda::StreamHandle::LEGACY,
+        exchange: None,
+    }))
+}

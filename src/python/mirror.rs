@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::errors::type_err;
-use super::import::type_name;
+use super::errors::type_name;
 use crate::H2DMirror as CoreMirror;
 
 /// What a mirror remembers for `matches` / `record`: a key compared with Python's `==` and the

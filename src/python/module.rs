@@ -3,7 +3,7 @@
 
 use pyo3::prelude::*;
 
-use super::{arrays, d2h, errors, fresh, h2d, linger, pool, stager, step};
+use super::{arrays, d2h, errors, fresh, h2d, host, linger, nvtx, pool, stager, step};
 
 /// Whether a CUDA driver is loaded and reports at least one device.
 ///
@@ -85,6 +85,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     fresh::register(m)?;
     step::register(m)?;
     pool::register(m)?;
+    host::register(m)?;
+    nvtx::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

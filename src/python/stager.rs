@@ -7,9 +7,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 use super::args::{count_arg, parse_device_or_current};
+use super::dtype::parse_dtype;
+use super::errors::type_name;
 use super::errors::{type_err, value_err};
-use super::import::{Imported, import_destination, parse_dtype, parse_stream, type_name};
+use super::import::{Imported, import_destination};
 use super::mirror::PyMirror;
+use super::stream::parse_stream;
 use super::values::{check_shape, scalar_bytes, to_values};
 use super::wait::{slot_wait, take_interrupt};
 use crate::cuda::{SlotEvent, StreamHandle};

@@ -5,8 +5,8 @@ use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
+use super::errors::type_name;
 use super::errors::{type_err, value_err};
-use super::import::type_name;
 use crate::Error;
 use crate::dlpack::DType;
 
@@ -192,7 +192,7 @@ fn overflow_check(v: f64, infinite: bool, i: usize, d: DType) -> PyResult<()> {
 pub(crate) fn to_values<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<Values<'py>> {
     let py = values.py();
     if let Ok(arr) = values.cast::<PyUntypedArray>() {
-        let want = super::arrays::descr(py, d)?;
+        let want = super::dtype::descr(py, d)?;
         if let Some(v) = borrowed_exact(arr, &want, d) {
             return Ok(v);
         }
@@ -266,7 +266,7 @@ fn is_array_like(values: &Bound<'_, PyAny>) -> PyResult<bool> {
 fn convert_with_numpy<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<Values<'py>> {
     let py = values.py();
     let np = py.import("numpy")?;
-    let want = super::arrays::descr(py, d)?;
+    let want = super::dtype::descr(py, d)?;
     let arr = np.call_method1("asarray", (values,)).map_err(|e| {
         // Only numpy's refusals of the object become a typed error: anything else raised while
         // converting (KeyboardInterrupt, MemoryError, a producer's own error) propagates as is.

@@ -154,7 +154,7 @@ pub(crate) fn consumer_stream(req: &ExportRequest<'_>) -> PyResult<Option<Stream
         CudaStreamRequest::PerThreadDefault => Some(StreamHandle::PER_THREAD),
         CudaStreamRequest::Pointer(p) => {
             // An integer that is not a live stream's handle is refused first.
-            let p = crate::python::import::checked_int_stream(p)?;
+            let p = crate::python::stream::checked_int_stream(p)?;
             // SAFETY: the consumer's own stream, alive during its import (DLPack contract).
             Some(unsafe { StreamHandle::from_raw(p) }?)
         }

@@ -11,8 +11,10 @@ use crate::cuda::{Event, Stream, StreamHandle};
 use crate::dlpack::DType;
 use crate::error::Error;
 use crate::python::args::{count_arg, parse_device_or_current};
+use crate::python::dtype::parse_dtype;
 use crate::python::errors::{type_err, value_err};
-use crate::python::import::{import_writable, parse_dtype, parse_stream};
+use crate::python::import::import_writable;
+use crate::python::stream::parse_stream;
 use crate::python::wait::{slot_wait, take_interrupt};
 use crate::step::FieldId;
 use crate::step::{RawStep, StepLayout, StepMode, StepStager};
@@ -54,7 +56,7 @@ pub(super) fn field_name(obj: &Bound<'_, PyAny>) -> PyResult<String> {
         Ok(s) => Ok(name_text(s)?.into_owned()),
         Err(_) => Err(type_err(format!(
             "name must be a str (a field name), got {}",
-            crate::python::import::type_name(obj)
+            crate::python::errors::type_name(obj)
         ))),
     }
 }
@@ -81,7 +83,7 @@ fn dict_arg<'a, 'py>(
         Some(o) => o.cast::<PyDict>().map(Some).map_err(|_| {
             type_err(format!(
                 "{param} must be a dict {{field name: ...}}, got {}",
-                crate::python::import::type_name(o)
+                crate::python::errors::type_name(o)
             ))
         }),
     }
@@ -106,7 +108,7 @@ fn parse_shape(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<usize>> {
     let dims = crate::python::args::shape_dims(obj)?.ok_or_else(|| {
         type_err(format!(
             "field {name:?}: shape must be an int or a tuple of ints, got {}",
-            crate::python::import::type_name(obj)
+            crate::python::errors::type_name(obj)
         ))
     })?;
     dims.iter()
@@ -592,7 +594,7 @@ impl PyStepStager {
             .iter()
             // bfloat16 without ml_dtypes has no numpy dtype: that field takes the general path.
             .map(|f| {
-                crate::python::arrays::descr(py, f.dtype())
+                crate::python::dtype::descr(py, f.dtype())
                     .ok()
                     .map(Bound::unbind)
             })

@@ -1,0 +1,149 @@
+//! `PendingCopy`: a copy in flight, from `copy_d2h_async` or `copy_h2d_async`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+
+use super::errors::value_err;
+use super::import::Imported;
+use super::wait::wait_interruptibly;
+use crate::cuda::Event;
+
+/// A raw pointer that may cross `py.detach`: the memory behind it is kept alive by an object
+/// held in the caller's frame (the imported source, the result array).
+pub(crate) struct SendPtr<P>(pub(crate) P);
+// SAFETY: see the type: the pointer is only used while its owner, on the caller's frame, lives.
+unsafe impl<P> Send for SendPtr<P> {}
+
+/// A copy in flight (from ``copy_d2h_async`` or ``copy_h2d``): ``done()``,
+/// ``wait(timeout=None)``. It keeps the source and the destination alive; dropped before the
+/// copy completed, it leaves them to pinstage, which lets them go once the copy completed
+/// (never blocking the drop).
+#[pyclass(frozen, module = "pinstage._native")]
+pub(crate) struct PendingCopy {
+    /// The copy's event until a wait saw it complete. Shared, so threads waiting at once all
+    /// wait on it (none may see `None` while the copy still runs).
+    event: Mutex<Option<Arc<Event>>>,
+    /// The result array (D2H) or the destination (H2D), handed back by `wait`.
+    array: Py<PyAny>,
+    /// The source, kept alive (a pinned H2D source unchanged) until the copy completed.
+    src: Mutex<Option<Imported>>,
+    /// About how long the copy takes once it runs: how long a wait stays busy.
+    expected: Duration,
+}
+
+impl PendingCopy {
+    /// A copy of `src`'s bytes that completes with `event` (`None`: completed).
+    pub(crate) fn new(event: Option<Event>, array: Py<PyAny>, src: Imported) -> Self {
+        Self {
+            event: Mutex::new(event.map(Arc::new)),
+            array,
+            expected: crate::cuda::wait::copy_time(src.view.nbytes()),
+            src: Mutex::new(Some(src)),
+        }
+    }
+
+    /// Whether the copy completed (never blocks).
+    pub(crate) fn is_done(&self) -> crate::Result<bool> {
+        match &*self.event.lock() {
+            Some(ev) => ev.query(),
+            None => Ok(true),
+        }
+    }
+}
+
+#[pymethods]
+impl PendingCopy {
+    /// Whether the copy completed (never blocks).
+    ///
+    /// Raises:
+    ///     CudaDriverError: the copy failed.
+    fn done(&self) -> PyResult<bool> {
+        Ok(self.is_done()?)
+    }
+
+    /// Waits for the copy with the GIL released and returns the result array.
+    ///
+    /// Parameters:
+    ///     timeout (float, optional): seconds to wait at most; None waits for as long as it takes.
+    ///
+    /// Returns:
+    ///     the result array (``copy_d2h_async``), or the destination (``copy_h2d``).
+    ///
+    /// Raises:
+    ///     TimeoutError: not complete within ``timeout``. KeyboardInterrupt: Ctrl-C (answered within
+    ///     about 20 ms). Either way the copy stays pending and guarded, and ``wait()`` may be called
+    ///     again. PinstageValueError: a negative, NaN or infinite timeout. CudaDriverError: the copy
+    ///     failed.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
+        let timeout = match timeout.filter(|t| !t.is_none()) {
+            None => None,
+            Some(t) if t.is_instance_of::<pyo3::types::PyBool>() => {
+                return Err(super::errors::type_err(
+                    "timeout must be None or a number of seconds, got a bool",
+                ));
+            }
+            Some(t) => Some(t.extract::<f64>().map_err(|_| {
+                super::errors::type_err(format!(
+                    "timeout must be None or a number of seconds, got {}",
+                    super::errors::type_name(t)
+                ))
+            })?),
+        };
+        let deadline = match timeout {
+            None => None,
+            Some(t) => Some(
+                Duration::try_from_secs_f64(t)
+                    .ok()
+                    .and_then(|d| Instant::now().checked_add(d))
+                    .ok_or_else(|| {
+                        value_err(format!(
+                            "timeout={t}: expected None or a finite number of seconds >= 0 (at \
+                             most about 10^11)"
+                        ))
+                    })?,
+            ),
+        };
+        let ev = self.event.lock().clone();
+        if let Some(ev) = ev {
+            let done = wait_interruptibly(py, &ev, deadline, self.expected);
+            if !matches!(done, Ok(true)) {
+                done?;
+                return Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
+                    "the copy did not complete within {} s",
+                    timeout.unwrap_or_default()
+                )));
+            }
+            // Completed: every waiter may let the event go.
+            *self.event.lock() = None;
+        }
+        drop(self.src.lock().take());
+        Ok(self.array.clone_ref(py))
+    }
+
+    fn __repr__(&self) -> PyResult<String> {
+        Ok(format!(
+            "PendingCopy(done={})",
+            super::args::py_bool(self.done()?)
+        ))
+    }
+}
+
+impl Drop for PendingCopy {
+    fn drop(&mut self) {
+        // Never release the source (or let the destination die) while the copy runs: they
+        // linger until it completed, without blocking here.
+        if let Some(ev) = self.event.get_mut().take() {
+            // A pyclass drops with the GIL held (attach only confirms it).
+            let array = Python::attach(|py| std::mem::replace(&mut self.array, py.None()));
+            super::linger::linger(super::linger::Lingering {
+                until: super::linger::Until::Event(ev),
+                array: Some(array),
+                src: self.src.get_mut().take(),
+            });
+        }
+    }
+}
