@@ -171,3 +171,21 @@ pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
         .map(|n| n.to_string())
         .unwrap_or_else(|_| "?".into())
 }
+
+/// Warns that `old` is deprecated: the message every renamed spelling raises, "`old` is
+/// deprecated (removed in pinstage 0.4); write `new`", pointing at the caller's line.
+///
+/// # Errors
+/// The warning itself, when warnings are turned into errors (`-W error`).
+pub(crate) fn deprecated(py: Python<'_>, old: &str, new: &str) -> PyResult<()> {
+    let msg = std::ffi::CString::new(format!(
+        "{old} is deprecated (removed in pinstage 0.4); write {new}"
+    ))
+    .unwrap_or_default();
+    PyErr::warn(
+        py,
+        &py.get_type::<pyo3::exceptions::PyDeprecationWarning>(),
+        &msg,
+        1,
+    )
+}

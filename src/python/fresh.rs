@@ -3,9 +3,6 @@
 
 use std::sync::Arc;
 
-use dlpark::ffi::{DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned};
-use dlpark::python::{CudaStreamRequest, DlpackExporter, ExportRequest, export_dlpack};
-use dlpark::{DlpackFlags, Managed};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyModule, PyString, PyTuple};
 
@@ -16,11 +13,10 @@ use super::import::import_host_source;
 use super::import::{Imported, import_destination};
 use super::linger::{Lingering, Until, linger};
 use super::pending::SendPtr;
-use super::step::export::{consumer_stream, managed_tensor};
 use super::stream::parse_stream;
 use crate::dlpack::DType;
-use crate::h2d::FreshMem;
 use crate::host::CopyPath;
+use crate::python::export::DeviceArray;
 
 /// Where a result goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -277,7 +273,7 @@ fn fresh(
             src: Some(from),
         });
     }
-    Ok(DeviceArray { mem, dtype, shape })
+    Ok(DeviceArray::of_fresh(mem, dtype, shape))
 }
 
 /// `torch.empty` / `cupy.empty` on CUDA device `ordinal`. With `on` (the caller's `stream=`
@@ -373,148 +369,6 @@ fn empty_like_framework<'py>(
     }
 }
 
-/// Device memory pinstage allocated and filled (``to_device(src, "dlpack")``): a DLPack producer
-/// any framework imports (``torch.from_dlpack``, ``cupy.from_dlpack``,
-/// ``jax.dlpack.from_dlpack``); an importer's stream waits for the fill on the device. The
-/// memory returns to pinstage's pool when this object and every import are gone, and a later
-/// ``to_device`` may then write it on pinstage's stream: an import must outlive the work its
-/// framework queued on it. JAX keeps that rule by itself (it releases an import only after its
-/// work on it completed); torch and cupy release an import as soon as the array is collected, so
-/// for them use ``to_device(src, "torch")`` / ``"cupy"`` (their own allocators, stream-safe).
-#[pyclass(frozen, name = "DeviceArray", module = "pinstage._native")]
-pub struct DeviceArray {
-    mem: Arc<FreshMem>,
-    dtype: DType,
-    shape: Vec<i64>,
-}
-
-impl DeviceArray {
-    fn dl_device(&self) -> DLDevice {
-        DLDevice {
-            device_type: DLDeviceType(crate::dlpack::DL_CUDA),
-            device_id: self.mem.device().ordinal(),
-        }
-    }
-
-    fn managed<M: dlpark::ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
-        // SAFETY: the pool memory holds `prod(shape)` elements of `dtype`, alive as long as
-        // the Arc the capsule owns.
-        unsafe {
-            managed_tensor(
-                Box::new(Arc::clone(&self.mem)),
-                self.mem.ptr(),
-                self.dtype,
-                &self.shape,
-                self.dl_device(),
-            )
-        }
-    }
-}
-
-impl DlpackExporter for DeviceArray {
-    fn device(&self) -> DLDevice {
-        self.dl_device()
-    }
-
-    fn flags(&self) -> DlpackFlags {
-        DlpackFlags::empty()
-    }
-
-    fn prepare_export(&self, py: Python<'_>, request: &ExportRequest<'_>) -> PyResult<()> {
-        if matches!(request.cuda_stream()?, CudaStreamRequest::NoSync) {
-            return Ok(());
-        }
-        let stream = consumer_stream(request)?;
-        let ready = self.mem.ready();
-        py.detach(|| match stream {
-            Some(s) => ready.wait_on(s),
-            None => ready.synchronize(),
-        })?;
-        Ok(())
-    }
-
-    fn export_legacy(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensor>> {
-        self.managed()
-    }
-
-    fn export_versioned(&self, _py: Python<'_>) -> PyResult<Managed<DLManagedTensorVersioned>> {
-        self.managed()
-    }
-}
-
-#[pymethods]
-impl DeviceArray {
-    /// The DLPack export (the standard protocol); see the class.
-    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
-    fn __dlpack__(
-        &self,
-        py: Python<'_>,
-        stream: Option<&Bound<'_, PyAny>>,
-        max_version: Option<(u32, u32)>,
-        dl_device: Option<(u32, i32)>,
-        copy: Option<bool>,
-    ) -> PyResult<Py<PyAny>> {
-        let req = ExportRequest::parse(stream, max_version, dl_device, copy)?;
-        export_dlpack(self, py, req)
-    }
-
-    fn __dlpack_device__(&self) -> (u32, i32) {
-        let d = self.dl_device();
-        (d.device_type.0, d.device_id)
-    }
-
-    /// The shape.
-    #[getter]
-    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, &self.shape)
-    }
-
-    /// The dtype's name.
-    #[getter]
-    fn dtype(&self) -> &'static str {
-        self.dtype.name()
-    }
-
-    /// The CUDA ordinal.
-    #[getter]
-    fn device(&self) -> i32 {
-        self.mem.device().ordinal()
-    }
-
-    /// Bytes.
-    #[getter]
-    fn nbytes(&self) -> usize {
-        self.mem.len()
-    }
-
-    /// Device address of the first byte.
-    #[getter]
-    fn address(&self) -> u64 {
-        self.mem.ptr()
-    }
-
-    /// Whether the fill completed (never blocks).
-    fn ready(&self) -> PyResult<bool> {
-        Ok(self.mem.ready().query()?)
-    }
-
-    /// Waits (GIL released) until the fill completed.
-    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
-        let ready = self.mem.ready();
-        py.detach(|| ready.synchronize())?;
-        Ok(())
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "DeviceArray({}{:?}, cuda:{})",
-            self.dtype.name(),
-            self.shape,
-            self.mem.device().ordinal()
-        )
-    }
-}
-
 /// Device memory ``to_device`` holds for JAX and DLPack results on one device.
 ///
 /// Returns:
@@ -544,6 +398,5 @@ fn device_pool_stats<'py>(
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(to_device, m)?)?;
     m.add_function(wrap_pyfunction!(device_pool_stats, m)?)?;
-    m.add_class::<DeviceArray>()?;
     Ok(())
 }

@@ -19,6 +19,7 @@ pub(crate) mod d2h;
 pub(crate) mod device;
 pub(crate) mod dtype;
 pub(crate) mod errors;
+pub(crate) mod export;
 mod fresh;
 mod h2d;
 mod host;

@@ -3,7 +3,7 @@
 
 use pyo3::prelude::*;
 
-use super::{arrays, d2h, errors, fresh, h2d, host, linger, nvtx, pool, stager, step};
+use super::{arrays, d2h, errors, export, fresh, h2d, host, linger, nvtx, pool, stager, step};
 
 /// Whether a CUDA driver is loaded and reports at least one device.
 ///
@@ -83,6 +83,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     d2h::register(m)?;
     h2d::register(m)?;
     fresh::register(m)?;
+    export::register(m)?;
     step::register(m)?;
     pool::register(m)?;
     host::register(m)?;

@@ -1,13 +1,13 @@
 //! `PendingCopy`: a copy in flight, from `copy_d2h_async` or `copy_h2d_async`.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 
-use super::errors::value_err;
 use super::import::Imported;
+use super::wait::parse_timeout;
 use super::wait::wait_interruptibly;
 use crate::cuda::Event;
 
@@ -79,34 +79,7 @@ impl PendingCopy {
     ///     failed.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
-        let timeout = match timeout.filter(|t| !t.is_none()) {
-            None => None,
-            Some(t) if t.is_instance_of::<pyo3::types::PyBool>() => {
-                return Err(super::errors::type_err(
-                    "timeout must be None or a number of seconds, got a bool",
-                ));
-            }
-            Some(t) => Some(t.extract::<f64>().map_err(|_| {
-                super::errors::type_err(format!(
-                    "timeout must be None or a number of seconds, got {}",
-                    super::errors::type_name(t)
-                ))
-            })?),
-        };
-        let deadline = match timeout {
-            None => None,
-            Some(t) => Some(
-                Duration::try_from_secs_f64(t)
-                    .ok()
-                    .and_then(|d| Instant::now().checked_add(d))
-                    .ok_or_else(|| {
-                        value_err(format!(
-                            "timeout={t}: expected None or a finite number of seconds >= 0 (at \
-                             most about 10^11)"
-                        ))
-                    })?,
-            ),
-        };
+        let (timeout, deadline) = parse_timeout(timeout)?;
         let ev = self.event.lock().clone();
         if let Some(ev) = ev {
             let done = wait_interruptibly(py, &ev, deadline, self.expected);

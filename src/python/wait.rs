@@ -4,31 +4,43 @@ use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 
+use super::errors::{type_err, type_name, value_err};
 use crate::cuda::Event;
 use crate::cuda::wait::Backoff;
 
 /// How long a wait runs without the GIL before it takes it back to let Python handle signals.
 const SIGNAL_CHECK: Duration = Duration::from_millis(20);
 
-/// Waits until `ev` completed (`Ok(true)`) or `deadline` passed (`Ok(false)`), with the GIL
-/// released, on the schedule of [`Backoff`] for work expected to take `expected`; every
-/// [`SIGNAL_CHECK`] it runs Python's signal handlers, so Ctrl-C raises `KeyboardInterrupt` here
-/// within about 20 ms while the copy keeps running, still guarded by whoever owns it.
+/// Waits until `ev` completed (`Ok(true)`) or `deadline` passed (`Ok(false)`): [`wait_for`] on
+/// the event.
 pub(crate) fn wait_interruptibly(
     py: Python<'_>,
     ev: &Event,
     deadline: Option<Instant>,
     expected: Duration,
 ) -> PyResult<bool> {
+    wait_for(py, deadline, expected, || ev.query())
+}
+
+/// Waits until `done()` says so (`Ok(true)`) or `deadline` passed (`Ok(false)`), with the GIL
+/// released, on the schedule of [`Backoff`] for work expected to take `expected`; every
+/// [`SIGNAL_CHECK`] it runs Python's signal handlers, so Ctrl-C raises `KeyboardInterrupt` here
+/// within about 20 ms while the work keeps running, still guarded by whoever owns it.
+pub(crate) fn wait_for(
+    py: Python<'_>,
+    deadline: Option<Instant>,
+    expected: Duration,
+    done: impl Fn() -> crate::Result<bool> + Sync,
+) -> PyResult<bool> {
     // Done already (or failed): no need to give the GIL away.
-    if ev.query()? {
+    if done()? {
         return Ok(true);
     }
     let backoff = Backoff::new(expected);
     loop {
         let until = Instant::now() + SIGNAL_CHECK;
         let until = deadline.map_or(until, |d| d.min(until));
-        if py.detach(|| ev.wait_until(&backoff, Some(until)))? {
+        if py.detach(|| crate::cuda::wait::wait_until(&backoff, Some(until), &done))? {
             return Ok(true);
         }
         py.check_signals()?;
@@ -36,6 +48,40 @@ pub(crate) fn wait_interruptibly(
             return Ok(false);
         }
     }
+}
+
+/// A `timeout=` argument: None or a finite number of seconds >= 0; the seconds and the
+/// deadline they give.
+///
+/// # Errors
+/// `PinstageTypeError` for a bool or a non-number, `PinstageValueError` for a negative, NaN or
+/// infinite value (or one past about 10^11 s).
+pub(crate) fn parse_timeout(
+    timeout: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(Option<f64>, Option<Instant>)> {
+    let secs = match timeout.filter(|t| !t.is_none()) {
+        None => return Ok((None, None)),
+        Some(t) if t.is_instance_of::<pyo3::types::PyBool>() => {
+            return Err(type_err(
+                "timeout must be None or a number of seconds; got a bool",
+            ));
+        }
+        Some(t) => t.extract::<f64>().map_err(|_| {
+            type_err(format!(
+                "timeout must be None or a number of seconds; got {}",
+                type_name(t)
+            ))
+        })?,
+    };
+    let deadline = Duration::try_from_secs_f64(secs)
+        .ok()
+        .and_then(|d| Instant::now().checked_add(d))
+        .ok_or_else(|| {
+            value_err(format!(
+                "timeout must be None or a finite number of seconds >= 0; got {secs}"
+            ))
+        })?;
+    Ok((Some(secs), Some(deadline)))
 }
 
 /// How long a claimer polls a busy slot's event with the GIL held before it releases the GIL.

@@ -261,6 +261,19 @@ impl<S> SlotRing<S> {
         Ok(())
     }
 
+    /// Whether every copy issued from the slots so far completed (never blocks).
+    ///
+    /// # Errors
+    /// [`Error::Driver`] if one failed.
+    pub(crate) fn all_done(&self) -> Result<bool> {
+        for e in self.slots.iter().filter_map(|s| s.event.as_ref()) {
+            if !e.query()? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// When a copy from a slot may still run, hands the slots (with their data) and `memory()`
     /// to the reaper thread, which lets them go once those copies completed (and leaks them if
     /// the driver fails to say so); else does nothing (the caller's fields drop as usual). For

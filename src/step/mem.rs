@@ -277,6 +277,17 @@ impl StepBlock {
         }
     }
 
+    /// Whether the copy that filled the block completed (never blocks).
+    ///
+    /// # Errors
+    /// [`Error::Driver`] when the driver reports a failure.
+    pub fn is_ready(&self) -> Result<bool> {
+        match &self.mem().event {
+            Some(e) => e.query(),
+            None => Ok(true),
+        }
+    }
+
     /// Blocks until the copy that filled the block completed.
     ///
     /// # Errors

@@ -487,6 +487,14 @@ impl StepStager {
         self.core.order_after(stream)
     }
 
+    /// Whether every commit issued so far completed (never blocks).
+    ///
+    /// # Errors
+    /// [`Error::Driver`] if one failed.
+    pub fn commits_done(&self) -> Result<bool> {
+        self.core.all_done()
+    }
+
     /// Opens a step on `claim` (or a new blocking claim), waiting for the slot's last copy with
     /// `wait`.
     pub(crate) fn open(

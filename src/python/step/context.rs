@@ -1,206 +1,29 @@
 //! `Step`: an open step of a `StepStager`, a context manager.
 
-use std::sync::Arc;
-use std::thread::ThreadId;
-
-use numpy::npyffi::{self, NPY_ARRAY_WRITEABLE};
-use parking_lot::Mutex;
-use pyo3::prelude::*;
-
+use super::names::field_name;
+use super::state::Ended;
+use super::state::OpenSteps;
+use super::state::StepState;
+use super::state::commit_detached;
+use super::state::count_open_in;
+use super::state::ended_here;
+use super::state::put_values;
+use crate::Error;
 use crate::cuda::StreamHandle;
-use crate::error::Error;
 use crate::python::args::count_arg;
 use crate::python::arrays::array_over;
-use crate::python::values::{scalar_bytes, to_values};
-use crate::step::{RawStep, StepStager};
-
-use super::export::{Keep, Order, StepTensor};
-use super::{PyStepStager, field_name};
-
-/// Writes `values` into field `name` of an open step (see ``Step.put``).
-pub(super) fn put_values(
-    st: &StepStager,
-    raw: &mut RawStep,
-    name: &str,
-    values: &Bound<'_, PyAny>,
-    pad: Option<&Bound<'_, PyAny>>,
-    rows: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
-    put_id(st, raw, st.layout().id(name)?, values, pad, rows)
-}
-
-/// [`put_values`] for a resolved field.
-pub(super) fn put_id(
-    st: &StepStager,
-    raw: &mut RawStep,
-    id: crate::step::FieldId,
-    values: &Bound<'_, PyAny>,
-    pad: Option<&Bound<'_, PyAny>>,
-    rows: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
-    let f = &st.layout().fields()[id.index()];
-    let vals = to_values(values, f.dtype())?;
-    let dims = vals.shape.as_slice();
-    let shape = match (dims.len(), f.shape().len()) {
-        (1, 1) => (dims[0], 1),
-        (2, 2) => (dims[0], dims[1]),
-        (1, 2) if dims[0] == 0 => (0, f.cols()),
-        _ => {
-            return Err(Error::ShapeMismatch {
-                values: dims.to_vec(),
-                dst: f.shape().iter().map(|&d| d as i64).collect(),
-            }
-            .into());
-        }
-    };
-    let pad = match pad.filter(|p| !p.is_none()) {
-        Some(p) => Some(scalar_bytes(p, f.dtype())?),
-        None => None,
-    };
-    let rows = match rows.filter(|r| !r.is_none()) {
-        Some(r) => Some(count_arg(r, "rows", 0, f.rows())?),
-        None => None,
-    };
-    st.put_raw(raw, id, vals.bytes(), shape, pad.as_deref(), rows)?;
-    Ok(())
-}
-
-/// Commits with the GIL released: the driver calls take a few microseconds, and a thread
-/// staging steps back to back must not keep other threads (one launching a CUDA graph, say)
-/// waiting for the interpreter's switch interval. A zero-copy commit only records an event
-/// (a few hundred ns, nothing waited for): it keeps the GIL, which costs less than handing it
-/// over and back.
-pub(super) fn commit_detached(
-    py: Python<'_>,
-    st: &StepStager,
-    raw: RawStep,
-    stream: StreamHandle<'static>,
-) -> PyResult<crate::step::CommitOutcome> {
-    if st.mode() == crate::step::StepMode::ZeroCopy {
-        return Ok(st.commit_raw(raw, stream)?);
-    }
-    Ok(py.detach(move || st.commit_raw(raw, stream))?)
-}
-
-pub(super) struct StepState {
-    pub(super) raw: Option<RawStep>,
-    /// numpy views handed out: read-only once the step ends.
-    pub(super) views: Vec<Py<PyAny>>,
-    pub(super) block: Option<Py<StepTensor>>,
-    /// How the step ended (meaningful once `raw` is gone).
-    pub(super) ended: Ended,
-}
-
-/// How a step ended.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Ended {
-    /// Aborted, dropped, or still open.
-    Aborted,
-    CommitOutcome,
-    /// The commit was tried and failed (the slot was released all the same).
-    Failed,
-    /// Aborted when the thread that opened it exited with it open.
-    ThreadExited,
-}
-
-impl Ended {
-    /// What a call of a step aborted at its thread's exit is told.
-    const THREAD_EXITED: &'static str =
-        "this step was aborted when the thread that opened it exited with it open";
-}
-
-/// A step open on this thread, as [`OPEN_HERE`] keeps it: weak references only (an open step's
-/// `Step` keeps its stager alive; an entry must not).
-struct OpenedHere {
-    state: std::sync::Weak<Mutex<StepState>>,
-    stager: std::sync::Weak<StepStager>,
-    counts: std::sync::Weak<super::OpenSteps>,
-}
-
-/// The steps open on one thread, aborted when the thread exits. Only the thread that opened a
-/// step may end it; one its thread left open (kept alive by a stored traceback, say) would
-/// otherwise hold its slot for good, and every other thread's `step()` / `stage()` would wait
-/// for it forever.
-struct OpenHere(std::cell::RefCell<Vec<OpenedHere>>);
-
-impl Drop for OpenHere {
-    fn drop(&mut self) {
-        // The thread is exiting (no GIL): only the slot is released; views handed out keep
-        // their writeable flag (documented), the Python objects are left alone.
-        let me = std::thread::current().id();
-        for o in self.0.get_mut().drain(..) {
-            let (Some(state), Some(stager)) = (o.state.upgrade(), o.stager.upgrade()) else {
-                continue;
-            };
-            // Waits for a call of the step's running elsewhere (a repr, a getter): none waits
-            // for this thread while holding the lock.
-            let raw = {
-                let mut g = state.lock();
-                let raw = g.raw.take();
-                if raw.is_some() {
-                    g.ended = Ended::ThreadExited;
-                }
-                raw
-            };
-            if let Some(raw) = raw {
-                // Outside the lock. No stream: the step's may be gone by now; a zero-copy step
-                // whose fields went to the device synchronizes the context instead (its readers
-                // complete first).
-                stager.abort_raw_on(raw, None);
-                if let Some(counts) = o.counts.upgrade() {
-                    super::count_open_in(&counts, me, false);
-                }
-            }
-        }
-    }
-}
-
-thread_local! {
-    static OPEN_HERE: OpenHere = const { OpenHere(std::cell::RefCell::new(Vec::new())) };
-}
-
-/// Registers a step just opened on this thread (see [`OpenHere`]).
-pub(super) fn opened_here(
-    state: &Arc<Mutex<StepState>>,
-    stager: &Arc<StepStager>,
-    counts: &Arc<super::OpenSteps>,
-) {
-    // `try_with`: a thread already exiting has no list; its step is ended by its owner.
-    let _ = OPEN_HERE.try_with(|l| {
-        let mut l = l.0.borrow_mut();
-        l.retain(|o| o.state.strong_count() > 0);
-        l.push(OpenedHere {
-            state: Arc::downgrade(state),
-            stager: Arc::downgrade(stager),
-            counts: Arc::downgrade(counts),
-        });
-    });
-}
-
-/// Forgets a step that ended on this thread.
-fn ended_here(state: &Arc<Mutex<StepState>>) {
-    let _ = OPEN_HERE.try_with(|l| {
-        if let Ok(mut l) = l.0.try_borrow_mut()
-            && let Some(i) = l
-                .iter()
-                .position(|o| std::ptr::eq(o.state.as_ptr(), Arc::as_ptr(state)))
-        {
-            l.swap_remove(i);
-        }
-    });
-}
-
-impl StepState {
-    /// Why an ended step refuses a call.
-    fn ended_why(&self) -> &'static str {
-        match self.ended {
-            Ended::CommitOutcome => "this step was already committed",
-            Ended::Failed => "this step's commit failed (its slot was released); open a new step",
-            Ended::Aborted => "this step was aborted",
-            Ended::ThreadExited => Ended::THREAD_EXITED,
-        }
-    }
-}
+use crate::python::export::BoundArena;
+use crate::python::export::DeviceArray;
+use crate::python::export::Keep;
+use crate::python::export::Order;
+use crate::step::RawStep;
+use crate::step::StepStager;
+use numpy::npyffi;
+use numpy::npyffi::NPY_ARRAY_WRITEABLE;
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use std::sync::Arc;
+use std::thread::ThreadId;
 
 /// An open step of a ``StepStager``: owns one slot until ``commit`` (or the end of its ``with``
 /// block) or ``abort``. Belongs to the thread that opened it.
@@ -211,7 +34,13 @@ impl StepState {
 ///     ...     step.view("table", 64)[:] = table
 #[pyclass(frozen, name = "Step", module = "pinstage._native")]
 pub struct PyStep {
-    pub(super) stager: Py<PyStepStager>,
+    /// The Python `StepStager`, kept alive by the step (and by the views it hands out).
+    pub(super) owner: Py<PyAny>,
+    pub(super) inner: Arc<StepStager>,
+    /// A bound arena's producer, kept by every export of the arena.
+    pub(super) bound: Option<Arc<BoundArena>>,
+    /// The stager's count of open steps per thread.
+    pub(super) open_steps: Arc<OpenSteps>,
     pub(super) thread: ThreadId,
     pub(super) stream: StreamHandle<'static>,
     /// Shared with the opening thread's list of open steps ([`OpenHere`]).
@@ -254,7 +83,7 @@ impl PyStep {
 
     /// Counts the step ended on its stager and on its thread.
     fn ended(&self) {
-        self.stager.get().count_open(self.thread, false);
+        count_open_in(&self.open_steps, self.thread, false);
         if std::thread::current().id() == self.thread {
             ended_here(&self.state);
         }
@@ -265,7 +94,7 @@ impl PyStep {
         f: impl FnOnce(&StepStager, &mut RawStep, &mut StepState) -> PyResult<R>,
     ) -> PyResult<R> {
         self.check_thread()?;
-        let st = &self.stager.get().inner;
+        let st = &self.inner;
         let mut g = self.state()?;
         let state = &mut *g;
         let Some(mut raw) = state.raw.take() else {
@@ -297,7 +126,7 @@ impl PyStep {
     }
 
     fn abort_inner(&self) -> PyResult<()> {
-        let st = &self.stager.get().inner;
+        let st = &self.inner;
         let mut g = self.state()?;
         if let Some(raw) = g.raw.take() {
             st.abort_raw_on(raw, Some(self.stream));
@@ -307,10 +136,9 @@ impl PyStep {
         Ok(())
     }
 
-    fn commit_inner(&self, py: Python<'_>) -> PyResult<Option<Py<StepTensor>>> {
+    fn commit_inner(&self, py: Python<'_>) -> PyResult<Option<Py<DeviceArray>>> {
         self.check_thread()?;
-        let stager = self.stager.get();
-        let st = &stager.inner;
+        let st = &self.inner;
         let mut g = self.state()?;
         let Some(raw) = g.raw.take() else {
             return Err(Error::StepState(g.ended_why()).into());
@@ -324,10 +152,10 @@ impl PyStep {
                 return Err(e);
             }
         };
-        g.ended = Ended::CommitOutcome;
+        g.ended = Ended::Committed;
         let block = match committed.block {
             Some(b) => {
-                let t = Py::new(py, StepTensor::of_block(b))?;
+                let t = Py::new(py, DeviceArray::of_block(b))?;
                 g.block = Some(t.clone_ref(py));
                 Some(t)
             }
@@ -400,7 +228,7 @@ impl PyStep {
         let me = slf.get();
         let name = field_name(name)?;
         let name = name.as_str();
-        let owner = me.stager.bind(py).clone().into_any();
+        let owner = me.owner.bind(py).clone();
         me.with_open(|st, raw, state| {
             let id = st.layout().id(name)?;
             let f = &st.layout().fields()[id.index()];
@@ -445,15 +273,15 @@ impl PyStep {
     ///     name (str): the field.
     ///
     /// Returns:
-    ///     StepTensor: the slot's field (valid to read until the commit's event completed).
+    ///     DeviceArray: the slot's field (valid to read until the commit's event completed).
     ///
     /// Raises:
     ///     PinstageValueError: not zero-copy mode. CudaUnavailableError: no driver.
     ///     UnknownFieldError, StepStateError.
-    fn device(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<StepTensor> {
+    fn device(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<DeviceArray> {
         let name = field_name(name)?;
         let name = name.as_str();
-        let stager = self.stager.get();
+
         self.with_open(|st, raw, state| {
             let id = st.layout().id(name)?;
             let f = &st.layout().fields()[id.index()];
@@ -466,12 +294,12 @@ impl PyStep {
             if f.shape().len() == 2 {
                 shape.push(f.cols() as i64);
             }
-            Ok(StepTensor {
+            Ok(DeviceArray {
                 ptr,
                 dtype: f.dtype(),
                 shape,
                 device: Some(st.ordinal()),
-                keep: Keep::Stager(Arc::clone(&stager.inner), stager.bound.clone()),
+                keep: Keep::Stager(Arc::clone(&self.inner), self.bound.clone()),
                 sync: Order::None,
             })
         })
@@ -480,13 +308,13 @@ impl PyStep {
     /// Commits the step on its stream (see ``StepStager``) and ends it; views turn read-only.
     ///
     /// Returns:
-    ///     StepTensor or None: fresh mode: the block holding this step (import it once); else
+    ///     DeviceArray or None: fresh mode: the block holding this step (import it once); else
     ///     None.
     ///
     /// Raises:
     ///     StepStateError: committed twice, aborted, or another thread. StreamCaptureError: the
     ///         stream is capturing. CudaDriverError. The slot is released in every case.
-    fn commit(&self, py: Python<'_>) -> PyResult<Option<Py<StepTensor>>> {
+    fn commit(&self, py: Python<'_>) -> PyResult<Option<Py<DeviceArray>>> {
         self.commit_inner(py)
     }
 
@@ -511,14 +339,14 @@ impl PyStep {
 
     /// Fresh mode, after commit: the step's block (else None).
     #[getter]
-    fn block(&self, py: Python<'_>) -> PyResult<Option<Py<StepTensor>>> {
+    fn block(&self, py: Python<'_>) -> PyResult<Option<Py<DeviceArray>>> {
         Ok(self.state()?.block.as_ref().map(|b| b.clone_ref(py)))
     }
 
     /// Whether the step was committed.
     #[getter]
     fn committed(&self) -> PyResult<bool> {
-        Ok(self.state()?.ended == Ended::CommitOutcome)
+        Ok(self.state()?.ended == Ended::Committed)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -552,7 +380,7 @@ impl PyStep {
         };
         let state = match (&g.raw, g.ended) {
             (Some(_), _) => "open",
-            (None, Ended::CommitOutcome) => "committed",
+            (None, Ended::Committed) => "committed",
             (None, Ended::Failed) => "failed",
             (None, Ended::Aborted) => "aborted",
             (None, Ended::ThreadExited) => "aborted: its thread exited",
@@ -566,7 +394,7 @@ impl Drop for PyStep {
         let state = Arc::clone(&self.state);
         let mut g = state.lock();
         if let Some(raw) = g.raw.take() {
-            self.stager.get().inner.abort_raw_on(raw, Some(self.stream));
+            self.inner.abort_raw_on(raw, Some(self.stream));
             self.ended();
         }
         // Views handed out turn read-only here too: their slot is released.

@@ -1,4 +1,5 @@
-//! `StepTensor`: the DLPack producer of arena fields, fresh blocks and zero-copy slot fields.
+//! `DeviceArray`: the one DLPack producer of memory pinstage owns or fills: `to_device(...,
+//! "dlpack")` results, arena fields and whole arenas, fresh blocks, zero-copy slot fields.
 
 use std::sync::Arc;
 
@@ -8,9 +9,11 @@ use dlpark::{DlpackFlags, Managed};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
+use super::errors::{deprecated, value_err};
+use super::wait::{parse_timeout, wait_for};
 use crate::cuda::StreamHandle;
 use crate::dlpack::DType;
-use crate::python::errors::value_err;
+use crate::h2d::FreshMem;
 use crate::step::{StepBlock, StepStager};
 
 /// What keeps an export's memory alive (a clone goes into each DLPack capsule as its owner).
@@ -19,10 +22,12 @@ use crate::step::{StepBlock, StepStager};
     dead_code,
     reason = "held for ownership only: dropping the last clone frees the memory"
 )]
-pub(super) enum Keep {
+pub(crate) enum Keep {
     /// The stager, and its bound arena's producer where it has one.
     Stager(Arc<StepStager>, Option<Arc<BoundArena>>),
     Block(Arc<StepBlock>),
+    /// `to_device`'s memory.
+    Fresh(Arc<FreshMem>),
 }
 
 /// A bound arena's producer (the caller's buffer, `StepStager(arena=...)`): held by the stager
@@ -31,7 +36,7 @@ pub(super) enum Keep {
 pub(crate) struct BoundArena(Option<crate::python::import::Imported>);
 
 impl BoundArena {
-    pub(super) fn new(imp: crate::python::import::Imported) -> Self {
+    pub(crate) fn new(imp: crate::python::import::Imported) -> Self {
         Self(Some(imp))
     }
 }
@@ -44,38 +49,74 @@ impl Drop for BoundArena {
     }
 }
 
-/// How a consumer's stream is ordered after the writes of the memory.
-pub(super) enum Order {
-    /// Wait for every commit issued so far (arena exports).
+/// What the memory's last writes are, for a consumer's stream to be ordered after them.
+pub(crate) enum Order {
+    /// Every commit issued so far (arena exports).
     Commits(Arc<StepStager>),
-    /// Wait for the block's copy.
+    /// The copy that filled a fresh block.
     Block(Arc<StepBlock>),
-    /// Host-written memory: nothing to wait for.
+    /// The copy that filled `to_device`'s memory.
+    Fresh(Arc<FreshMem>),
+    /// Host-written memory, or a zero-copy slot (its writer orders itself): nothing.
     None,
 }
 
-/// A DLPack producer over step memory: an arena field, a whole arena, a fresh block, or a
-/// zero-copy slot field. Import it with ``torch.from_dlpack``, ``cupy.from_dlpack``,
-/// ``jax.dlpack.from_dlpack`` or ``numpy.from_dlpack`` (host memory, no driver); every import
-/// shares the memory and keeps it alive.
-///
-/// Example:
-///     >>> t = torch.from_dlpack(st.field("ids"))
-#[pyclass(frozen, name = "StepTensor", module = "pinstage._native")]
-pub struct StepTensor {
-    pub(super) ptr: u64,
-    pub(super) dtype: DType,
-    pub(super) shape: Vec<i64>,
-    /// CUDA ordinal; None: host memory.
-    pub(super) device: Option<i32>,
-    /// Dropped before `keep` (fields drop in order): the stager's last owner must be `keep`, so
-    /// its drop waits for the commits into a bound arena before the arena is let go.
-    pub(super) sync: Order,
-    pub(super) keep: Keep,
+impl Order {
+    /// Whether the writes completed (never blocks; a failure counts as done: waits report it).
+    fn done(&self) -> crate::Result<bool> {
+        match self {
+            Order::Commits(st) => st.commits_done(),
+            Order::Block(b) => b.is_ready(),
+            Order::Fresh(m) => m.ready().query(),
+            Order::None => Ok(true),
+        }
+    }
+
+    /// Orders `stream` after the writes (the device waits); `None`: the host waits.
+    fn order(&self, stream: Option<StreamHandle<'_>>) -> crate::Result<()> {
+        match (self, stream) {
+            (Order::None, _) => Ok(()),
+            (Order::Commits(st), s) => st.order_after_commits(s),
+            (Order::Block(b), Some(s)) => b.wait_on(s),
+            (Order::Block(b), None) => b.synchronize(),
+            (Order::Fresh(m), Some(s)) => m.ready().wait_on(s),
+            (Order::Fresh(m), None) => m.ready().synchronize(),
+        }
+    }
 }
 
-impl StepTensor {
-    pub(super) fn of_block(b: StepBlock) -> Self {
+/// Memory pinstage owns or filled, as a DLPack producer: import it with ``torch.from_dlpack``,
+/// ``cupy.from_dlpack``, ``jax.dlpack.from_dlpack`` or ``numpy.from_dlpack`` (host memory);
+/// every import shares the memory and keeps it alive, and an importer's stream is ordered after
+/// the memory's writes on the device. ``done()`` and ``wait(timeout=None)`` tell and wait on the
+/// host.
+///
+/// What it is: an arena field or a whole arena (``StepStager.field``, ``.arena``: a stable
+/// address), a fresh block (fresh-mode commits), a zero-copy slot field, or
+/// ``to_device(src, "dlpack")``'s memory. Fresh blocks and ``to_device`` memory return to
+/// pinstage when this object and every import are gone, and may be written again then: an
+/// import must outlive the work its framework queued on it (JAX keeps that rule; torch and
+/// cupy free an import as soon as the array is collected, so keep their arrays alive until
+/// their readers ran, or use ``to_device(src, "torch")`` / ``"cupy"``).
+///
+/// Example:
+///     >>> ids = torch.from_dlpack(st.field("ids"))
+#[pyclass(frozen, name = "DeviceArray", module = "pinstage._native")]
+pub struct DeviceArray {
+    pub(crate) ptr: u64,
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<i64>,
+    /// CUDA ordinal; None: host memory.
+    pub(crate) device: Option<i32>,
+    /// Dropped before `keep` (fields drop in order): the stager's last owner must be `keep`, so
+    /// its drop waits for the commits into a bound arena before the arena is let go.
+    pub(crate) sync: Order,
+    pub(crate) keep: Keep,
+}
+
+impl DeviceArray {
+    /// A fresh block holding one committed step (1-D uint8 of the layout's bytes).
+    pub(crate) fn of_block(b: StepBlock) -> Self {
         let device = b.device().map(|d| d.ordinal());
         let b = Arc::new(b);
         Self {
@@ -85,6 +126,18 @@ impl StepTensor {
             device,
             keep: Keep::Block(Arc::clone(&b)),
             sync: Order::Block(b),
+        }
+    }
+
+    /// `to_device`'s memory, of `shape` elements of `dtype`.
+    pub(crate) fn of_fresh(mem: Arc<FreshMem>, dtype: DType, shape: Vec<i64>) -> Self {
+        Self {
+            ptr: mem.ptr(),
+            dtype,
+            shape,
+            device: Some(mem.device().ordinal()),
+            keep: Keep::Fresh(Arc::clone(&mem)),
+            sync: Order::Fresh(mem),
         }
     }
 
@@ -109,6 +162,10 @@ impl StepTensor {
                 self.dl_device(),
             )
         }
+    }
+
+    fn nbytes(&self) -> usize {
+        self.shape.iter().product::<i64>().max(0) as usize * self.dtype.itemsize()
     }
 }
 
@@ -161,7 +218,7 @@ pub(crate) fn consumer_stream(req: &ExportRequest<'_>) -> PyResult<Option<Stream
     })
 }
 
-impl DlpackExporter for StepTensor {
+impl DlpackExporter for DeviceArray {
     fn device(&self) -> DLDevice {
         self.dl_device()
     }
@@ -176,16 +233,11 @@ impl DlpackExporter for StepTensor {
         }
         let omitted = matches!(request.cuda_stream()?, CudaStreamRequest::Omitted);
         let stream = consumer_stream(request)?;
-        py.detach(|| -> crate::Result<()> {
-            match (&self.sync, stream) {
-                (Order::None, _) => Ok(()),
-                (Order::Block(b), Some(s)) => b.wait_on(s),
-                (Order::Block(b), None) if omitted => b.synchronize(),
-                (Order::Commits(st), Some(s)) => st.order_after_commits(Some(s)),
-                (Order::Commits(st), None) if omitted => st.order_after_commits(None),
-                _ => Ok(()),
-            }
-        })?;
+        if stream.is_none() && !omitted {
+            // The consumer asked for no synchronisation.
+            return Ok(());
+        }
+        py.detach(|| self.sync.order(stream))?;
         Ok(())
     }
 
@@ -199,7 +251,7 @@ impl DlpackExporter for StepTensor {
 }
 
 #[pymethods]
-impl StepTensor {
+impl DeviceArray {
     /// The DLPack export (the standard protocol); see the class.
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__(
@@ -231,10 +283,70 @@ impl StepTensor {
         self.dtype.name()
     }
 
+    /// The CUDA ordinal (None: host memory).
+    #[getter]
+    fn device(&self) -> Option<i32> {
+        self.device
+    }
+
+    /// Bytes.
+    #[getter(nbytes)]
+    fn nbytes_py(&self) -> usize {
+        self.nbytes()
+    }
+
     /// Address of the first byte (device address, or host address without a driver).
     #[getter]
     fn address(&self) -> u64 {
         self.ptr
+    }
+
+    /// Whether the memory's writes completed (never blocks).
+    ///
+    /// Raises:
+    ///     CudaDriverError: a write failed.
+    fn done(&self) -> PyResult<bool> {
+        Ok(self.sync.done()?)
+    }
+
+    /// Waits with the GIL released until the memory's writes completed, and returns this
+    /// object. An importer never needs this (its stream is ordered after the writes); it is for
+    /// host code that reads the memory some other way.
+    ///
+    /// Parameters:
+    ///     timeout (float, optional): seconds to wait at most; None waits for as long as it takes.
+    ///
+    /// Raises:
+    ///     TimeoutError: not complete within ``timeout``. KeyboardInterrupt: Ctrl-C (answered
+    ///     within about 20 ms). PinstageValueError: a negative, NaN or infinite timeout.
+    ///     PinstageTypeError: a timeout that is not a number. CudaDriverError: a write failed.
+    #[pyo3(signature = (timeout=None))]
+    fn wait<'py>(
+        slf: &Bound<'py, Self>,
+        timeout: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, Self>> {
+        let (secs, deadline) = parse_timeout(timeout)?;
+        let me = slf.get();
+        let expected = crate::cuda::wait::copy_time(me.nbytes());
+        if !wait_for(slf.py(), deadline, expected, || me.sync.done())? {
+            return Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
+                "the writes did not complete within {} s",
+                secs.unwrap_or_default()
+            )));
+        }
+        Ok(slf.clone())
+    }
+
+    /// Deprecated: ``done()``.
+    fn ready(&self, py: Python<'_>) -> PyResult<bool> {
+        deprecated(py, "DeviceArray.ready()", "DeviceArray.done()")?;
+        self.done()
+    }
+
+    /// Deprecated: ``wait()``.
+    fn synchronize<'py>(slf: &Bound<'py, Self>) -> PyResult<()> {
+        deprecated(slf.py(), "DeviceArray.synchronize()", "DeviceArray.wait()")?;
+        Self::wait(slf, None).map(|_| ())
     }
 
     fn __repr__(&self) -> String {
@@ -242,6 +354,10 @@ impl StepTensor {
             Some(i) => format!("cuda:{i}"),
             None => "cpu".into(),
         };
-        format!("StepTensor({}{:?}, {dev})", self.dtype.name(), self.shape)
+        format!("DeviceArray({}{:?}, {dev})", self.dtype.name(), self.shape)
     }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<DeviceArray>()
 }
