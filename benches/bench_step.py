@@ -121,7 +121,7 @@ def bench_engine(torch, steps, rounds):
     def step_views(v):
         with st.step(stream=s) as step:
             for n, x in v.items():
-                step.view(n, len(x))[:] = x
+                step.view(n, rows=len(x))[:] = x
 
     impls = {
         "torch pinned-buffer idiom (6 copy_)": (torch_idiom, dev),
@@ -356,7 +356,7 @@ def bench_zero_copy(torch, steps, rounds):
         # As the Rust row: claim, one value written in place, commit (the event recorded).
         count[0] += 1
         step = st.step(stream=s)
-        step.view("seq_lens", 1)[0] = count[0]
+        step.view("seq_lens", rows=1)[0] = count[0]
         step.commit()
 
     def check_one_write():

@@ -17,7 +17,10 @@ pub enum Error {
     #[error("CUDA driver call failed: {0}")]
     Driver(#[from] DriverError),
     /// A device ordinal that does not exist.
-    #[error("CUDA device {ordinal} does not exist (the driver reports {count} device(s))")]
+    #[error(
+        "device must be one the driver reports ({count} device(s): 0 to {last}); got {ordinal}",
+        last = count - 1
+    )]
     NoSuchDevice {
         /// The ordinal asked for.
         ordinal: i32,
@@ -25,7 +28,10 @@ pub enum Error {
         count: i32,
     },
     /// The destination lives on another device than the stager or engine.
-    #[error("tensor is on CUDA device {got}, but this {what} serves device {expected}")]
+    #[error(
+        "the tensor must be on CUDA device {expected}, which this {what} serves; got a tensor on \
+         device {got}; use a {what} of device {got}"
+    )]
     WrongDevice {
         /// What refused it ("stager", "copy").
         what: &'static str,
@@ -35,7 +41,7 @@ pub enum Error {
         got: i32,
     },
     /// Element type differs from the one expected.
-    #[error("dtype mismatch: expected {expected}, got {got}")]
+    #[error("dtype must be {expected}; got {got}")]
     DtypeMismatch {
         /// Expected dtype.
         expected: DType,
@@ -43,7 +49,10 @@ pub enum Error {
         got: DType,
     },
     /// More values than the destination holds.
-    #[error("{values} values do not fit a destination of {capacity} elements")]
+    #[error(
+        "values must fit the destination's {capacity} elements; got {values} values; pass fewer \
+         values or a larger destination"
+    )]
     TooManyValues {
         /// Number of values given.
         values: usize,
@@ -51,7 +60,7 @@ pub enum Error {
         capacity: usize,
     },
     /// A destination or buffer too small for the source.
-    #[error("destination holds {got} bytes but {needed} bytes are needed")]
+    #[error("the destination must hold {needed} bytes; got {got} bytes")]
     DestinationTooSmall {
         /// Bytes needed.
         needed: usize,
@@ -59,7 +68,7 @@ pub enum Error {
         got: usize,
     },
     /// A step stager's bound arena smaller than its layout.
-    #[error("arena holds {got} bytes but the layout needs {needed} (layout.nbytes)")]
+    #[error("the arena must hold the layout's {needed} bytes (layout.nbytes); got {got} bytes")]
     ArenaTooSmall {
         /// The layout's bytes.
         needed: usize,
@@ -67,7 +76,7 @@ pub enum Error {
         got: usize,
     },
     /// A byte slice whose length is not a whole number of elements.
-    #[error("{bytes} bytes is not a whole number of {itemsize}-byte elements")]
+    #[error("values must be whole {itemsize}-byte elements; got {bytes} bytes")]
     RaggedBytes {
         /// Length in bytes.
         bytes: usize,
@@ -97,7 +106,7 @@ pub enum Error {
         bound: u64,
     },
     /// An argument outside the range the call accepts.
-    #[error("invalid {param} = {value}: expected {expected}")]
+    #[error("{param} must be {expected}; got {value}")]
     InvalidArgument {
         /// The parameter's name.
         param: &'static str,
@@ -115,7 +124,7 @@ pub enum Error {
         bytes: usize,
     },
     /// A pad that is not exactly one element of the destination's dtype.
-    #[error("pad is {got} bytes, expected one {expected}-byte {dtype} element")]
+    #[error("the pad must be one {expected}-byte {dtype} element; got {got} bytes")]
     PadSize {
         /// Bytes given.
         got: usize,
@@ -126,8 +135,8 @@ pub enum Error {
     },
     /// An integer that cannot be a CUDA stream handle.
     #[error(
-        "stream handle 0x{handle:x} is not a CUDA stream (expected 0, 1, 2 or a live stream's \
-         handle)"
+        "stream must be 0, 1, 2 or a live stream's handle; got 0x{handle:x}, which is no CUDA \
+         stream"
     )]
     BadStreamHandle {
         /// The handle given.
@@ -148,7 +157,12 @@ pub enum Error {
     #[error("interrupted while waiting for a copy to complete")]
     Interrupted,
     /// Values of a shape that the destination's shape cannot take under `dst[:n] = values`.
-    #[error("values of shape {values:?} cannot be assigned to a destination of shape {dst:?}")]
+    #[error(
+        "values must have the destination's shape past its first axis; got values of shape {} \
+         for a destination of shape {}",
+        py_shape(values),
+        py_shape(dst)
+    )]
     ShapeMismatch {
         /// The values' shape.
         values: Vec<usize>,
@@ -156,7 +170,7 @@ pub enum Error {
         dst: Vec<i64>,
     },
     /// A step layout has no field of this name.
-    #[error("the step layout has no field {name:?} (fields: {known})")]
+    #[error("the field must be one of the layout's ({known}); got {name:?}")]
     UnknownField {
         /// The name asked for.
         name: String,
@@ -245,3 +259,17 @@ pub fn drop_errors() -> DropErrors {
 
 /// Result alias for pinstage.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A shape as Python writes it: `(4, 2)`, `(3,)`, `()`.
+fn py_shape<T: std::fmt::Display>(dims: &[T]) -> String {
+    match dims {
+        [one] => format!("({one},)"),
+        _ => format!(
+            "({})",
+            dims.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}

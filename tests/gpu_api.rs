@@ -194,16 +194,16 @@ fn gpu_pinned_typed_views_pool_budget_and_bounce_cache() {
     let pool = PinnedPool::new(&dev, 1 << 20);
     let blocks: Vec<_> = (0..3).map(|_| pool.acquire(200 << 10).unwrap()).collect();
     drop(blocks);
-    let cached = pool.stats().cached_bytes;
+    let cached = pool.stats().pooled_bytes;
     assert!(cached > 0);
     pool.set_budget(pinstage::host::size_class(200 << 10)); // room for one cached block
     assert_eq!(
-        pool.stats().cached_bytes,
+        pool.stats().pooled_bytes,
         pinstage::host::size_class(200 << 10)
     );
     assert!(pool.stats().evictions >= 2);
     pool.set_budget(0);
-    assert_eq!(pool.stats().cached_bytes, 0);
+    assert_eq!(pool.stats().pooled_bytes, 0);
     assert!(
         !pool.acquire(10).unwrap().is_pinned(),
         "past a budget of 0: pageable"

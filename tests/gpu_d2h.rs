@@ -70,17 +70,17 @@ fn gpu_d2h_async_and_pool() {
     drop(block);
     let s = pool.stats();
     assert_eq!((s.misses, s.hits, s.in_use_bytes), (1, 0, 0));
-    assert_eq!(s.cached_bytes, pinstage::host::size_class(bytes));
+    assert_eq!(s.pooled_bytes, pinstage::host::size_class(bytes));
     let again = pool.acquire(bytes - 5).unwrap();
     assert_eq!(pool.stats().hits, 1, "same class reused");
     // budget: a block that does not fit falls back to pageable memory
     let big = pool.acquire(15 << 20).unwrap();
     assert!(!big.is_pinned());
     assert_eq!(pool.stats().pageable_fallbacks, 1);
-    assert!(pool.stats().in_use_bytes + pool.stats().cached_bytes <= 16 << 20);
+    assert!(pool.stats().in_use_bytes + pool.stats().pooled_bytes <= 16 << 20);
     drop((again, big));
     pool.empty_cache();
-    assert_eq!(pool.stats().cached_bytes, 0);
+    assert_eq!(pool.stats().pooled_bytes, 0);
     // Dropping a pending copy waits for it (no write into freed memory): with its stream stalled
     // for 300 ms by a host function, the drop returns only after the stall, and `is_done` says
     // false before.

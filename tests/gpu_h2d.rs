@@ -253,9 +253,9 @@ fn gpu_to_device_fills_fresh_memory_and_releases_it() {
         assert_eq!(mem.ptr() % 256, 0, "pool memory is 256-byte aligned");
         assert!(read_fresh(&dev, &mem) == data, "pageable: values differ");
         let s = pinstage::h2d::device_pool_stats(&dev).unwrap();
-        assert_eq!(s.live_arrays, base.live_arrays + 1);
-        assert_eq!(s.live_bytes, base.live_bytes + bytes as u64);
-        assert!(s.reserved_bytes >= bytes as u64);
+        assert_eq!(s.in_use_arrays, base.in_use_arrays + 1);
+        assert_eq!(s.in_use_bytes, base.in_use_bytes + bytes as u64);
+        assert!(s.outstanding_bytes >= bytes as u64);
 
         let other = values(DType::U8, bytes, bytes as u64 + 6);
         let mut pinned = PinnedBuffer::new(&dev, bytes.max(1), PinnedFlags::PORTABLE).unwrap();
@@ -266,10 +266,10 @@ fn gpu_to_device_fills_fresh_memory_and_releases_it() {
     }
     let s = pinstage::h2d::device_pool_stats(&dev).unwrap();
     assert_eq!(
-        (s.live_arrays, s.live_bytes),
-        (base.live_arrays, base.live_bytes)
+        (s.in_use_arrays, s.in_use_bytes),
+        (base.in_use_arrays, base.in_use_bytes)
     );
-    let reserved = s.reserved_bytes;
+    let reserved = s.outstanding_bytes;
     assert!(
         reserved > 0,
         "the pool holds the released memory until trimmed"
@@ -277,7 +277,7 @@ fn gpu_to_device_fills_fresh_memory_and_releases_it() {
     pinstage::h2d::trim_device_pools().unwrap();
     let s = pinstage::h2d::device_pool_stats(&dev).unwrap();
     assert!(
-        s.reserved_bytes < reserved,
+        s.outstanding_bytes < reserved,
         "trim gave the memory back: {s:?}, {reserved} before"
     );
 }
@@ -306,17 +306,17 @@ fn gpu_to_device_many_results_leave_nothing() {
             peak = peak.max(
                 pinstage::h2d::device_pool_stats(&dev)
                     .unwrap()
-                    .reserved_bytes,
+                    .outstanding_bytes,
             );
         }
     }
     let s = pinstage::h2d::device_pool_stats(&dev).unwrap();
     assert_eq!(
-        (s.live_arrays, s.live_bytes),
-        (base.live_arrays, base.live_bytes)
+        (s.in_use_arrays, s.in_use_bytes),
+        (base.in_use_arrays, base.in_use_bytes)
     );
     assert!(
-        peak <= base.reserved_bytes + (64 << 20),
+        peak <= base.outstanding_bytes + (64 << 20),
         "the pool grew to {peak} bytes"
     );
     // The bounce slots are a cache made once; nothing else pinned stays.

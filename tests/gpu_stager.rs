@@ -79,7 +79,7 @@ fn gpu_mirror_skip_is_counted() {
         CopyOutcome::Skipped
     );
     let stats = st.stats();
-    assert_eq!((stats.copies, stats.skipped), (1, 1));
+    assert_eq!((stats.copies, stats.skipped_copies), (1, 1));
     assert_eq!(stats.bytes, 4096 * 4);
     let out = read(&buf);
     let got: &[i32] = bytemuck::cast_slice(&out[..4096 * 4]);

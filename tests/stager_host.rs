@@ -78,10 +78,7 @@ fn typed_stager_refusals_leave_destination_untouched() {
     let err = st
         .put(&wrong, &[1], None, None, StreamHandle::LEGACY)
         .unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "dtype mismatch: expected int32, got float32"
-    );
+    assert_eq!(err.to_string(), "dtype must be int32; got float32");
     let ro = host_view(&mut out, DType::I32, 4).into_read_only();
     assert!(matches!(
         st.put(&ro, &[1], None, None, StreamHandle::LEGACY),
@@ -148,7 +145,7 @@ fn mirror_skips_repeats_and_binds_to_one_destination() {
             .unwrap(),
         CopyOutcome::Host
     );
-    assert_eq!(st.stats().skipped, 1);
+    assert_eq!(st.stats().skipped_copies, 1);
     assert_eq!(st.stats().host_copies, 2);
     let err = st
         .put(&db, &v, Some(-1), Some(&mut m), StreamHandle::LEGACY)
@@ -191,7 +188,7 @@ fn impossible_stream_handles_are_refused() {
         // SAFETY: as above.
         let err = unsafe { StreamHandle::from_raw(bad) }.unwrap_err();
         assert!(matches!(err, Error::BadStreamHandle { handle } if handle == bad));
-        assert!(err.to_string().contains("is not a CUDA stream"), "{err}");
+        assert!(err.to_string().contains("which is no CUDA stream"), "{err}");
     }
 }
 

@@ -48,13 +48,13 @@ count = [0]
 def one_write():
     count[0] += 1
     step = st.step(stream=s)
-    step.view("seq_lens", 1)[0] = count[0]
+    step.view("seq_lens", rows=1)[0] = count[0]
     step.commit()
 
 
 def view_no_write():
     step = st.step(stream=s)
-    step.view("seq_lens", 1)
+    step.view("seq_lens", rows=1)
     step.commit()
 
 

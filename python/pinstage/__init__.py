@@ -1,16 +1,17 @@
 """pinstage: host<->CUDA copies at PCIe line rate for any framework, through DLPack.
 
-- ``alloc_pinned_numpy`` / ``empty_pinned``: numpy arrays on page-locked memory.
-- ``PinnedStager``: a ring of pinned buffers for small host-to-device copies (one
-  non-blocking copy per call, values and padding written on the host).
-- ``copy_d2h`` / ``copy_d2h_async``: device-to-host into pinned memory, from torch, jax,
-  cupy or numpy tensors; a transparent numpy fallback where no CUDA driver exists.
-- ``copy_h2d``: a whole host array (pinned or pageable) into a device tensor at line rate.
-- ``to_device``: a fresh torch, cupy or JAX device array filled from a host array at the same
-  rates (JAX: one DLPack import of memory pinstage allocated).
-- ``StepLayout`` / ``StepStager``: all of an engine step's small inputs in ONE driver call per
-  step, into a persistent device arena (stable addresses for CUDA graphs), a fresh block per
-  step (JAX), or read in place by kernels (zero-copy).
+- Small host-to-device copies: ``PinnedStager`` (one non-blocking copy per call from a ring of
+  pinned slots), ``H2DMirror``.
+- Steps: ``StepLayout`` / ``StepStager``: all of an engine step's small inputs in ONE driver
+  call per step (a persistent arena for CUDA graphs, fresh blocks for JAX, or zero-copy).
+- Whole arrays: ``copy_h2d`` / ``copy_h2d_async`` (pinned or pageable host arrays into device
+  tensors at line rate), ``to_device`` (fresh torch, cupy or JAX arrays).
+- Device to host: ``copy_d2h`` / ``copy_d2h_async`` (into pinned memory; a numpy fallback
+  without a driver).
+- Pinned memory: ``empty_pinned``, ``empty_host``, ``alloc_pinned_numpy``, ``PinnedPool``,
+  ``pin``.
+
+The conventions and every name: docs/API.md in the source tree.
 """
 
 from ._native import (
@@ -32,7 +33,6 @@ from ._native import (
     StepLayout,
     StepStager,
     StepStateError,
-    StepTensor,
     StreamCaptureError,
     UnknownFieldError,
     __version__,
@@ -40,6 +40,7 @@ from ._native import (
     copy_d2h,
     copy_d2h_async,
     copy_h2d,
+    copy_h2d_async,
     cuda_available,
     device_count,
     device_pool_stats,
@@ -48,7 +49,8 @@ from ._native import (
     empty_host,
     empty_pinned,
     is_pinned,
-    nvtx_range,
+    NvtxRange,
+    nvtx_range as _nvtx_range,
     pin,
     pinned_bytes,
     pool_stats,
@@ -75,7 +77,6 @@ __all__ = [
     "StepLayout",
     "StepStager",
     "StepStateError",
-    "StepTensor",
     "StreamCaptureError",
     "UnknownFieldError",
     "__version__",
@@ -83,6 +84,7 @@ __all__ = [
     "copy_d2h",
     "copy_d2h_async",
     "copy_h2d",
+    "copy_h2d_async",
     "cuda_available",
     "device_count",
     "device_pool_stats",
@@ -91,6 +93,7 @@ __all__ = [
     "empty_host",
     "empty_pinned",
     "is_pinned",
+    "NvtxRange",
     "nvtx_range",
     "pin",
     "pinned_bytes",
@@ -98,3 +101,43 @@ __all__ = [
     "set_pool_budget",
     "to_device",
 ]
+
+
+def nvtx_range(message):
+    """A range for Nsight named ``message``: ``with nvtx_range("plan"):`` or ``@nvtx_range("plan")``.
+
+    Returns:
+        NvtxRange: a context manager, and a decorator.
+
+    Raises:
+        PinstageTypeError: a message that is not a str.
+    """
+    return _nvtx_range(message)
+
+
+def _nvtx_available():
+    import warnings
+
+    warnings.warn(
+        "nvtx_range.available() is deprecated (removed in pinstage 0.4); write NvtxRange.available()",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return NvtxRange.available()
+
+
+nvtx_range.available = _nvtx_available
+
+
+def __getattr__(name):
+    # Renamed names keep working for one minor version, with a warning that says what to write.
+    if name == "StepTensor":
+        import warnings
+
+        warnings.warn(
+            "pinstage.StepTensor is deprecated (removed in pinstage 0.4); write pinstage.DeviceArray",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return DeviceArray
+    raise AttributeError(f"module 'pinstage' has no attribute {name!r}")

@@ -29,8 +29,8 @@ struct DevicePool {
     stream: Stream,
     pool: CUmemoryPool,
     released: Mutex<Vec<u64>>,
-    live_arrays: AtomicU64,
-    live_bytes: AtomicU64,
+    in_use_arrays: AtomicU64,
+    in_use_bytes: AtomicU64,
 }
 
 // SAFETY: the pool handle is a driver object usable from any thread (the driver API is thread
@@ -60,8 +60,8 @@ fn pool_of(cur: &Current<'_>) -> Result<Arc<DevicePool>> {
         stream,
         pool,
         released: Mutex::new(Vec::new()),
-        live_arrays: AtomicU64::new(0),
-        live_bytes: AtomicU64::new(0),
+        in_use_arrays: AtomicU64::new(0),
+        in_use_bytes: AtomicU64::new(0),
     });
     pools.push(Arc::clone(&p));
     Ok(p)
@@ -157,9 +157,9 @@ impl FreshMem {
 impl Drop for FreshMem {
     fn drop(&mut self) {
         // Relaxed: statistics.
-        self.pool.live_arrays.fetch_sub(1, Ordering::Relaxed);
+        self.pool.in_use_arrays.fetch_sub(1, Ordering::Relaxed);
         self.pool
-            .live_bytes
+            .in_use_bytes
             .fetch_sub(self.len as u64, Ordering::Relaxed);
         self.pool.released.lock().push(self.ptr);
     }
@@ -184,8 +184,8 @@ pub(crate) unsafe fn start_to_device(
     let ready = Event::new_in(&cur)?;
     let ptr = pool.alloc(&cur, len)?;
     // Relaxed: statistics (`FreshMem`'s drop takes them back).
-    pool.live_arrays.fetch_add(1, Ordering::Relaxed);
-    pool.live_bytes.fetch_add(len as u64, Ordering::Relaxed);
+    pool.in_use_arrays.fetch_add(1, Ordering::Relaxed);
+    pool.in_use_bytes.fetch_add(len as u64, Ordering::Relaxed);
     // From here on, dropping `mem` releases the memory (on an error too).
     let mut mem = FreshMem {
         ptr,
@@ -225,11 +225,11 @@ pub fn to_device(src: &[u8], device: &Device) -> Result<FreshMem> {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DevicePoolStats {
     /// Results not yet released by their consumers.
-    pub live_arrays: u64,
+    pub in_use_arrays: u64,
     /// Their bytes.
-    pub live_bytes: u64,
+    pub in_use_bytes: u64,
     /// Device memory the pool holds (live results and memory kept for reuse).
-    pub reserved_bytes: u64,
+    pub outstanding_bytes: u64,
 }
 
 /// `to_device`'s memory on `device` (zeros before its first use there).
@@ -244,9 +244,9 @@ pub fn device_pool_stats(device: &Device) -> Result<DevicePoolStats> {
     // SAFETY: our live pool.
     let reserved = unsafe { driver::pool::pool_reserved(pool.pool) }?;
     Ok(DevicePoolStats {
-        live_arrays: pool.live_arrays.load(Ordering::Relaxed),
-        live_bytes: pool.live_bytes.load(Ordering::Relaxed),
-        reserved_bytes: reserved,
+        in_use_arrays: pool.in_use_arrays.load(Ordering::Relaxed),
+        in_use_bytes: pool.in_use_bytes.load(Ordering::Relaxed),
+        outstanding_bytes: reserved,
     })
 }
 

@@ -23,7 +23,7 @@ pub struct PinnedStagerStats {
     /// Copies of host destinations, written directly.
     pub host_copies: u64,
     /// Copies skipped because the mirror showed the destination already held the values.
-    pub skipped: u64,
+    pub skipped_copies: u64,
     /// Bytes copied (device and host, values and padding).
     pub bytes: u64,
     /// Claims that found the slot's last copy still running and waited for its event.
@@ -262,6 +262,7 @@ impl RawStager {
     }
 
     /// The element type.
+    #[cfg(feature = "testing")]
     pub fn dtype(&self) -> DType {
         self.dtype
     }
@@ -287,7 +288,7 @@ impl RawStager {
         PinnedStagerStats {
             copies: s.copies.get(),
             host_copies: s.host_copies.get(),
-            skipped: s.skipped.get(),
+            skipped_copies: s.skipped.get(),
             bytes: s.bytes.get(),
             waits: self.core.waits(),
             queries: self.core.queries(),

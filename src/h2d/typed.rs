@@ -110,6 +110,21 @@ impl<T: Element> PinnedStager<T> {
         self.raw.stats()
     }
 
+    /// The device ordinal served.
+    pub fn ordinal(&self) -> i32 {
+        self.raw.ordinal()
+    }
+
+    /// Number of slots.
+    pub fn depth(&self) -> usize {
+        self.raw.depth()
+    }
+
+    /// Whether device destinations can be served (a driver and the device were found).
+    pub fn has_cuda(&self) -> bool {
+        self.raw.has_cuda()
+    }
+
     /// The untyped stager (tests check its byte-level errors).
     #[cfg(feature = "testing")]
     pub fn raw(&self) -> &RawStager {

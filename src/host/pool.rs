@@ -34,14 +34,14 @@ pub struct PinnedPoolStats {
     /// Pinned bytes in blocks handed out now.
     pub in_use_bytes: usize,
     /// Pinned bytes cached for reuse now.
-    pub cached_bytes: usize,
+    pub pooled_bytes: usize,
     /// Highest `in_use_bytes + cached_bytes` seen.
     pub peak_bytes: usize,
     /// The budget: the most pinned bytes the pool holds, in use and cached.
-    pub budget_bytes: usize,
+    pub max_outstanding_bytes: usize,
     /// The most bytes kept cached (`usize::MAX`: only the budget bounds them); blocks returned
     /// past it are freed, the largest cached first.
-    pub max_cached_bytes: usize,
+    pub max_pooled_bytes: usize,
 }
 
 struct State {
@@ -83,8 +83,8 @@ impl PinnedPool {
                 state: Mutex::new(State {
                     free: BTreeMap::new(),
                     stats: PinnedPoolStats {
-                        budget_bytes: budget,
-                        max_cached_bytes: usize::MAX,
+                        max_outstanding_bytes: budget,
+                        max_pooled_bytes: usize::MAX,
                         ..PinnedPoolStats::default()
                     },
                 }),
@@ -103,7 +103,7 @@ impl PinnedPool {
         max_cached: Option<usize>,
     ) -> Self {
         let pool = Self::new(device, max_outstanding.unwrap_or(usize::MAX));
-        pool.inner.state.lock().stats.max_cached_bytes = max_cached.unwrap_or(usize::MAX);
+        pool.inner.state.lock().stats.max_pooled_bytes = max_cached.unwrap_or(usize::MAX);
         pool
     }
 
@@ -147,13 +147,14 @@ impl PinnedPool {
                     st.free.remove(&class);
                 }
                 st.stats.hits += 1;
-                st.stats.cached_bytes -= class;
+                st.stats.pooled_bytes -= class;
                 st.stats.in_use_bytes += class;
                 return Ok(Some(self.block(buf, len)));
             }
             // Make room within the budget by evicting cached blocks, largest first; but only
             // when that can make room: a request larger than the budget leaves the cache alone.
-            let can_fit = st.stats.in_use_bytes.saturating_add(class) <= st.stats.budget_bytes;
+            let can_fit =
+                st.stats.in_use_bytes.saturating_add(class) <= st.stats.max_outstanding_bytes;
             evicted = if can_fit {
                 Self::evict_until(&mut st, class)
             } else {
@@ -163,9 +164,9 @@ impl PinnedPool {
                 || st
                     .stats
                     .in_use_bytes
-                    .saturating_add(st.stats.cached_bytes)
+                    .saturating_add(st.stats.pooled_bytes)
                     .saturating_add(class)
-                    > st.stats.budget_bytes
+                    > st.stats.max_outstanding_bytes
             {
                 st.stats.pageable_fallbacks += u64::from(fallback);
                 drop(st);
@@ -181,7 +182,7 @@ impl PinnedPool {
             // Reserve before allocating outside the lock.
             st.stats.misses += 1;
             st.stats.in_use_bytes += class;
-            let total = st.stats.in_use_bytes + st.stats.cached_bytes;
+            let total = st.stats.in_use_bytes + st.stats.pooled_bytes;
             st.stats.peak_bytes = st.stats.peak_bytes.max(total);
         }
         drop(evicted); // free outside the lock
@@ -219,7 +220,7 @@ impl PinnedPool {
     pub fn set_budget(&self, budget: usize) {
         let evicted = {
             let mut st = self.inner.state.lock();
-            st.stats.budget_bytes = budget;
+            st.stats.max_outstanding_bytes = budget;
             Self::trim(&mut st)
         };
         drop(evicted);
@@ -234,7 +235,7 @@ impl PinnedPool {
                 .flatten()
                 .collect();
             st.stats.evictions += all.len() as u64;
-            st.stats.cached_bytes = 0;
+            st.stats.pooled_bytes = 0;
             all
         };
         drop(evicted);
@@ -252,15 +253,15 @@ impl PinnedPool {
         while (st
             .stats
             .in_use_bytes
-            .saturating_add(st.stats.cached_bytes)
+            .saturating_add(st.stats.pooled_bytes)
             .saturating_add(extra)
-            > st.stats.budget_bytes
-            || st.stats.cached_bytes > st.stats.max_cached_bytes)
-            && st.stats.cached_bytes > 0
+            > st.stats.max_outstanding_bytes
+            || st.stats.pooled_bytes > st.stats.max_pooled_bytes)
+            && st.stats.pooled_bytes > 0
         {
             let (&c, list) = st.free.iter_mut().next_back().expect("cached bytes > 0");
             if let Some(b) = list.pop() {
-                st.stats.cached_bytes -= c;
+                st.stats.pooled_bytes -= c;
                 st.stats.evictions += 1;
                 evicted.push(b);
             }
@@ -349,7 +350,7 @@ impl Drop for PoolBlock {
             let evicted = {
                 let mut st = pool.state.lock();
                 st.stats.in_use_bytes -= class;
-                st.stats.cached_bytes += class;
+                st.stats.pooled_bytes += class;
                 st.free.entry(class).or_default().push(buf);
                 PinnedPool::trim(&mut st)
             };

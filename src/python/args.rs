@@ -199,3 +199,41 @@ pub(crate) fn count_arg(
         ))),
     }
 }
+
+/// Positional arguments past a call's operands, for parameters now keyword-only: each goes to
+/// its parameter (by `names`' order) with a `DeprecationWarning` saying how to write the call
+/// (`old` and `new` name the two spellings); one given both ways, or too many, is a
+/// `PinstageTypeError`.
+///
+/// # Errors
+/// As above; the warning itself under `-W error`.
+pub(crate) fn legacy_positional<'py>(
+    legacy: &Bound<'py, pyo3::types::PyTuple>,
+    names: &[&str],
+    params: &mut [&mut Option<Bound<'py, PyAny>>],
+    old: &str,
+    new: &str,
+) -> PyResult<()> {
+    use pyo3::types::{PyTuple, PyTupleMethods};
+    let _: &Bound<'py, PyTuple> = legacy;
+    if legacy.is_empty() {
+        return Ok(());
+    }
+    if legacy.len() > names.len() {
+        return Err(type_err(format!(
+            "{old} takes at most {} argument(s) after the operands; got {}; write {new}",
+            names.len(),
+            legacy.len()
+        )));
+    }
+    for (i, v) in legacy.iter().enumerate() {
+        if params[i].as_ref().is_some_and(|p| !p.is_none()) {
+            return Err(type_err(format!(
+                "{} was given both by position and by keyword; write {new}",
+                names[i]
+            )));
+        }
+        *params[i] = Some(v);
+    }
+    super::errors::deprecated(legacy.py(), old, new)
+}

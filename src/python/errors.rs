@@ -132,6 +132,11 @@ impl From<Error> for PyErr {
     }
 }
 
+/// The exception class of `kind`.
+pub(crate) fn class(py: Python<'_>, kind: Kind) -> PyResult<Bound<'_, PyAny>> {
+    module(py).getattr(kind.name())
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let defs = module(m.py());
     for name in [

@@ -372,26 +372,45 @@ fn empty_like_framework<'py>(
 /// Device memory ``to_device`` holds for JAX and DLPack results on one device.
 ///
 /// Returns:
-///     dict: ``live_arrays`` and ``live_bytes`` (results not yet released by their consumers),
-///     ``reserved_bytes`` (device memory pinstage's pool holds: live results and memory kept
-///     for reuse; ``empty_cache()`` gives the unused part back). Zeros before the first use,
-///     and without a driver.
+///     dict: ``in_use_arrays`` and ``in_use_bytes`` (results not yet released by their
+///     consumers), ``pooled_bytes`` (memory kept for reuse; ``empty_cache()`` gives it back),
+///     ``outstanding_bytes`` (both). Zeros before the first use, and without a driver.
+///
+/// Raises:
+///     PinstageValueError: a device that does not exist.
 #[pyfunction]
-#[pyo3(signature = (device=None))]
+#[pyo3(signature = (*legacy, device=None), text_signature = "(*, device=None)")]
 fn device_pool_stats<'py>(
     py: Python<'py>,
-    device: Option<&Bound<'py, PyAny>>,
+    legacy: &Bound<'py, PyTuple>,
+    mut device: Option<Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let ordinal = super::args::parse_device(device)?;
+    super::args::legacy_positional(
+        legacy,
+        &["device"],
+        &mut [&mut device],
+        "device_pool_stats(device)",
+        "device_pool_stats(device=device)",
+    )?;
+    let ordinal = super::args::parse_device(device.as_ref())?;
     let s = if crate::cuda::cuda_available() {
         crate::h2d::device_pool_stats(&super::device::device_state(ordinal)?.device)?
     } else {
         crate::h2d::DevicePoolStats::default()
     };
-    let d = PyDict::new(py);
-    d.set_item("live_arrays", s.live_arrays)?;
-    d.set_item("live_bytes", s.live_bytes)?;
-    d.set_item("reserved_bytes", s.reserved_bytes)?;
+    let d = super::helpers::stats(
+        py,
+        "device_pool_stats()",
+        &[
+            ("live_arrays", "in_use_arrays"),
+            ("live_bytes", "in_use_bytes"),
+            ("reserved_bytes", "outstanding_bytes"),
+        ],
+    )?;
+    d.set_item("in_use_arrays", s.in_use_arrays)?;
+    d.set_item("in_use_bytes", s.in_use_bytes)?;
+    d.set_item("pooled_bytes", s.outstanding_bytes - s.in_use_bytes)?;
+    d.set_item("outstanding_bytes", s.outstanding_bytes)?;
     Ok(d)
 }
 

@@ -12,7 +12,11 @@ use crate::cuda::StreamHandle;
 use crate::dlpack::MemoryKind;
 use crate::host::CopyPath;
 
-/// Copies a whole host array into a device tensor of the same dtype and size.
+/// Copies a whole host array into a device tensor of the same dtype and size, and returns once
+/// ``src`` may change: a PINNED ``src`` goes as one DMA, waited for (GIL released, Ctrl-C
+/// answered); a PAGEABLE one is read completely by pinstage's copy threads, which fill pinned
+/// bounce slots while the copy engine drains them, and the last pieces may still be on their
+/// way to ``dst``, ordered on ``stream`` (work queued there after the call sees every byte).
 ///
 /// Parameters:
 ///     dst: a writable, C-contiguous DLPack tensor (torch, cupy; never a JAX array, which is
@@ -24,25 +28,21 @@ use crate::host::CopyPath;
 ///         (torch), else the legacy default stream.
 ///
 /// Returns:
-///     PendingCopy: ``wait()`` waits for the device copy and returns ``dst``. A PAGEABLE
-///     ``src`` was read completely before ``copy_h2d`` returned (copied through pinned bounce
-///     slots by several threads while the copy engine drains them), so it may be changed at
-///     once; the last pieces may still be on their way to ``dst`` (ordered on ``stream``).
-///     A PINNED ``src`` goes as one DMA: change it only once ``done()`` is True or ``wait()``
-///     returned. The handle keeps ``src`` alive (dropped early, it leaves ``src`` to pinstage
-///     until the copy completed, without blocking).
+///     PendingCopy: complete as far as ``src`` is concerned. Its ``wait()`` and ``done()`` are
+///     deprecated (they warn: ``copy_h2d`` will return ``dst`` in 0.4); for a copy to wait on
+///     later, call ``copy_h2d_async``.
 ///
 /// Raises:
 ///     PinstageTypeError: dtypes differ, ``src`` is not a host array, not a DLPack producer.
 ///     PinstageValueError: sizes differ, a read-only, JAX, non-contiguous or other-device
 ///         ``dst``, an impossible stream. StreamCaptureError: the stream is capturing a graph.
 ///     CudaUnavailableError: a CUDA ``dst`` without a driver. CudaDriverError: the copy failed.
-///     Nothing is written when a call raises.
+///     KeyboardInterrupt: Ctrl-C while waiting for a pinned source's DMA (the copy stays
+///     guarded). Nothing is written when a call raises before the copy.
 ///
 /// Example:
 ///     >>> dst = torch.empty(1 << 20, dtype=torch.float32, device="cuda")
-///     >>> pinstage.copy_h2d(dst, numpy.ones(1 << 20, numpy.float32)).wait() is dst
-///     True
+///     >>> pinstage.copy_h2d(dst, numpy.ones(1 << 20, numpy.float32))
 #[pyfunction]
 #[pyo3(signature = (dst, src, *, stream=None))]
 fn copy_h2d(
@@ -51,15 +51,59 @@ fn copy_h2d(
     src: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PendingCopy> {
+    let (path, pending) = issue(py, dst, src, stream)?;
+    if path == CopyPath::Pinned {
+        pending.wait_quietly(py)?;
+    }
+    Ok(pending.deprecated_handle())
+}
+
+/// Starts copying a whole host array into a device tensor of the same dtype and size, and
+/// returns a ``PendingCopy`` at once (``copy_h2d``, without the wait).
+///
+/// Parameters and errors as ``copy_h2d``.
+///
+/// Returns:
+///     PendingCopy: ``wait()`` waits for the device copy and returns ``dst``; ``done()``. A
+///     PAGEABLE ``src`` was read completely before this returned and may change at once; a
+///     PINNED ``src`` goes as one DMA: change it only once ``done()`` is True or ``wait()``
+///     returned. The handle keeps ``src`` alive (dropped early, it leaves ``src`` to pinstage
+///     until the copy completed, without blocking).
+///
+/// Raises:
+///     As ``copy_h2d``, less the wait's KeyboardInterrupt.
+///
+/// Example:
+///     >>> p = pinstage.copy_h2d_async(dst, pinned_batch)
+///     >>> p.wait() is dst
+///     True
+#[pyfunction]
+#[pyo3(signature = (dst, src, *, stream=None))]
+fn copy_h2d_async(
+    py: Python<'_>,
+    dst: &Bound<'_, PyAny>,
+    src: &Bound<'_, PyAny>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PendingCopy> {
+    Ok(issue(py, dst, src, stream)?.1)
+}
+
+/// The copy of both forms: how it went, and its handle.
+fn issue(
+    py: Python<'_>,
+    dst: &Bound<'_, PyAny>,
+    src: &Bound<'_, PyAny>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(CopyPath, PendingCopy)> {
     super::linger::reap(py);
     let s = parse_stream(stream)?;
     let to = import_destination(dst, s)?;
     let from = import_host_source(src)?;
     check_match(&from, &to)?;
     let stream = s.unwrap_or(to.stream);
-    let (_, event) = start(py, &from, &to, stream)?;
+    let (path, event) = start(py, &from, &to, stream)?;
     drop(to);
-    Ok(PendingCopy::new(event, dst.clone().unbind(), from))
+    Ok((path, PendingCopy::new(event, dst.clone().unbind(), from)))
 }
 
 /// Refuses a source and a destination of different dtypes or sizes.
@@ -112,5 +156,6 @@ pub(super) fn start(
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(copy_h2d, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_h2d_async, m)?)?;
     Ok(())
 }

@@ -98,8 +98,8 @@ fn pinned_array<'py>(
             None => {
                 let s = p.stats();
                 Err(crate::Error::PoolExhausted {
-                    budget: s.budget_bytes,
-                    outstanding: s.in_use_bytes + s.cached_bytes,
+                    budget: s.max_outstanding_bytes,
+                    outstanding: s.in_use_bytes + s.pooled_bytes,
                     requested: crate::host::size_class(nbytes),
                 }
                 .into())

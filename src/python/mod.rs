@@ -22,6 +22,7 @@ pub(crate) mod errors;
 pub(crate) mod export;
 mod fresh;
 mod h2d;
+pub(crate) mod helpers;
 mod host;
 pub(crate) mod import;
 mod linger;

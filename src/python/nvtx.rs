@@ -1,9 +1,11 @@
-//! `nvtx_range`: NVTX ranges for Nsight, as a context manager or a decorator.
+//! `NvtxRange` (made by `nvtx_range(message)`): NVTX ranges for Nsight, as a context manager
+//! or a decorator.
 
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-/// An NVTX range for Nsight Systems, as a context manager: ``with pinstage.nvtx_range("step"):``.
+/// An NVTX range for Nsight Systems (``nvtx_range(message)`` makes one), as a context manager:
+/// ``with pinstage.nvtx_range("step"):``.
 /// NVTX is loaded at run time (``libnvToolsExt``, shipped with the CUDA toolkit); without it this
 /// does nothing. pinstage's own copies (``copy_d2h``, ``copy_h2d``, step commits) are ranges too.
 /// Ranges are per thread: leave the block on the thread that entered it.
@@ -20,7 +22,7 @@ use pyo3::types::PyTuple;
 /// Example:
 ///     >>> with pinstage.nvtx_range("plan step"):
 ///     ...     pass
-#[pyclass(frozen, name = "nvtx_range", module = "pinstage._native")]
+#[pyclass(frozen, name = "NvtxRange", module = "pinstage._native")]
 pub(crate) struct NvtxRangeCtx {
     name: std::ffi::CString,
     depth: std::sync::atomic::AtomicUsize,
@@ -70,9 +72,7 @@ impl NvtxRangeCtx {
                 super::errors::type_name(func)
             )));
         }
-        slf.py()
-            .import(pyo3::intern!(slf.py(), "pinstage._decorate"))?
-            .call_method1(pyo3::intern!(slf.py(), "wrap"), (slf, func))
+        super::helpers::wrap(slf.as_any(), func)
     }
 
     /// Whether NVTX was found (ranges reach a profiler when one is attached).
@@ -82,6 +82,23 @@ impl NvtxRangeCtx {
     }
 }
 
+/// A range for Nsight named ``message``: ``with nvtx_range("plan"):`` or ``@nvtx_range("plan")``
+/// (the reference modules' spelling of ``NvtxRange(message)``).
+///
+/// Parameters:
+///     message (str): the range's name.
+///
+/// Returns:
+///     NvtxRange: a context manager, and a decorator.
+///
+/// Raises:
+///     PinstageTypeError: a message that is not a str.
+#[pyfunction]
+fn nvtx_range(message: &Bound<'_, PyAny>) -> PyResult<NvtxRangeCtx> {
+    NvtxRangeCtx::new(message)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<NvtxRangeCtx>()
+    m.add_class::<NvtxRangeCtx>()?;
+    m.add_function(wrap_pyfunction!(nvtx_range, m)?)
 }

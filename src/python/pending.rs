@@ -32,6 +32,8 @@ pub(crate) struct PendingCopy {
     src: Mutex<Option<Imported>>,
     /// About how long the copy takes once it runs: how long a wait stays busy.
     expected: Duration,
+    /// Returned by `copy_h2d`, which completes: its `wait()` and `done()` warn (0.3 only).
+    deprecated: bool,
 }
 
 impl PendingCopy {
@@ -42,43 +44,38 @@ impl PendingCopy {
             array,
             expected: crate::cuda::wait::copy_time(src.view.nbytes()),
             src: Mutex::new(Some(src)),
+            deprecated: false,
         }
     }
 
-    /// Whether the copy completed (never blocks).
-    pub(crate) fn is_done(&self) -> crate::Result<bool> {
-        match &*self.event.lock() {
-            Some(ev) => ev.query(),
-            None => Ok(true),
+    /// The handle `copy_h2d` returns (0.3): its `wait()` and `done()` still work, and warn.
+    pub(crate) fn deprecated_handle(mut self) -> Self {
+        self.deprecated = true;
+        self
+    }
+
+    /// Waits for the copy (GIL released, Ctrl-C answered), for a call that completes.
+    pub(crate) fn wait_quietly(&self, py: Python<'_>) -> PyResult<()> {
+        self.wait_inner(py, None).map(|_| ())
+    }
+
+    fn warn_if_deprecated(&self, py: Python<'_>, call: &str) -> PyResult<()> {
+        if self.deprecated {
+            super::errors::deprecated(
+                py,
+                &format!("copy_h2d(dst, src).{call}"),
+                "copy_h2d(dst, src) alone (it returns once src may change), or \
+                 copy_h2d_async(dst, src) for a PendingCopy",
+            )?;
         }
-    }
-}
-
-#[pymethods]
-impl PendingCopy {
-    /// Whether the copy completed (never blocks).
-    ///
-    /// Raises:
-    ///     CudaDriverError: the copy failed.
-    fn done(&self) -> PyResult<bool> {
-        Ok(self.is_done()?)
+        Ok(())
     }
 
-    /// Waits for the copy with the GIL released and returns the result array.
-    ///
-    /// Parameters:
-    ///     timeout (float, optional): seconds to wait at most; None waits for as long as it takes.
-    ///
-    /// Returns:
-    ///     the result array (``copy_d2h_async``), or the destination (``copy_h2d``).
-    ///
-    /// Raises:
-    ///     TimeoutError: not complete within ``timeout``. KeyboardInterrupt: Ctrl-C (answered within
-    ///     about 20 ms). Either way the copy stays pending and guarded, and ``wait()`` may be called
-    ///     again. PinstageValueError: a negative, NaN or infinite timeout. CudaDriverError: the copy
-    ///     failed.
-    #[pyo3(signature = (timeout=None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
+    fn wait_inner(
+        &self,
+        py: Python<'_>,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
         let (timeout, deadline) = parse_timeout(timeout)?;
         let ev = self.event.lock().clone();
         if let Some(ev) = ev {
@@ -97,10 +94,49 @@ impl PendingCopy {
         Ok(self.array.clone_ref(py))
     }
 
+    /// Whether the copy completed (never blocks).
+    pub(crate) fn is_done(&self) -> crate::Result<bool> {
+        match &*self.event.lock() {
+            Some(ev) => ev.query(),
+            None => Ok(true),
+        }
+    }
+}
+
+#[pymethods]
+impl PendingCopy {
+    /// Whether the copy completed (never blocks).
+    ///
+    /// Raises:
+    ///     CudaDriverError: the copy failed.
+    fn done(&self, py: Python<'_>) -> PyResult<bool> {
+        self.warn_if_deprecated(py, "done()")?;
+        Ok(self.is_done()?)
+    }
+
+    /// Waits for the copy with the GIL released and returns the result array.
+    ///
+    /// Parameters:
+    ///     timeout (float, optional): seconds to wait at most; None waits for as long as it takes.
+    ///
+    /// Returns:
+    ///     the result array (``copy_d2h_async``), or the destination (``copy_h2d_async``).
+    ///
+    /// Raises:
+    ///     TimeoutError: not complete within ``timeout``. KeyboardInterrupt: Ctrl-C (answered within
+    ///     about 20 ms). Either way the copy stays pending and guarded, and ``wait()`` may be called
+    ///     again. PinstageValueError: a negative, NaN or infinite timeout. CudaDriverError: the copy
+    ///     failed.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
+        self.warn_if_deprecated(py, "wait()")?;
+        self.wait_inner(py, timeout)
+    }
+
     fn __repr__(&self) -> PyResult<String> {
         Ok(format!(
             "PendingCopy(done={})",
-            super::args::py_bool(self.done()?)
+            super::args::py_bool(self.is_done()?)
         ))
     }
 }

@@ -2,7 +2,7 @@
 //! `nvtx_range`.
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple};
 
 use super::args::{count_arg, parse_device};
 use super::arrays::Memory;
@@ -99,14 +99,14 @@ impl PyPinnedPool {
     fn outstanding_bytes(&self) -> usize {
         self.pool.as_ref().map_or(0, |p| {
             let s = p.stats();
-            s.in_use_bytes + s.cached_bytes
+            s.in_use_bytes + s.pooled_bytes
         })
     }
 
     /// Pinned bytes cached for reuse now.
     #[getter]
     fn pooled_bytes(&self) -> usize {
-        self.pool.as_ref().map_or(0, |p| p.stats().cached_bytes)
+        self.pool.as_ref().map_or(0, |p| p.stats().pooled_bytes)
     }
 
     /// The limit on pinned bytes alive (None: none).
@@ -128,30 +128,19 @@ impl PyPinnedPool {
         }
     }
 
-    /// Counters: ``hits``, ``misses``, ``pageable_fallbacks``, ``evictions``,
-    /// ``outstanding_bytes`` (in use and cached), ``in_use_bytes``, ``pooled_bytes``,
-    /// ``peak_bytes``.
+    /// Counters: ``hits``, ``misses``, ``pageable_fallbacks``, ``evictions``, ``in_use_bytes``
+    /// (handed out), ``pooled_bytes`` (cached for reuse), ``outstanding_bytes`` (both),
+    /// ``peak_bytes``, ``max_outstanding_bytes`` and ``max_pooled_bytes`` (the limits; None: no
+    /// limit). Never raises.
     ///
     /// Returns:
     ///     dict: the counters.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.pool.as_ref().map(|p| p.stats()).unwrap_or_default();
-        let d = PyDict::new(py);
-        d.set_item("hits", s.hits)?;
-        d.set_item("misses", s.misses)?;
-        d.set_item(
-            "pageable_fallbacks",
-            s.pageable_fallbacks
-                + self
-                    .driverless_fallbacks
-                    .load(std::sync::atomic::Ordering::Relaxed),
-        )?;
-        d.set_item("evictions", s.evictions)?;
-        d.set_item("outstanding_bytes", s.in_use_bytes + s.cached_bytes)?;
-        d.set_item("in_use_bytes", s.in_use_bytes)?;
-        d.set_item("pooled_bytes", s.cached_bytes)?;
-        d.set_item("peak_bytes", s.peak_bytes)?;
-        Ok(d)
+        let fallbacks = self
+            .driverless_fallbacks
+            .load(std::sync::atomic::Ordering::Relaxed);
+        super::helpers::host_pool_stats(py, "PinnedPool.stats()", &s, fallbacks, self.max)
     }
 
     fn __repr__(&self) -> String {
@@ -223,41 +212,42 @@ fn pinned_or_pageable(py: Python<'_>, pool: &PinnedPool, nbytes: usize) -> PyRes
 /// Counters of the pinned pool behind ``copy_d2h`` results, for ``device`` (default 0).
 ///
 /// Returns:
-///     dict: ``hits``, ``misses``, ``pageable_fallbacks``, ``evictions``, ``in_use_bytes``,
-///     ``cached_bytes``, ``peak_bytes``, ``budget_bytes``. Without a driver: zeros and the budget.
+///     dict: ``hits``, ``misses``, ``pageable_fallbacks``, ``evictions``, ``in_use_bytes``
+///     (handed out), ``pooled_bytes`` (cached for reuse), ``outstanding_bytes`` (both),
+///     ``peak_bytes``, ``max_outstanding_bytes`` (the budget) and ``max_pooled_bytes``.
+///     Without a driver: zeros and the budget.
 ///
 /// Raises:
 ///     PinstageValueError: a device that does not exist.
 ///
 /// Example:
-///     >>> pinstage.pool_stats()["budget_bytes"]
+///     >>> pinstage.pool_stats()["max_outstanding_bytes"]
 ///     4294967296
 #[pyfunction]
-#[pyo3(signature = (device=None))]
+#[pyo3(signature = (*legacy, device=None), text_signature = "(*, device=None)")]
 fn pool_stats<'py>(
     py: Python<'py>,
-    device: Option<&Bound<'py, PyAny>>,
+    legacy: &Bound<'py, PyTuple>,
+    mut device: Option<Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    super::args::legacy_positional(
+        legacy,
+        &["device"],
+        &mut [&mut device],
+        "pool_stats(device)",
+        "pool_stats(device=device)",
+    )?;
     super::linger::reap(py);
-    let ordinal = super::args::parse_device(device)?;
+    let ordinal = super::args::parse_device(device.as_ref())?;
     let s = if crate::cuda::cuda_available() {
         super::device::device_state(ordinal)?.pool.stats()
     } else {
         crate::host::PinnedPoolStats {
-            budget_bytes: super::device::pool_budget(),
+            max_outstanding_bytes: super::device::pool_budget(),
             ..Default::default()
         }
     };
-    let d = PyDict::new(py);
-    d.set_item("hits", s.hits)?;
-    d.set_item("misses", s.misses)?;
-    d.set_item("pageable_fallbacks", s.pageable_fallbacks)?;
-    d.set_item("evictions", s.evictions)?;
-    d.set_item("in_use_bytes", s.in_use_bytes)?;
-    d.set_item("cached_bytes", s.cached_bytes)?;
-    d.set_item("peak_bytes", s.peak_bytes)?;
-    d.set_item("budget_bytes", s.budget_bytes)?;
-    Ok(d)
+    super::helpers::host_pool_stats(py, "pool_stats()", &s, 0, Some(s.max_outstanding_bytes))
 }
 
 /// Frees the pools' cached blocks (results' and ``alloc_pinned_numpy``'s; blocks in use stay),

@@ -25,10 +25,10 @@ fn stats_dict<'py>(
     py: Python<'py>,
     s: crate::h2d::PinnedStagerStats,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
+    let d = super::helpers::stats(py, "PinnedStager.stats()", &[("skipped", "skipped_copies")])?;
     d.set_item("copies", s.copies)?;
     d.set_item("host_copies", s.host_copies)?;
-    d.set_item("skipped", s.skipped)?;
+    d.set_item("skipped_copies", s.skipped_copies)?;
     d.set_item("bytes", s.bytes)?;
     d.set_item("waits", s.waits)?;
     d.set_item("queries", s.queries)?;
@@ -141,7 +141,10 @@ fn options<'a>(
 impl PyStager {
     /// Makes a stager; see the class.
     #[new]
-    #[pyo3(signature = (dtype, numel=None, depth=None, *, device=None))]
+    #[pyo3(
+        signature = (dtype, numel=None, depth=None, *, device=None),
+        text_signature = "(dtype, numel=256, depth=16, *, device=None)"
+    )]
     fn new(
         py: Python<'_>,
         dtype: &Bound<'_, PyAny>,
@@ -265,13 +268,24 @@ impl PyStager {
     ///     >>> t = st.target(torch.zeros(256, dtype=torch.int32, device="cuda"), pad_value=0)
     ///     >>> t.copy_(numpy.arange(10, dtype=numpy.int32))
     ///     True
-    #[pyo3(signature = (dst, pad_value=None, *, skip_unchanged=false))]
-    fn target(
-        slf: &Bound<'_, Self>,
-        dst: &Bound<'_, PyAny>,
-        pad_value: Option<&Bound<'_, PyAny>>,
+    #[pyo3(
+        signature = (dst, *legacy, pad_value=None, skip_unchanged=false),
+        text_signature = "(self, dst, *, pad_value=None, skip_unchanged=False)"
+    )]
+    fn target<'py>(
+        slf: &Bound<'py, Self>,
+        dst: &Bound<'py, PyAny>,
+        legacy: &Bound<'py, PyTuple>,
+        mut pad_value: Option<Bound<'py, PyAny>>,
         skip_unchanged: bool,
     ) -> PyResult<StagedTarget> {
+        super::args::legacy_positional(
+            legacy,
+            &["pad_value"],
+            &mut [&mut pad_value],
+            "PinnedStager.target(dst, pad)",
+            "target(dst, pad_value=pad)",
+        )?;
         let me = slf.get();
         me.stager()?;
         let d = me.dtype;
@@ -285,7 +299,7 @@ impl PyStager {
         }
         let pad = pad_value
             .filter(|p| !p.is_none())
-            .map(|p| scalar_bytes(p, d))
+            .map(|p| scalar_bytes(&p, d))
             .transpose()?;
         Ok(StagedTarget {
             stager: slf.clone().unbind(),
@@ -296,7 +310,7 @@ impl PyStager {
         })
     }
 
-    /// Counters: ``copies``, ``host_copies``, ``skipped``, ``bytes``, ``waits``, ``queries``,
+    /// Counters: ``copies``, ``host_copies``, ``skipped_copies``, ``bytes``, ``waits``, ``queries``,
     /// ``growths``, ``pinned_bytes``.
     ///
     /// Raises:

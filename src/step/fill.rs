@@ -156,8 +156,9 @@ impl StepStager {
         if self.mode != StepMode::ZeroCopy {
             return Err(Error::arg(
                 "mode",
-                self.mode.to_string(),
-                "zero-copy mode for device views of a slot",
+                format!("'{}'", self.mode),
+                "'zero_copy' for device views of a slot (make the stager with \
+                 mode='zero_copy'; in arena mode export the arena's field with field(name))",
             ));
         }
         if self.core.device().is_none() {
@@ -178,8 +179,9 @@ impl StepStager {
         if self.mode != StepMode::ZeroCopy {
             return Err(Error::arg(
                 "mode",
-                self.mode.to_string(),
-                "zero-copy mode for device views of a slot",
+                format!("'{}'", self.mode),
+                "'zero_copy' for device views of a slot (make the stager with \
+                 mode='zero_copy'; in arena mode export the arena's field with field(name))",
             ));
         }
         if slot >= self.depth() {

@@ -139,7 +139,7 @@ def test_copies(value, param):
 @given(hostile)
 def test_module_functions(value):
     call_ok(lambda: pinstage.set_pool_budget(value), "nbytes")
-    call_ok(lambda: pinstage.pool_stats(value), "device")
+    call_ok(lambda: pinstage.pool_stats(device=value), "device")
     call_ok(lambda: pinstage.is_pinned(value), "obj")
     p = pinstage.copy_d2h_async(np.arange(3))
     call_ok(lambda: p.wait(timeout=value), "timeout")
@@ -183,8 +183,8 @@ def test_step_calls_refuse_and_write_nothing(value, param):
 
     def run():
         with stager.step(stream=args["stream"]) as step:
-            step.put(args["name"], args["values"], args["pad_value"], args["rows"])
-            step.view(args["name"], args["view_rows"])
+            step.put(args["name"], args["values"], pad_value=args["pad_value"], rows=args["rows"])
+            step.view(args["name"], rows=args["view_rows"])
 
     try:
         run()
@@ -200,12 +200,12 @@ def test_step_calls_refuse_and_write_nothing(value, param):
 
 
 @SETTINGS
-@given(hostile, st.sampled_from(["fields", "pad_values", "rows", "stream"]))
+@given(hostile, st.sampled_from(["fields", "pad_value", "rows", "stream"]))
 def test_step_stage_refuses_and_writes_nothing(value, param):
     layout = pinstage.StepLayout(STEP_LAYOUT)
     stager = pinstage.StepStager(layout, depth=1)
     stager.stage({"ids": [5, 6, 7]})
-    kwargs = {"pad_values": None, "rows": None, "stream": None}
+    kwargs = {"pad_value": None, "rows": None, "stream": None}
     fields = {"ids": [1]}
     if param == "fields":
         fields = value

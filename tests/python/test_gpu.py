@@ -137,7 +137,7 @@ def test_bound_target_mirror_and_plan_thread(gpu):
     vals = np.arange(1, 257, dtype=np.int32)
     assert t.copy_(vals)
     assert not t.copy_(vals)
-    assert st.stats()["skipped"] == 1
+    assert st.stats()["skipped_copies"] == 1
     errors = []
 
     def plan():  # a plan thread that never touched CUDA: no current context
@@ -224,7 +224,7 @@ def test_pool_reuse_and_budget(gpu):
         assert (big == 1).all()
         s = pinstage.pool_stats()
         assert s["pageable_fallbacks"] >= 1
-        assert s["in_use_bytes"] + s["cached_bytes"] <= base + (2 << 20)
+        assert s["in_use_bytes"] + s["pooled_bytes"] <= base + (2 << 20)
     finally:
         pinstage.set_pool_budget(4 << 30)
 
@@ -558,12 +558,12 @@ def test_leaks_pinned_arrays_pool_blocks_and_stagers(gpu):
         a = pinstage.empty_pinned(64, np.int32)
         a[0] = i
     src = torch.arange(1024, dtype=torch.int32, device="cuda")
-    budget = pinstage.pool_stats()["budget_bytes"]
+    budget = pinstage.pool_stats()["max_outstanding_bytes"]
     for i in range(100_000):
         b = pinstage.copy_d2h(src)
         assert b[5] == 5
         s = pinstage.pool_stats()
-        assert s["in_use_bytes"] + s["cached_bytes"] <= budget
+        assert s["in_use_bytes"] + s["pooled_bytes"] <= budget
     del a, b
     for i in range(1000):
         st = pinstage.PinnedStager(np.int32, 256, 8)
@@ -697,7 +697,7 @@ elif case == "used-then-closed-cupy":
     # Taken as a live stream first (pinstage remembers live handles), then destroyed.
     s = cp.cuda.Stream(non_blocking=True)
     h = s.ptr
-    pinstage.copy_h2d(torch.zeros(4, dtype=torch.int32, device="cuda"), np.arange(4, dtype=np.int32), stream=h).wait()
+    pinstage.copy_h2d(torch.zeros(4, dtype=torch.int32, device="cuda"), np.arange(4, dtype=np.int32), stream=h)
     s.synchronize()  # idle, so the driver frees it at once
     del s
     gc.collect()
@@ -800,7 +800,7 @@ def test_live_stream_integers_are_accepted(gpu):
     for i, h in enumerate([ts.cuda_stream, cs.ptr, blocking.ptr, torch.cuda.current_stream().cuda_stream, 1, 2]):
         dst = torch.full((16,), -7, dtype=torch.int32, device="cuda")
         src = np.arange(16, dtype=np.int32) * 3 + i
-        pinstage.copy_h2d(dst, src, stream=h).wait()
+        pinstage.copy_h2d(dst, src, stream=h)
         assert (dst.cpu().numpy() == src).all()
         step.stage({"ids": [i + 11, i + 12]}, stream=h)
         if h > 2:

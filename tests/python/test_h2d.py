@@ -19,7 +19,11 @@ def test_host_destination_is_a_plain_copy(name):
     src = rand_values(name, 1001, seed=3)
     raw = np.full(1001 * dt.itemsize + 8, POISON, np.uint8)
     dst = raw[: 1001 * dt.itemsize].view(dt).reshape(7, 143)
-    p = pinstage.copy_h2d(dst, src)
+    pinstage.copy_h2d(dst, src)
+    assert dst.reshape(-1).tobytes() == src.tobytes()
+    assert (raw[1001 * dt.itemsize :] == POISON).all()
+    raw[:] = POISON
+    p = pinstage.copy_h2d_async(dst, src)
     assert p.done() and p.wait() is dst
     assert dst.reshape(-1).tobytes() == src.tobytes()
     assert (raw[1001 * dt.itemsize :] == POISON).all()
@@ -49,7 +53,7 @@ def test_numpy_sources_read_directly_or_through_dlpack(make):
         assert (raw == POISON).all()
         return
     before = _Sub.dlpack_calls
-    pinstage.copy_h2d(dst, src).wait()
+    pinstage.copy_h2d(dst, src)
     np.testing.assert_array_equal(dst, vals)
     assert (raw[1001 * 4 :] == POISON).all()
     # A subclass is read through its DLPack export (an exact ndarray's cannot be observed).
@@ -67,9 +71,9 @@ class _Sub(np.ndarray):
 @pytest.mark.parametrize(
     "dst,src,exc,match",
     [
-        (np.zeros(4, np.int32), np.zeros(4, np.int64), TypeError, "expected int32, got int64"),
-        (np.zeros(4, np.uint8), np.zeros(4, np.bool_), TypeError, "expected uint8, got bool"),
-        (np.zeros(4, np.int16), np.zeros(4, np.uint16), TypeError, "expected int16, got uint16"),
+        (np.zeros(4, np.int32), np.zeros(4, np.int64), TypeError, "dtype must be int32; got int64"),
+        (np.zeros(4, np.uint8), np.zeros(4, np.bool_), TypeError, "dtype must be uint8; got bool"),
+        (np.zeros(4, np.int16), np.zeros(4, np.uint16), TypeError, "dtype must be int16; got uint16"),
         (np.zeros(6, np.int32), np.zeros((2, 3), np.int32, order="F"), ValueError, "not contiguous"),
         (np.zeros(4, np.int32), np.zeros(5, np.int32), ValueError, "src has 5 elements"),
         (np.zeros(4, np.int32), [1, 2, 3, 4], TypeError, "src must be a host array"),
@@ -118,7 +122,7 @@ def test_torch_destination_every_size(gpu, name, n, pinned):
         src = host
     raw = torch.full((n * dt.itemsize + 16,), POISON, dtype=torch.uint8, device="cuda")
     dst = raw[: n * dt.itemsize].view(getattr(torch, name))
-    p = pinstage.copy_h2d(dst, src)
+    p = pinstage.copy_h2d_async(dst, src)
     assert p.wait() is dst
     torch.cuda.synchronize()
     got = raw.cpu().numpy()
@@ -135,7 +139,7 @@ def test_pageable_source_may_change_at_once_pinned_after_wait(gpu):
     dst = torch.full((n,), -1, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
     torch.cuda._sleep(100_000_000)  # the copies queue behind ~50 ms of GPU time
-    p = pinstage.copy_h2d(dst, src)
+    p = pinstage.copy_h2d_async(dst, src)
     src[:] = -7  # documented: a pageable source may change as soon as the call returned
     assert p.wait() is dst  # the last pieces land
     torch.cuda.synchronize()
@@ -144,12 +148,20 @@ def test_pageable_source_may_change_at_once_pinned_after_wait(gpu):
     pin[:] = vals + 5
     dst.fill_(-1)
     torch.cuda._sleep(100_000_000)
-    p = pinstage.copy_h2d(dst, pin)
+    p = pinstage.copy_h2d_async(dst, pin)
     assert not p.done(), "one DMA from pinned memory, queued behind the sleep"
     p.wait()
     pin[:] = -9  # after wait() the pinned source may change
     torch.cuda.synchronize()
     np.testing.assert_array_equal(dst.cpu().numpy(), vals + 5)
+    # copy_h2d completes: behind the same sleep, it returns only once the pinned source may change.
+    pin[:] = vals + 11
+    dst.fill_(-1)
+    torch.cuda._sleep(100_000_000)
+    pinstage.copy_h2d(dst, pin)
+    pin[:] = -13
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(dst.cpu().numpy(), vals + 11)
 
 
 @pytest.mark.gpu
@@ -168,7 +180,7 @@ def test_stream_order_and_cupy_and_torch_cpu_sources(gpu):
     np.testing.assert_array_equal(dst.cpu().numpy(), src.numpy())
     c = cp.full(4096, -1, dtype=cp.int16)
     cs = cp.cuda.Stream(non_blocking=True)
-    pinstage.copy_h2d(c, np.arange(4096, dtype=np.int16), stream=cs).wait()
+    pinstage.copy_h2d(c, np.arange(4096, dtype=np.int16), stream=cs)
     cs.synchronize()
     np.testing.assert_array_equal(cp.asnumpy(c), np.arange(4096, dtype=np.int16))
 

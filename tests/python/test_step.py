@@ -131,8 +131,8 @@ def test_steps_commit_every_field_every_step():
         with st.step() as step:
             for name in ("input_ids", "positions", "seq_lens", "block_table"):
                 step.put(name, vals[name])
-            step.view("slot_mapping", 256)[:] = vals["slot_mapping"]
-            step.view("query_start_loc", 65)[:] = vals["query_start_loc"]
+            step.view("slot_mapping", rows=256)[:] = vals["slot_mapping"]
+            step.view("query_start_loc", rows=65)[:] = vals["query_start_loc"]
         check_arena(st, vals)
     s = st.stats()
     assert s["steps"] == 12 and s["aborted"] == 0 and s["copies"] + s["batches"] >= 12
@@ -143,7 +143,7 @@ def test_stage_in_one_call_with_pads_and_rows():
     st = pinstage.StepStager(layout)
     st.stage(
         {"ids": [1, 2, 3], "table": np.array([[1, 2], [3, 4]], np.int32)},
-        pad_values={"ids": -1, "table": 0},
+        pad_value={"ids": -1, "table": 0},
         rows={"ids": 6, "table": 3},
     )
     assert st.read_field("ids")[:6].tolist() == [1, 2, 3, -1, -1, -1]
@@ -187,9 +187,9 @@ def test_stage_resolves_names_interned_or_built(k):
         (lambda s: s.put("table", [1, 2]), pinstage.PinstageValueError),
         (lambda s: s.put("table", np.ones((2, 5), np.int32), pad_value=0), pinstage.PinstageValueError),
         (lambda s: s.put("table", np.ones((2, 3), np.int32)), pinstage.PinstageValueError),
-        (lambda s: s.view("ids", 65), pinstage.PinstageValueError),
+        (lambda s: s.view("ids", rows=65), pinstage.PinstageValueError),
         (lambda s: s.view("nope"), KeyError),
-        (lambda s: s.device("ids"), (pinstage.PinstageValueError, pinstage.CudaUnavailableError)),
+        (lambda s: s.field("ids"), (pinstage.PinstageValueError, pinstage.CudaUnavailableError)),
     ],
 )
 def test_bad_input_is_typed_writes_nothing_and_releases_the_slot(call, exc):
@@ -211,7 +211,7 @@ def test_bad_input_is_typed_writes_nothing_and_releases_the_slot(call, exc):
 def test_views_are_read_only_after_commit_and_abort():
     st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 64)}), depth=2)
     step = st.step()
-    v = step.view("ids", 4)
+    v = step.view("ids", rows=4)
     v[:] = [1, 2, 3, 4]
     step.commit()
     with pytest.raises(ValueError, match="read-only"):
@@ -353,7 +353,7 @@ def test_a_framework_stream_object_is_read_once_others_every_time():
     # A new torch-like object is read, and a handle that cannot be a stream is refused even
     # right after a cached one.
     bad = stream_type("torch.cuda.streams", 3)()
-    with pytest.raises(pinstage.PinstageValueError, match="not a CUDA stream"):
+    with pytest.raises(pinstage.PinstageValueError, match="no CUDA stream"):
         st.stage({"ids": [3]}, stream=bad)
     st.stage({"ids": [4]}, stream=torch_like)
     assert len(calls) == 5 and calls[-1] is bad
@@ -383,7 +383,7 @@ def test_bound_host_arena():
     assert arena[:12].view(np.int32).tolist() == [9, 8, 7]
     assert np.from_dlpack(st.field("ids"))[:3].tolist() == [9, 8, 7]  # a bound host arena exports
     for bad, match in (
-        (arena[: layout.nbytes - 1], "arena holds .* bytes but the layout needs"),
+        (arena[: layout.nbytes - 1], "the arena must hold the layout's"),
         (raw[off + 4 : off + 4 + layout.nbytes], "arena.*aligned"),
     ):
         with pytest.raises(pinstage.PinstageValueError, match=match):
@@ -478,7 +478,7 @@ def test_many_threads_one_stager_every_step_checked():
                 v = np.arange(512, dtype=np.int64) + t * 1_000_000 + k * 1000
                 with st.step() as step:
                     step.put("a", v)
-                    step.view("b", 4)[:] = [t, k, 1, 2]
+                    step.view("b", rows=4)[:] = [t, k, 1, 2]
                 if not st.cuda:
                     f = layout.unpack(np.from_dlpack(step.block))
                     assert np.array_equal(f["a"], v) and f["b"][:4].tolist() == [t, k, 1, 2], (t, k)
@@ -528,7 +528,7 @@ def test_torch_arena_every_field_every_step(gpu, how, max_gap):
                         if how == "put":
                             step.put(name, v)
                         else:
-                            step.view(name, len(v))[:] = v
+                            step.view(name, rows=len(v))[:] = v
         s.synchronize()
         for name, v in vals.items():
             got = fields[name][: len(v)].cpu().numpy()
@@ -680,12 +680,12 @@ def test_zero_copy_kernels_read_the_slot(gpu):
         w = np.full((10, 16), k + 0.5, np.float32)
         with st.step(stream=s) as step:
             step.put("ids", ids)
-            early = step.view("w", 10)
+            early = step.view("w", rows=10)
             early[:] = w
-            t_ids = torch.from_dlpack(step.device("ids"))
+            t_ids = torch.from_dlpack(step.field("ids"))
             # The fields went to the device: views taken before turn read-only.
             assert not early.flags.writeable
-            t_w = torch.from_dlpack(step.device("w"))
+            t_w = torch.from_dlpack(step.field("w"))
             assert t_ids.shape == (300,) and t_w.shape == (10, 16) and t_ids.is_cuda
             with pytest.raises(pinstage.StepStateError):
                 step.put("ids", ids)
@@ -721,12 +721,12 @@ def test_an_aborted_zero_copy_step_is_not_rewritten_under_its_readers(gpu, how):
         with pytest.raises(RuntimeError, match="planned"):
             with st.step(stream=s) as step:
                 step.put("ids", old)
-                seen = read(step.device("ids"))
+                seen = read(step.field("ids"))
                 raise RuntimeError("planned")
     else:
         step = st.step(stream=s)
         step.put("ids", old)
-        seen = read(step.device("ids"))
+        seen = read(step.field("ids"))
         held = [getattr(getattr(r, "f_code", None), "co_name", type(r).__name__) for r in gc.get_referrers(step)]
         refs = sys.getrefcount(step)
         del step
@@ -1035,12 +1035,12 @@ def test_views_turn_read_only_when_their_step_is_dropped():
 def test_stage_refuses_rows_and_pads_of_fields_it_does_not_write():
     st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 8), "pos": ("int64", 8)}), depth=1)
     with pytest.raises(pinstage.UnknownFieldError):
-        st.stage({"ids": [1, 2]}, rows={"idz": 8}, pad_values={"ids": 0})
+        st.stage({"ids": [1, 2]}, rows={"idz": 8}, pad_value={"ids": 0})
     with pytest.raises(pinstage.UnknownFieldError):
-        st.stage({"ids": [1, 2]}, pad_values={"idz": 0})
+        st.stage({"ids": [1, 2]}, pad_value={"idz": 0})
     with pytest.raises(pinstage.PinstageValueError, match="does not write"):
-        st.stage({"ids": [1, 2]}, rows={"pos": 8}, pad_values={"ids": 0})
-    st.stage({"ids": [1, 2]}, rows={"ids": 4}, pad_values={"ids": -1})
+        st.stage({"ids": [1, 2]}, rows={"pos": 8}, pad_value={"ids": 0})
+    st.stage({"ids": [1, 2]}, rows={"ids": 4}, pad_value={"ids": -1})
     assert st.read_field("ids").view(np.int32)[:4].tolist() == [1, 2, -1, -1]
 
 

@@ -50,7 +50,7 @@ def test_without_a_driver_cuda_unavailable():
     for fw in ("torch", "cupy", "jax", "dlpack"):
         with pytest.raises(pinstage.CudaUnavailableError):
             pinstage.to_device(np.arange(4, dtype=np.int32), fw)
-    assert pinstage.device_pool_stats() == {"live_arrays": 0, "live_bytes": 0, "reserved_bytes": 0}
+    assert pinstage.device_pool_stats() == {"in_use_arrays": 0, "in_use_bytes": 0, "outstanding_bytes": 0, "pooled_bytes": 0}
 
 
 def test_framework_and_like_must_agree():
@@ -348,13 +348,13 @@ def test_many_results_dropped_leave_nothing(gpu, fw):
         del x
     gc.collect()
     s = pinstage.device_pool_stats()
-    assert (s["live_arrays"], s["live_bytes"]) == (base["live_arrays"], base["live_bytes"])
-    assert s["reserved_bytes"] <= base["reserved_bytes"] + (64 << 20)
+    assert (s["in_use_arrays"], s["in_use_bytes"]) == (base["in_use_arrays"], base["in_use_bytes"])
+    assert s["outstanding_bytes"] <= base["outstanding_bytes"] + (64 << 20)
     assert torch.cuda.memory_allocated() == torch_base
-    reserved = pinstage.device_pool_stats()["reserved_bytes"]
+    reserved = pinstage.device_pool_stats()["outstanding_bytes"]
     pinstage.empty_cache()
     assert pinstage.pinned_bytes() <= pinned
-    after = pinstage.device_pool_stats()["reserved_bytes"]
+    after = pinstage.device_pool_stats()["outstanding_bytes"]
     if fw != "torch":  # pinstage's pool held memory for the results: the trim gave it back
         assert after < reserved, (after, reserved)
 

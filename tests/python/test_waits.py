@@ -41,7 +41,7 @@ def test_wait_returns_once_the_copy_completed(gpu, direction, nbytes):
         torch.cuda.synchronize()
         _stall(torch, s, 60)
         if direction == "h2d":
-            p = pinstage.copy_h2d(dst, src, stream=s)
+            p = pinstage.copy_h2d_async(dst, src, stream=s)
         else:
             p = pinstage.copy_d2h_async(src, dst, stream=s)
         after = torch.cuda.Event()

@@ -187,21 +187,37 @@ impl PyStep {
     ///
     /// Example:
     ///     >>> step.put("ids", [5, 6, 7], pad_value=0, rows=8)
-    #[pyo3(signature = (name, values, pad_value=None, rows=None))]
-    fn put(
+    #[pyo3(
+        signature = (name, values, *legacy, pad_value=None, rows=None),
+        text_signature = "(self, name, values, *, pad_value=None, rows=None)"
+    )]
+    fn put<'py>(
         &self,
-        name: &Bound<'_, PyAny>,
-        values: &Bound<'_, PyAny>,
-        pad_value: Option<&Bound<'_, PyAny>>,
-        rows: Option<&Bound<'_, PyAny>>,
+        name: &Bound<'py, PyAny>,
+        values: &Bound<'py, PyAny>,
+        legacy: &Bound<'py, pyo3::types::PyTuple>,
+        mut pad_value: Option<Bound<'py, PyAny>>,
+        mut rows: Option<Bound<'py, PyAny>>,
     ) -> PyResult<()> {
-        self.put_inner(&field_name(name)?, values, pad_value, rows)
+        crate::python::args::legacy_positional(
+            legacy,
+            &["pad_value", "rows"],
+            &mut [&mut pad_value, &mut rows],
+            "Step.put(name, values, pad, rows)",
+            "put(name, values, pad_value=pad, rows=rows)",
+        )?;
+        self.put_inner(
+            &field_name(name)?,
+            values,
+            pad_value.as_ref(),
+            rows.as_ref(),
+        )
     }
 
     /// A writable numpy view of the first ``rows`` rows of field ``name`` in this step's slot,
     /// for planning code to write in place (zero copies); those rows are sent at commit, holding
     /// whatever they hold then (a new view shows what the slot's last step left there). The view
-    /// turns read-only when the step ends or its fields go to the device (``device``); arrays
+    /// turns read-only when the step ends or its fields go to the device (``field``); arrays
     /// derived from it before (slices, ``memoryview``) keep numpy's writeable flag: write through
     /// them only inside the step.
     ///
@@ -218,12 +234,24 @@ impl PyStep {
     ///
     /// Example:
     ///     >>> step.view("ids", 3)[:] = [1, 2, 3]
-    #[pyo3(signature = (name, rows=None))]
+    #[pyo3(
+        signature = (name, *legacy, rows=None),
+        text_signature = "(self, name, *, rows=None)"
+    )]
     fn view<'py>(
         slf: &Bound<'py, Self>,
         name: &Bound<'py, PyAny>,
-        rows: Option<&Bound<'py, PyAny>>,
+        legacy: &Bound<'py, pyo3::types::PyTuple>,
+        mut rows: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        crate::python::args::legacy_positional(
+            legacy,
+            &["rows"],
+            &mut [&mut rows],
+            "Step.view(name, rows)",
+            "view(name, rows=rows)",
+        )?;
+        let rows = rows.as_ref();
         let py = slf.py();
         let me = slf.get();
         let name = field_name(name)?;
@@ -278,7 +306,7 @@ impl PyStep {
     /// Raises:
     ///     PinstageValueError: not zero-copy mode. CudaUnavailableError: no driver.
     ///     UnknownFieldError, StepStateError.
-    fn device(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<DeviceArray> {
+    fn field(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<DeviceArray> {
         let name = field_name(name)?;
         let name = name.as_str();
 
@@ -303,6 +331,12 @@ impl PyStep {
                 sync: Order::None,
             })
         })
+    }
+
+    /// Deprecated: ``field(name)``.
+    fn device(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<DeviceArray> {
+        crate::python::errors::deprecated(py, "Step.device(name)", "Step.field(name)")?;
+        self.field(py, name)
     }
 
     /// Commits the step on its stream (see ``StepStager``) and ends it; views turn read-only.

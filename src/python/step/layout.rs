@@ -36,19 +36,44 @@ pub struct PyStepLayout {
     pub(super) layout: StepLayout,
 }
 
-/// `skip_unchanged`: None, one name, or an iterable of names.
-pub(super) fn skip_names(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<String>> {
+/// `skip_unchanged`: None or False (no field), True (every field), one name, or a sequence of
+/// distinct names (`all`: the layout's names).
+pub(super) fn skip_names(obj: Option<&Bound<'_, PyAny>>, all: &[String]) -> PyResult<Vec<String>> {
     let Some(obj) = obj.filter(|o| !o.is_none()) else {
         return Ok(Vec::new());
     };
-    let bad = || type_err("skip_unchanged must be a field name or a sequence of field names");
+    if let Ok(b) = obj.cast::<pyo3::types::PyBool>() {
+        return Ok(if b.is_true() {
+            all.to_vec()
+        } else {
+            Vec::new()
+        });
+    }
+    let bad = || {
+        type_err(format!(
+            "skip_unchanged must be True, a field name or a sequence of field names; got {}",
+            crate::python::errors::type_name(obj)
+        ))
+    };
     if let Ok(s) = obj.cast::<PyString>() {
         return Ok(vec![s.to_cow()?.into_owned()]);
     }
-    obj.try_iter()
+    if obj.is_instance_of::<PyDict>() || obj.is_instance_of::<pyo3::types::PySet>() {
+        return Err(bad());
+    }
+    let names: Vec<String> = obj
+        .try_iter()
         .map_err(|_| bad())?
         .map(|it| it?.extract::<String>().map_err(|_| bad()))
-        .collect()
+        .collect::<PyResult<_>>()?;
+    for (i, n) in names.iter().enumerate() {
+        if names[..i].contains(n) {
+            return Err(value_err(format!(
+                "skip_unchanged must name each field once; got {n:?} twice"
+            )));
+        }
+    }
+    Ok(names)
 }
 
 pub(super) fn parse_shape(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<usize>> {
@@ -72,8 +97,22 @@ pub(super) fn parse_shape(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<us
 #[pymethods]
 impl PyStepLayout {
     #[new]
-    #[pyo3(signature = (fields, skip_unchanged=None))]
-    fn new(fields: &Bound<'_, PyAny>, skip_unchanged: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+    #[pyo3(
+        signature = (fields, *legacy, skip_unchanged=None),
+        text_signature = "(fields, *, skip_unchanged=None)"
+    )]
+    fn new<'py>(
+        fields: &Bound<'py, PyAny>,
+        legacy: &Bound<'py, PyTuple>,
+        mut skip_unchanged: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Self> {
+        crate::python::args::legacy_positional(
+            legacy,
+            &["skip_unchanged"],
+            &mut [&mut skip_unchanged],
+            "StepLayout(fields, names)",
+            "StepLayout(fields, skip_unchanged=names)",
+        )?;
         let mut entries: Vec<(String, Bound<'_, PyAny>, Bound<'_, PyAny>)> = Vec::new();
         if let Ok(d) = fields.cast::<PyDict>() {
             for (k, v) in d.iter() {
@@ -101,7 +140,8 @@ impl PyStepLayout {
                 entries.push((name, dtype, shape));
             }
         }
-        let skip = skip_names(skip_unchanged)?;
+        let all: Vec<String> = entries.iter().map(|e| e.0.clone()).collect();
+        let skip = skip_names(skip_unchanged.as_ref(), &all)?;
         for s in &skip {
             if !entries.iter().any(|(n, _, _)| n == s) {
                 return Err(Error::UnknownField {
@@ -163,13 +203,17 @@ impl PyStepLayout {
                 skip.push(f.name().to_owned());
             }
         }
+        // `functools.partial(StepLayout, skip_unchanged=names)(fields)`: rebuilt through the
+        // keyword (a positional `skip_unchanged` is deprecated and would warn).
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("skip_unchanged", PyList::new(py, skip)?)?;
+        let ctor = py
+            .import("functools")?
+            .getattr("partial")?
+            .call((slf.get_type(),), Some(&kwargs))?;
         PyTuple::new(
             py,
-            [
-                slf.get_type().into_any(),
-                PyTuple::new(py, [fields.into_any(), PyList::new(py, skip)?.into_any()])?
-                    .into_any(),
-            ],
+            [ctor, PyTuple::new(py, [fields.into_any()])?.into_any()],
         )
     }
 
@@ -217,10 +261,7 @@ impl PyStepLayout {
         slf: &Bound<'py, Self>,
         packed: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let py = slf.py();
-        py.import("pinstage._unpack")?
-            .getattr("unpack")?
-            .call1((slf, packed))
+        crate::python::helpers::unpack(slf.as_any(), packed)
     }
 
     fn __len__(&self) -> usize {

@@ -50,7 +50,7 @@ use std::sync::Arc;
 ///         ``layout.nbytes``) that is never rewritten while any import of it lives: import it once
 ///         into JAX (``jax.dlpack.from_dlpack``) and split it with ``layout.unpack`` inside jit.
 ///         Fields not written in a step hold unspecified bytes in its block.
-///     ``"zero_copy"``: no copy at all; ``Step.device(name)`` exports the slot's field itself
+///     ``"zero_copy"``: no copy at all; ``Step.field(name)`` exports the slot's field itself
 ///         (mapped pinned memory, read by kernels over PCIe) and the commit records the slot's
 ///         event after the consumer's work on the step's stream. Wins for small fields read once
 ///         per step; loses for data read many times, and with CUDA graphs (they would capture one
@@ -161,7 +161,10 @@ impl PyStepStager {
 #[pymethods]
 impl PyStepStager {
     #[new]
-    #[pyo3(signature = (layout, *, device=None, depth=None, mode=None, arena=None, max_gap=None, batch=None))]
+    #[pyo3(
+        signature = (layout, *, device=None, depth=None, mode=None, arena=None, max_gap=None, batch=None),
+        text_signature = "(layout, *, device=None, depth=4, mode='arena', arena=None, max_gap=None, batch=True)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -262,8 +265,8 @@ impl PyStepStager {
     ///
     /// Parameters:
     ///     fields (dict): ``{name: values}`` (lists, numpy arrays, torch CPU tensors...).
-    ///     pad_values (dict, optional): ``{name: pad}`` for fields whose values do not fill the rows
-    ///         sent.
+    ///     pad_value (dict, optional): ``{name: pad}`` for fields whose values do not fill the rows
+    ///         sent (``pad_values=`` is the deprecated spelling).
     ///     rows (dict, optional): ``{name: rows}`` sent per field (default: the values' rows).
     ///     stream: as ``step``.
     ///
@@ -276,23 +279,43 @@ impl PyStepStager {
     ///
     /// Example:
     ///     >>> st.stage({"ids": ids, "table": table}, stream=torch.cuda.current_stream())
-    #[pyo3(signature = (fields, *, pad_values=None, rows=None, stream=None))]
+    #[pyo3(
+        signature = (fields, *, pad_value=None, rows=None, stream=None, pad_values=None),
+        text_signature = "(self, fields, *, pad_value=None, rows=None, stream=None)"
+    )]
     fn stage(
         slf: &Bound<'_, Self>,
         fields: &Bound<'_, PyAny>,
-        pad_values: Option<&Bound<'_, PyAny>>,
+        pad_value: Option<&Bound<'_, PyAny>>,
         rows: Option<&Bound<'_, PyAny>>,
         stream: Option<&Bound<'_, PyAny>>,
+        pad_values: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<Py<DeviceArray>>> {
         crate::python::linger::reap(slf.py());
+        let pad_value = match (pad_value, pad_values.filter(|p| !p.is_none())) {
+            (Some(p), Some(_)) if !p.is_none() => {
+                return Err(type_err(
+                    "stage(pad_value=..., pad_values=...): give pad_value only",
+                ));
+            }
+            (_, Some(old)) => {
+                crate::python::errors::deprecated(
+                    slf.py(),
+                    "stage(pad_values=...)",
+                    "stage(pad_value=...)",
+                )?;
+                Some(old)
+            }
+            (p, None) => p,
+        };
         let fields = dict_arg(Some(fields), "fields")?
-            .ok_or_else(|| type_err("fields must be a dict {field name: values}, got None"))?;
-        let pad_values = dict_arg(pad_values, "pad_values")?;
+            .ok_or_else(|| type_err("fields must be a dict {field name: values}; got None"))?;
+        let pad_values = dict_arg(pad_value, "pad_value")?;
         let rows = dict_arg(rows, "rows")?;
         let me = slf.get();
         // Every name in `pad_values` and `rows` must be a field written by this call: a
         // misspelled one would be ignored otherwise.
-        for (what, d) in [("pad_values", &pad_values), ("rows", &rows)] {
+        for (what, d) in [("pad_value", &pad_values), ("rows", &rows)] {
             if let Some(d) = d {
                 for k in d.keys() {
                     let name = k
@@ -486,7 +509,7 @@ impl PyStepStager {
     ///     dict: the counters (monotonic).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
-        let d = PyDict::new(py);
+        let d = crate::python::helpers::stats(py, "StepStager.stats()", &[])?;
         d.set_item("steps", s.steps)?;
         d.set_item("copies", s.copies)?;
         d.set_item("batches", s.batches)?;

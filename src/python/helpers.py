@@ -1,12 +1,60 @@
-"""``StepLayout.unpack``: a packed step (1-D uint8) split into its fields, without copies.
-
-For JAX (inside or outside ``jax.jit``) the fields are slices bitcast with
-``lax.bitcast_convert_type``; for torch, cupy and numpy they are ``.view(dtype)`` views.
+"""Python pieces of the native module ``pinstage._native``, loaded from the extension itself
+(``src/python/helpers.rs``), never from the ``pinstage`` package: the stats dicts (a renamed
+key still reads for one minor version, with a warning), ``NvtxRange`` as a decorator, and
+``StepLayout.unpack``. ``PinstageTypeError`` and ``PinstageValueError`` are set by the loader.
 """
 
-from __future__ import annotations
-
+import functools
+import warnings
 from typing import Any
+
+PinstageTypeError = TypeError  # replaced by the loader
+PinstageValueError = ValueError  # replaced by the loader
+
+
+class Stats(dict):
+    """Counters as a plain dict of numbers; an old key reads its new one, with a warning."""
+
+    __slots__ = ()
+    _owner = "stats()"
+    _renamed: dict = {}
+
+    def __missing__(self, key):
+        new = type(self)._renamed.get(key)
+        if new is None:
+            raise KeyError(key)
+        warnings.warn(
+            f"{self._owner}[{key!r}] is deprecated (removed in pinstage 0.4); write "
+            f"{self._owner}[{new!r}]",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self[new]
+
+    def get(self, key, default=None):
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
+
+
+def stats_class(owner, renamed):
+    """A ``Stats`` whose ``owner`` (``"pool_stats()"``) renamed the keys ``{old: new}``."""
+    return type("Stats", (Stats,), {"__slots__": (), "_owner": owner, "_renamed": dict(renamed)})
+
+
+def wrap(cm, func):
+    """``func`` wrapped so that each call runs inside the context manager ``cm``."""
+
+    @functools.wraps(func)
+    def inner(*args, **kwargs):
+        with cm:
+            return func(*args, **kwargs)
+
+    return inner
 
 
 def _is_jax(x: Any) -> bool:
@@ -16,15 +64,11 @@ def _is_jax(x: Any) -> bool:
 
 def _check(packed: Any, nbytes: int) -> None:
     if not hasattr(packed, "shape") or not hasattr(packed, "dtype"):
-        from ._native import PinstageTypeError
-
         raise PinstageTypeError(
             f"packed must be a 1-D uint8 array (numpy, torch, cupy or JAX), got {type(packed).__name__}"
         )
     shape = tuple(packed.shape)
     if shape != (nbytes,) or "uint8" not in str(packed.dtype):
-        from ._native import PinstageValueError
-
         raise PinstageValueError(
             f"packed must be a 1-D uint8 array of {nbytes} bytes (the layout's nbytes), "
             f"got shape {shape} of {packed.dtype}"
@@ -36,7 +80,6 @@ def _unpack_jax(fields: list, packed: Any) -> dict:
     import jax.numpy as jnp
     from jax import lax
 
-    from ._native import PinstageTypeError
 
     out = {}
     for f in fields:
@@ -88,9 +131,7 @@ def unpack(layout: Any, packed: Any) -> dict:
             out[f["name"]] = packed[off : off + n].view(_dtype_for(packed, f["dtype"])).reshape(f["shape"])
         except (ValueError, RuntimeError) as e:
             # e.g. a non-contiguous packed array, which cannot be viewed as another dtype.
-            from ._native import PinstageValueError
-
-            raise PinstageValueError(
+                raise PinstageValueError(
                 f"field {f['name']!r}: packed cannot be viewed as {f['dtype']} ({e}); pass a "
                 "contiguous 1-D uint8 array"
             ) from e
