@@ -187,14 +187,14 @@ pub(crate) fn count_arg(
 ) -> PyResult<usize> {
     let Some(int) = as_index(obj)? else {
         return Err(type_err(format!(
-            "{name} must be an int in {lo}..={hi}, got {}",
+            "{name} must be an int from {lo} to {hi}; got {}",
             type_name(obj)
         )));
     };
     match int.extract::<usize>() {
         Ok(v) if (lo..=hi).contains(&v) => Ok(v),
         _ => Err(value_err(format!(
-            "{name}={}: expected an int in {lo}..={hi}",
+            "{name} must be an int from {lo} to {hi}; got {}",
             obj.repr()?
         ))),
     }

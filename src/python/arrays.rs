@@ -143,7 +143,11 @@ pub(crate) fn numel(shape: &[i64]) -> PyResult<usize> {
         usize::try_from(d)
             .ok()
             .and_then(|d| acc.checked_mul(d))
-            .ok_or_else(|| value_err(format!("invalid shape {shape:?}")))
+            .ok_or_else(|| {
+                value_err(format!(
+                    "shape must hold at most 2**63-1 elements; got {shape:?}"
+                ))
+            })
     })
 }
 
@@ -156,7 +160,13 @@ pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     })?;
     if let Some(d) = shape.iter().find(|&&d| d < 0) {
         return Err(value_err(format!(
-            "shape {shape:?} has a negative dimension {d}"
+            "shape must have no negative dimension; got {shape:?} (dimension {d})"
+        )));
+    }
+    if shape.len() > 64 {
+        return Err(value_err(format!(
+            "shape must have at most 64 dimensions (numpy's limit); got {}",
+            shape.len()
         )));
     }
     Ok(shape)

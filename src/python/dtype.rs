@@ -24,14 +24,16 @@ pub(crate) fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<crate::DType> {
         };
         if !d.getattr("isnative")?.is_truthy()? {
             return Err(type_err(format!(
-                "unsupported dtype {}: its byte order is not the host's (use a native one, e.g. \
-                 numpy.dtype('{}').newbyteorder('='))",
+                "dtype must be in the host's byte order; got {}; use a native one, e.g. \
+                 numpy.dtype('{}').newbyteorder('=')",
                 d.repr()?,
                 d.getattr("str")?
             )));
         }
         Ok(Some(d.getattr("name")?.extract()?))
     };
+    // What the message shows: the string given, or the object as Python prints it.
+    let shown = obj.repr()?.to_string();
     let name: String = if let Ok(s) = obj.cast::<PyString>() {
         let s = s.to_string();
         if crate::DType::from_name(&s).is_some() {
@@ -57,8 +59,8 @@ pub(crate) fn parse_dtype(obj: &Bound<'_, PyAny>) -> PyResult<crate::DType> {
     };
     crate::DType::from_name(&name).ok_or_else(|| {
         type_err(format!(
-            "unsupported dtype {name:?}: expected bool, int8-64, uint8-64, float16/32/64, \
-             bfloat16, complex64/128"
+            "dtype must be bool, int8-64, uint8-64, float16/32/64, bfloat16 or complex64/128; \
+             got {shown}"
         ))
     })
 }

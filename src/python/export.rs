@@ -258,10 +258,25 @@ impl DeviceArray {
         &self,
         py: Python<'_>,
         stream: Option<&Bound<'_, PyAny>>,
-        max_version: Option<(u32, u32)>,
-        dl_device: Option<(u32, i32)>,
-        copy: Option<bool>,
+        max_version: Option<&Bound<'_, PyAny>>,
+        dl_device: Option<&Bound<'_, PyAny>>,
+        copy: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
+        let max_version = pair::<u32, u32>(max_version, "max_version", "(major, minor)")?;
+        let dl_device = pair::<u32, i32>(dl_device, "dl_device", "(device_type, device_id)")?;
+        let copy = match copy.filter(|c| !c.is_none()) {
+            None => None,
+            Some(c) => Some(
+                c.cast::<pyo3::types::PyBool>()
+                    .map(|b| b.is_true())
+                    .map_err(|_| {
+                        super::errors::type_err(format!(
+                            "copy must be True, False or None; got {}",
+                            super::errors::type_name(c)
+                        ))
+                    })?,
+            ),
+        };
         let req = ExportRequest::parse(stream, max_version, dl_device, copy)?;
         export_dlpack(self, py, req)
     }
@@ -360,4 +375,27 @@ impl DeviceArray {
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<DeviceArray>()
+}
+
+/// A DLPack keyword that is a pair of ints (`max_version`, `dl_device`): None, or a typed error
+/// that names it.
+fn pair<'py, A, B>(
+    obj: Option<&Bound<'py, PyAny>>,
+    name: &str,
+    form: &str,
+) -> PyResult<Option<(A, B)>>
+where
+    A: for<'a> FromPyObject<'a, 'py>,
+    B: for<'a> FromPyObject<'a, 'py>,
+{
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    obj.extract::<(A, B)>().map(Some).map_err(|_| {
+        super::errors::type_err(format!(
+            "{name} must be a tuple {form} of two ints; got {}",
+            obj.repr()
+                .map_or_else(|_| super::errors::type_name(obj), |r| r.to_string())
+        ))
+    })
 }

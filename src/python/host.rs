@@ -135,9 +135,11 @@ fn empty_pinned<'py>(
     };
     let d = super::dtype::parse_dtype(&dtype)?;
     let s = parse_shape(shape)?;
-    let nbytes = numel(&s)?
-        .checked_mul(d.itemsize())
-        .ok_or_else(|| value_err(format!("shape {s:?} overflows")))?;
+    let nbytes = numel(&s)?.checked_mul(d.itemsize()).ok_or_else(|| {
+        value_err(format!(
+            "shape must fit the address space in bytes; got {s:?} of {d}"
+        ))
+    })?;
     let device = super::args::parse_device(device)?;
     pinned_array(py, nbytes, d, &s, None, device, false)
 }
@@ -204,9 +206,11 @@ pub(crate) fn empty_host<'py>(
     let s = parse_shape(shape)?;
     let pool = pool_arg(pool)?;
     let device = parse_device(device)?;
-    let nbytes = numel(&s)?
-        .checked_mul(d.itemsize())
-        .ok_or_else(|| value_err(format!("shape {s:?} overflows")))?;
+    let nbytes = numel(&s)?.checked_mul(d.itemsize()).ok_or_else(|| {
+        value_err(format!(
+            "shape must fit the address space in bytes; got {s:?} of {d}"
+        ))
+    })?;
     let mem = host_block(py, pool, nbytes, device)?;
     array_on(py, mem, d, &s)
 }

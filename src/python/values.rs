@@ -133,7 +133,7 @@ fn convert_sequence(items: &[Bound<'_, PyAny>], d: DType) -> PyResult<Option<Vec
                 v as i128
             } else if it.is_instance_of::<pyo3::types::PyInt>() {
                 return Err(value_err(format!(
-                    "value {} at index {i} does not fit {d} (range {lo}..={hi})",
+                    "value {} at index {i} does not fit {d} (from {lo} to {hi})",
                     it.repr()?
                 )));
             } else {
@@ -141,7 +141,7 @@ fn convert_sequence(items: &[Bound<'_, PyAny>], d: DType) -> PyResult<Option<Vec
             };
             if v < lo || v > hi {
                 return Err(value_err(format!(
-                    "value {v} at index {i} does not fit {d} (range {lo}..={hi})"
+                    "value {v} at index {i} does not fit {d} (from {lo} to {hi})"
                 )));
             }
             out.extend_from_slice(&v.to_le_bytes()[..d.itemsize()]);
@@ -452,15 +452,30 @@ fn cast_ints(src: &[u8], width: usize, signed: bool, d: DType) -> PyResult<Optio
     }))
 }
 
-/// One element of `d` from a Python scalar.
+/// One element of `d` from a Python scalar (a pad): a value that does not convert is refused
+/// as the pad, in the pad's words.
 pub(crate) fn scalar_bytes(v: &Bound<'_, PyAny>, d: DType) -> PyResult<Vec<u8>> {
+    let py = v.py();
+    let as_pad = |e: PyErr| {
+        let why = e.value(py).to_string();
+        let msg = format!(
+            "pad_value must be one number that fits {d}; got {} ({why})",
+            v.repr().map_or_else(|_| type_name(v), |r| r.to_string())
+        );
+        if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) {
+            type_err(msg)
+        } else if e.is_instance_of::<pyo3::exceptions::PyValueError>(py) {
+            value_err(msg)
+        } else {
+            e
+        }
+    };
     // A Python int or float (the common pad): converted directly, no list built.
-    if let Some(b) = convert_sequence(std::slice::from_ref(v), d)? {
+    if let Some(b) = convert_sequence(std::slice::from_ref(v), d).map_err(as_pad)? {
         return Ok(b);
     }
-    let py = v.py();
     let list = PyList::new(py, [v])?;
-    let vals = to_values(list.as_any(), d)?;
+    let vals = to_values(list.as_any(), d).map_err(as_pad)?;
     // A sequence of several values is no pad (refused here, where the pad is given: a bound
     // target's pad is given once and used by every copy).
     if vals.bytes().len() != d.itemsize() {

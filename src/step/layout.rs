@@ -250,11 +250,11 @@ impl StepLayoutBuilder {
                 "at most 1024 fields",
             ));
         }
-        let overflow = || {
+        let overflow = |name: &str, shape: &[usize]| {
             Error::arg(
                 "shape",
-                "too large",
-                "fields that fit one arena of at most isize::MAX bytes",
+                format!("{shape:?} (field {name:?}, the arena passing that size)"),
+                "fields that fit one arena of at most 9223372036854775807 bytes",
             )
         };
         let mut fields = Vec::with_capacity(self.fields.len());
@@ -276,12 +276,15 @@ impl StepLayoutBuilder {
             }
             let offset = end
                 .checked_next_multiple_of(FIELD_ALIGN)
-                .ok_or_else(overflow)?;
+                .ok_or_else(|| overflow(&name, &shape))?;
             let bytes = shape
                 .iter()
                 .try_fold(dtype.itemsize(), |a, &d| a.checked_mul(d))
-                .ok_or_else(overflow)?;
-            end = offset.checked_add(bytes).ok_or_else(overflow)?;
+                .ok_or_else(|| overflow(&name, &shape))?;
+            end = offset
+                .checked_add(bytes)
+                .filter(|&e| e <= isize::MAX as usize - FIELD_ALIGN)
+                .ok_or_else(|| overflow(&name, &shape))?;
             fields.push(Field {
                 name,
                 dtype,
@@ -290,10 +293,8 @@ impl StepLayoutBuilder {
                 skip_unchanged: skip,
             });
         }
-        let nbytes = end
-            .checked_next_multiple_of(FIELD_ALIGN)
-            .filter(|&n| n <= isize::MAX as usize)
-            .ok_or_else(overflow)?;
+        // `end` stays a field-alignment below isize::MAX (checked per field): no overflow here.
+        let nbytes = end.next_multiple_of(FIELD_ALIGN);
         Ok(StepLayout {
             inner: Arc::new(Inner {
                 fields,

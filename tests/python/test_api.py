@@ -167,3 +167,47 @@ def test_new_spellings_do_not_warn():
         pinstage.device_pool_stats(device=0)["outstanding_bytes"]
         pinstage.StepLayout({"ids": ("int32", 8)}, skip_unchanged="ids")
         pinstage.PinnedStager("int32", numel=8, depth=2).target(np.zeros(4, np.int32), pad_value=0)
+
+
+def _aligned_arena_stager():
+    layout = pinstage.StepLayout({"a": ("int32", 4)})
+    raw = np.zeros(layout.nbytes + 256, np.uint8)
+    off = (-raw.ctypes.data) % 256
+    st = pinstage.StepStager(layout, arena=raw[off : off + layout.nbytes])
+    st.stage({"a": [1]})
+    return st
+
+
+@pytest.mark.parametrize(
+    "call,exc,words",
+    [
+        (lambda: pinstage.PinnedStager("int32", numel=0), pinstage.PinstageValueError, r"numel must be an int from 1 to \d+; got 0"),
+        (lambda: pinstage.PinnedStager("int32", numel=True), pinstage.PinstageTypeError, r"numel must be an int from 1 to \d+; got bool"),
+        (
+            lambda: pinstage.StepLayout({"ok": ("int8", 4), "huge": ("int64", (1 << 40, 1 << 20))}),
+            pinstage.PinstageValueError,
+            r"shape must be fields that fit one arena .*; got \[1099511627776, 1048576\] \(field \"huge\"",
+        ),
+        (lambda: pinstage.StepLayout({"a": ("U10", 4)}), pinstage.PinstageTypeError, r"dtype must be bool, .*; got 'U10'"),
+        (lambda: pinstage.empty_host((1,) * 65, "int8"), pinstage.PinstageValueError, r"shape must have at most 64 dimensions.*; got 65"),
+        (
+            lambda: pinstage.StepStager(pinstage.StepLayout({"a": ("int32", 4)})).slot_field(0, "a"),
+            pinstage.PinstageValueError,
+            r"mode must be 'zero_copy' .*field\(name\).*; got 'arena'",
+        ),
+        (
+            lambda: pinstage.StepStager(pinstage.StepLayout({"a": ("int32", 4)})).stage({"a": [1]}, pad_value={"a": "x"}, rows={"a": 2}),
+            pinstage.PinstageTypeError,
+            r"pad_value must be one number that fits int32; got 'x'",
+        ),
+        (lambda: pinstage.StepLayout({"a": ("int32", 4)}, skip_unchanged={"a": 1}), pinstage.PinstageTypeError, r"skip_unchanged must be .*; got dict"),
+        (lambda: pinstage.StepLayout({"a": ("int32", 4)}, skip_unchanged=["a", "a"]), pinstage.PinstageValueError, r"skip_unchanged must name each field once; got"),
+        (lambda: _aligned_arena_stager().field("a").__dlpack__(max_version="x"), pinstage.PinstageTypeError, r"max_version must be a tuple .*; got 'x'"),
+        (lambda: _aligned_arena_stager().field("a").__dlpack__(dl_device=(1,)), pinstage.PinstageTypeError, r"dl_device must be a tuple .*; got \(1,\)"),
+        (lambda: _aligned_arena_stager().field("a").__dlpack__(copy="yes"), pinstage.PinstageTypeError, r"copy must be True, False or None; got str"),
+    ],
+)
+def test_bad_arguments_get_one_message_pattern(call, exc, words):
+    """'X must be ...; got ...' naming the argument, in the class the docstring names."""
+    with pytest.raises(exc, match=words):
+        call()

@@ -23,19 +23,19 @@ def stager(dtype="int32", **kw):
     "kwargs,exc,match",
     [
         (dict(dtype=None), TypeError, "dtype=None"),
-        (dict(dtype=object()), TypeError, "unsupported dtype"),
-        (dict(dtype="object"), TypeError, "unsupported dtype"),
-        (dict(numel=-1), ValueError, "numel=-1"),
-        (dict(numel=0), ValueError, "numel=0"),
-        (dict(numel=HUGE), ValueError, "numel="),
+        (dict(dtype=object()), TypeError, "dtype must be bool"),
+        (dict(dtype="object"), TypeError, "dtype must be bool"),
+        (dict(numel=-1), ValueError, "numel must be an int from .*; got -1"),
+        (dict(numel=0), ValueError, "numel must be an int from .*; got 0"),
+        (dict(numel=HUGE), ValueError, "numel must be an int from .*; got "),
         (dict(numel=3.0), TypeError, "numel must be an int"),
         (dict(numel="3"), TypeError, "numel must be an int"),
         (dict(numel=True), TypeError, "numel must be an int"),
         (dict(numel=float("nan")), TypeError, "numel must be an int"),
-        (dict(depth=-3), ValueError, "depth=-3"),
-        (dict(depth=0), ValueError, "depth=0"),
-        (dict(depth=10**9), ValueError, "depth=1000000000"),
-        (dict(depth=HUGE), ValueError, "depth="),
+        (dict(depth=-3), ValueError, "depth must be an int from .*; got -3"),
+        (dict(depth=0), ValueError, "depth must be an int from .*; got 0"),
+        (dict(depth=10**9), ValueError, "depth must be an int from .*; got 1000000000"),
+        (dict(depth=HUGE), ValueError, "depth must be an int from .*; got "),
         (dict(depth=[1]), TypeError, "depth must be an int"),
         (dict(device=-1), ValueError, "device=-1"),
         (dict(device="gpu7"), ValueError, "cuda:N"),
@@ -74,7 +74,7 @@ def test_huge_depth_does_not_abort_the_interpreter():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "refused: depth=1000000000" in r.stdout
+    assert "refused: depth must be an int from 1 to 65536; got 1000000000" in r.stdout
 
 
 def _gen():
@@ -298,15 +298,15 @@ def test_a_name_that_is_not_valid_utf8_is_an_unknown_field():
 @pytest.mark.parametrize(
     "fn,exc,match",
     [
-        (lambda: pinstage.alloc_pinned_numpy(-1, "int32", 4), ValueError, "nbytes=-1"),
-        (lambda: pinstage.alloc_pinned_numpy(HUGE, "int32", 4), ValueError, "nbytes="),
+        (lambda: pinstage.alloc_pinned_numpy(-1, "int32", 4), ValueError, "nbytes must be an int from .*; got -1"),
+        (lambda: pinstage.alloc_pinned_numpy(HUGE, "int32", 4), ValueError, "nbytes must be an int from .*; got "),
         (lambda: pinstage.alloc_pinned_numpy(16, None, 4), TypeError, "dtype=None"),
         (lambda: pinstage.alloc_pinned_numpy(16, "int32", (-1,)), ValueError, "negative"),
         (lambda: pinstage.alloc_pinned_numpy(16, "int32", "x"), TypeError, "shape must be"),
         (lambda: pinstage.alloc_pinned_numpy(16, "int32", 4, device=-1), ValueError, "device=-1"),
         (lambda: pinstage.empty_pinned(-1), ValueError, "negative"),
-        (lambda: pinstage.empty_pinned((2**40, 2**40), "int64"), ValueError, "overflow|invalid shape"),
-        (lambda: pinstage.set_pool_budget(-1), ValueError, "nbytes=-1"),
+        (lambda: pinstage.empty_pinned((2**40, 2**40), "int64"), ValueError, "shape must (hold|fit)"),
+        (lambda: pinstage.set_pool_budget(-1), ValueError, "nbytes must be an int from .*; got -1"),
         (lambda: pinstage.set_pool_budget(None), TypeError, "nbytes must be an int"),
         (lambda: pinstage.set_pool_budget("1"), TypeError, "nbytes must be an int"),
         (lambda: pinstage.pool_stats(device=-1), ValueError, "device=-1"),

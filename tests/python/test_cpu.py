@@ -115,8 +115,8 @@ def test_bad_destinations_and_arguments():
         (lambda: st.copy_(d[::-1], [1]), ValueError, "not contiguous"),
         (lambda: st.copy_(object(), [1]), TypeError, "expected a DLPack producer"),
         (lambda: st.copy_(d, [1], stream="s"), TypeError, "stream must be"),
-        (lambda: pinstage.PinnedStager("object"), TypeError, "unsupported dtype"),
-        (lambda: pinstage.PinnedStager("int32", 8, 0), ValueError, "depth=0: expected an int in 1"),
+        (lambda: pinstage.PinnedStager("object"), TypeError, "dtype must be bool"),
+        (lambda: pinstage.PinnedStager("int32", 8, 0), ValueError, "depth must be an int from 1 to .*; got 0"),
         (lambda: pinstage.PinnedStager("int32", device="gpu7"), ValueError, "cuda:N"),
         (lambda: st.copy_(d, [1], mirror="m"), TypeError, "H2DMirror"),
     ]

@@ -31,7 +31,7 @@ use std::thread::ThreadId;
 /// Example:
 ///     >>> with st.step(stream=s) as step:
 ///     ...     step.put("ids", ids)
-///     ...     step.view("table", 64)[:] = table
+///     ...     step.view("table", rows=64)[:] = table
 #[pyclass(frozen, name = "Step", module = "pinstage._native")]
 pub struct PyStep {
     /// The Python `StepStager`, kept alive by the step (and by the views it hands out).
@@ -233,7 +233,7 @@ impl PyStep {
     ///     StepStateError: as ``put``.
     ///
     /// Example:
-    ///     >>> step.view("ids", 3)[:] = [1, 2, 3]
+    ///     >>> step.view("ids", rows=3)[:] = [1, 2, 3]
     #[pyo3(
         signature = (name, *legacy, rows=None),
         text_signature = "(self, name, *, rows=None)"

@@ -20,12 +20,16 @@ use pyo3::types::PyTuple;
 ///     fields: a dict ``{name: (dtype, shape)}`` or a sequence of ``(name, dtype, shape)``;
 ///         ``shape`` is an int or a 1- or 2-tuple of ints >= 1. Declare densely written fields
 ///         first and large, sparsely used capacities last.
-///     skip_unchanged (sequence of str, optional): fields whose commit is skipped when their
-///         values and rows equal the last committed ones (the arena still holds them).
+///     skip_unchanged (True, str or sequence of str, optional, keyword-only): fields whose
+///         commit is skipped when their values and rows equal the last committed ones (the
+///         arena still holds them); True: every field.
 ///
 /// Raises:
-///     PinstageValueError: no fields, a repeated or empty name, a bad shape, an unknown name in
-///         ``skip_unchanged``. PinstageTypeError: an unsupported dtype or a malformed entry.
+///     PinstageValueError: no fields, a repeated or empty name, a bad shape, a layout past
+///         2**63-1 bytes, a name given twice in ``skip_unchanged``. UnknownFieldError (a
+///         ``KeyError``): an unknown name in ``skip_unchanged``. PinstageTypeError: an
+///         unsupported dtype, a malformed entry, a ``skip_unchanged`` that is not True, a name
+///         or a sequence of names.
 ///
 /// Example:
 ///     >>> layout = pinstage.StepLayout({"ids": ("int32", 8192), "table": ("int32", (256, 128))})

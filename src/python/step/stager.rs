@@ -73,7 +73,9 @@ use std::sync::Arc;
 ///
 /// Raises:
 ///     PinstageValueError: a bad depth, mode, device or arena (too small, misaligned, read-only,
-///         another device, a JAX array). PinstageTypeError: a layout that is not a StepLayout.
+///         another device, a JAX array). PinstageTypeError: a layout that is not a StepLayout,
+///         a depth that is not an int (a bool or a float). MemoryError: slots (or an arena) the
+///         host or the device cannot hold. CudaDriverError: the driver refused the setup.
 ///     Without a driver everything lives in host memory: steps and commits work (for tests),
 ///     device exports raise CudaUnavailableError.
 ///
@@ -255,7 +257,7 @@ impl PyStepStager {
     ///
     /// Example:
     ///     >>> with st.step() as step:
-    ///     ...     step.view("ids", 3)[:] = [1, 2, 3]
+    ///     ...     step.view("ids", rows=3)[:] = [1, 2, 3]
     #[pyo3(signature = (*, stream=None))]
     fn step(slf: &Bound<'_, Self>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<PyStep> {
         Self::new_step(slf, stream)
