@@ -104,6 +104,17 @@ impl PartialEq for Device {
 impl Eq for Device {}
 
 impl Device {
+    /// The device of a view's memory (`None`: host memory, whose copies need no device).
+    ///
+    /// # Errors
+    /// As [`Device::get`].
+    pub fn of_view(view: &crate::dlpack::DeviceView<'_>) -> Result<Option<Device>> {
+        match view.memory() {
+            crate::dlpack::MemoryKind::Cuda(id) => Device::get(id).map(Some),
+            crate::dlpack::MemoryKind::Host => Ok(None),
+        }
+    }
+
     /// The device `ordinal`, made once per process and shared after that (a clone of the
     /// first [`Device::new`] of that ordinal).
     ///

@@ -37,7 +37,7 @@ fn check_src(device: Option<&Device>, src: &DeviceView<'_>, dst_len: usize) -> R
 /// [`Error::DestinationTooSmall`], [`Error::CudaUnavailable`] (a device `src` without a driver),
 /// [`Error::NoSuchDevice`], [`Error::StreamCapturing`], [`Error::Driver`].
 pub fn copy_d2h(src: &DeviceView<'_>, dst: &mut [u8], stream: StreamHandle) -> Result<CopyPath> {
-    let device = device_of(src)?;
+    let device = Device::of_view(src)?;
     // SAFETY: `dst` is exclusively borrowed until we return, and the copy is waited for first
     // (the completion waits when dropped, too).
     let (path, done) = unsafe {
@@ -66,7 +66,7 @@ pub fn copy_d2h_async<B: HostRegion>(
     mut dst: B,
     stream: StreamHandle,
 ) -> Result<PendingCopy<B>> {
-    let device = device_of(src)?;
+    let device = Device::of_view(src)?;
     let (ptr, len) = dst.region();
     // SAFETY: the region is owned by `dst`, which the PendingCopy keeps until the copy completed
     // (also when dropped: the reaper holds it); HostRegion guarantees the address is stable.
@@ -77,14 +77,6 @@ pub fn copy_d2h_async<B: HostRegion>(
         path,
         src.nbytes(),
     ))
-}
-
-/// The device of a view's memory (`None`: host memory, whose copies need no device).
-pub(crate) fn device_of(view: &DeviceView<'_>) -> Result<Option<Device>> {
-    match view.memory() {
-        MemoryKind::Cuda(id) => Device::get(id).map(Some),
-        MemoryKind::Host => Ok(None),
-    }
 }
 
 /// How a started copy completes.

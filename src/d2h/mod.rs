@@ -10,7 +10,6 @@ mod issue;
 mod landing;
 
 pub use crate::host::{CopyPath, HostRegion, PendingCopy};
-pub(crate) use copy::device_of;
 #[cfg(feature = "testing")]
 pub use copy::landing_counts;
 #[cfg(all(feature = "lab", feature = "python"))]

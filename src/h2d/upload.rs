@@ -371,7 +371,7 @@ impl Upload<'_, '_> {
 /// (a device `dst` without a driver), [`Error::NoSuchDevice`], [`Error::StreamCapturing`],
 /// [`Error::Driver`].
 pub fn copy_h2d(dst: &DeviceView<'_>, src: &[u8], stream: StreamHandle) -> Result<CopyPath> {
-    let device = crate::d2h::device_of(dst)?;
+    let device = crate::cuda::Device::of_view(dst)?;
     // SAFETY: `src` is borrowed until we return, and we wait for the copy first.
     let (path, event) =
         unsafe { start_h2d(device.as_ref(), dst, src.as_ptr(), src.len(), stream) }?;
@@ -392,7 +392,7 @@ pub fn copy_h2d_async<B: HostRegion>(
     mut src: B,
     stream: StreamHandle,
 ) -> Result<PendingCopy<B>> {
-    let device = crate::d2h::device_of(dst)?;
+    let device = crate::cuda::Device::of_view(dst)?;
     let (ptr, len) = src.region();
     // SAFETY: the region is owned by `src`, which the PendingCopy keeps until the copy completed
     // (also when dropped: the reaper holds it); HostRegion guarantees the address is stable,
