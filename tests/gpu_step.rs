@@ -168,8 +168,9 @@ fn slots_are_not_rewritten_while_their_copy_is_queued(#[case] depth: usize) {
         .collect();
     stream.synchronize().unwrap();
     drop(warm);
+    let before = st.stats();
     let steps = 3 * depth as i64 + 2;
-    let (blocks, gate) = std::thread::scope(|sc| {
+    let (blocks, during) = std::thread::scope(|sc| {
         let gate = stall(&stream);
         let worker = sc.spawn(|| {
             (0..steps)
@@ -182,19 +183,25 @@ fn slots_are_not_rewritten_while_their_copy_is_queued(#[case] depth: usize) {
         });
         // The worker fills `depth` slots, then waits for the stalled copies.
         std::thread::sleep(std::time::Duration::from_millis(300));
-        let waited = st.stats().waits;
+        let during = st.stats();
         gate.release();
-        (worker.join().unwrap(), waited)
+        (worker.join().unwrap(), during)
     });
     stream.synchronize().unwrap();
-    let _ = gate;
+    // The stall held: while it did, exactly `depth` steps were committed (one per slot) and the
+    // next claim was waiting for a stalled copy.
+    assert_eq!(
+        during.steps - before.steps,
+        depth as u64,
+        "steps committed while every slot's copy was stalled"
+    );
+    assert!(
+        during.waits > before.waits,
+        "the worker was not waiting for a stalled slot when the stall was released"
+    );
     for (k, b) in blocks.iter().enumerate() {
         check(&l, &read_block(&dev, b), k as i64);
     }
-    assert!(
-        st.stats().waits >= 1,
-        "the worker never waited for a stalled slot"
-    );
 }
 
 /// A block's bytes, copied to the host after its copy completed.
@@ -269,6 +276,31 @@ fn zero_copy_slots_are_device_addressable() {
         pinstage::copy_d2h(&view, &mut got, stream.handle()).unwrap();
         drop(view);
         check(&l, &got, k);
+        // Every field through its own device address (not only the one at offset 0): the
+        // step's address and the stager's for this slot agree, and each reads that field.
+        for f in l.fields() {
+            let ptr = s.device_ptr(f.name()).unwrap();
+            assert_eq!(
+                ptr,
+                st.slot_device_ptr(s.slot(), f.name()).unwrap(),
+                "{}",
+                f.name()
+            );
+            assert_eq!(ptr - base, f.offset() as u64, "{}", f.name());
+            let other = st.slot_device_ptr(1 - s.slot(), f.name()).unwrap();
+            assert_ne!(other, ptr, "another slot's {} is elsewhere", f.name());
+            let meta = TensorMeta::cuda_1d(dev.ordinal(), ptr, DType::U8, f.nbytes());
+            // SAFETY: the field's bytes in the slot's mapped memory, ours until commit.
+            let view = unsafe { DeviceView::from_meta(meta) };
+            let mut field = vec![0x5Au8; f.nbytes()];
+            pinstage::copy_d2h(&view, &mut field, stream.handle()).unwrap();
+            assert_eq!(
+                field[..],
+                got[f.offset()..f.offset() + f.nbytes()],
+                "{} read through its own address, step {k}",
+                f.name()
+            );
+        }
         assert!(
             s.put("ids", &[1i32]).is_err(),
             "host writes after device_ptr are refused"

@@ -1,6 +1,6 @@
 //! Step staging without a GPU: layouts, the commit plan, and whole steps against host memory
 //! (slots, arena and fresh blocks are plain host bytes when there is no driver; on a GPU machine
-//! these tests use a host-bound arena instead, so they run everywhere).
+//! these tests use a host-bound arena, or read device blocks back, so each runs everywhere).
 
 use pinstage::step::FIELD_ALIGN;
 use pinstage::step::StepMode;
@@ -263,15 +263,12 @@ fn threads_commit_concurrently_into_their_own_slots() {
         .field("b", DType::I64, &[512])
         .build()
         .unwrap();
-    let st = if pinstage::cuda::cuda_available() {
-        return; // the fresh-block variant runs on the GPU (tests/gpu_step.rs)
-    } else {
-        StepStager::builder(&l)
-            .depth(4)
-            .mode(StepMode::Fresh)
-            .build()
-            .unwrap()
-    };
+    // Host blocks without a driver, device blocks (read back) with one.
+    let st = StepStager::builder(&l)
+        .depth(4)
+        .mode(StepMode::Fresh)
+        .build()
+        .unwrap();
     std::thread::scope(|sc| {
         for t in 0..8i64 {
             let st = &st;
@@ -283,15 +280,10 @@ fn threads_commit_concurrently_into_their_own_slots() {
                     s.put("a", &v).unwrap();
                     s.field_mut::<i64>("b", 512).unwrap().copy_from_slice(&v);
                     let block = s.commit(StreamHandle::LEGACY).unwrap().block.unwrap();
-                    // SAFETY: a host block of the layout's bytes, not rewritten while held.
-                    let got = unsafe { std::slice::from_raw_parts(block.ptr() as *const i64, 512) };
+                    let got: Vec<i64> = bytemuck::pod_collect_to_vec(&block_bytes(&block));
                     assert_eq!(got[..512], v[..], "thread {t} step {k}");
                     let b_off = l.field("b").unwrap().offset() / 8;
-                    // SAFETY: as above.
-                    let gb = unsafe {
-                        std::slice::from_raw_parts((block.ptr() as *const i64).add(b_off), 512)
-                    };
-                    assert_eq!(gb, &v[..], "thread {t} step {k}");
+                    assert_eq!(got[b_off..b_off + 512], v[..], "thread {t} step {k}");
                 }
             });
         }
@@ -304,11 +296,24 @@ fn threads_commit_concurrently_into_their_own_slots() {
     );
 }
 
-#[test]
-fn zero_copy_without_a_driver_refuses_device_addresses() {
-    if pinstage::cuda::cuda_available() {
-        return;
+/// A fresh block's bytes on the host (read back from the device with a driver).
+fn block_bytes(block: &pinstage::step::StepBlock) -> Vec<u8> {
+    if !pinstage::cuda::cuda_available() {
+        // SAFETY: a host block of `len` bytes, not rewritten while held.
+        return unsafe { std::slice::from_raw_parts(block.ptr() as *const u8, block.len()) }
+            .to_vec();
     }
+    block.synchronize().unwrap();
+    let meta = pinstage::dlpack::TensorMeta::cuda_1d(0, block.ptr(), DType::U8, block.len());
+    // SAFETY: the block's device memory, held (not rewritten) by `block` during the copy.
+    let view = unsafe { DeviceView::from_meta(meta) };
+    let mut got = vec![0u8; block.len()];
+    pinstage::copy_d2h(&view, &mut got, StreamHandle::LEGACY).unwrap();
+    got
+}
+
+#[test]
+fn zero_copy_device_addresses_need_a_driver() {
     let l = engine();
     let st = StepStager::builder(&l)
         .mode(StepMode::ZeroCopy)
@@ -316,10 +321,14 @@ fn zero_copy_without_a_driver_refuses_device_addresses() {
         .unwrap();
     let mut s = st.step().unwrap();
     s.put("seq_lens", &[1i32]).unwrap();
-    assert!(matches!(
-        s.device_ptr("seq_lens"),
-        Err(Error::CudaUnavailable { .. })
-    ));
+    let slot = s.slot();
+    let got = s.device_ptr("seq_lens");
+    if pinstage::cuda::cuda_available() {
+        // The field's address in this slot (tests/gpu_step.rs reads every field through it).
+        assert_eq!(got.unwrap(), st.slot_device_ptr(slot, "seq_lens").unwrap());
+    } else {
+        assert!(matches!(got, Err(Error::CudaUnavailable { .. })), "{got:?}");
+    }
     s.commit(StreamHandle::LEGACY).unwrap();
 }
 
@@ -411,11 +420,7 @@ fn the_automatic_plan_sends_the_engine_step_in_one_copy() {
     let l = engine();
     // The default gap allowance (no max_gap): without a driver, or on the legacy stream, the
     // engine step's gaps (at most 62 KiB) are spanned by one copy.
-    let st = if pinstage::cuda::cuda_available() {
-        return;
-    } else {
-        StepStager::builder(&l).build().unwrap()
-    };
+    let st = StepStager::builder(&l).build().unwrap();
     let mut s = st.step().unwrap();
     s.put("input_ids", &[1i32; 256]).unwrap();
     s.put("positions", &[2i64; 256]).unwrap();
@@ -474,18 +479,26 @@ fn rows_below_the_values_rows_are_refused() {
 #[test]
 fn slot_device_addresses_are_checked() {
     let l = engine();
-    if pinstage::cuda::cuda_available() {
-        return; // the addresses themselves are checked on the GPU (tests/gpu_step.rs)
-    }
     let zc = StepStager::builder(&l)
         .depth(2)
         .mode(StepMode::ZeroCopy)
         .build()
         .unwrap();
-    assert!(matches!(
-        zc.slot_device_ptr(0, "seq_lens"),
-        Err(Error::CudaUnavailable { .. })
-    ));
+    let first = zc.slot_device_ptr(0, "seq_lens");
+    if pinstage::cuda::cuda_available() {
+        // Each field at its offset from the slot's first; the next slot elsewhere (every
+        // field's bytes are read through these on the GPU: tests/gpu_step.rs).
+        let base = zc.slot_device_ptr(0, "input_ids").unwrap();
+        for f in l.fields() {
+            let p = zc.slot_device_ptr(0, f.name()).unwrap();
+            assert_eq!(p - base, f.offset() as u64, "{}", f.name());
+            let q = zc.slot_device_ptr(1, f.name()).unwrap();
+            assert!(q >= base + l.nbytes() as u64 || q + (l.nbytes() as u64) <= base);
+        }
+        assert!(first.is_ok());
+    } else {
+        assert!(matches!(first, Err(Error::CudaUnavailable { .. })));
+    }
     assert!(matches!(
         zc.slot_device_ptr(2, "seq_lens"),
         Err(Error::InvalidArgument { .. })

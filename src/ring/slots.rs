@@ -331,6 +331,9 @@ impl<S, I: SlotIo> SlotOwner for CoreOwner<'_, S, I> {
     #[cold]
     fn wait(&mut self, slot: usize) -> Result<()> {
         self.ring.waits.add(1);
+        // Seeded bug (scripts/seeded.tsv): a busy slot is taken without waiting for its copy.
+        #[cfg(pinstage_seeded_bug = "slot_no_wait")]
+        return Ok(());
         let ev = self.ring.slots[slot]
             .event
             .as_ref()

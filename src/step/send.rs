@@ -36,6 +36,9 @@ impl SlotIo for SendJob<'_> {
         if self.zero || self.segs.is_empty() {
             return Ok(());
         }
+        // Seeded bug (scripts/seeded.tsv): the commit copies nothing.
+        #[cfg(pinstage_seeded_bug = "step_skip_copy")]
+        return Ok(());
         let stream = self.stream;
         if self.segs.len() > 1 && self.batch {
             self.dsts.clear();

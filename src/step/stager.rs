@@ -60,7 +60,7 @@ pub struct StepStagerStats {
     pub bytes: u64,
     /// Written fields skipped because their values equalled the last committed ones.
     pub skipped_fields: u64,
-    /// CommitOutcome steps that issued nothing (nothing written, or all of it unchanged).
+    /// Steps that issued nothing (nothing written, or all of it unchanged).
     pub empty_steps: u64,
     /// Steps released without a commit (dropped, or an exception in a `with` block).
     pub aborted: u64,

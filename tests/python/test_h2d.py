@@ -140,8 +140,11 @@ def test_pageable_source_may_change_at_once_pinned_after_wait(gpu):
     torch.cuda.synchronize()
     torch.cuda._sleep(100_000_000)  # the copies queue behind ~50 ms of GPU time
     p = pinstage.copy_h2d_async(dst, src)
+    # The copies from the bounce slots (48 MiB of them: no slot reused) are queued behind the
+    # sleep: the call returned without waiting for them, having read all of the source.
+    assert not p.done(), "the pieces' copies are queued behind the sleep"
     src[:] = -7  # documented: a pageable source may change as soon as the call returned
-    assert p.wait() is dst  # the last pieces land
+    assert p.wait() is dst  # the pieces land
     torch.cuda.synchronize()
     np.testing.assert_array_equal(dst.cpu().numpy(), vals)
     pin = pinstage.empty_pinned(n, np.int32)

@@ -4,6 +4,8 @@ fallbacks and the typed errors; on a GPU (`gpu`): pinned blocks, recycling, the 
 
 import gc
 
+import os
+
 import numpy as np
 import pytest
 
@@ -141,7 +143,8 @@ def test_pool_blocks_survive_many_cycles_without_growth(gpu):
     for k in range(200):
         src.add_(1)
         out = pinstage.copy_d2h(src, pool=pool)
-        assert out[0] == k + 1 and out[-1] == (1 << 16) - 1 + k + 1
+        # Every element: the block reused from the last round held that round's values.
+        np.testing.assert_array_equal(out, np.arange(1 << 16, dtype=np.float32) + (k + 1))
         del out
     assert pool.stats()["misses"] <= 2, pool.stats()
     assert pinstage.pinned_bytes() - base <= 2 * (1 << 18)
@@ -353,3 +356,55 @@ def test_pageable_fallbacks_are_counted_without_a_driver_too():
     s = pool.stats()
     assert s["pageable_fallbacks"] == 2, s
     assert pool.outstanding_bytes == 0 and pool.pooled_bytes == 0
+
+
+NVTX_STUB = r"""
+#include <stdio.h>
+#include <stdlib.h>
+static int depth;
+static void note(const char *what, const char *msg) {
+    FILE *f = fopen(getenv("NVTX_LOG"), "a");
+    if (f) { fprintf(f, "%s %s\n", what, msg); fclose(f); }
+}
+int nvtxRangePushA(const char *msg) { note("push", msg); return depth++; }
+int nvtxRangePop(void) { note("pop", "-"); return --depth; }
+"""
+
+
+def test_nvtx_ranges_reach_the_nvtx_library(tmp_path):
+    """With a recording stand-in for libnvToolsExt on the library path, every range is pushed
+    with its message and popped, as a context manager, a decorator, and when the body raises."""
+    import shutil
+    import subprocess
+    import sys
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler is needed to build the recording NVTX library"
+    (tmp_path / "stub.c").write_text(NVTX_STUB)
+    lib = tmp_path / "libnvToolsExt.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "stub.c")], check=True)
+    log = tmp_path / "nvtx.log"
+    code = """
+import pinstage
+assert pinstage.NvtxRange.available()
+with pinstage.nvtx_range("outer"):
+    with pinstage.nvtx_range("inner"):
+        pass
+@pinstage.nvtx_range("decorated")
+def f():
+    return 1
+assert f() == 1 and f() == 1
+try:
+    with pinstage.nvtx_range("raises"):
+        1 / 0
+except ZeroDivisionError:
+    pass
+"""
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}", NVTX_LOG=str(log))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    assert log.read_text().split("\n")[:-1] == [
+        "push outer", "push inner", "pop -", "pop -",
+        "push decorated", "pop -", "push decorated", "pop -",
+        "push raises", "pop -",
+    ]
+

@@ -38,6 +38,11 @@ def engine_values(k, rng=None):
     }
 
 
+def block_bytes(b):
+    """A fresh block's bytes on the host: read back from the device (or the host block)."""
+    return pinstage.copy_d2h(b) if b.device is not None else np.from_dlpack(b)
+
+
 def check_arena(st, vals):
     for name, v in vals.items():
         got = st.read_field(name)
@@ -140,14 +145,17 @@ def test_steps_commit_every_field_every_step():
 
 def test_stage_in_one_call_with_pads_and_rows():
     layout = pinstage.StepLayout({"ids": ("int32", 64), "table": ("int32", (8, 4))})
-    st = pinstage.StepStager(layout)
+    st = pinstage.StepStager(layout, depth=2)
+    # Poison every row first (and both slots): the pads below must be written, not found.
+    for _ in range(2):
+        st.stage({"ids": np.full(64, 99, np.int32), "table": np.full((8, 4), 98, np.int32)})
     st.stage(
         {"ids": [1, 2, 3], "table": np.array([[1, 2], [3, 4]], np.int32)},
-        pad_value={"ids": -1, "table": 0},
+        pad_value={"ids": -1, "table": -5},
         rows={"ids": 6, "table": 3},
     )
-    assert st.read_field("ids")[:6].tolist() == [1, 2, 3, -1, -1, -1]
-    assert st.read_field("table")[:3].tolist() == [[1, 2, 0, 0], [3, 4, 0, 0], [0, 0, 0, 0]]
+    assert st.read_field("ids")[:7].tolist() == [1, 2, 3, -1, -1, -1, 99]
+    assert st.read_field("table")[:4].tolist() == [[1, 2, -5, -5], [3, 4, -5, -5], [-5, -5, -5, -5], [98] * 4]
 
 
 @pytest.mark.parametrize("k", [3, 9, 40])
@@ -286,11 +294,10 @@ def test_fresh_blocks_hold_their_step_and_unpack():
         b = st.stage({"ids": np.arange(16, dtype=np.int32) + k * 100, "pos": [k] * 16, "t": [[k, 1, 2], [3, 4, 5]]})
         assert b.shape == (layout.nbytes,) and b.dtype == "uint8"
         kept.append((k, b))
-    if not st.cuda:
-        for k, b in kept:
-            f = layout.unpack(np.from_dlpack(b))
-            assert f["ids"].tolist() == list(range(k * 100, k * 100 + 16))
-            assert f["pos"].tolist() == [k] * 16 and f["t"].tolist() == [[k, 1, 2], [3, 4, 5]]
+    for k, b in kept:  # every block, read back from where it lives
+        f = layout.unpack(block_bytes(b))
+        assert f["ids"].tolist() == list(range(k * 100, k * 100 + 16))
+        assert f["pos"].tolist() == [k] * 16 and f["t"].tolist() == [[k, 1, 2], [3, 4, 5]]
     blocks = st.stats()["blocks"]
     del kept, b
     gc.collect()
@@ -479,9 +486,8 @@ def test_many_threads_one_stager_every_step_checked():
                 with st.step() as step:
                     step.put("a", v)
                     step.view("b", rows=4)[:] = [t, k, 1, 2]
-                if not st.cuda:
-                    f = layout.unpack(np.from_dlpack(step.block))
-                    assert np.array_equal(f["a"], v) and f["b"][:4].tolist() == [t, k, 1, 2], (t, k)
+                f = layout.unpack(block_bytes(step.block))  # every step, on the device too
+                assert np.array_equal(f["a"], v) and f["b"][:4].tolist() == [t, k, 1, 2], (t, k)
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -1126,14 +1132,21 @@ def test_integer_values_of_another_width_are_cast_exactly_or_refused(src_dtype, 
 
 
 def test_array_like_values_of_the_fields_dtype_go_in_unconverted():
+    asked = []
+
     class Tensorish:  # as a torch CPU tensor: numpy.asarray gives its own memory
         def __init__(self, a):
             self.a = a
 
         def __array__(self, dtype=None, copy=None):
+            asked.append(dtype)
             return self.a
 
     st = pinstage.StepStager(pinstage.StepLayout({"w": ("float32", (4, 3))}), depth=1)
     v = np.arange(6, dtype=np.float32).reshape(2, 3) + 0.5
+    # Signaling NaNs with payloads: any conversion through Python floats or float64 would
+    # quiet them (set bit 22), so equal bits prove the values went in as they were.
+    v.view(np.uint32)[0, :2] = [0x7F800001, 0xFF800123]
     st.stage({"w": Tensorish(v)})
-    assert st.read_field("w")[:2].tolist() == v.tolist()
+    assert st.read_field("w")[:2].view(np.uint32).tolist() == v.view(np.uint32).tolist()
+    assert asked and all(d is None for d in asked), asked  # never asked for another dtype
