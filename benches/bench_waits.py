@@ -1,135 +1,300 @@
-"""A copy and its wait, side by side with torch's best idiom, in one run.
+"""A copy and its wait against torch's `copy_` + `stream.synchronize()`, back to back, both ways.
 
-Host microseconds from issuing one copy to the return of its wait (the copy alone on its
-stream, the destination poisoned before every copy outside the timing, every copy's result
-checked after it outside the timing): pinstage `copy_h2d(dst, pinned).wait()`,
-`copy_d2h_async(x, pinned).wait()` and `copy_d2h(x, pinned)` against torch `dst.copy_(src,
-non_blocking=True)` + `stream.synchronize()`, both directions, from and into pinned memory. Each
-figure is the median over `--runs` runs of the median call of the run; min and max over runs
-beside it; the ratio pinstage - torch in microseconds (the goal: at most +2 µs).
+What is timed: host nanoseconds (perf_counter_ns) around ONE call, for calls issued back to back
+(the next call starts right after the previous one returned; between them only the loop's own
+bookkeeping, the same for every variant), all on one dedicated torch stream `s`:
 
-    python3 benches/bench_waits.py [--runs 5] [--calls 200] [--out DIR]
+  h2d  torch     dst.copy_(pinned, non_blocking=True); s.synchronize()
+  h2d  pinstage  copy_h2d(dst, pinned_np, stream=s)                (completes)
+  h2d  pinstage  copy_h2d_async(dst, pinned_np, stream=s).wait()
+  h2d  control   copy_h2d_async(dst, pinned_np, stream=s); s.synchronize()   (enqueue vs wait)
+  d2h  torch     pinned.copy_(src, non_blocking=True); s.synchronize()
+  d2h  pinstage  copy_d2h(src, pinned_np, stream=s)                (waits)
+  d2h  pinstage  copy_d2h_async(src, pinned_np, stream=s).wait()
+  d2h  control   copy_d2h_async(src, pinned_np, stream=s); s.synchronize()
+
+Buffers: per size a ring of B distinct destinations and B distinct sources (B = calls per batch,
+>= 16); call k of a batch copies source k into destination k. Sources hold nonzero bytes in
+1..163 that differ per ring slot (never the poison 0xA5). torch and pinstage use the SAME pinned
+memory (torch pinned tensors; pinstage gets their numpy views). Before every batch all B
+destinations are poisoned (h2d: a device fill; d2h: a DMA from a device poison block), outside
+the timing; after it, EVERY call's destination is compared with its source on the device
+(torch.equal), outside the timing. A round runs `--batches` batches of every variant, the
+variants' order rotated per batch so drift hits all alike; a round's figure is the median call;
+the printed figure the median over `--rounds` rounds, (min-max) over rounds. Goal (the issue):
+pinstage <= torch + 2 us at 64 KiB, 1 MiB and 16 MiB, both directions.
+
+    python3 benches/bench_waits.py [--rounds 7] [--batches N] [--out DIR]
+
+Exit status 1 when any check failed (or a call raised); the summary table is printed last.
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
 
 import pinstage
 
-SIZES = [64 << 10, 1 << 20, 16 << 20]
-POISON = -0x5A5A5A5B
+SIZES = (64 << 10, 1 << 20, 16 << 20)
+POISON = 0xA5
+GOAL_US = 2.0
 
 
-def per_call(prepare, op, check, calls):
-    """Median host µs of `op(k)` over `calls` calls; `prepare(k)` before and `check(k)` after
-    each call, outside the timing."""
-    ts = []
-    for k in range(calls):
-        prepare(k)
-        t0 = time.perf_counter_ns()
-        op(k)
-        ts.append(time.perf_counter_ns() - t0)
-        check(k)
-    return statistics.median(ts) / 1e3
+def label(nbytes):
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
-def implementations(torch, s, nbytes, failed):
-    """{name: (prepare, op, check)} for one size. Call k copies `base + k` (distinct per call,
-    never the poison); the destination is poisoned in `prepare`, every result checked."""
-    n = nbytes // 4
-    base = np.arange(n, dtype=np.int32)
-    host = pinstage.empty_pinned(n, np.int32)
-    host_t = torch.from_numpy(host)
-    dev = torch.empty(n, dtype=torch.int32, device="cuda")
-    src = torch.empty(n, dtype=torch.int32, device="cuda")
-    ramp = torch.from_numpy(base).cuda()
+def ring_shape(nbytes, batches_arg):
+    """(calls per batch = ring size, batches per round): 64 x 16 up to 1 MiB, 16 x 8 at 16 MiB
+    (about 6 ms of copies per batch at 16 MiB)."""
+    if nbytes >= 16 << 20:
+        return 16, batches_arg or 8
+    return 64, batches_arg or 16
 
-    def h2d_prepare(k):
-        host[:] = base + k
-        dev.fill_(POISON)
+
+class Ring:
+    """B distinct sources and B destinations of `n` bytes, per direction, and their operands
+    made once (row views), so the timed loop only indexes lists."""
+
+    def __init__(self, torch, n, B, salt):
+        i = torch.arange(n, device="cuda", dtype=torch.int32)
+        self.exp = torch.empty((B, n), dtype=torch.uint8, device="cuda")
+        for k in range(B):  # row k: ((7 i + 31 k + salt) mod 163) + 1, distinct rows for B < 163
+            self.exp[k] = ((i * 7 + (31 * k + salt)) % 163 + 1).to(torch.uint8)
+        del i
+        self.dst_dev = torch.empty((B, n), dtype=torch.uint8, device="cuda")
+        self.src_pin = torch.empty((B, n), dtype=torch.uint8, pin_memory=True)
+        self.src_pin.copy_(self.exp)
+        self.dst_pin = torch.empty((B, n), dtype=torch.uint8, pin_memory=True)
+        self.poison_dev = torch.full((B, n), POISON, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        # h2d: (device dst, pinned src as torch, pinned src as numpy)
+        self.h2d_dst = list(self.dst_dev.unbind(0))
+        self.h2d_src_t = list(self.src_pin.unbind(0))
+        self.h2d_src_np = list(self.src_pin.numpy())
+        # d2h: (device src, pinned dst as torch, pinned dst as numpy)
+        self.d2h_src = list(self.exp.unbind(0))
+        self.d2h_dst_t = list(self.dst_pin.unbind(0))
+        self.d2h_dst_np = list(self.dst_pin.numpy())
+        self.pinned_seen = bool(pinstage.is_pinned(self.h2d_src_np[0])) and bool(
+            pinstage.is_pinned(self.d2h_dst_np[-1]))
+
+    def poison(self, torch, direction):
+        if direction == "h2d":
+            self.dst_dev.fill_(POISON)
+        else:
+            self.dst_pin.copy_(self.poison_dev, non_blocking=True)
         torch.cuda.synchronize()
 
-    def d2h_prepare(k):
-        torch.add(ramp, k, out=src)
-        host.fill(POISON)
-        torch.cuda.synchronize()
+    def bad_calls(self, torch, direction):
+        """Indices of the calls whose destination differs from their source (all checked)."""
+        got = self.dst_dev if direction == "h2d" else self.dst_pin.to("cuda")
+        if torch.equal(got, self.exp):
+            return []
+        return (got != self.exp).any(dim=1).nonzero().flatten().tolist()
 
-    def check(label, got_of):
-        def c(k):
-            got = got_of()
-            if not np.array_equal(got, base + k):
-                failed.append(f"{label} {nbytes >> 10} KiB: call {k}")
-        return c
 
-    def torch_h2d(k):
-        dev.copy_(host_t, non_blocking=True)
-        s.synchronize()
+def variants(torch, s):
+    """[(direction, name, op, operand lists)]: op(a, b) is one call; `a`, `b` the k-th operands."""
+    sync = s.synchronize
+    h2d_async, d2h_async = pinstage.copy_h2d_async, pinstage.copy_d2h_async
+    copy_h2d, copy_d2h = pinstage.copy_h2d, pinstage.copy_d2h
 
-    def torch_d2h(k):
-        host_t.copy_(src, non_blocking=True)
-        s.synchronize()
+    def t_h2d(dst, src):
+        dst.copy_(src, non_blocking=True)
+        sync()
 
-    def on(stream, fn):
-        def op(k):
-            with torch.cuda.stream(stream):
-                fn(k)
-        return op
+    def t_d2h(src, dst):
+        dst.copy_(src, non_blocking=True)
+        sync()
 
-    dev_got = lambda: dev.cpu().numpy()  # noqa: E731
-    return {
-        "h2d torch copy_ + synchronize": (h2d_prepare, on(s, torch_h2d), check("h2d torch", dev_got)),
-        "h2d pinstage copy_h2d().wait()": (
-            h2d_prepare, lambda k: pinstage.copy_h2d(dev, host, stream=s).wait(), check("h2d pinstage", dev_got)),
-        "d2h torch copy_ + synchronize": (d2h_prepare, on(s, torch_d2h), check("d2h torch", lambda: host)),
-        "d2h pinstage copy_d2h_async().wait()": (
-            d2h_prepare, lambda k: pinstage.copy_d2h_async(src, host, stream=s).wait(),
-            check("d2h pinstage async", lambda: host)),
-        "d2h pinstage copy_d2h()": (
-            d2h_prepare, lambda k: pinstage.copy_d2h(src, host, stream=s), check("d2h pinstage", lambda: host)),
-    }
+    def ctl_h2d(dst, src):
+        p = h2d_async(dst, src, stream=s)
+        sync()
+        return p  # dropped after the batch, outside the timing
+
+    def ctl_d2h(src, dst):
+        p = d2h_async(src, dst, stream=s)
+        sync()
+        return p
+
+    return [
+        ("h2d", "torch copy_ + s.synchronize()", t_h2d, ("h2d_dst", "h2d_src_t")),
+        ("h2d", "copy_h2d()", lambda d, x: copy_h2d(d, x, stream=s), ("h2d_dst", "h2d_src_np")),
+        ("h2d", "copy_h2d_async().wait()", lambda d, x: h2d_async(d, x, stream=s).wait(),
+         ("h2d_dst", "h2d_src_np")),
+        ("h2d", "ctl: copy_h2d_async(); s.synchronize()", ctl_h2d, ("h2d_dst", "h2d_src_np")),
+        ("d2h", "torch copy_ + s.synchronize()", t_d2h, ("d2h_src", "d2h_dst_t")),
+        ("d2h", "copy_d2h()", lambda x, d: copy_d2h(x, d, stream=s), ("d2h_src", "d2h_dst_np")),
+        ("d2h", "copy_d2h_async().wait()", lambda x, d: d2h_async(x, d, stream=s).wait(),
+         ("d2h_src", "d2h_dst_np")),
+        ("d2h", "ctl: copy_d2h_async(); s.synchronize()", ctl_d2h, ("d2h_src", "d2h_dst_np")),
+    ]
+
+
+def run_batch(op, a_rows, b_rows, out_ns):
+    """B calls back to back, call k on (a_rows[k], b_rows[k]); appends each call's ns."""
+    pc = time.perf_counter_ns
+    keep = [None] * len(a_rows)
+    for k in range(len(a_rows)):
+        a, b = a_rows[k], b_rows[k]
+        t0 = pc()
+        r = op(a, b)
+        t1 = pc()
+        keep[k] = r
+        out_ns.append(t1 - t0)
+    return keep
+
+
+def bench_size(torch, s, nbytes, args, failed):
+    B, batches = ring_shape(nbytes, args.batches)
+    ring = Ring(torch, nbytes, B, salt=nbytes % 157)
+    vs = variants(torch, s)
+    names = [f"{d} {n}" for d, n, _, _ in vs]
+    dead = set()
+    rounds = {name: [] for name in names}
+
+    def one_batch(idx, ns, where):
+        d, name, op, (a_attr, b_attr) = vs[idx]
+        key = names[idx]
+        ring.poison(torch, d)
+        try:
+            keep = run_batch(op, getattr(ring, a_attr), getattr(ring, b_attr), ns)
+            torch.cuda.synchronize()
+            del keep
+        except Exception as e:  # noqa: BLE001 (a raising call is a failed check, reported)
+            failed.append(f"{key} {label(nbytes)} {where}: raised {type(e).__name__}: {e}")
+            dead.add(idx)
+            torch.cuda.synchronize()
+            return
+        bad = ring.bad_calls(torch, d)
+        if bad:
+            failed.append(f"{key} {label(nbytes)} {where}: calls {bad[:8]} wrong ({len(bad)}/{B})")
+
+    with torch.cuda.stream(s):
+        for idx in range(len(vs)):  # warm-up: one checked batch each, untimed
+            one_batch(idx, [], "warm-up")
+        gc.collect()
+        gc.disable()
+        try:
+            for r in range(args.rounds):
+                ns = {idx: [] for idx in range(len(vs))}
+                for b in range(batches):
+                    rot = (r * batches + b) % len(vs)
+                    for idx in list(range(len(vs)))[rot:] + list(range(len(vs)))[:rot]:
+                        if idx not in dead:
+                            one_batch(idx, ns[idx], f"round {r} batch {b}")
+                for idx, v in ns.items():
+                    if v and idx not in dead:
+                        rounds[names[idx]].append(statistics.median(v) / 1e3)
+                gc.collect()
+        finally:
+            gc.enable()
+    row = {}
+    for name, v in rounds.items():
+        row[name] = {"median_us": statistics.median(v) if v else None, "min_us": min(v, default=None),
+                     "max_us": max(v, default=None), "rounds_us": v}
+    for d in ("h2d", "d2h"):
+        ref = rounds[f"{d} torch copy_ + s.synchronize()"]
+        for name in names:
+            if name.startswith(d) and "torch" not in name and rounds[name] and ref:
+                paired = [a - b for a, b in zip(rounds[name], ref)]
+                row[name]["minus_torch_us"] = row[name]["median_us"] - statistics.median(ref)
+                row[name]["minus_torch_paired_us"] = paired
+    info = {"calls_per_batch": B, "batches_per_round": batches, "pinned_seen_by_pinstage": ring.pinned_seen}
+    del ring
+    torch.cuda.empty_cache()
+    return row, info
+
+
+def fmt_cell(c):
+    if c.get("median_us") is None:
+        return f"{'--':>24s}"
+    return f"{c['median_us']:>8.1f} ({c['min_us']:.1f}-{c['max_us']:.1f})".rjust(24)
+
+
+def summary(rows, infos, failed, args):
+    out = []
+    head = f"host us per call, back to back; median of {args.rounds} round medians (min-max)"
+    out.append("\n=== bench_waits summary: " + head)
+    out.append(f"{'':42s}" + "".join(f"{label(b):>24s}" for b in SIZES))
+    names = list(rows[SIZES[0]])
+    for name in names:
+        out.append(f"{name:42s}" + "".join(fmt_cell(rows[b][name]) for b in SIZES))
+    out.append(f"pinstage - torch, us (difference of medians; [min,max] of per-round pairs); "
+               f"goal <= +{GOAL_US:.0f}")
+    verdicts = []
+    for name in names:
+        if "torch" in name or "ctl:" in name:
+            continue
+        cells = []
+        for b in SIZES:
+            c = rows[b][name]
+            if "minus_torch_us" not in c:
+                cells.append(f"{'--':>24s}")
+                verdicts.append((name, b, False))
+                continue
+            ok = c["minus_torch_us"] <= GOAL_US
+            verdicts.append((name, b, ok))
+            p = c["minus_torch_paired_us"]
+            cells.append(f"{c['minus_torch_us']:+7.1f} [{min(p):+.1f},{max(p):+.1f}] "
+                         f"{'PASS' if ok else 'MISS'}".rjust(24))
+        out.append(f"{name:42s}" + "".join(cells))
+    for name in names:  # what the wait costs over torch's synchronize, and what the enqueue does
+        if name.startswith(("h2d ctl", "d2h ctl")):
+            d = name[:3]
+            w = f"{d} {'copy_h2d' if d == 'h2d' else 'copy_d2h'}_async().wait()"
+            cells = []
+            for b in SIZES:
+                c, a, t = rows[b][name], rows[b][w], rows[b][f"{d} torch copy_ + s.synchronize()"]
+                if None in (c["median_us"], a["median_us"], t["median_us"]):
+                    cells.append(f"{'--':>24s}")
+                else:
+                    cells.append(f"enq {c['median_us'] - t['median_us']:+.1f} wait "
+                                 f"{a['median_us'] - c['median_us']:+.1f}".rjust(24))
+            out.append(f"{d + ' ctl-torch (enqueue), async-ctl (wait)':42s}" + "".join(cells))
+    misses = [f"{n} @ {label(b)}" for n, b, ok in verdicts if not ok]
+    out.append("goal (<= torch + 2 us, 64 KiB/1 MiB/16 MiB, both directions): "
+               + ("MET" if not misses else f"NOT MET: {', '.join(misses)}"))
+    for b in SIZES:
+        i = infos[b]
+        out.append(f"{label(b)}: {i['calls_per_batch']} calls x {i['batches_per_round']} batches x "
+                   f"{args.rounds} rounds per variant; pinned seen by pinstage: {i['pinned_seen_by_pinstage']}")
+    out.append(f"checked: every call's destination (poisoned 0x{POISON:X} before each batch); "
+               f"{len(failed)} failures" + (": " + "; ".join(failed[:4]) if failed else ""))
+    print("\n".join(out), flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--batches", type=int, default=0, help="batches per round (0: by size)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
 
+    t_start = time.time()
+    torch.cuda.init()
+    print("device:", torch.cuda.get_device_name(0), "| pinstage", pinstage.__version__, "| torch",
+          torch.__version__, "| python", sys.version.split()[0], flush=True)
     s = torch.cuda.Stream()
-    rows, failed = {}, []
+    rows, infos, failed = {}, {}, []
     for nbytes in SIZES:
-        calls = args.calls if nbytes < (16 << 20) else max(20, args.calls // 4)
-        impls = implementations(torch, s, nbytes, failed)
-        for prepare, op, check in impls.values():  # warm-up
-            per_call(prepare, op, check, 10)
-        res = {name: [] for name in impls}
-        for _ in range(args.runs):
-            for name, (prepare, op, check) in impls.items():  # interleaved: drift hits all alike
-                res[name].append(per_call(prepare, op, check, calls))
-        rows[nbytes] = {name: (statistics.median(v), min(v), max(v)) for name, v in res.items()}
-    head = "copy + wait, host µs: median of run medians (min-max)"
-    print(f"\n{head:44s}" + "".join(f"{b >> 10:>20d} KiB" for b in SIZES))
-    for name in rows[SIZES[0]]:
-        print(f"{name:44s}" + "".join(
-            f"{rows[b][name][0]:>11.1f} ({rows[b][name][1]:.1f}-{rows[b][name][2]:.1f})" for b in SIZES))
-    for d, ours in (("h2d", ["h2d pinstage copy_h2d().wait()"]),
-                    ("d2h", ["d2h pinstage copy_d2h_async().wait()", "d2h pinstage copy_d2h()"])):
-        for o in ours:
-            diffs = [rows[b][o][0] - rows[b][f"{d} torch copy_ + synchronize"][0] for b in SIZES]
-            verdict = "met" if all(x <= 2.0 for x in diffs) else "NOT met"
-            print(f"{o[4:] + ' - torch (<= +2)':44s}" + "".join(f"{x:>+21.1f} " for x in diffs) + f"  {verdict}")
-    print(f"checked: every call of every implementation, {args.runs} runs; {len(failed)} failed"
-          + (f": {failed[:5]}" if failed else ""))
+        t0 = time.time()
+        rows[nbytes], infos[nbytes] = bench_size(torch, s, nbytes, args, failed)
+        print(f"  {label(nbytes)} done in {time.time() - t0:.1f} s", flush=True)
     if args.out:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_waits.json"), "w") as f:
-            json.dump({"rows": {str(k): v for k, v in rows.items()}, "failed": failed}, f, indent=1)
+            json.dump({"rows": {str(k): v for k, v in rows.items()}, "info": {str(k): v for k, v in infos.items()},
+                       "rounds": args.rounds, "failed": failed, "seconds": time.time() - t_start}, f, indent=1)
+    summary(rows, infos, failed, args)
     raise SystemExit(1 if failed else 0)
 
 

@@ -6,13 +6,16 @@ Needs the lab wheel (`_set_h2d_tuning`). Usage: python3 lab/probes/probe_h2d.py 
 Prints GB/s, median of `reps` timed copies each.
 """
 
+import pathlib
+
 import statistics
 import sys
 
 import numpy as np
 import torch
 
-import h2d_timing
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benches"))
+import h2d_timing  # noqa: E402  (benches/h2d_timing.py)
 import pinstage
 from labmod import lab
 

@@ -9,11 +9,15 @@ of `REPS`.
 Usage: python3 lab/probes/probe_h2d_pieces.py
 """
 
+import pathlib
+import sys
+
 import statistics
 
 import torch
 
-import h2d_timing
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benches"))
+import h2d_timing  # noqa: E402  (benches/h2d_timing.py)
 
 REPS = 9
 

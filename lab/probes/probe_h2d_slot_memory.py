@@ -10,12 +10,16 @@ loop as `bench_h2d.py` (poisoned destination, synchronised, checked after every 
 Needs the lab wheel (`_set_pin_by_register`). Usage: python3 lab/probes/probe_h2d_slot_memory.py
 """
 
+import pathlib
+import sys
+
 import statistics
 
 import numpy as np
 import torch
 
-import h2d_timing
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benches"))
+import h2d_timing  # noqa: E402  (benches/h2d_timing.py)
 import pinstage
 from labmod import lab
 
