@@ -84,7 +84,7 @@ pub(crate) fn copy_time(bytes: usize) -> Duration {
 /// Looks with `done` until it says `Ok(true)` (returned), fails (returned), or `until` passed
 /// (`Ok(false)`), pausing between looks as `backoff` says.
 ///
-/// The seeded-bug harness (`scripts/gpu-run broken-wait`): a wait that returns before the work
+/// The seeded-bug harness (`wait_early`, scripts/seeded.tsv): a wait that returns before the work
 /// completed must fail the GPU tests.
 pub(crate) fn wait_until<E>(
     backoff: &Backoff,

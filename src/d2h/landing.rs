@@ -168,7 +168,7 @@ impl<'s> Waiter<'s> {
 
     /// Spins on the word for at most `within`; whether it landed.
     pub(crate) fn spin(&self, within: Duration) -> bool {
-        // The seeded-bug harness (`scripts/gpu-run broken-landing`): a wait that believes the
+        // The seeded-bug harness (`landing_early`, scripts/seeded.tsv): a wait that believes the
         // copy landed at once must fail the GPU tests.
         #[cfg(pinstage_seeded_bug = "landing_early")]
         if self.claim.value != 0 {

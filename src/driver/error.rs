@@ -127,7 +127,7 @@ pub(crate) fn check(call: &'static str, code: sys::CUresult) -> DResult<()> {
 /// (two thread-local mode swaps around it). pinstage never waits on a capturing stream (its
 /// copies refuse them).
 pub(crate) fn capture_relaxed<T>(f: impl FnOnce() -> DResult<T>) -> DResult<T> {
-    // The seeded bug (`scripts/gpu-run broken-capture`): the thread's mode left as it is.
+    // The seeded bug (`capture_strict`, scripts/seeded.tsv): the thread's mode left as it is.
     if cfg!(pinstage_seeded_bug = "capture_strict") {
         return f();
     }

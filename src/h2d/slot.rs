@@ -156,7 +156,7 @@ impl SlotIo for CopyIo<'_, '_, '_, '_> {
                 }
             }
         };
-        // The seeded-bug harness's "the stager skips the copy" (`scripts/gpu-run broken`): the
+        // The seeded-bug harness's "the stager skips the copy" (`skip_copy` in scripts/seeded.tsv): the
         // slot is written and its event recorded, but nothing reaches the device.
         #[cfg(pinstage_seeded_bug = "skip_copy")]
         let sent: std::result::Result<(), crate::cuda::DriverError> = {

@@ -321,7 +321,7 @@ impl Upload<'_, '_> {
             return Ok(());
         }
         // Acquire: a worker saw that use's copy complete before storing this. (The seeded-bug
-        // harness, `scripts/gpu-run broken-units`: a fill that does not wait for the slot's
+        // harness (`units_no_wait`, scripts/seeded.tsv): a fill that does not wait for the slot's
         // last copy must fail the GPU tests.)
         #[cfg(not(pinstage_seeded_bug = "units_no_wait"))]
         if self.free[s].load(Ordering::Acquire) <= round {

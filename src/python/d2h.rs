@@ -172,7 +172,7 @@ fn start<'py>(
 ///         ``src``'s dtype and shape (``dst`` itself when it has them already), and ``dst`` then
 ///         holds those bytes. Without ``dst`` the
 ///         result lives in a block of the pinned pool (pageable memory past the pool's budget).
-///     stream: the stream the copy is ordered on (see the README's "Rules"); None: the producer's
+///     stream: the stream the copy is ordered on (docs/API.md, "stream="); None: the producer's
 ///         current stream, else the legacy default stream.
 ///     pool (PinnedPool, optional): without ``dst``, the result's block comes from this pool
 ///         (pageable memory past its ``max_outstanding_bytes``) instead of the device's result

@@ -1,4 +1,4 @@
-//! DLPack import and stream arguments, through dlpark.
+//! DLPack import, through dlpark.
 //!
 //! dlpark does the protocol work: the standard `__dlpack_device__` plus
 //! `__dlpack__(stream=..., max_version=...)`, a legacy `__dlpack__()`, existing capsules, the

@@ -1,5 +1,5 @@
-//! `PinnedPool` (a pool of pinned blocks with an outstanding-bytes limit), `empty_host`, and
-//! `nvtx_range`.
+//! `PinnedPool` (a pool of pinned blocks with an outstanding-bytes limit) and the result pool's
+//! functions (`pool_stats`, `set_pool_budget`, `empty_cache`).
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};

@@ -48,7 +48,8 @@ fn stats_dict<'py>(
 ///     dtype: the element dtype (numpy, torch, jax or cupy dtype, or its name).
 ///     numel (int): initial slot capacity in elements, >= 1 (a larger copy grows its slot).
 ///     depth (int): number of slots, 1 to 65536.
-///     device (int | str | device, optional): the CUDA device served (default 0).
+///     device (int | str | device, optional): the CUDA device served (default: the device
+///         current on this thread, else 0).
 ///
 /// Raises:
 ///     PinstageTypeError: an unknown dtype, a non-int ``numel``/``depth``. PinstageValueError: a

@@ -5,7 +5,7 @@ event and stream queries and waits on every other thread, and each refusal also 
 capture. pinstage's queries and waits (a busy slot's event, a step's slot, a pending copy, a D2H
 result) run with their thread's capture mode relaxed: the worker's copies go on and are checked,
 and the capture ends intact. A build whose queries keep the thread's mode (the seeded bug
-`capture_strict`, `scripts/gpu-run broken-capture`) fails this test.
+`capture_strict` in scripts/seeded.tsv, `scripts/gpu-run seeded`) fails this test.
 
 The scenario runs in a child process, as an engine would: a fresh process whose capture nothing
 else disturbs (in the suite, objects other tests left to the garbage collector could be freed

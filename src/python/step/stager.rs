@@ -58,7 +58,8 @@ use std::sync::Arc;
 ///
 /// Parameters:
 ///     layout (StepLayout): the fields.
-///     device: the CUDA device (int, ``"cuda:N"`` or a device object; default 0).
+///     device: the CUDA device (int, ``"cuda:N"`` or a device object; default: the device
+///         current on this thread, else 0).
 ///     depth (int): slots (1 to 65536, default 4): steps in flight before a claim waits.
 ///     mode (str): ``"arena"``, ``"fresh"`` or ``"zero_copy"``.
 ///     arena: a writable, contiguous DLPack tensor of at least ``layout.nbytes`` bytes aligned to
