@@ -136,7 +136,13 @@ impl PyPinnedPool {
     /// Returns:
     ///     dict: the counters.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.pool.as_ref().map(|p| p.stats()).unwrap_or_default();
+        // Without a driver there is no pool: its limits are the ones given.
+        let s = self.pool.as_ref().map(|p| p.stats()).unwrap_or_else(|| {
+            crate::host::PinnedPoolStats {
+                max_pooled_bytes: self.max_pooled.unwrap_or(usize::MAX),
+                ..Default::default()
+            }
+        });
         let fallbacks = self
             .driverless_fallbacks
             .load(std::sync::atomic::Ordering::Relaxed);
@@ -244,6 +250,7 @@ fn pool_stats<'py>(
     } else {
         crate::host::PinnedPoolStats {
             max_outstanding_bytes: super::device::pool_budget(),
+            max_pooled_bytes: usize::MAX,
             ..Default::default()
         }
     };

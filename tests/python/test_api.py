@@ -211,3 +211,11 @@ def test_bad_arguments_get_one_message_pattern(call, exc, words):
     """'X must be ...; got ...' naming the argument, in the class the docstring names."""
     with pytest.raises(exc, match=words):
         call()
+
+
+def test_pool_stats_report_the_limits_given_with_or_without_a_driver():
+    p = pinstage.PinnedPool(1 << 20, max_pooled_bytes=4096)
+    assert (p.stats()["max_outstanding_bytes"], p.stats()["max_pooled_bytes"]) == (1 << 20, 4096)
+    q = pinstage.PinnedPool()
+    assert (q.stats()["max_outstanding_bytes"], q.stats()["max_pooled_bytes"]) == (None, None)
+    assert pinstage.pool_stats()["max_pooled_bytes"] is None
