@@ -1,28 +1,42 @@
-"""Step staging on the GPU, side by side with its peers in one run.
+"""Step staging on the GPU beside its peers, every step of every timed batch checked.
 
-Host microseconds per step, loop (steps back to back), values changing every step (64 value
-sets cycled); and paced (the stream synchronized before each step, outside the timing, as a step
-arrives while an engine's GPU is idle or busy elsewhere), once with every step's result checked
-after it and once with the last step's checked after the run (reads between steps evict what
-the next step would find in the caches). Every timed batch starts on poisoned device fields and its result is checked
-after it (pinstage's and every peer's). Each implementation runs in each of `--rounds` rounds;
-the tables give the median round.
+    python3 benches/bench_step.py [--out DIR] [--steps N] [--rounds R] [--sections engine,ksweep,...]
 
-    python3 benches/bench_step.py [--out DIR] [--steps N] [--rounds R]
+Timed: the host us of each step call alone (perf_counter_ns around it; GC off during a batch).
+Loop: steps back to back; paced: the stream synchronized before each step, untimed. A run's
+figure is the mean of its calls (loop: throughput, slot waits included) or their median (paced);
+each figure is the median of --rounds runs (>= 5) with min..max; ratios are taken between
+medians; variants interleave within each round.
+Checked, untimed, alike for all: step values derive from the step index and never repeat within
+a batch (never 0, never the poison); the destination (arena, a peer's device buffer, a zero-copy
+slot) and a device history are filled with 0xA5 before each batch; after each step's call, on
+its stream, one kernel (torch.cat) snapshots every field's used rows into that step's history
+row (zero-copy: from the slot's device view, before the commit); after the batch every row must
+equal its step's values. JAX: every step's arrays stay alive to the batch's end and are compared.
+Peers do the same work (values, depth, stream, layout offsets; a slot rewritten only after its
+copy's event): torch (pinned ring, ONE copy_ of the used extent, the bytes pinstage's one-span
+plan sends; the old six-copy_ peer for reference) and cuda.bindings (cuMemHostAlloc ring,
+cuMemcpyHtoDAsync, cuEventRecord/Synchronize). A goal is met only when it holds in the median
+over runs of these checked runs. Rust vs C: benches/gpu_step.rs (not here).
 """
-
 import argparse
+import gc
 import json
 import os
 import statistics
+import sys
 import threading
 import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU with torch
 
 import numpy as np
 
 import pinstage
+from _stepbench_peers import Ring  # benches/: the torch and cuda.bindings rings
 
-ENGINE = {
+ENGINE = {  # name: (dtype, capacity, rows used per step): 6 fields, 37.5 KiB used
     "input_ids": ("int32", 8192, 256),
     "positions": ("int64", 8192, 256),
     "slot_mapping": ("int64", 8192, 256),
@@ -30,541 +44,556 @@ ENGINE = {
     "query_start_loc": ("int32", 257, 65),
     "block_table": ("int32", (256, 128), 64),
 }
-R = {"engine": {}, "ksweep": {}, "jax": {}, "zero_copy": {}, "graph": {}, "failed": []}
+KS = (1, 2, 4, 8, 16, 32)
+PRIME, MOD, POISON, WARM = 1_000_003, 2**31 - 1, 0xA5, 64
+STAGE, PUT, VIEWS = "pinstage StepStager.stage (1 call)", "pinstage step + 6 put", "pinstage step + 6 views written"
+TPACK, TSIX, CUB = "torch packed ring (1 copy_)", "torch ring, 6 copy_ (old peer)", "cuda.bindings packed ring"
+TGT = "pinstage PinnedStager, 6 targets (ref.)"
+JST, JPK, JSIX = "pinstage fresh + from_dlpack + jit unpack", "packed jax.device_put + jit unpack", "six jax.device_put (ref.)"
+R = {"config": {}, "engine": {}, "ksweep": {}, "ksweep_device_us": {}, "zero_copy": {}, "graph": {}, "jax": {},
+     "goals": [], "failed": [], "notes": []}
+clock = time.perf_counter_ns
+torch = None  # imported in main()
 
 
-def value_sets(n=64, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        v = {}
-        for name, (dt, cap, used) in ENGINE.items():
-            shape = (used, cap[1]) if isinstance(cap, tuple) else (used,)
-            v[name] = rng.integers(1, 1 << 30, shape).astype(dt)
-        out.append(v)
-    return out
+# ---------------------------------------------------------------- values, layouts, checks
+def engine_spec():
+    """{name: (dtype, used shape)}."""
+    return {n: (dt, (u, cap[1]) if isinstance(cap, tuple) else (u,)) for n, (dt, cap, u) in ENGINE.items()}
 
 
-def layout():
+def engine_layout():
     return pinstage.StepLayout({n: (dt, cap) for n, (dt, cap, _) in ENGINE.items()})
 
 
-def timed(fn, steps, sets):
-    for i in range(100):
-        fn(sets[i % len(sets)])
-    t0 = time.perf_counter()
-    for i in range(steps):
-        fn(sets[i % len(sets)])
-    return (time.perf_counter() - t0) / steps * 1e6
+def nbytes(dt, shape):
+    return int(np.dtype(dt).itemsize * np.prod(shape))
 
 
-def timed_paced(fn, steps, sets, idle, check=None):
-    """Host us of each call of `fn` issued while the GPU is idle (`idle()` waits for it, outside
-    the timing), as a step arrives while an engine's GPU is busy elsewhere: the median and the
-    mean. `check(i, values)`, if given, runs after each step (outside the timing)."""
-    for i in range(20):
-        fn(sets[i % len(sets)])
-    ts = []
-    clock = time.perf_counter_ns
-    for i in range(steps):
-        v = sets[i % len(sets)]
-        idle()
+def offsets(L):
+    return {f["name"]: f["offset"] for f in L.fields}
+
+
+def gen(spec, n, salt):
+    """n steps: field j of step i holds (i*PRIME + salt + j*104729 + position) % MOD + 1. MOD is
+    prime, so no two steps' values are alike; never 0; positive, so never the 0xA5 poison."""
+    vals, idx = {}, np.arange(n, dtype=np.int64)[:, None]
+    for j, (name, (dt, shape)) in enumerate(spec.items()):
+        pos = np.arange(int(np.prod(shape)), dtype=np.int64)[None, :]
+        vals[name] = ((idx * PRIME + (salt * 7919 + j * 104729) + pos) % MOD + 1).astype(dt).reshape((n, *shape))
+    return vals, [{k: a[i] for k, a in vals.items()} for i in range(n)]
+
+
+def expected(vals, n):
+    """(n, used bytes): each step's used rows, field after field (a history row's layout)."""
+    return np.concatenate([a[:n].reshape(n, -1).view(np.uint8) for a in vals.values()], axis=1)
+
+
+def maker(spec, n, tag):
+    def make(r):
+        vals, steps = gen(spec, n + WARM, salt=r * 100_003 + tag)
+        return steps[:n], steps[n:], expected(vals, n)
+    return make
+
+
+def used_views(base, L, spec):
+    """uint8 views of each field's used bytes in `base` (a uint8 device tensor laid out as L)."""
+    off = offsets(L)
+    return [base[off[n]: off[n] + nbytes(*spec[n])] for n in spec]
+
+
+def compare(got, E, what):
+    bad = np.flatnonzero((got != E).any(axis=1))
+    return (True, "") if bad.size == 0 else (False, f"{what}: {bad.size} of {len(E)} steps wrong (first: row {bad[0]})")
+
+
+def fail(msg):
+    R["failed"].append(msg)
+    print("CHECK FAILED:", msg, flush=True)
+
+
+# ---------------------------------------------------------------- variants, the runner, the peers' and pinstage's rows
+class Var:
+    """`call(v)` timed alone, then `srcs` snapshotted into hist[i]; or `run(i, v, hist) -> ns`."""
+
+    def __init__(self, name, call=None, srcs=None, poison=None, run=None, verify=None, bps=None):
+        self.name, self.call, self.srcs, self.verify, self.bps = name, call, srcs, verify, bps
+        self.poison, self.run = poison or (lambda: None), run or self._run
+
+    def _run(self, i, v, hist):
         t0 = clock()
-        fn(v)
-        ts.append(clock() - t0)
-        if check is not None:
-            check(i, v)
-    return statistics.median(ts) / 1e3, statistics.fmean(ts) / 1e3
+        self.call(v)
+        t = clock() - t0
+        torch.cat(self.srcs, out=hist[i])
+        return t
 
 
-def bench_engine(torch, steps, rounds):
-    sets = value_sets()
-    last = sets[(steps - 1) % len(sets)]
-    L = layout()
-    s = torch.cuda.Stream()
-    # pinstage: one arena, fields imported once.
-    st = pinstage.StepStager(L, depth=8)
-    arena = {n: torch.from_dlpack(st.field(n)) for n in ENGINE}
-    # Peers' destinations: ordinary device tensors of the fields' capacities.
-    dev = {
-        n: torch.empty(cap if isinstance(cap, tuple) else (cap,), dtype=getattr(torch, dt), device="cuda")
-        for n, (dt, cap, _) in ENGINE.items()
-    }
-    # The torch idiom: a persistent pinned CPU tensor per field, written in place, then one
-    # non_blocking copy per field.
-    pinned = {n: torch.empty_like(t, device="cpu").pin_memory() for n, t in dev.items()}
-    pinned_np = {n: t.numpy() for n, t in pinned.items()}
+def batch(var, steps, warm, hist, paced, sync):
+    for i, v in enumerate(warm):
+        var.run(i % len(steps), v, hist)
+    sync()
+    var.poison()
+    hist.fill_(POISON)
+    torch.cuda.synchronize()
+    ts, run = np.empty(len(steps), np.int64), var.run
+    gc.collect()
+    gc.disable()
+    try:
+        for i, v in enumerate(steps):
+            if paced:
+                sync()
+            ts[i] = run(i, v, hist)
+    finally:
+        gc.enable()
+    torch.cuda.synchronize()
+    return ts
 
-    def torch_idiom(v):
-        with torch.cuda.stream(s):
-            for n, x in v.items():
-                k = len(x)
-                pinned_np[n][:k] = x
-                dev[n][:k].copy_(pinned[n][:k], non_blocking=True)
 
+def record(store, name, mode, ts_ns, ok):
+    us = np.asarray(ts_ns) / 1e3
+    d = store.setdefault(name, {"loop": [], "paced": [], "loop_median": [], "paced_mean": [], "ok": True})
+    d[mode].append(float(us.mean() if mode == "loop" else np.median(us)))
+    d["loop_median" if mode == "loop" else "paced_mean"].append(float(np.median(us) if mode == "loop" else us.mean()))
+    d["ok"] = d["ok"] and ok
+
+
+def run_rounds(store, groups, rounds, sync):
+    """groups: [(variants, make(round) -> (steps, warm, E), hist)]; all interleave per round."""
+    for r in range(rounds):
+        for variants, make, hist in groups:
+            steps, warm, E = make(r)
+            for var in variants:
+                for mode in ("loop", "paced"):
+                    ts = batch(var, steps, warm, hist, mode == "paced", sync)
+                    ok, msg = var.verify(hist, E) if var.verify else compare(hist.cpu().numpy(), E, "history")
+                    if not ok:
+                        fail(f"{var.name} ({mode}, round {r}): {msg}")
+                    record(store, var.name, mode, ts, ok)
+
+
+def summ(xs):
+    xs = [x for x in xs if x is not None]  # a run whose check failed, or an invalid one, is None
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": len(xs)} if xs else None
+
+
+def fmt(xs):
+    s = summ(xs)
+    return "n/a" if s is None else f"{s['median']:.2f} [{s['min']:.2f}..{s['max']:.2f}]"
+
+
+def med(store, name, mode):
+    d = store.get(name)
+    return statistics.median(d[mode]) if d and d[mode] and d["ok"] else None
+
+
+def ratio(a, b):
+    return None if a is None or b is None else a / b
+
+
+def ring_var(name, L, spec, depth, stream, **kw):
+    try:
+        p = Ring(torch, L, spec, depth, stream, **kw)
+    except Exception as e:  # noqa: BLE001 (cuda.bindings missing: the row and its goal say so)
+        R["notes"].append(f"{name}: unavailable ({e!r})")
+        return None
+    return Var(name, p.call, used_views(p.dev, L, spec), lambda: p.dev.fill_(POISON), bps=p.bps)
+
+
+def pinstage_var(name, L, spec, depth, mk_call):
+    st = pinstage.StepStager(L, depth=depth)
+    A = torch.from_dlpack(st.arena())
+    var = Var(name, mk_call(st), used_views(A, L, spec), lambda: A.fill_(POISON))
+    var.bps, var.stager = (lambda: st.stats()["bytes"] / max(1, st.stats()["steps"])), st
+    return var
+
+
+def engine_variants(L, spec, depth, s):
+    def put(st):
+        def f(v):
+            with st.step(stream=s) as step:
+                for n, x in v.items():
+                    step.put(n, x)
+        return f
+
+    def views(st):
+        def f(v):
+            with st.step(stream=s) as step:
+                for n, x in v.items():
+                    step.view(n, rows=len(x))[:] = x
+        return f
+
+    out = [pinstage_var(STAGE, L, spec, depth, lambda st: (lambda v: st.stage(v, stream=s))),
+           pinstage_var(PUT, L, spec, depth, put), pinstage_var(VIEWS, L, spec, depth, views),
+           ring_var(TPACK, L, spec, depth, s), ring_var(TSIX, L, spec, depth, s, six=True),
+           ring_var(CUB, L, spec, depth, s, kind="cuda")]
+    dev, off = torch.empty(L.nbytes, dtype=torch.uint8, device="cuda"), offsets(L)
     stagers = {dt: pinstage.PinnedStager(dt, 256 * 128, depth=16) for dt in ("int32", "int64")}
-    targets = {n: stagers[ENGINE[n][0]].target(dev[n]) for n in ENGINE}
-    sh = s.cuda_stream
+    tg = {}
+    for n, (dt, cap, _) in ENGINE.items():
+        shape = cap if isinstance(cap, tuple) else (cap,)
+        tg[n] = stagers[dt].target(dev[off[n]: off[n] + nbytes(dt, shape)].view(getattr(torch, dt)).reshape(shape))
 
-    def six_targets(v):
+    def targets(v):
         for n, x in v.items():
-            targets[n].copy_(x, stream=sh)
+            tg[n].copy_(x, stream=s)
 
-    def stage(v):
-        st.stage(v, stream=s)
-
-    def step_put(v):
-        with st.step(stream=s) as step:
-            for n, x in v.items():
-                step.put(n, x)
-
-    def step_views(v):
-        with st.step(stream=s) as step:
-            for n, x in v.items():
-                step.view(n, rows=len(x))[:] = x
-
-    impls = {
-        "torch pinned-buffer idiom (6 copy_)": (torch_idiom, dev),
-        "six pinstage bound targets": (six_targets, dev),
-        "StepStager.stage (one call)": (stage, arena),
-        "StepStager step + 6 put": (step_put, arena),
-        "StepStager step + 6 views written": (step_views, arena),
-    }
-    res = {k: [] for k in impls}
-    for _ in range(rounds):
-        for name, (fn, out) in impls.items():
-            for t in out.values():
-                t.fill_(-77)
-            torch.cuda.synchronize()
-            us = timed(fn, steps, sets)
-            torch.cuda.synchronize()
-            for n, x in last.items():
-                got = out[n][: len(x)].cpu().numpy()
-                if not np.array_equal(got, x):
-                    raise AssertionError(f"{name}: field {n} wrong after the timed batch")
-            res[name].append(us)
-    med = {k: statistics.median(v) for k, v in res.items()}
-    R["engine"] = {"us_per_step": med, "stats": st.stats()}
-    base = med["StepStager.stage (one call)"]
-    print("\n== engine step (6 fields, 38 KiB used), host us per step, loop")
-    for k, v in med.items():
-        print(f"  {k:<40} {v:8.2f} us   stage is {v / base:5.2f}x faster")
-    print(f"  stats: {st.stats()}")
-
-    # Paced: each step issued while the stream is idle, every step's fields checked.
-    n_paced = min(steps, 2000)
-
-    def checker(out):
-        def check(i, v):
-            s.synchronize()
-            for n, x in v.items():
-                if not np.array_equal(out[n][: len(x)].cpu().numpy(), x):
-                    raise AssertionError(f"paced step {i}: field {n} wrong")
-
-        return check
-
-    def last_checked(name, out, n):
-        s.synchronize()
-        for f, x in sets[(n - 1) % len(sets)].items():
-            if not np.array_equal(out[f][: len(x)].cpu().numpy(), x):
-                raise AssertionError(f"paced {name}: field {f} wrong after the run")
-
-    for each in (True, False):
-        paced = {"empty call (the timer)": timed_paced(lambda v: None, n_paced, sets, s.synchronize)}
-        for name, (fn, out) in impls.items():
-            for t in out.values():
-                t.fill_(-77)
-            torch.cuda.synchronize()
-            paced[name] = timed_paced(fn, n_paced, sets, s.synchronize, checker(out) if each else None)
-            last_checked(name, out, n_paced)
-        R["engine"]["paced_us" if each else "paced_quiet_us"] = paced
-        pbase = paced["StepStager.stage (one call)"][0]
-        how = "every step checked after it" if each else "the last step checked after the run"
-        print(f"\n== engine step, paced (the stream idle as each step arrives; {how}), host us, median / mean of {n_paced}")
-        for k, (m, mean) in paced.items():
-            print(f"  {k:<40} {m:8.2f} / {mean:8.2f} us   stage is {m / pbase:5.2f}x faster")
+    out.append(Var(TGT, targets, used_views(dev, L, spec), lambda: dev.fill_(POISON), bps=sum(nbytes(*x) for x in spec.values())))
+    return [v for v in out if v is not None]
 
 
-def bench_ksweep(torch, steps, rounds):
-    res = {}
-    paced = {}
-    device = {}
-    s = torch.cuda.Stream()
-    for k in (1, 2, 4, 8, 16, 32):
-        L = pinstage.StepLayout({f"f{i}": ("int32", 256) for i in range(k)})
-        st = pinstage.StepStager(L, depth=8)
-        rng = np.random.default_rng(k)
-        sets = [{f"f{i}": rng.integers(1, 1 << 30, 256).astype(np.int32) for i in range(k)} for _ in range(64)]
-        last = sets[(steps - 1) % 64]
-        outs = [torch.from_dlpack(st.field(f"f{i}")) for i in range(k)]
-        times = []
-        for _ in range(rounds):
-            for t in outs:
-                t.fill_(-1)
-            torch.cuda.synchronize()
-            times.append(timed(lambda v: st.stage(v, stream=s), steps, sets))
-            torch.cuda.synchronize()
-            for i in range(k):
-                if not np.array_equal(outs[i].cpu().numpy(), last[f"f{i}"]):
-                    raise AssertionError(f"k={k}: field {i} wrong")
-        res[k] = statistics.median(times)
-
-        n_paced = min(steps, 2000)
-        for t in outs:
-            t.fill_(-1)
-        torch.cuda.synchronize()
-        paced[k] = timed_paced(lambda v: st.stage(v, stream=s), n_paced, sets, s.synchronize)
-        s.synchronize()
-        for i in range(k):
-            if not np.array_equal(outs[i].cpu().numpy(), sets[(n_paced - 1) % 64][f"f{i}"]):
-                raise AssertionError(f"paced k={k}: field {i} wrong after the run")
-        device[k] = ksweep_device_us(torch, L, sets)
-    R["ksweep"] = res
-    R["ksweep_paced"] = paced
-    R["ksweep_device"] = device
-    print("\n== k fields of 1 KiB, StepStager.stage, host us per step: loop; paced median / mean (the last step checked after the run);"
-          "\n   the copy engine's us per step (64 steps queued behind a stall, then drained back to back; every step checked)")
-    for k, v in res.items():
-        m, mean = paced[k]
-        d = device[k]
-        print(f"  k={k:<3} {v:8.2f} us   ({v / res[1]:.2f}x k=1);   paced {m:6.2f} / {mean:6.2f} us   ({m / paced[1][0]:.2f}x k=1);"
-              f"   device {d:6.2f} us   ({d / device[1]:.2f}x k=1)")
+# ---------------------------------------------------------------- sections
+def bench_engine(args):
+    L, spec, s = engine_layout(), engine_spec(), torch.cuda.Stream()
+    torch.cuda.set_stream(s)
+    variants = engine_variants(L, spec, args.depth, s)
+    hist = torch.empty((args.steps, sum(nbytes(*x) for x in spec.values())), dtype=torch.uint8, device="cuda")
+    run_rounds(R["engine"].setdefault("rows", {}), [(variants, maker(spec, args.steps, 1), hist)], args.rounds, s.synchronize)
+    R["engine"]["bytes_per_step"] = {v.name: (v.bps() if callable(v.bps) else v.bps) for v in variants}
+    R["engine"]["stats"] = {v.name: v.stager.stats() for v in variants if hasattr(v, "stager")}
 
 
-def ksweep_device_us(torch, L, sets, n=64, rounds=5):
-    """The copy engine's time per step in a loop: `n` steps issued behind a stall on one stream
-    (one stager per step, so the host never waits for a slot), timed by events around them once
-    the stall ends. A loop of steps back to back cannot run faster than this whatever the host
-    does. Every step lands in its own bound arena, checked after the run."""
-    names = list(sets[0])
+def kspec(k):
+    spec = {f"f{i}": ("int32", (256,)) for i in range(k)}
+    return pinstage.StepLayout({n: ("int32", 256) for n in spec}), spec
+
+
+def bench_ksweep(args):
+    s, groups = torch.cuda.Stream(), []
+    torch.cuda.set_stream(s)
+    for k in KS:
+        L, spec = kspec(k)
+        var = pinstage_var(f"k={k}", L, spec, args.depth, lambda st: (lambda v: st.stage(v, stream=s)))
+        groups.append(([var], maker(spec, args.steps, 1000 + k), torch.empty((args.steps, k * 1024), dtype=torch.uint8, device="cuda")))
+    run_rounds(R["ksweep"], groups, args.rounds, s.synchronize)
+    for k in KS:
+        R["ksweep_device_us"][k] = ksweep_device_us(*kspec(k), k)
+
+
+def ksweep_device_us(L, spec, k, n=64, reps=5):
+    """The copy engine's us per step: n steps issued behind a stall (one bound stager per step,
+    so the host never waits), timed by events once the stall ends; every step checked."""
     s = torch.cuda.Stream()
     arenas = [torch.empty(L.nbytes, dtype=torch.uint8, device="cuda") for _ in range(n)]
     bound = [pinstage.StepStager(L, arena=a, depth=1) for a in arenas]
     out = []
-    for _ in range(rounds):
+    for r in range(reps):
+        vals, steps = gen(spec, n, salt=5000 + 100 * k + r)
         for a in arenas:
-            a.fill_(0xA5)
+            a.fill_(POISON)
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(s):
             torch.cuda._sleep(20_000_000)
             e0.record(s)
         for i in range(n):
-            bound[i].stage(sets[i % len(sets)], stream=s)
+            bound[i].stage(steps[i], stream=s)
         e1.record(s)
-        if e0.query():
-            raise AssertionError("the stall ended before every step was issued: the device time would include the host's")
+        stalled = not e0.query()
         s.synchronize()
-        out.append(e0.elapsed_time(e1) * 1e3 / n)
-        for i in range(n):
-            v = sets[i % len(sets)]
-            for name in names:
-                got = torch.from_dlpack(bound[i].field(name)).cpu().numpy()
-                if not np.array_equal(got[: len(v[name])], v[name]):
-                    raise AssertionError(f"device sweep: step {i} field {name} wrong")
-    return statistics.median(out)
+        out.append(e0.elapsed_time(e1) * 1e3 / n if stalled else None)
+        ok, msg = compare(torch.stack([torch.cat(used_views(a, L, spec)) for a in arenas]).cpu().numpy(), expected(vals, n), "arenas")
+        if not ok:
+            fail(f"k={k} device sweep rep {r}: {msg}")
+    if None in out:
+        R["notes"].append(f"k={k} device sweep: the stall ended before every step was issued in some reps (dropped)")
+    return summ(out)
 
 
-def bench_jax(jax, steps, rounds):
-    import jax.numpy as jnp
-
-    jax.config.update("jax_enable_x64", True)
-    sets = value_sets(seed=5)
-    L = layout()
-    st = pinstage.StepStager(L, mode="fresh", depth=8)
-    dev = jax.devices("gpu")[0]
-    steps = max(200, steps // 10)
-    last = sets[(steps - 1) % len(sets)]
-    out = {}
-
-    def device_put(v):
-        out["x"] = [jax.device_put(x, dev) for x in v.values()]
-
-    def staged(v):
-        out["x"] = jax.dlpack.from_dlpack(st.stage(v))
-
-    unpack = jax.jit(L.unpack)
-    res = {"six jax.device_put": [], "StepStager fresh + one from_dlpack": []}
-    for _ in range(rounds):
-        for name, fn in (("six jax.device_put", device_put), ("StepStager fresh + one from_dlpack", staged)):
-            us = timed(fn, steps, sets)
-            x = out["x"]
-            got = dict(zip(ENGINE, x)) if isinstance(x, list) else {n: a[: len(last[n])] for n, a in unpack(x).items()}
-            for n, want in last.items():
-                if not np.array_equal(np.asarray(got[n]), want):
-                    raise AssertionError(f"{name}: field {n} wrong after the timed batch")
-            res[name].append(us)
-    med = {k: statistics.median(v) for k, v in res.items()}
-    R["jax"] = med
-    base = med["StepStager fresh + one from_dlpack"]
-    print("\n== JAX: the engine step into fresh device arrays, host us per step")
-    for k, v in med.items():
-        print(f"  {k:<40} {v:8.2f} us   pinstage is {v / base:5.2f}x faster")
-    del jnp
-
-
-def bench_zero_copy(torch, steps, rounds):
-    """Zero-copy: kernels read the pinned slot in place. The consumer's kernel (a sum of every
-    field into results[k]) runs in every step of the check run; the host-time rows time
-    pinstage's calls alone (step + writes + commit), as the consumer's launches are its own."""
-    L = pinstage.StepLayout({n: (dt, cap) for n, (dt, cap, _) in ENGINE.items()})
-    depth = 4
-    st = pinstage.StepStager(L, mode="zero_copy", depth=depth)
-    s = torch.cuda.Stream()
-    slot_t = [{n: torch.from_dlpack(st.slot_field(k, n)) for n in ENGINE} for k in range(depth)]
-    sets = value_sets(seed=9)
-    n_check = 500
-    results = torch.zeros(n_check, dtype=torch.int64, device="cuda")
-    for k in range(n_check):
-        v = sets[k % 64]
-        with st.step(stream=s) as step:
-            for n, x in v.items():
-                step.put(n, x)
-            t = slot_t[step.slot]
-            with torch.cuda.stream(s):
-                acc = t["input_ids"][:256].sum(dtype=torch.int64)
-                for n in ("positions", "slot_mapping", "seq_lens", "query_start_loc", "block_table"):
-                    acc = acc + t[n][: len(v[n])].sum(dtype=torch.int64)
-                results[k] = acc
-    s.synchronize()
-    want = [sum(int(x.astype(np.int64).sum()) for x in sets[k % 64].values()) for k in range(n_check)]
-    if results.cpu().tolist() != want:
-        raise AssertionError("zero-copy: a kernel read wrong values")
-
-    def slots_now():
-        """Every slot's fields as the host last wrote them (read by the GPU from the slot)."""
-        s.synchronize()
-        return [{n: slot_t[k][n].cpu().numpy() for n in ENGINE} for k in range(depth)]
-
-    def check_stage(last_sets):
-        # The last `depth` steps went to the `depth` slots, one each, in some order.
-        found = []
-        for k, got in enumerate(slots_now()):
-            match = [i for i, v in enumerate(last_sets) if all(np.array_equal(got[n][: len(x)], x) for n, x in v.items())]
-            if len(match) != 1:
-                raise AssertionError(f"zero-copy stage: slot {k} holds none of the last {depth} steps' values")
-            found.append(match[0])
-        if sorted(found) != list(range(depth)):
-            raise AssertionError(f"zero-copy stage: the last {depth} steps are not in the {depth} slots ({found})")
-
-    def stage(v):
-        st.stage(v, stream=s)
-
-    count = [0]
-
-    def one_write(v):
-        # As the Rust row: claim, one value written in place, commit (the event recorded).
-        count[0] += 1
-        step = st.step(stream=s)
-        step.view("seq_lens", rows=1)[0] = count[0]
-        step.commit()
-
-    def check_one_write():
-        got = sorted(int(x["seq_lens"][0]) for x in slots_now())
-        want = list(range(count[0] - depth + 1, count[0] + 1))
-        if got != want:
-            raise AssertionError(f"zero-copy one write: slots hold seq_lens[0] {got}, want {want}")
-
-    def bare(v):
-        step = st.step(stream=s)
-        step.commit()
+def bench_zero_copy(args):
+    """Kernels read the pinned slot in place: each step's consumer (the snapshot) reads the slot's
+    device view between the writes and the commit; timed: claim + writes, and the commit."""
+    L, spec, depth, n, s = engine_layout(), engine_spec(), args.depth, args.steps, torch.cuda.Stream()
+    torch.cuda.set_stream(s)
+    st, st_bare = (pinstage.StepStager(L, mode="zero_copy", depth=depth) for _ in range(2))
+    slot = [{f: torch.from_dlpack(st.slot_field(k, f)) for f in spec} for k in range(depth)]
+    srcs = [[d[f][: spec[f][1][0]].reshape(-1).view(torch.uint8) for f in spec] for d in slot]
+    one = [[d["seq_lens"][:1].view(torch.uint8)] for d in slot]
 
     def poison():
-        s.synchronize()
-        for t in slot_t:
-            for x in t.values():
-                x.fill_(-5)
-        torch.cuda.synchronize()
+        for d in slot:
+            for t in d.values():
+                t.view(torch.uint8).fill_(POISON)
 
-    rows = ("zero-copy stage (6 fields' values written)", "zero-copy step + one value written in place + commit",
-            "zero-copy bare step + commit (nothing written)")
-    res = {k: [] for k in rows}
-    for _ in range(rounds):
-        poison()
-        res[rows[0]].append(timed(stage, steps, sets))
-        # timed() runs 100 warm-up calls, then `steps`: its last calls used these sets.
-        check_stage([sets[(steps - depth + i) % len(sets)] for i in range(depth)])
-        count[0] = 0
-        poison()
-        res[rows[1]].append(timed(one_write, steps, sets))
-        check_one_write()
-        before = st.stats()
-        res[rows[2]].append(timed(bare, steps, sets))
-        after = st.stats()
-        if after["steps"] - before["steps"] != steps + 100 or after["copies"] != before["copies"]:
-            raise AssertionError(f"zero-copy bare steps: stats {before} -> {after}")
-    torch.cuda.synchronize()
-    med = {k: statistics.median(v) for k, v in res.items()}
-    R["zero_copy"] = {"us_per_step": med, "checked_steps": n_check}
-    print(f"\n== zero-copy ({n_check} steps read by a kernel, every sum checked; each timed batch checked in the slots after it), host us per step")
-    for k, v in med.items():
-        print(f"  {k:<52} {v:8.2f} us")
+    def zc_run(write, src):
+        def run(i, v, hist):
+            t0 = clock()
+            step = st.step(stream=s)
+            write(step, v)
+            t1 = clock()
+            torch.cat(src[step.slot], out=hist[i])
+            t2 = clock()
+            step.commit()
+            return t1 - t0 + clock() - t2
+
+        return run
+
+    def put6(step, v):
+        for f, x in v.items():
+            step.put(f, x)
+
+    def one_value(step, v):  # as the Rust row: one value written in place
+        step.view("seq_lens", rows=1)[0] = v["seq_lens"][0]
+
+    bare = {"n": 0, "stats": st_bare.stats()}
+
+    def run_bare(i, v, hist):
+        t0 = clock()
+        st_bare.step(stream=s).commit()
+        t = clock() - t0
+        bare["n"] += 1
+        return t
+
+    def verify_bare(hist, E):
+        now, before = st_bare.stats(), bare["stats"]
+        ok = now["steps"] - before["steps"] == bare["n"] and now["copies"] == before["copies"]
+        bare.update(n=0, stats=now)
+        return ok, f"stats {before} -> {now}"
+
+    U = sum(nbytes(*x) for x in spec.values())
+    groups = [([Var("zero-copy step + 6 put + commit", run=zc_run(put6, srcs), poison=poison)], maker(spec, n, 2),
+               torch.empty((n, U), dtype=torch.uint8, device="cuda")),
+              ([Var("zero-copy step + 1 value in place + commit", run=zc_run(one_value, one), poison=poison),
+                Var("zero-copy bare step + commit (stats-checked)", run=run_bare, verify=verify_bare)],
+               maker({"seq_lens": ("int32", (1,))}, n, 3), torch.empty((n, 4), dtype=torch.uint8, device="cuda"))]
+    run_rounds(R["zero_copy"], groups, args.rounds, s.synchronize)
 
 
-def bench_graph(torch, seconds=2.0):
-    """A ~4 ms CUDA graph replayed while steps are committed at full rate on another stream."""
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    gs = torch.cuda.Stream()
-    with torch.cuda.stream(gs):
-        for _ in range(3):
-            c = a @ b
+def bench_graph(args):
+    """A ~4 ms CUDA graph reading the arena (its first node gathers the arena's used rows into
+    `out`, snapshotted after every replay, all checked), then matmuls. In order: step i staged on
+    the graph's stream, then replayed (GPU ms of copy + graph, vs the graph alone). Beside: steps
+    at full rate on another stream into another buffer, from a thread, while the graph replays;
+    every replay and the thread's last --steps steps checked."""
+    L, spec, depth, reps, n = engine_layout(), engine_spec(), args.depth, args.graph_reps, args.steps
+    U = sum(nbytes(*x) for x in spec.values())
+    gs, side = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.set_stream(gs)
+    st = pinstage.StepStager(L, depth=depth)
+    av = used_views(torch.from_dlpack(st.arena()), L, spec)
+    a, b = (torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty(U, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        torch.cat(av, out=out)
+        c = a @ b
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=gs):
+        torch.cat(av, out=out)
         for _ in range(26):
             c = a @ b  # noqa: F841
+    hist, h2 = (torch.empty((m, U), dtype=torch.uint8, device="cuda") for m in (reps, n))
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
 
-    def time_graph(reps=60):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        with torch.cuda.stream(gs):
-            for _ in range(reps):
-                s.record()
-                g.replay()
-                e.record()
-                e.synchronize()
-                times.append(s.elapsed_time(e))
-        return statistics.median(times)
-
-    side = torch.cuda.Stream()
-    st = pinstage.StepStager(layout(), depth=8)
-    sets = value_sets(seed=3)
-    dev = {n: torch.empty(cap if isinstance(cap, tuple) else (cap,), dtype=getattr(torch, dt), device="cuda") for n, (dt, cap, _) in ENGINE.items()}
-    pinned = {n: torch.empty_like(t, device="cpu").pin_memory() for n, t in dev.items()}
-
-    def with_load(work):
-        stop = threading.Event()
-        count = [0]
-
-        def loop():
-            i = 0
-            while not stop.is_set():
-                work(sets[i % 64])
-                i += 1
-            count[0] = i
-
-        th = threading.Thread(target=loop)
-        th.start()
-        time.sleep(0.05)
-        t = time_graph()
-        stop.set()
-        th.join()
+    def replays(steps, E, staged, label):
+        hist.fill_(POISON)
         torch.cuda.synchronize()
-        return t, count[0]
-
-    def torch_idiom(v):
-        with torch.cuda.stream(side):
-            for n, x in v.items():
-                pinned[n].numpy()[: len(x)] = x
-                dev[n][: len(x)].copy_(pinned[n][: len(x)], non_blocking=True)
-
-    def busy(v):
-        x = 0
-        for i in range(50):
-            x += i
-
-    base = time_graph()
-    t_step, n_step = with_load(lambda v: st.stage(v, stream=side))
-    base2 = time_graph()
-    t_torch, n_torch = with_load(torch_idiom)
-    t_busy, _ = with_load(busy)
-    torch.cuda.synchronize()
-    last = sets[(n_step - 1) % 64]
-    for n, x in last.items():
-        if not np.array_equal(st.read_field(n)[: len(x)], x):
-            raise AssertionError(f"graph load: field {n} wrong after the loop")
-    R["graph"] = {
-        "graph ms": base,
-        "graph ms (again, between loads)": base2,
-        "beside StepStager.stage": t_step / base - 1,
-        "steps committed": n_step,
-        "beside the torch idiom": t_torch / base - 1,
-        "torch idiom steps": n_torch,
-        "beside a Python loop holding the GIL (no GPU work; control)": t_busy / base - 1,
-    }
-    print(
-        f"\n== graph {base:.3f} ms alone ({base2:.3f} ms again); beside steps committed at full rate: "
-        f"{100 * (t_step / base - 1):+.2f}% ({n_step} steps); beside the torch idiom "
-        f"{100 * (t_torch / base - 1):+.2f}% ({n_torch} steps); beside a pure-Python loop (control, "
-        f"no GPU work) {100 * (t_busy / base - 1):+.2f}%"
-    )
-
-
-def probe(torch, steps, rounds):
-    """Where the Python step's microseconds go: stage with the automatic plan and with one span,
-    a bare step, and k=1, each on a torch stream and on the legacy stream."""
-    sets = value_sets()
-    s = torch.cuda.Stream()
-    out = {}
-    for name, kw in (("auto plan", {}), ("one span", {"max_gap": 1 << 30}), ("exact spans", {"max_gap": 0})):
-        st = pinstage.StepStager(layout(), depth=8, **kw)
-        for sname, stream in (("torch stream", s), ("legacy", None)):
-            out[f"stage, {name}, {sname}"] = statistics.median(
-                timed(lambda v: st.stage(v, stream=stream), steps, sets) for _ in range(rounds)
-            )
+        for i in range(reps):
+            ev[i][0].record(gs)
+            if staged:
+                st.stage(steps[i], stream=gs)
+            g.replay()
+            ev[i][1].record(gs)
+            hist[i].copy_(out)
         torch.cuda.synchronize()
-        out[f"stats {name}"] = st.stats()
-    st = pinstage.StepStager(layout(), depth=8)
-    out["empty step + commit"] = statistics.median(
-        timed(lambda v: st.step(stream=s).commit(), steps, sets) for _ in range(rounds)
-    )
-    L1 = pinstage.StepLayout({"ids": ("int32", 256)})
-    st1 = pinstage.StepStager(L1, depth=8)
-    one = [{"ids": v["input_ids"]} for v in sets]
-    out["k=1 stage"] = statistics.median(timed(lambda v: st1.stage(v, stream=s), steps, one) for _ in range(rounds))
-    torch.cuda.synchronize()
-    for k, v in out.items():
-        print(f"  {k:<40} {v if isinstance(v, dict) else f'{v:8.2f} us'}")
+        ok, msg = compare(hist.cpu().numpy(), E, "history")
+        if not ok:
+            fail(f"graph {label}: replays read wrong arena values: {msg}")
+        return statistics.median(e0.elapsed_time(e1) for e0, e1 in ev) if ok else None
+
+    st2 = pinstage.StepStager(L, depth=depth)
+    B = torch.from_dlpack(st2.arena())
+
+    loads = [Var("pinstage stage", lambda v: st2.stage(v, stream=side), used_views(B, L, spec), lambda: B.fill_(POISON)),
+             ring_var("torch packed ring", L, spec, depth, side), Var("a Python loop holding the GIL (control)", run=lambda i, v, h: sum(range(50)) * 0)]
+    loads, G = [x for x in loads if x is not None], R["graph"]
+    for r in range(args.rounds):
+        vals, steps = gen(spec, reps + 1, salt=900 + r)
+        E, fixed = expected(vals, reps), steps[reps]
+        Efix = np.tile(expected({k: x[reps:] for k, x in vals.items()}, 1), (reps, 1))
+        st.stage(fixed, stream=gs)
+        G.setdefault("graph alone ms", []).append(replays(steps, Efix, False, "alone"))
+        G.setdefault("in order: copy + graph ms", []).append(replays(steps, E, True, "in order"))
+        lvals, lsteps = gen(spec, n, salt=950 + r)
+        LE = expected(lvals, n)
+        for var in loads:
+            st.stage(fixed, stream=gs)
+            var.poison()
+            h2.fill_(POISON)
+            torch.cuda.synchronize()
+            stop, count = threading.Event(), [0]
+
+            def loop(var=var, stop=stop, count=count):
+                torch.cuda.set_stream(side)
+                i = 0
+                while not stop.is_set():
+                    var.run(i % n, lsteps[i % n], h2)
+                    i += 1
+                count[0] = i
+
+            th = threading.Thread(target=loop)
+            th.start()
+            time.sleep(0.02)
+            ms = replays(steps, Efix, False, f"beside {var.name}")
+            stop.set()
+            th.join()
+            torch.cuda.synchronize()
+            if var.srcs is not None:
+                rows = sorted({i % n for i in range(max(0, count[0] - n), count[0])})
+                ok, msg = compare(h2.cpu().numpy()[rows], LE[rows], "load steps")
+                if not ok:
+                    fail(f"graph beside {var.name} round {r}: {msg}")
+            G.setdefault(f"beside {var.name} ms", []).append(ms)
+            G.setdefault(f"beside {var.name}: steps", []).append(count[0])
+
+
+def bench_jax(args):
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    R["config"]["jax"] = jax.__version__
+    L, spec = engine_layout(), engine_spec()
+    names, gpu, n = list(spec), jax.devices("gpu")[0], args.jax_steps
+    st = pinstage.StepStager(L, mode="fresh", depth=args.depth)
+    unpack, dense, o = jax.jit(L.unpack), [], 0
+    for nm in names:
+        dense.append((nm, o, nbytes(*spec[nm]), np.dtype(spec[nm][0]), spec[nm][1]))
+        o += nbytes(*spec[nm])
+
+    def dense_unpack(p):  # the peer's arrays: jnp slicing + bitcast inside jit, as layout.unpack
+        return {nm: jax.lax.bitcast_convert_type(p[a: a + b].reshape(-1, dt.itemsize), dt).reshape(shape)
+                for nm, a, b, dt, shape in dense}
+
+    dunpack = jax.jit(dense_unpack)
+    fns = {JST: lambda v: unpack(jax.dlpack.from_dlpack(st.stage(v))),
+           JPK: lambda v: dunpack(jax.device_put(np.concatenate([x.reshape(-1).view(np.uint8) for x in v.values()]), gpu)),
+           JSIX: lambda v: [jax.device_put(x, gpu) for x in v.values()]}
+
+    def row(h):  # a step's used bytes; jit returns dicts with sorted keys: index by name
+        parts = [h[nm] for nm in names] if isinstance(h, dict) else h
+        return np.concatenate([np.asarray(p)[: spec[nm][1][0]].reshape(-1).view(np.uint8) for nm, p in zip(names, parts)])
+
+    make = maker(spec, n, 7)
+    for r in range(args.rounds):
+        steps, warm, E = make(r)
+        for name, fn in fns.items():
+            for mode in ("loop", "paced"):
+                for v in warm:
+                    jax.block_until_ready(fn(v))
+                res, ts = [None] * n, np.empty(n, np.int64)
+                gc.collect()
+                gc.disable()
+                try:
+                    for i, v in enumerate(steps):
+                        if mode == "paced" and i:
+                            jax.block_until_ready(res[i - 1])
+                        t0 = clock()
+                        res[i] = fn(v)
+                        ts[i] = clock() - t0
+                finally:
+                    gc.enable()
+                ok, msg = compare(np.stack([row(h) for h in jax.device_get(jax.block_until_ready(res))]), E, "arrays")
+                if not ok:
+                    fail(f"JAX {name} ({mode}, round {r}): {msg}")
+                record(R["jax"], name, mode, ts, ok)
+                del res
+
+
+# ---------------------------------------------------------------- summary and goals
+def goal(label, value, op, target, unit=""):
+    met = value is not None and (value <= target if op == "<=" else value >= target)
+    shown = "n/a (missing, failed check, peer unavailable or < 5 runs)" if value is None else f"{value:.2f}{unit}"
+    R["goals"].append({"goal": label, "value": value, "target": f"{op} {target}", "met": met})
+    return f"  {'PASS' if met else 'MISS'}  {label:<54} {shown}  (target {op} {target}{unit})"
+
+
+def table(title, S, base, blabel, extra_head="", extra=lambda name: ""):
+    if not S:
+        return []
+    xr = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+    lines = ["", f"| {title} | loop us | paced us | loop / {blabel} | paced / {blabel} |{extra_head}",
+             "|---|---|---|---|---|" + ("---|" if extra_head else "")]
+    for name, d in S.items():
+        rl, rp = ratio(med(S, name, "loop"), med(S, base, "loop")), ratio(med(S, name, "paced"), med(S, base, "paced"))
+        lines.append(f"| {name}{'' if d['ok'] else ' (CHECK FAILED)'} | {fmt(d['loop'])} | {fmt(d['paced'])} | "
+                     f"{xr(rl)} | {xr(rp)} |{extra(name)}")
+    return lines
+
+
+def summary(args):
+    E, K, J, G = R["engine"].get("rows", {}), R["ksweep"], R["jax"], R["graph"]
+    bps, dev = R["engine"].get("bytes_per_step", {}), R["ksweep_device_us"]
+    lines = [f"\n== SUMMARY: host us per step, median of {args.rounds} runs [min..max]; a loop run's figure is the mean "
+             "of its calls, a paced run's their median; every step of every timed batch checked"]
+    lines += table("engine step (6 fields, 37.5 KiB used)", E, STAGE, "stage", " B sent/step |", lambda nm: f" {bps.get(nm, 0):.0f} |")
+    lines += table("k fields of 1 KiB, stage", K, "k=1", "k=1", " copy engine us/step |",
+                   lambda nm: f" {dev[int(nm[2:])]['median']:.2f} |" if dev.get(int(nm[2:])) else " n/a |")
+    lines += table("JAX: the engine step into fresh arrays", J, JST, "pinstage")
+    lines += table("zero-copy (slot read in place)", R["zero_copy"], "zero-copy step + 6 put + commit", "6 put")
+    alone = summ(G.get("graph alone ms", []))
+    if alone:
+        lines.append(f"\ngraph reading the arena (every replay checked), GPU ms: alone {fmt(G['graph alone ms'])}")
+        for k, v in G.items():
+            if k.endswith(" ms") and k != "graph alone ms" and summ(v):
+                lines.append(f"  {k:<60} {fmt(v)}  ({100 * (summ(v)['median'] / alone['median'] - 1):+.2f}%)")
+    lines.append("Rust vs C (one step): see benches/gpu_step.rs (cargo bench); not measured here.")
+    gv = (lambda x: None) if args.rounds < 5 else (lambda x: x)
+    lines += [f"\n== GOALS (median over {args.rounds} runs, checked runs)",
+              goal("stage, engine step, paced <= 5 us", gv(med(E, STAGE, "paced")), "<=", 5, " us"),
+              goal("stage, engine step, loop <= 6 us", gv(med(E, STAGE, "loop")), "<=", 6, " us")]
+    for label, S, a, b, op, t in (("torch packed ring / stage", E, TPACK, STAGE, ">=", 4),
+                                  ("cuda.bindings packed ring / stage", E, CUB, STAGE, ">=", 2),
+                                  ("k=32 / k=1", K, "k=32", "k=1", "<=", 2),
+                                  ("JAX packed device_put / pinstage fresh", J, JPK, JST, ">=", 2.5)):
+        for mode in ("loop", "paced"):
+            lines.append(goal(f"{label}, {mode} {op} {t}x", gv(ratio(med(S, a, mode), med(S, b, mode))), op, t, "x"))
+    lines += [f"note: {x}" for x in R["notes"]]
+    nf = len(R["failed"])
+    lines.append("checks: ALL PASSED" if not nf else f"checks: {nf} FAILED (first: {R['failed'][0][:300]})")
+    return "\n".join(lines)
 
 
 def main():
+    global torch
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--steps", type=int, default=4000)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--probe", action="store_true", help="the engine step's Python cost alone")
+    ap.add_argument("--out", default=None, help="directory for bench-step.json and bench-step-summary.md")
+    ap.add_argument("--steps", type=int, default=2000, help="steps per timed batch (torch sections)")
+    ap.add_argument("--jax-steps", type=int, default=500, help="steps per timed JAX batch")
+    ap.add_argument("--rounds", type=int, default=7, help="runs per figure (the goals need >= 5)")
+    ap.add_argument("--depth", type=int, default=8, help="slots in flight, pinstage and every peer")
+    ap.add_argument("--graph-reps", type=int, default=40, help="graph replays per timed run")
+    ap.add_argument("--sections", default="engine,ksweep,zero_copy,graph,jax")
     args = ap.parse_args()
-    import torch
-
-    print("pinstage", pinstage.__version__, "| torch", torch.__version__, "|", torch.cuda.get_device_name(0))
-    if args.probe:
-        probe(torch, args.steps, args.rounds)
-        return
-    bench_engine(torch, args.steps, args.rounds)
-    bench_ksweep(torch, args.steps, args.rounds)
-    bench_zero_copy(torch, args.steps, args.rounds)
-    bench_graph(torch)
+    import torch as _torch
+    torch, t_start = _torch, time.perf_counter()
+    R["config"] = {"pinstage": pinstage.__version__, "torch": torch.__version__, "device": torch.cuda.get_device_name(0),
+                   "python": sys.version.split()[0], **vars(args)}
     try:
-        import jax
+        from cuda import bindings
+        R["config"]["cuda.bindings"] = getattr(bindings, "__version__", "?")
     except ImportError:
-        jax = None
-    if jax is not None:
-        bench_jax(jax, args.steps, args.rounds)
-    e = R["engine"]["us_per_step"]
-    ratios = {
-        "stage us": e["StepStager.stage (one call)"],
-        "torch idiom / stage": e["torch pinned-buffer idiom (6 copy_)"] / e["StepStager.stage (one call)"],
-        "six targets / stage": e["six pinstage bound targets"] / e["StepStager.stage (one call)"],
-        "k=32 / k=1": R["ksweep"][32] / R["ksweep"][1],
-        "paced stage us": R["engine"]["paced_us"]["StepStager.stage (one call)"][0],
-        "paced torch idiom / stage": R["engine"]["paced_us"]["torch pinned-buffer idiom (6 copy_)"][0]
-        / R["engine"]["paced_us"]["StepStager.stage (one call)"][0],
-        "paced six targets / stage": R["engine"]["paced_us"]["six pinstage bound targets"][0]
-        / R["engine"]["paced_us"]["StepStager.stage (one call)"][0],
-        "paced k=32 / k=1": R["ksweep_paced"][32][0] / R["ksweep_paced"][1][0],
-        "device k=32 / k=1": R["ksweep_device"][32] / R["ksweep_device"][1],
-        "paced quiet stage us": R["engine"]["paced_quiet_us"]["StepStager.stage (one call)"][0],
-    }
-    if R["jax"]:
-        ratios["six device_put / staged"] = R["jax"]["six jax.device_put"] / R["jax"]["StepStager fresh + one from_dlpack"]
-    R["ratios"] = ratios
-    print("\n== ratios")
-    for k, v in ratios.items():
-        print(f"  {k:<28} {v:8.2f}")
+        pass
+    print("pinstage", pinstage.__version__, "| torch", torch.__version__, "|", R["config"]["device"], flush=True)
+    sections = {"engine": bench_engine, "ksweep": bench_ksweep, "zero_copy": bench_zero_copy, "graph": bench_graph, "jax": bench_jax}
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            sections[name](args)
+        except Exception:  # noqa: BLE001 (one section's crash must not hide the others')
+            fail(f"section {name} crashed: {traceback.format_exc(limit=6)}")
+        torch.cuda.set_stream(torch.cuda.default_stream())
+        torch.cuda.synchronize()
+        R["config"][f"seconds {name}"] = round(time.perf_counter() - t0, 1)
+        print(f"-- {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    text = summary(args)
+    R["config"]["seconds total"] = round(time.perf_counter() - t_start, 1)
     if args.out:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench-step.json"), "w") as f:
             json.dump(R, f, indent=1, default=str)
+        with open(os.path.join(args.out, "bench-step-summary.md"), "w") as f:
+            f.write(text + "\n")
+    print(text)
+    print(f"total {time.perf_counter() - t_start:.1f} s")
+    sys.exit(1 if R["failed"] else 0)
 
 
 if __name__ == "__main__":
