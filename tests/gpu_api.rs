@@ -222,8 +222,11 @@ fn gpu_pinned_typed_views_pool_budget_and_bounce_cache() {
     .unwrap();
     assert_eq!(path, pinstage::host::CopyPath::Bounced);
     assert!(out.iter().all(|&x| x == 3));
+    pinstage::host::wait_for_frees();
     let with_cache = pinstage::host::live_pinned_bytes();
     pinstage::host::release_bounce_buffers();
+    // The bounce buffers are freed by the reaper thread: wait for it before counting.
+    pinstage::host::wait_for_frees();
     assert_eq!(
         with_cache - pinstage::host::live_pinned_bytes(),
         pinstage::host::BOUNCE_DEPTH * pinstage::host::BOUNCE_CHUNK

@@ -221,7 +221,12 @@ fn copy_h2d_into_host_destinations_and_refusals() {
     // SAFETY: refused before anything is written through it.
     let cuda = unsafe { DeviceView::from_meta(TensorMeta::cuda_1d(0, 0x1000, DType::U8, 4)) };
     let err = pinstage::copy_h2d(&cuda, &[1u8; 4], StreamHandle::LEGACY).unwrap_err();
-    assert!(matches!(err, Error::CudaUnavailable { .. }), "{err}");
+    if pinstage::cuda::cuda_available() {
+        // No device memory there: the driver refuses the copy (nothing is written).
+        assert!(matches!(err, Error::Driver(_)), "{err}");
+    } else {
+        assert!(matches!(err, Error::CudaUnavailable { .. }), "{err}");
+    }
 }
 
 /// `numel * itemsize` past `isize::MAX` cannot describe memory: refused when the metadata is
