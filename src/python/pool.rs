@@ -137,12 +137,14 @@ impl PyPinnedPool {
     ///     dict: the counters.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         // Without a driver there is no pool: its limits are the ones given.
-        let s = self.pool.as_ref().map(|p| p.stats()).unwrap_or_else(|| {
-            crate::host::PinnedPoolStats {
-                max_pooled_bytes: self.max_pooled.unwrap_or(usize::MAX),
-                ..Default::default()
-            }
-        });
+        let s =
+            self.pool
+                .as_ref()
+                .map(|p| p.stats())
+                .unwrap_or_else(|| crate::host::PinnedPoolStats {
+                    max_pooled_bytes: self.max_pooled.unwrap_or(usize::MAX),
+                    ..Default::default()
+                });
         let fallbacks = self
             .driverless_fallbacks
             .load(std::sync::atomic::Ordering::Relaxed);

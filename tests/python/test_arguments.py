@@ -351,7 +351,8 @@ def test_pool_calls_work_without_a_driver():
     }
     assert s["max_outstanding_bytes"] == 1 << 20
     if not pinstage.cuda_available():
-        assert all(v == 0 for k, v in s.items() if k != "max_outstanding_bytes")
+        assert all(v == 0 for k, v in s.items() if not k.startswith("max_"))
+        assert s["max_pooled_bytes"] is None
     pinstage.empty_cache()
     pinstage.set_pool_budget(4 << 30)
     assert pinstage.pool_stats()["max_outstanding_bytes"] == 4 << 30
