@@ -51,7 +51,7 @@ fn parse_device_with(obj: Option<&Bound<'_, PyAny>>, default: i32) -> PyResult<i
 fn device_ordinal(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Err(type_err(
-            "device must be an int, 'cuda:N' or a device object, got a bool",
+            "device must be an int, 'cuda:N' or a device object; got a bool",
         ));
     }
     if let Some(i) = as_index(obj)? {
@@ -76,7 +76,7 @@ fn device_ordinal(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
         && t != "cuda"
     {
         return Err(type_err(format!(
-            "device must be a CUDA device, got a {t} device ({})",
+            "device must be a CUDA device; got a {t} device ({})",
             obj.repr()?
         )));
     }
@@ -93,7 +93,7 @@ fn device_ordinal(obj: &Bound<'_, PyAny>) -> PyResult<i32> {
         }
     }
     Err(type_err(format!(
-        "device must be an int, 'cuda:N' or a device object, got {}",
+        "device must be an int, 'cuda:N' or a device object; got {}",
         type_name(obj)
     )))
 }

@@ -154,7 +154,7 @@ pub(crate) fn numel(shape: &[i64]) -> PyResult<usize> {
 pub(crate) fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     let shape = super::args::shape_dims(obj)?.ok_or_else(|| {
         type_err(format!(
-            "shape must be an int or a sequence of ints, got {}",
+            "shape must be an int or a sequence of ints; got {}",
             super::errors::type_name(obj)
         ))
     })?;
@@ -194,7 +194,7 @@ pub(crate) fn known_pinned(obj: &Bound<'_, PyAny>, ptr: usize, len: usize) -> Op
 pub(crate) fn writable_numpy(obj: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
     let Ok(a) = obj.cast::<PyUntypedArray>() else {
         return Err(type_err(format!(
-            "dst must be a numpy array, got {}",
+            "dst must be a numpy array; got {}",
             super::errors::type_name(obj)
         )));
     };

@@ -44,7 +44,7 @@ impl Framework {
             f.extract::<String>()?
         } else {
             return Err(type_err(format!(
-                "framework must be 'torch', 'cupy', 'jax' or 'dlpack' (or the module), got {}",
+                "framework must be 'torch', 'cupy', 'jax' or 'dlpack' (or the module); got {}",
                 type_name(f)
             )));
         };
@@ -75,7 +75,7 @@ impl Framework {
             "jax" | "jaxlib" => Ok(Framework::Jax),
             "pinstage" => Ok(Framework::Dlpack),
             _ => Err(type_err(format!(
-                "like must be a torch, cupy or jax array, got {}",
+                "like must be a torch, cupy or jax array; got {}",
                 describe(like)
             ))),
         }

@@ -336,7 +336,7 @@ pub(crate) fn pin(
     use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
     let a = array.cast::<PyUntypedArray>().map_err(|_| {
         super::errors::type_err(format!(
-            "pin(array): a numpy array, got {}",
+            "pin(array): a numpy array; got {}",
             super::errors::type_name(array)
         ))
     })?;

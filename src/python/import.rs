@@ -250,7 +250,7 @@ fn import_standard(
     if !obj.is_instance_of::<PyCapsule>() && !obj.hasattr(pyo3::intern!(py, "__dlpack__"))? {
         return Err(type_err(format!(
             "expected a DLPack producer (an object with __dlpack__, e.g. a torch/jax/cupy/numpy \
-             array), got {}",
+             array); got {}",
             type_name(obj)
         )));
     }
@@ -392,7 +392,7 @@ pub(crate) fn import_host_source(src: &Bound<'_, PyAny>) -> PyResult<Imported> {
     } else {
         return Err(type_err(format!(
             "src must be a host array (numpy, a torch CPU tensor, anything with DLPack on the \
-             CPU), got {}",
+             CPU); got {}",
             describe(src)
         )));
     };

@@ -59,7 +59,7 @@ fn raw_bytes(values: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
         .call_method1("ascontiguousarray", (values,))
         .map_err(|e| {
             type_err(format!(
-                "mirror values must be bytes or an array numpy takes, got {} ({e})",
+                "mirror values must be bytes or an array numpy takes; got {} ({e})",
                 type_name(values)
             ))
         })?;
@@ -68,7 +68,7 @@ fn raw_bytes(values: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     // address would make different values match.
     if dtype.getattr("hasobject")?.is_truthy()? {
         return Err(type_err(format!(
-            "mirror values must be bytes or numbers, got {} that numpy holds as Python objects",
+            "mirror values must be bytes or numbers; got {} that numpy holds as Python objects",
             type_name(values)
         )));
     }
@@ -82,7 +82,7 @@ fn raw_bytes(values: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
 fn hashable(key: &Bound<'_, PyAny>) -> PyResult<()> {
     key.hash().map(drop).map_err(|e| {
         type_err(format!(
-            "mirror key must be hashable (compared by ==, like a dict key), got {} ({e})",
+            "mirror key must be hashable (compared by ==, like a dict key); got {} ({e})",
             type_name(key)
         ))
     })

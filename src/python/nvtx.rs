@@ -68,7 +68,7 @@ impl NvtxRangeCtx {
     ) -> PyResult<Bound<'py, PyAny>> {
         if !func.is_callable() {
             return Err(super::errors::type_err(format!(
-                "nvtx_range(...) decorates a callable, got {}",
+                "nvtx_range(...) decorates a callable; got {}",
                 super::errors::type_name(func)
             )));
         }

@@ -172,7 +172,7 @@ pub(crate) fn pool_arg<'a, 'py>(
         None => Ok(None),
         Some(o) => o.cast::<PyPinnedPool>().map(Some).map_err(|_| {
             super::errors::type_err(format!(
-                "pool must be a pinstage.PinnedPool, got {}",
+                "pool must be a pinstage.PinnedPool; got {}",
                 super::errors::type_name(o)
             ))
         }),

@@ -217,7 +217,7 @@ impl PyStager {
         let d = self.dtype;
         let mirror = match mirror.filter(|m| !m.is_none()) {
             Some(m) => Some(m.cast::<PyMirror>().map_err(|_| {
-                type_err(format!("mirror must be an H2DMirror, got {}", type_name(m)))
+                type_err(format!("mirror must be an H2DMirror; got {}", type_name(m)))
             })?),
             None => None,
         };

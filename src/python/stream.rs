@@ -83,7 +83,7 @@ fn parse_stream_object(obj: &Bound<'_, PyAny>) -> PyResult<(usize, bool)> {
     let py = obj.py();
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Err(type_err(
-            "stream must be a stream object or an int handle, got a bool",
+            "stream must be a stream object or an int handle; got a bool",
         ));
     }
     // An int, or a numpy integer (a handle kept in an array, say).

@@ -213,7 +213,7 @@ pub(crate) fn to_values<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<V
         let what = if scalar { "a scalar of type" } else { "a" };
         return Err(type_err(format!(
             "values must be a list, a tuple or an array of numbers (numpy, a torch CPU tensor, \
-             anything numpy.asarray takes), got {what} {}",
+             anything numpy.asarray takes); got {what} {}",
             type_name(values)
         )));
     }
@@ -276,7 +276,7 @@ fn convert_with_numpy<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<Val
             return e;
         }
         type_err(format!(
-            "values must be a numpy array or a (nested, rectangular) sequence of numbers, got {} \
+            "values must be a numpy array or a (nested, rectangular) sequence of numbers; got {} \
              ({e})",
             type_name(values)
         ))
@@ -286,7 +286,7 @@ fn convert_with_numpy<'py>(values: &Bound<'py, PyAny>, d: DType) -> PyResult<Val
         .map_err(|_| type_err("values: not an array"))?;
     if arr.ndim() == 0 {
         return Err(type_err(format!(
-            "values must be a sequence or an array, got a scalar of type {}",
+            "values must be a sequence or an array; got a scalar of type {}",
             type_name(values)
         )));
     }

@@ -83,7 +83,7 @@ pub(super) fn skip_names(obj: Option<&Bound<'_, PyAny>>, all: &[String]) -> PyRe
 pub(super) fn parse_shape(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<usize>> {
     let dims = crate::python::args::shape_dims(obj)?.ok_or_else(|| {
         type_err(format!(
-            "field {name:?}: shape must be an int or a tuple of ints, got {}",
+            "field {name:?}: shape must be an int or a tuple of ints; got {}",
             crate::python::errors::type_name(obj)
         ))
     })?;

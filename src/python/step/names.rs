@@ -17,7 +17,7 @@ pub(super) fn field_name(obj: &Bound<'_, PyAny>) -> PyResult<String> {
     match obj.cast::<PyString>() {
         Ok(s) => Ok(name_text(s)?.into_owned()),
         Err(_) => Err(type_err(format!(
-            "name must be a str (a field name), got {}",
+            "name must be a str (a field name); got {}",
             crate::python::errors::type_name(obj)
         ))),
     }
@@ -44,7 +44,7 @@ pub(super) fn dict_arg<'a, 'py>(
         None => Ok(None),
         Some(o) => o.cast::<PyDict>().map(Some).map_err(|_| {
             type_err(format!(
-                "{param} must be a dict {{field name: ...}}, got {}",
+                "{param} must be a dict {{field name: ...}}; got {}",
                 crate::python::errors::type_name(o)
             ))
         }),
