@@ -170,14 +170,26 @@ fn slots_are_not_rewritten_while_their_copy_is_queued(#[case] depth: usize) {
     drop(warm);
     let before = st.stats();
     let steps = 3 * depth as i64 + 2;
+    // Where the worker was when (µs after the stall was queued): claimed, filled, committed.
+    let timeline = parking_lot::Mutex::new(Vec::new());
     let (blocks, during) = std::thread::scope(|sc| {
         let gate = stall(&stream);
-        let worker = sc.spawn(|| {
+        let t0 = std::time::Instant::now();
+        let (st, stream, timeline) = (&st, &stream, &timeline);
+        let worker = sc.spawn(move || {
+            let at = |what: &'static str, k: i64| {
+                timeline.lock().push((what, k, t0.elapsed().as_micros()));
+            };
             (0..steps)
                 .map(|k| {
+                    at("claim", k);
                     let mut s = st.step().unwrap();
+                    at("fill", k);
                     fill(&mut s, k);
-                    s.commit(stream.handle()).unwrap().block.unwrap()
+                    at("commit", k);
+                    let b = s.commit(stream.handle()).unwrap().block.unwrap();
+                    at("committed", k);
+                    b
                 })
                 .collect::<Vec<_>>()
         });
@@ -193,7 +205,9 @@ fn slots_are_not_rewritten_while_their_copy_is_queued(#[case] depth: usize) {
     assert_eq!(
         during.steps - before.steps,
         depth as u64,
-        "steps committed while every slot's copy was stalled"
+        "steps committed while every slot's copy was stalled; the worker (µs after the stall): \
+         {:?}",
+        &timeline.lock()[..]
     );
     assert!(
         during.waits > before.waits,
