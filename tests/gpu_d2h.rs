@@ -81,17 +81,23 @@ fn gpu_d2h_async_and_pool() {
     drop((again, big));
     pool.empty_cache();
     assert_eq!(pool.stats().pooled_bytes, 0);
-    // Dropping a pending copy waits for it (no write into freed memory): with its stream stalled
-    // for 300 ms by a host function, the drop returns only after the stall, and `is_done` says
-    // false before.
+    // Dropping a pending copy never blocks, and its block stays out of the pool until the copy
+    // completed (the reaper thread lets it go then): with the stream stalled for 300 ms by a
+    // host function, the drop returns at once, the block is still in use during the stall, and
+    // back in the pool once the stall ended.
     let stream = pinstage::Stream::new(&dev).unwrap();
     let block = pool.acquire(bytes).unwrap();
+    let class = pinstage::host::size_class(bytes);
     let go = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let g = go.clone();
     // SAFETY: the host function calls no CUDA function and drops only an Arc<AtomicBool>.
     unsafe {
         pinstage::testing::launch_host_fn(&stream, move || {
-            while !g.load(std::sync::atomic::Ordering::Acquire) {
+            // Bounded: never hold the stream longer than 20 s even if the test thread died.
+            let t0 = std::time::Instant::now();
+            while !g.load(std::sync::atomic::Ordering::Acquire)
+                && t0.elapsed() < std::time::Duration::from_secs(20)
+            {
                 std::thread::sleep(std::time::Duration::from_micros(200));
             }
         })
@@ -102,17 +108,21 @@ fn gpu_d2h_async_and_pool() {
         !pending.is_done(),
         "the copy waits behind the stalled stream"
     );
-    let release = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        go.store(true, std::sync::atomic::Ordering::Release);
-    });
     let t0 = std::time::Instant::now();
     drop(pending);
     let waited = t0.elapsed();
-    release.join().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let during = pool.stats().in_use_bytes;
+    go.store(true, std::sync::atomic::Ordering::Release);
+    stream.synchronize().unwrap();
+    pinstage::host::wait_for_frees();
     assert!(
-        waited >= std::time::Duration::from_millis(250),
-        "drop returned after {waited:?}, before the copy could run"
+        waited < std::time::Duration::from_millis(50),
+        "dropping a pending copy blocked for {waited:?}"
+    );
+    assert_eq!(
+        during, class,
+        "the block went back to the pool while its copy was queued"
     );
     assert_eq!(pool.stats().in_use_bytes, 0);
     assert_eq!(pinstage::cuda::drop_errors().count, 0);

@@ -446,7 +446,7 @@ def test_pinned_helpers_on_the_gpu(gpu):
     assert not pinstage.is_pinned(np.zeros(16)) and not pinstage.is_pinned(np.zeros(16).ctypes.data)
     st = pinstage.PinnedStager(np.int16, 32, 3, device=0)
     assert (st.numel, st.depth, st.device, st.cuda, st.dtype) == (32, 3, 0, True, "int16")
-    assert set(pinstage.pool_stats(0)) == set(pinstage.pool_stats(device="cuda:0"))
+    assert set(pinstage.pool_stats(device=0)) == set(pinstage.pool_stats(device="cuda:0"))
     info = pinstage.driver_info()
     assert info["available"] and info["reason"] is None and info["device_count"] >= 1
     assert info["driver_version"] >= 12080
@@ -551,8 +551,9 @@ def test_leaks_pinned_arrays_pool_blocks_and_stagers(gpu):
         with open("/proc/self/status") as f:
             return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) * 1024
 
-    pinstage.empty_cache()
+    # Collected first, then emptied: empty_cache() waits for the frees of what was collected.
     gc.collect()
+    pinstage.empty_cache()
     base_pinned, base_rss = pinstage.pinned_bytes(), rss()
     for i in range(100_000):
         a = pinstage.empty_pinned(64, np.int32)
@@ -570,8 +571,8 @@ def test_leaks_pinned_arrays_pool_blocks_and_stagers(gpu):
         st.copy_(src, np.full(16, i, np.int32))
         del st
     torch.cuda.synchronize()
-    pinstage.empty_cache()
     gc.collect()
+    pinstage.empty_cache()
     assert pinstage.pinned_bytes() == base_pinned, (pinstage.pinned_bytes(), base_pinned)
     assert rss() - base_rss < 64 << 20, f"RSS grew by {(rss() - base_rss) >> 20} MiB"
 
