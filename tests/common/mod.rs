@@ -212,13 +212,17 @@ impl Drop for Stall {
 
 /// Stalls `stream` through a host function (no kernel) until the returned guard is released or
 /// dropped. Allocate everything the test needs BEFORE stalling: pinned and device allocations may
-/// synchronize the whole device, and would wait for the stall.
+/// synchronize the whole device, and would wait for the stall. The stall begins once pinstage's
+/// reaper thread finished the frees handed to it so far (earlier tests' stagers and blocks): a
+/// free under way when the stall begins waits for the stall and meanwhile holds up every other
+/// thread's driver calls (`lab/c/free_lock.c`), which a test would misread as its own blocking.
 pub fn stall(stream: &Stream) -> Stall {
     stall_handle(stream.device(), stream.handle())
 }
 
 /// [`stall`] on any stream handle of `dev` (this thread's per-thread default stream, say).
 pub fn stall_handle(dev: &pinstage::Device, stream: pinstage::StreamHandle<'_>) -> Stall {
+    pinstage::host::wait_for_frees();
     let go = Arc::new(AtomicBool::new(false));
     let g = go.clone();
     // SAFETY: the host function calls no CUDA function and drops only an Arc<AtomicBool>.
