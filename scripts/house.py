@@ -25,7 +25,7 @@ LAYERS = {
     "host": 4,
     "ring": 5,
     "d2h": 6,
-    "h2d": 7, "step": 7,
+    "h2d": 7, "step": 7, "blocks": 7,
     "python": 8,
     "testing": 9, "lib": 9,
 }

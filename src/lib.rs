@@ -45,6 +45,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+mod blocks;
 pub mod cuda;
 pub mod d2h;
 pub mod dlpack;

@@ -1,0 +1,150 @@
+//! Planning a block move: which bytes go where, in as few copies as the block ids allow. Pure:
+//! numbers in, copy segments out; nothing is read or written behind the addresses.
+
+use crate::dlpack::TensorMeta;
+use crate::error::{Error, Result};
+
+/// Where a contiguous tensor keeps its blocks along dimension `block_dim`: each block is `outer`
+/// parts (the product of the dimensions before `block_dim`: 2 for K and V of a
+/// `[2, num_blocks, ...]` tensor, 1 for `[num_blocks, ...]`), each `bytes` long (the dimensions
+/// after `block_dim`); part `j` of block `b` lies at `base + (j * num_blocks + b) * bytes`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BlockLayout {
+    pub(crate) base: u64,
+    pub(crate) num_blocks: usize,
+    pub(crate) bytes: usize,
+    pub(crate) outer: usize,
+}
+
+impl BlockLayout {
+    /// The layout of `meta` with its blocks along `block_dim`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `block_dim` is not a dimension of the tensor or the tensor
+    /// holds no block or no byte per block.
+    pub(crate) fn of(meta: &TensorMeta, block_dim: usize) -> Result<Self> {
+        let shape = meta.shape();
+        let Some(&num_blocks) = shape.get(block_dim) else {
+            return Err(Error::arg(
+                "block_dim",
+                format!("{block_dim} (the tensor has {} dimensions)", shape.len()),
+                "a dimension of the tensor",
+            ));
+        };
+        let dims = |d: &[i64]| d.iter().map(|&x| x as usize).product::<usize>();
+        let outer = dims(&shape[..block_dim]);
+        let bytes = dims(&shape[block_dim + 1..]) * meta.dtype().itemsize();
+        if num_blocks == 0 || bytes == 0 || outer == 0 {
+            return Err(Error::arg(
+                "tensor",
+                format!("shape {shape:?} with blocks along dimension {block_dim}"),
+                "at least one block of at least one byte",
+            ));
+        }
+        Ok(Self {
+            base: meta.ptr(),
+            num_blocks: num_blocks as usize,
+            bytes,
+            outer,
+        })
+    }
+
+    /// Address of part `part` of block `block`.
+    fn addr(&self, part: usize, block: usize) -> u64 {
+        self.base + ((part * self.num_blocks + block) * self.bytes) as u64
+    }
+}
+
+/// One copy: `len` bytes from `src` to `dst`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Segment {
+    pub(crate) src: u64,
+    pub(crate) dst: u64,
+    pub(crate) len: usize,
+}
+
+/// Checks a move of blocks `src_ids[i]` of `src` into blocks `dst_ids[i]` of `dst`, and appends
+/// its copies to `out`: one per part and per run of ids that are consecutive on both sides
+/// (sorted by source id first; sources may repeat, destinations may not). On error `out` is
+/// unchanged.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the two tensors' blocks differ in size or parts, the id lists
+/// differ in length, an id is out of range, or a destination id appears twice (two blocks would
+/// be written to one place).
+pub(crate) fn plan(
+    src: &BlockLayout,
+    dst: &BlockLayout,
+    src_ids: &[usize],
+    dst_ids: &[usize],
+    out: &mut Vec<Segment>,
+) -> Result<()> {
+    if (src.bytes, src.outer) != (dst.bytes, dst.outer) {
+        return Err(Error::arg(
+            "tensors",
+            format!(
+                "blocks of {} bytes in {} parts and of {} bytes in {} parts",
+                src.bytes, src.outer, dst.bytes, dst.outer
+            ),
+            "blocks of one size and one number of parts on both sides",
+        ));
+    }
+    if src_ids.len() != dst_ids.len() {
+        return Err(Error::arg(
+            "block ids",
+            format!(
+                "{} source and {} destination ids",
+                src_ids.len(),
+                dst_ids.len()
+            ),
+            "one destination id per source id",
+        ));
+    }
+    let in_range = |ids: &[usize], n: usize, what: &'static str| -> Result<()> {
+        match ids.iter().find(|&&b| b >= n) {
+            Some(b) => Err(Error::arg(
+                what,
+                format!("{b} (the tensor holds {n} blocks)"),
+                "block ids below the tensor's block count",
+            )),
+            None => Ok(()),
+        }
+    };
+    in_range(src_ids, src.num_blocks, "source block ids")?;
+    in_range(dst_ids, dst.num_blocks, "destination block ids")?;
+    let mut seen = vec![false; dst.num_blocks];
+    for &b in dst_ids {
+        if std::mem::replace(&mut seen[b], true) {
+            return Err(Error::arg(
+                "destination block ids",
+                format!("{b} twice"),
+                "each destination block once (two blocks would be written to one place)",
+            ));
+        }
+    }
+    let mut pairs: Vec<(usize, usize)> = src_ids
+        .iter()
+        .copied()
+        .zip(dst_ids.iter().copied())
+        .collect();
+    pairs.sort_unstable();
+    // Runs of pairs consecutive on both sides: (first source, first destination, blocks).
+    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+    for (s, d) in pairs {
+        match runs.last_mut() {
+            Some((s0, d0, n)) if *s0 + *n == s && *d0 + *n == d => *n += 1,
+            _ => runs.push((s, d, 1)),
+        }
+    }
+    out.reserve(runs.len() * src.outer);
+    for part in 0..src.outer {
+        for &(s, d, n) in &runs {
+            out.push(Segment {
+                src: src.addr(part, s),
+                dst: dst.addr(part, d),
+                len: n * src.bytes,
+            });
+        }
+    }
+    Ok(())
+}

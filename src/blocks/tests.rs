@@ -1,0 +1,201 @@
+use super::*;
+use crate::dlpack::{DType, TensorDesc, TensorMeta, validate};
+use crate::error::Error;
+use rstest::rstest;
+
+/// A contiguous CPU tensor (DLPack device type 1) of `shape` at `base`.
+fn meta(base: u64, dtype: DType, shape: &[i64]) -> TensorMeta {
+    let (code, bits) = dtype.dlpack();
+    validate(&TensorDesc {
+        device_type: 1,
+        device_id: 0,
+        data: base,
+        byte_offset: 0,
+        code,
+        bits,
+        lanes: 1,
+        shape,
+        strides: None,
+        read_only: false,
+    })
+    .expect("a valid shape")
+}
+
+#[rstest]
+#[case::per_layer_k_v_first(&[2, 8, 16, 4], 1, (8, 128, 2))]
+#[case::per_layer_blocks_first(&[8, 2, 16, 4], 0, (8, 256, 1))]
+#[case::cross_layer(&[8, 32, 2, 16, 4], 0, (8, 8192, 1))]
+#[case::innermost(&[3, 5], 1, (5, 2, 3))]
+fn layouts_come_from_the_shape_and_the_block_dimension(
+    #[case] shape: &[i64],
+    #[case] block_dim: usize,
+    #[case] want: (usize, usize, usize),
+) {
+    let l = BlockLayout::of(&meta(0x1000, DType::F16, shape), block_dim).unwrap();
+    assert_eq!((l.num_blocks, l.bytes, l.outer), want);
+    assert_eq!(l.base, 0x1000);
+}
+
+#[rstest]
+#[case::no_such_dimension(&[2, 8, 16], 3)]
+#[case::no_block(&[2, 0, 16], 1)]
+#[case::empty_block(&[2, 8, 0], 1)]
+#[case::no_part(&[0, 8, 16], 1)]
+fn layouts_refuse_what_holds_no_block(#[case] shape: &[i64], #[case] block_dim: usize) {
+    let e = BlockLayout::of(&meta(0x1000, DType::F32, shape), block_dim).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+}
+
+fn layout(base: u64, num_blocks: usize, bytes: usize, outer: usize) -> BlockLayout {
+    BlockLayout {
+        base,
+        num_blocks,
+        bytes,
+        outer,
+    }
+}
+
+/// Runs the segments over byte arrays standing for the two tensors' memory.
+fn apply(segs: &[Segment], src: &BlockLayout, s: &[u8], dst: &BlockLayout, d: &mut [u8]) {
+    for g in segs {
+        let (a, b) = ((g.src - src.base) as usize, (g.dst - dst.base) as usize);
+        d[b..b + g.len].copy_from_slice(&s[a..a + g.len]);
+    }
+}
+
+/// Distinct, never-zero bytes per tensor, part, block and offset.
+fn pattern(l: &BlockLayout, tag: u8) -> Vec<u8> {
+    (0..l.outer * l.num_blocks * l.bytes)
+        .map(|i| (i.wrapping_mul(31) ^ usize::from(tag)).wrapping_add(i / 251) as u8 | 1)
+        .collect()
+}
+
+const POISON: u8 = 0;
+
+/// What moving block by block writes.
+fn expected(src: &BlockLayout, s: &[u8], dst: &BlockLayout, ids: &[(usize, usize)]) -> Vec<u8> {
+    let mut d = vec![POISON; dst.outer * dst.num_blocks * dst.bytes];
+    for part in 0..src.outer {
+        for &(a, b) in ids {
+            let from = (part * src.num_blocks + a) * src.bytes;
+            let to = (part * dst.num_blocks + b) * dst.bytes;
+            d[to..to + dst.bytes].copy_from_slice(&s[from..from + src.bytes]);
+        }
+    }
+    d
+}
+
+#[rstest]
+#[case::one_run(&[3, 4, 5], &[7, 8, 9], 1)]
+#[case::unsorted_run(&[5, 3, 4], &[9, 7, 8], 1)]
+#[case::broken_on_the_source(&[3, 5], &[7, 8], 2)]
+#[case::broken_on_the_destination(&[3, 4], &[7, 9], 2)]
+#[case::reversed(&[3, 4, 5], &[9, 8, 7], 3)]
+#[case::repeated_source(&[3, 3, 4], &[7, 1, 8], 2)]
+#[case::empty(&[], &[], 0)]
+fn adjacent_ids_merge_into_one_copy_per_part(
+    #[case] src_ids: &[usize],
+    #[case] dst_ids: &[usize],
+    #[case] runs: usize,
+) {
+    let (src, dst) = (layout(0x10_0000, 10, 48, 2), layout(0x90_0000, 12, 48, 2));
+    let mut segs = Vec::new();
+    plan(&src, &dst, src_ids, dst_ids, &mut segs).unwrap();
+    assert_eq!(segs.len(), 2 * runs);
+    let s = pattern(&src, 1);
+    let mut d = vec![POISON; 2 * 12 * 48];
+    apply(&segs, &src, &s, &dst, &mut d);
+    let ids: Vec<_> = src_ids
+        .iter()
+        .copied()
+        .zip(dst_ids.iter().copied())
+        .collect();
+    assert!(d == expected(&src, &s, &dst, &ids));
+}
+
+/// A small deterministic generator (xorshift), so every failure names its seed.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+}
+
+#[test]
+fn random_moves_write_every_block_and_nothing_else_in_the_fewest_copies() {
+    for seed in 1..400u64 {
+        let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let (outer, bytes) = (1 + r.below(3), 1 + r.below(40));
+        let (ns, nd) = (1 + r.below(40), 1 + r.below(40));
+        let src = layout(0x1000, ns, bytes, outer);
+        let dst = layout(0x80_0000, nd, bytes, outer);
+        // Distinct destinations: a shuffled prefix, kept in runs now and then.
+        let mut dsts: Vec<usize> = (0..nd).collect();
+        if r.below(2) == 0 {
+            for i in (1..nd).rev() {
+                dsts.swap(i, r.below(i + 1));
+            }
+        }
+        dsts.truncate(r.below(nd + 1));
+        let start = r.below(ns);
+        let srcs: Vec<usize> = (0..dsts.len())
+            .map(|i| {
+                if r.below(3) == 0 {
+                    r.below(ns)
+                } else {
+                    (start + i) % ns
+                }
+            })
+            .collect();
+        let mut segs = Vec::new();
+        plan(&src, &dst, &srcs, &dsts, &mut segs).unwrap();
+        let s = pattern(&src, seed as u8);
+        let mut d = vec![POISON; outer * nd * bytes];
+        apply(&segs, &src, &s, &dst, &mut d);
+        let ids: Vec<_> = srcs.iter().copied().zip(dsts.iter().copied()).collect();
+        assert!(d == expected(&src, &s, &dst, &ids), "seed {seed}");
+        // The fewest copies: one per part and per maximal run of the sorted pairs.
+        let mut sorted = ids.clone();
+        sorted.sort_unstable();
+        let runs = sorted
+            .iter()
+            .enumerate()
+            .filter(|&(i, &(a, b))| {
+                i == 0 || sorted[i - 1] != (a.wrapping_sub(1), b.wrapping_sub(1))
+            })
+            .count();
+        assert_eq!(segs.len(), outer * runs, "seed {seed}");
+        assert!(
+            segs.iter().all(|g| g.len % bytes == 0 && g.len > 0),
+            "seed {seed}"
+        );
+    }
+}
+
+#[rstest]
+#[case::block_sizes_differ(layout(0, 8, 64, 2), layout(0, 8, 32, 2), &[1], &[1])]
+#[case::parts_differ(layout(0, 8, 64, 2), layout(0, 8, 64, 1), &[1], &[1])]
+#[case::lengths_differ(layout(0, 8, 64, 2), layout(0, 8, 64, 2), &[1, 2], &[1])]
+#[case::source_out_of_range(layout(0, 8, 64, 2), layout(0, 9, 64, 2), &[8], &[8])]
+#[case::destination_out_of_range(layout(0, 9, 64, 2), layout(0, 8, 64, 2), &[8], &[8])]
+#[case::destination_twice(layout(0, 8, 64, 2), layout(0, 8, 64, 2), &[1, 2], &[3, 3])]
+fn bad_moves_are_refused_and_plan_nothing(
+    #[case] src: BlockLayout,
+    #[case] dst: BlockLayout,
+    #[case] src_ids: &[usize],
+    #[case] dst_ids: &[usize],
+) {
+    let before = vec![Segment {
+        src: 1,
+        dst: 2,
+        len: 3,
+    }];
+    let mut segs = before.clone();
+    let e = plan(&src, &dst, src_ids, dst_ids, &mut segs).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    assert_eq!(segs, before);
+}
