@@ -136,7 +136,6 @@ pub(crate) fn plan(
             _ => runs.push((s, d, 1)),
         }
     }
-    out.reserve(runs.len() * src.outer);
     for part in 0..src.outer {
         for &(s, d, n) in &runs {
             out.push(Segment {
