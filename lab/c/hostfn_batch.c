@@ -12,26 +12,12 @@
 //  rows 1-4 with no location hints (as pinstage issues them), 5-7 as 2-4 with hints
 // A call that blocks reads ~270 ms. Every copy is checked after the hold (poisoned before).
 //
-// Build: nvcc -O2 -o hostfn_batch hostfn_batch.c -lcuda -lpthread
-#define _GNU_SOURCE
-#include <cuda.h>
+// Shared parts: probe.h. Build: nvcc -O2 -o hostfn_batch hostfn_batch.c -lcuda -lpthread
+#include "probe.h"
 #include <pthread.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#include <unistd.h>
 
-#define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *s_; \
-    cuGetErrorName(r_, &s_); fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_); \
-    exit(1); } } while (0)
-
-#define HOLD_MS 300
 #define SPAN (4 << 10)
 
-typedef CUresult (*batch_fn_t)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t,
-                               CUmemcpyAttributes *, size_t *, size_t, size_t *, CUstream);
 static batch_fn_t batch;
 static CUcontext ctx;
 static CUstream s, s2;
@@ -39,23 +25,11 @@ static uint8_t *h;
 static CUdeviceptr d;
 static int bad;
 
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
-
-static void CUDA_CB holder(void *arg) {
-    (void)arg;
-    double t0 = now_ms();
-    while (now_ms() - t0 < HOLD_MS) usleep(100);
-}
-
 static void prepare(unsigned tag) {
     for (int i = 0; i < 3 * SPAN; i++) h[i] = (uint8_t)(tag * 13 + i * 7 + 5);
     CHECK(cuMemsetD8(d, 0xEE, 3 * SPAN));
     CHECK(cuCtxSynchronize());
-    CHECK(cuLaunchHostFunc(s, holder, NULL));
+    CHECK(cuLaunchHostFunc(s, probe_holder, NULL));
     usleep(30000);
 }
 
@@ -94,15 +68,9 @@ static void *new_thread(void *p) {
 }
 
 int main(void) {
-    CUdevice dev;
-    CHECK(cuInit(0));
-    CHECK(cuDeviceGet(&dev, 0));
-    CHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
-    CHECK(cuCtxSetCurrent(ctx));
-    void *p = NULL;
-    CUdriverProcAddressQueryResult q;
-    CHECK(cuGetProcAddress("cuMemcpyBatchAsync", &p, 12080, CU_GET_PROC_ADDRESS_DEFAULT, &q));
-    batch = (batch_fn_t)p;
+    probe_hold_ms = 300;
+    ctx = probe_init();
+    batch = probe_batch_fn();
     CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
     CHECK(cuStreamCreate(&s2, CU_STREAM_NON_BLOCKING));
     CHECK(cuMemHostAlloc((void **)&h, 3 * SPAN, 0));

@@ -9,25 +9,11 @@
 // held for 200 ms, 20 ms later the call is timed on the main thread, then the stream drains.
 // A call that blocks reads ~180 ms. Every copy is checked after the drain (poisoned before).
 //
-// Build: nvcc -O2 -o hostfn_hold hostfn_hold.c -lcuda -lpthread
-#define _GNU_SOURCE
-#include <cuda.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#include <unistd.h>
+// Shared parts: probe.h. Build: nvcc -O2 -o hostfn_hold hostfn_hold.c -lcuda -lpthread
+#include "probe.h"
 
-#define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *s_; \
-    cuGetErrorName(r_, &s_); fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_); \
-    exit(1); } } while (0)
-
-#define HOLD_MS 200
 #define SPAN (4 << 10)
 
-typedef CUresult (*batch_fn_t)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t,
-                               CUmemcpyAttributes *, size_t *, size_t, size_t *, CUstream);
 
 static const char *PTX =
     ".version 7.0\n.target sm_50\n.address_size 64\n"
@@ -37,18 +23,6 @@ static const char *PTX =
     "L: mov.u64 %t1, %globaltimer;\n  sub.u64 %d, %t1, %t0;\n"
     "  setp.lt.u64 %p, %d, %n;\n  @%p bra L;\n  ret;\n}\n";
 
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
-
-static void CUDA_CB holder(void *arg) {
-    (void)arg;
-    double t0 = now_ms();
-    while (now_ms() - t0 < HOLD_MS) usleep(100);
-}
-
 enum hold { NONE, HOSTFN, KERNEL };
 static const char *hold_names[] = {"none", "host function", "kernel"};
 enum call { HTOD, BATCH_STREAM, BATCH_ANY, EV_RECORD, EV_QUERY, CAPTURE_INFO, NCALL };
@@ -57,16 +31,9 @@ static const char *call_names[] = {"cuMemcpyHtoDAsync 4 KiB", "cuMemcpyBatchAsyn
                                    "cuEventQuery", "cuStreamIsCapturing"};
 
 int main(void) {
-    CUdevice dev;
-    CUcontext ctx;
-    CHECK(cuInit(0));
-    CHECK(cuDeviceGet(&dev, 0));
-    CHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
-    CHECK(cuCtxSetCurrent(ctx));
-    void *p = NULL;
-    CUdriverProcAddressQueryResult q;
-    CHECK(cuGetProcAddress("cuMemcpyBatchAsync", &p, 12080, CU_GET_PROC_ADDRESS_DEFAULT, &q));
-    batch_fn_t batch = (batch_fn_t)p;
+    probe_hold_ms = 200;
+    (void)probe_init();
+    batch_fn_t batch = probe_batch_fn();
     CUmodule mod;
     CUfunction spin;
     CHECK(cuModuleLoadData(&mod, PTX));
@@ -89,9 +56,9 @@ int main(void) {
                 for (int i = 0; i < 3 * SPAN; i++) h[i] = (uint8_t)(tag * 7 + i * 13 + 1);
                 CHECK(cuMemsetD8(d, 0xEE, 3 * SPAN));
                 CHECK(cuCtxSynchronize());
-                if (hk == HOSTFN) CHECK(cuLaunchHostFunc(s, holder, NULL));
+                if (hk == HOSTFN) CHECK(cuLaunchHostFunc(s, probe_holder, NULL));
                 if (hk == KERNEL) {
-                    uint64_t ns = (uint64_t)HOLD_MS * 1000000;
+                    uint64_t ns = (uint64_t)probe_hold_ms * 1000000;
                     void *args[] = {&ns};
                     CHECK(cuLaunchKernel(spin, 1, 1, 1, 1, 1, 1, 0, s, args, NULL));
                 }

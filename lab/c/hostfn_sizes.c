@@ -10,50 +10,17 @@
 // 30 ms later time the call on the main thread. A call that blocks reads ~270 ms. Every copy is
 // checked after the hold (destinations poisoned before).
 //
-// Build: nvcc -O2 -o hostfn_sizes hostfn_sizes.c -lcuda -lpthread
-#define _GNU_SOURCE
-#include <cuda.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#include <unistd.h>
+// Shared parts: probe.h. Build: nvcc -O2 -o hostfn_sizes hostfn_sizes.c -lcuda -lpthread
+#include "probe.h"
 
-#define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *s_; \
-    cuGetErrorName(r_, &s_); fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_); \
-    exit(1); } } while (0)
-
-#define HOLD_MS 300
 #define STRIDE (8 << 10)
 #define NSPAN 4
 
-typedef CUresult (*batch_fn_t)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t,
-                               CUmemcpyAttributes *, size_t *, size_t, size_t *, CUstream);
-
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
-
-static void CUDA_CB holder(void *arg) {
-    (void)arg;
-    double t0 = now_ms();
-    while (now_ms() - t0 < HOLD_MS) usleep(100);
-}
 
 int main(void) {
-    CUdevice dev;
-    CUcontext ctx;
-    CHECK(cuInit(0));
-    CHECK(cuDeviceGet(&dev, 0));
-    CHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
-    CHECK(cuCtxSetCurrent(ctx));
-    void *p = NULL;
-    CUdriverProcAddressQueryResult q;
-    CHECK(cuGetProcAddress("cuMemcpyBatchAsync", &p, 12080, CU_GET_PROC_ADDRESS_DEFAULT, &q));
-    batch_fn_t batch = (batch_fn_t)p;
+    probe_hold_ms = 300;
+    (void)probe_init();
+    batch_fn_t batch = probe_batch_fn();
     CUstream s;
     CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
     CUdeviceptr d;
@@ -74,7 +41,7 @@ int main(void) {
                     for (int i = 0; i < NSPAN * STRIDE; i++) h[i] = (uint8_t)(tag * 13 + i * 7 + 5);
                     CHECK(cuMemsetD8(d, 0xEE, NSPAN * STRIDE));
                     CHECK(cuCtxSynchronize());
-                    CHECK(cuLaunchHostFunc(s, holder, NULL));
+                    CHECK(cuLaunchHostFunc(s, probe_holder, NULL));
                     usleep(30000);
                     CUdeviceptr dsts[NSPAN], srcs[NSPAN];
                     size_t sz[NSPAN];

@@ -12,22 +12,10 @@
 //  D  the main thread, nobody synchronizing: the same calls (control)
 // A call that blocks reads ~270 ms. Every copy is checked after the hold (poisoned before).
 //
-// Build: nvcc -O2 -o hostfn_thread hostfn_thread.c -lcuda -lpthread
-#define _GNU_SOURCE
-#include <cuda.h>
+// Shared parts: probe.h. Build: nvcc -O2 -o hostfn_thread hostfn_thread.c -lcuda -lpthread
+#include "probe.h"
 #include <pthread.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#include <unistd.h>
 
-#define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *s_; \
-    cuGetErrorName(r_, &s_); fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_); \
-    exit(1); } } while (0)
-
-#define HOLD_MS 300
 #define NB (4 << 10)
 
 static CUcontext ctx;
@@ -36,20 +24,8 @@ static uint8_t *h;
 static CUdeviceptr d;
 static int bad;
 
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
-
-static void CUDA_CB holder(void *arg) {
-    (void)arg;
-    double t0 = now_ms();
-    while (now_ms() - t0 < HOLD_MS) usleep(100);
-}
-
 static void hold(void) {
-    CHECK(cuLaunchHostFunc(s, holder, NULL));
+    CHECK(cuLaunchHostFunc(s, probe_holder, NULL));
     usleep(30000);
 }
 
@@ -111,11 +87,8 @@ static double one_call(int c) {
 }
 
 int main(void) {
-    CUdevice dev;
-    CHECK(cuInit(0));
-    CHECK(cuDeviceGet(&dev, 0));
-    CHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
-    CHECK(cuCtxSetCurrent(ctx));
+    probe_hold_ms = 300;
+    ctx = probe_init();
     CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
     CHECK(cuStreamCreate(&s2, CU_STREAM_NON_BLOCKING));
     CHECK(cuMemHostAlloc((void **)&h, NB, 0));

@@ -1,24 +1,10 @@
 use super::*;
-use crate::dlpack::{DType, TensorDesc, TensorMeta, validate};
+use crate::dlpack::{DType, TensorMeta};
 use crate::error::Error;
 use rstest::rstest;
 
-/// A contiguous CPU tensor (DLPack device type 1) of `shape` at `base`.
 fn meta(base: u64, dtype: DType, shape: &[i64]) -> TensorMeta {
-    let (code, bits) = dtype.dlpack();
-    validate(&TensorDesc {
-        device_type: 1,
-        device_id: 0,
-        data: base,
-        byte_offset: 0,
-        code,
-        bits,
-        lanes: 1,
-        shape,
-        strides: None,
-        read_only: false,
-    })
-    .expect("a valid shape")
+    TensorMeta::host_nd(base, dtype, shape, false).expect("a valid shape")
 }
 
 #[rstest]

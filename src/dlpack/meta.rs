@@ -298,7 +298,7 @@ impl TensorMeta {
 
     /// Metadata of a C-contiguous host tensor of `shape` (checked as [`validate`] checks a
     /// DLPack CPU tensor); `None` where that refuses it.
-    #[cfg(feature = "python")]
+    #[cfg(any(test, feature = "python"))]
     pub(crate) fn host_nd(addr: u64, dtype: DType, shape: &[i64], read_only: bool) -> Option<Self> {
         let (code, bits) = dtype.dlpack();
         validate(&TensorDesc {

@@ -1,0 +1,60 @@
+// probe.h: what the host-function probes of lab/c share (hostfn_*.c): the driver API, CHECK
+// (exits naming the call and its error), a monotonic clock in ms, a host function that holds
+// the stream it is launched on for `probe_hold_ms` milliseconds, device 0's context, and
+// cuMemcpyBatchAsync of the ABI pinstage calls.
+#ifndef PINSTAGE_PROBE_H
+#define PINSTAGE_PROBE_H
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <cuda.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *s_; \
+    cuGetErrorName(r_, &s_); fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_); \
+    exit(1); } } while (0)
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
+/* How long probe_holder holds its stream. */
+static int probe_hold_ms = 300;
+
+static void CUDA_CB probe_holder(void *arg) {
+    (void)arg;
+    double t0 = now_ms();
+    while (now_ms() - t0 < probe_hold_ms) usleep(100);
+}
+
+/* The CUDA 12.8 ABI of cuMemcpyBatchAsync (with failIdx): what cudarc's cuda-12080 bindings
+ * load, so what pinstage calls. */
+typedef CUresult (*batch_fn_t)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t,
+                               CUmemcpyAttributes *, size_t *, size_t, size_t *, CUstream);
+
+static batch_fn_t probe_batch_fn(void) {
+    void *p = NULL;
+    CUdriverProcAddressQueryResult q;
+    CHECK(cuGetProcAddress("cuMemcpyBatchAsync", &p, 12080, CU_GET_PROC_ADDRESS_DEFAULT, &q));
+    return (batch_fn_t)p;
+}
+
+/* Device 0's primary context, made current on this thread. */
+static CUcontext probe_init(void) {
+    CUdevice dev;
+    CUcontext ctx;
+    CHECK(cuInit(0));
+    CHECK(cuDeviceGet(&dev, 0));
+    CHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
+    CHECK(cuCtxSetCurrent(ctx));
+    return ctx;
+}
+
+#endif
