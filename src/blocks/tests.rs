@@ -56,7 +56,8 @@ fn pattern(l: &BlockLayout, tag: u8) -> Vec<u8> {
         .collect()
 }
 
-const POISON: u8 = 0;
+/// Even, so never one of the pattern's (odd) bytes.
+const POISON: u8 = 0xEE;
 
 /// What moving block by block writes.
 fn expected(src: &BlockLayout, s: &[u8], dst: &BlockLayout, ids: &[(usize, usize)]) -> Vec<u8> {

@@ -232,6 +232,9 @@ pub(crate) fn import(
                     exchange,
                 });
             }
+            // Another stream: the standard import below asks the producer to order its work
+            // before it. The view just taken is let go (a borrowed one costs no allocation;
+            // the current stream could not be asked for without the tensor's device).
             _ => {}
         }
     }
