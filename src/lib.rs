@@ -12,6 +12,8 @@
 //!   driver call per step ([`StepStager`]).
 //! - [`d2h`]: device to host, into pinned memory at line rate or pageable memory through a
 //!   pinned bounce ring ([`copy_d2h`], [`d2h::copy_d2h_async`]).
+//! - [`blocks`]: paged KV-cache blocks between device tensors and pinned host tensors
+//!   ([`BlockMover`]: lists of block ids, one batched copy-engine call per move).
 //! - [`host`]: page-locked memory ([`PinnedBuffer`], [`host::PinnedPool`]), memory pinned in
 //!   place, and what a copy in flight holds ([`host::PendingCopy`]).
 //! - [`cuda`]: devices, streams and events over the driver.
@@ -45,7 +47,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
-mod blocks;
+pub mod blocks;
 pub mod cuda;
 pub mod d2h;
 pub mod dlpack;
@@ -68,6 +70,7 @@ mod python;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use blocks::BlockMover;
 pub use cuda::{Device, Stream, StreamHandle};
 pub use d2h::copy_d2h;
 pub use dlpack::{DType, DeviceView};

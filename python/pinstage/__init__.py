@@ -8,6 +8,8 @@
   tensors at line rate), ``to_device`` (fresh torch, cupy or JAX arrays).
 - Device to host: ``copy_d2h`` / ``copy_d2h_async`` (into pinned memory; a numpy fallback
   without a driver).
+- KV-cache blocks: ``BlockMover`` (lists of block ids between device tensors and pinned host
+  tensors, one batched copy-engine call per move).
 - Pinned memory: ``empty_pinned``, ``empty_host``, ``alloc_pinned_numpy``, ``PinnedPool``,
   ``pin``.
 
@@ -15,6 +17,7 @@ The conventions and every name: docs/API.md in the source tree.
 """
 
 from ._native import (
+    BlockMover,
     CudaDriverError,
     CudaUnavailableError,
     DeviceArray,
@@ -59,6 +62,7 @@ from ._native import (
 )
 
 __all__ = [
+    "BlockMover",
     "CudaDriverError",
     "CudaUnavailableError",
     "DeviceArray",

@@ -13,6 +13,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 __version__: str
 __all__ = [
+    "BlockMover",
     "PinstageError",
     "CudaUnavailableError",
     "CudaDriverError",
@@ -205,6 +206,27 @@ class PinnedStager:
 class PendingCopy:
     def done(self) -> bool: ...
     def wait(self, timeout: Optional[float] = None) -> Any: ...
+
+_BlockIds: TypeAlias = Any  # a list of ints, or a 1-D integer numpy array / CPU torch tensor
+
+@final
+class BlockMover:
+    def __new__(cls, device_tensors: Any, host_tensors: Any, *, block_dim: int = 0) -> BlockMover: ...
+    def offload(
+        self, device_ids: _BlockIds, host_ids: _BlockIds, *, stream: _StreamLike = None
+    ) -> PendingCopy: ...
+    def load(
+        self, host_ids: _BlockIds, device_ids: _BlockIds, *, stream: _StreamLike = None
+    ) -> PendingCopy: ...
+    def plan(self, direction: str, src_ids: _BlockIds, dst_ids: _BlockIds) -> dict[str, Any]: ...
+    @property
+    def num_tensors(self) -> int: ...
+    @property
+    def device_blocks(self) -> int: ...
+    @property
+    def host_blocks(self) -> int: ...
+    @property
+    def block_bytes(self) -> int: ...
 
 def copy_d2h(
     src: Any,

@@ -1,11 +1,12 @@
-//! Paged KV-cache blocks between device tensors and pinned host tensors (the block mover): how
-//! a tensor lays out its blocks, and the copies that move a list of block ids with runs of
-//! adjacent ids merged ([`plan`]). The mover that issues these copies on the copy engines
-//! builds on this module; until it lands, only the tests use it.
-#![cfg_attr(not(test), allow(dead_code, unused_imports))]
+//! Paged KV-cache blocks between device tensors and pinned host tensors: [`BlockMover`] moves
+//! lists of block ids with the copy engines (runs of adjacent ids merged, one batched driver call
+//! per move); the planning behind it is pure and tested without a GPU.
 
+mod mover;
 mod plan;
 #[cfg(test)]
 mod tests;
 
+pub use mover::{BlockCopy, BlockMover, Direction, MAX_BATCH, MovePlan, Strategy};
+#[cfg(test)]
 pub(crate) use plan::{BlockLayout, Segment, plan};

@@ -63,32 +63,29 @@ pub(crate) struct Segment {
     pub(crate) len: usize,
 }
 
-/// Checks a move of blocks `src_ids[i]` of `src` into blocks `dst_ids[i]` of `dst`, and appends
-/// its copies to `out`: one per part and per run of ids that are consecutive on both sides
-/// (sorted by source id first; sources may repeat, destinations may not). On error `out` is
-/// unchanged.
+/// A run of blocks moved as one copy per part: `len` blocks from source block `src` on, into
+/// destination block `dst` on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Run {
+    pub(crate) src: usize,
+    pub(crate) dst: usize,
+    pub(crate) len: usize,
+}
+
+/// Checks a move of blocks `src_ids[i]` (of a side holding `src_blocks`) into blocks
+/// `dst_ids[i]` (of a side holding `dst_blocks`; errors name the lists `src_name` and
+/// `dst_name`) and merges it into runs of ids consecutive on
+/// both sides (sorted by source id first; sources may repeat, destinations may not).
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] when the two tensors' blocks differ in size or parts, the id lists
-/// differ in length, an id is out of range, or a destination id appears twice (two blocks would
-/// be written to one place).
-pub(crate) fn plan(
-    src: &BlockLayout,
-    dst: &BlockLayout,
-    src_ids: &[usize],
-    dst_ids: &[usize],
-    out: &mut Vec<Segment>,
-) -> Result<()> {
-    if (src.bytes, src.outer) != (dst.bytes, dst.outer) {
-        return Err(Error::arg(
-            "tensors",
-            format!(
-                "blocks of {} bytes in {} parts and of {} bytes in {} parts",
-                src.bytes, src.outer, dst.bytes, dst.outer
-            ),
-            "blocks of one size and one number of parts on both sides",
-        ));
-    }
+/// [`Error::InvalidArgument`] when the id lists differ in length, an id is out of range, or a
+/// destination id appears twice (two blocks would be written to one place).
+pub(crate) fn runs(
+    (src_ids, src_name): (&[usize], &'static str),
+    (dst_ids, dst_name): (&[usize], &'static str),
+    src_blocks: usize,
+    dst_blocks: usize,
+) -> Result<Vec<Run>> {
     if src_ids.len() != dst_ids.len() {
         return Err(Error::arg(
             "block ids",
@@ -110,13 +107,13 @@ pub(crate) fn plan(
             None => Ok(()),
         }
     };
-    in_range(src_ids, src.num_blocks, "source block ids")?;
-    in_range(dst_ids, dst.num_blocks, "destination block ids")?;
-    let mut seen = vec![false; dst.num_blocks];
+    in_range(src_ids, src_blocks, src_name)?;
+    in_range(dst_ids, dst_blocks, dst_name)?;
+    let mut seen = vec![false; dst_blocks];
     for &b in dst_ids {
         if std::mem::replace(&mut seen[b], true) {
             return Err(Error::arg(
-                "destination block ids",
+                dst_name,
                 format!("{b} twice"),
                 "each destination block once (two blocks would be written to one place)",
             ));
@@ -128,22 +125,85 @@ pub(crate) fn plan(
         .zip(dst_ids.iter().copied())
         .collect();
     pairs.sort_unstable();
-    // Runs of pairs consecutive on both sides: (first source, first destination, blocks).
-    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+    let mut runs: Vec<Run> = Vec::new();
     for (s, d) in pairs {
         match runs.last_mut() {
-            Some((s0, d0, n)) if *s0 + *n == s && *d0 + *n == d => *n += 1,
-            _ => runs.push((s, d, 1)),
+            Some(r) if r.src + r.len == s && r.dst + r.len == d => r.len += 1,
+            _ => runs.push(Run {
+                src: s,
+                dst: d,
+                len: 1,
+            }),
         }
     }
+    Ok(runs)
+}
+
+/// Appends the copies of `runs` from `src` into `dst` to `out`: one per part and run.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the two tensors' blocks differ in size or parts, or a run
+/// reaches past either tensor's last block; `out` is then unchanged.
+pub(crate) fn segments(
+    src: &BlockLayout,
+    dst: &BlockLayout,
+    runs: &[Run],
+    out: &mut Vec<Segment>,
+) -> Result<()> {
+    if (src.bytes, src.outer) != (dst.bytes, dst.outer) {
+        return Err(Error::arg(
+            "tensors",
+            format!(
+                "blocks of {} bytes in {} parts and of {} bytes in {} parts",
+                src.bytes, src.outer, dst.bytes, dst.outer
+            ),
+            "blocks of one size and one number of parts on both sides",
+        ));
+    }
+    if let Some(r) = runs
+        .iter()
+        .find(|r| r.src + r.len > src.num_blocks || r.dst + r.len > dst.num_blocks)
+    {
+        return Err(Error::arg(
+            "block ids",
+            format!(
+                "a run of {} blocks from {} into {} (the tensors hold {} and {})",
+                r.len, r.src, r.dst, src.num_blocks, dst.num_blocks
+            ),
+            "block ids below each tensor's block count",
+        ));
+    }
+    out.reserve(runs.len() * src.outer);
     for part in 0..src.outer {
-        for &(s, d, n) in &runs {
+        for r in runs {
             out.push(Segment {
-                src: src.addr(part, s),
-                dst: dst.addr(part, d),
-                len: n * src.bytes,
+                src: src.addr(part, r.src),
+                dst: dst.addr(part, r.dst),
+                len: r.len * src.bytes,
             });
         }
     }
     Ok(())
+}
+
+/// Checks a move of blocks `src_ids[i]` of `src` into blocks `dst_ids[i]` of `dst`, and appends
+/// its copies to `out` ([`runs`], then [`segments`]). On error `out` is unchanged.
+///
+/// # Errors
+/// As [`runs`] and [`segments`].
+#[cfg(test)]
+pub(crate) fn plan(
+    src: &BlockLayout,
+    dst: &BlockLayout,
+    src_ids: &[usize],
+    dst_ids: &[usize],
+    out: &mut Vec<Segment>,
+) -> Result<()> {
+    let runs = runs(
+        (src_ids, "source block ids"),
+        (dst_ids, "destination block ids"),
+        src.num_blocks,
+        dst.num_blocks,
+    )?;
+    segments(src, dst, &runs, out)
 }

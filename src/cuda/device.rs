@@ -187,7 +187,6 @@ impl Device {
     }
 
     /// Whether `ptr..ptr+len` is pinned host memory (its first and last bytes).
-    #[cfg(feature = "python")]
     pub(crate) fn is_pinned_range(&self, ptr: *const u8, len: usize) -> Result<bool> {
         let _cur = self.enter()?;
         Ok(driver::mem::is_pinned_range(ptr.cast(), len))

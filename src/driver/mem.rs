@@ -98,13 +98,16 @@ pub(crate) unsafe fn memcpy_dtoh(dst: *mut c_void, src: CUdeviceptr, bytes: usiz
 pub(crate) const BATCH_MIN_DRIVER: i32 = 12080;
 
 /// [cuMemcpyBatchAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
-/// (CUDA 12.8): `dsts.len()` host-to-device copies in one call, sources read in stream order.
+/// (CUDA 12.8): `dsts.len()` copies in one call, in any direction (unified addresses), sources
+/// read in stream order.
 ///
 /// # Safety
-/// 1. As [`memcpy_htod_async`] for each entry; the three slices have one length.
+/// 1. For each entry, `srcs[i]..+sizes[i]` is readable and `dsts[i]..+sizes[i]` writable memory
+///    (device memory of the current context's device, or pinned host memory) that stays valid
+///    until the copy completed on `stream`; the three slices have one length.
 /// 2. The driver is at least [`BATCH_MIN_DRIVER`] (the symbol exists); `stream` is not the
 ///    legacy default stream (the call refuses it).
-pub(crate) unsafe fn memcpy_batch_htod_async(
+pub(crate) unsafe fn memcpy_batch_async(
     dsts: &mut [CUdeviceptr],
     srcs: &mut [CUdeviceptr],
     sizes: &mut [usize],
@@ -203,12 +206,10 @@ pub(crate) unsafe fn memcpy_htod_async(
 }
 
 /// [cuMemcpyAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html): the
-/// unified-addressing copy (direction inferred from the pointers). For the benches' comparison of
-/// copy entry points.
+/// unified-addressing copy (direction inferred from the pointers).
 ///
 /// # Safety
-/// As [`memcpy_htod_async`], with `src` given as its unified address.
-#[cfg(feature = "lab")]
+/// As one entry of [`memcpy_batch_async`] (any stream, the legacy one included).
 pub(crate) unsafe fn memcpy_async(
     dst: CUdeviceptr,
     src: CUdeviceptr,
@@ -236,7 +237,7 @@ pub(crate) unsafe fn memcpy_batch_async_one(
     stream: CUstream,
 ) -> DResult<()> {
     // SAFETY: caller's contract, for the one entry.
-    unsafe { memcpy_batch_htod_async(&mut [dst], &mut [src as CUdeviceptr], &mut [bytes], stream) }
+    unsafe { memcpy_batch_async(&mut [dst], &mut [src as CUdeviceptr], &mut [bytes], stream) }
 }
 
 /// [cuMemcpy2DAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html) from

@@ -8,13 +8,14 @@
 //! - `arrays`, `pool`, `linger`, `wait`: numpy arrays over pinned memory, pools, what outlives a
 //!   dropped handle, waits with the GIL released;
 //! - `stager`, `mirror`, `step`: small H2D copies and steps; `h2d`, `fresh`: whole arrays;
-//!   `d2h`: device to host.
+//!   `d2h`: device to host; `blocks`: KV-cache blocks (`BlockMover`).
 //!
 //! No panic crosses into Python: pyo3 turns a panic into an exception at the boundary, and the
 //! code here returns typed errors for every bad input instead of panicking.
 
 pub(crate) mod args;
 pub(crate) mod arrays;
+mod blocks;
 pub(crate) mod d2h;
 pub(crate) mod device;
 pub(crate) mod dtype;

@@ -3,7 +3,9 @@
 
 use pyo3::prelude::*;
 
-use super::{arrays, d2h, errors, export, fresh, h2d, host, linger, nvtx, pool, stager, step};
+use super::{
+    arrays, blocks, d2h, errors, export, fresh, h2d, host, linger, nvtx, pool, stager, step,
+};
 
 /// Whether a CUDA driver is loaded and reports at least one device.
 ///
@@ -88,6 +90,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pool::register(m)?;
     host::register(m)?;
     nvtx::register(m)?;
+    blocks::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -17,7 +17,8 @@ pub(crate) struct SendPtr<P>(pub(crate) P);
 // SAFETY: see the type: the pointer is only used while its owner, on the caller's frame, lives.
 unsafe impl<P> Send for SendPtr<P> {}
 
-/// A copy in flight (from ``copy_d2h_async`` or ``copy_h2d``): ``done()``,
+/// A copy in flight (from ``copy_d2h_async``, ``copy_h2d_async``, ``BlockMover.offload`` or
+/// ``.load``): ``done()``,
 /// ``wait(timeout=None)``. It keeps the source and the destination alive; dropped before the
 /// copy completed, it leaves them to pinstage, which lets them go once the copy completed
 /// (never blocking the drop).
@@ -34,6 +35,8 @@ pub(crate) struct PendingCopy {
     expected: Duration,
     /// Returned by `copy_h2d`, which completes: its `wait()` and `done()` warn (0.3 only).
     deprecated: bool,
+    /// `wait()` returns `array` (else None: `array` is only kept alive).
+    hands_back: bool,
 }
 
 impl PendingCopy {
@@ -45,6 +48,20 @@ impl PendingCopy {
             expected: crate::cuda::wait::copy_time(src.view.nbytes()),
             src: Mutex::new(Some(src)),
             deprecated: false,
+            hands_back: true,
+        }
+    }
+
+    /// A copy of `bytes` that completes with `event` (`None`: completed) and needs `held`
+    /// alive until then; `wait()` returns None.
+    pub(crate) fn holding(event: Option<Event>, held: Py<PyAny>, bytes: usize) -> Self {
+        Self {
+            event: Mutex::new(event.map(Arc::new)),
+            array: held,
+            expected: crate::cuda::wait::copy_time(bytes),
+            src: Mutex::new(None),
+            deprecated: false,
+            hands_back: false,
         }
     }
 
@@ -91,7 +108,11 @@ impl PendingCopy {
             *self.event.lock() = None;
         }
         drop(self.src.lock().take());
-        Ok(self.array.clone_ref(py))
+        Ok(if self.hands_back {
+            self.array.clone_ref(py)
+        } else {
+            py.None()
+        })
     }
 
     /// Whether the copy completed (never blocks).
@@ -120,7 +141,8 @@ impl PendingCopy {
     ///     timeout (float, optional): seconds to wait at most; None waits for as long as it takes.
     ///
     /// Returns:
-    ///     the result array (``copy_d2h_async``), or the destination (``copy_h2d_async``).
+    ///     the result array (``copy_d2h_async``), the destination (``copy_h2d_async``), or None
+    ///     (a ``BlockMover`` move).
     ///
     /// Raises:
     ///     TimeoutError: not complete within ``timeout``. KeyboardInterrupt: Ctrl-C (answered within

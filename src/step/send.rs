@@ -54,7 +54,7 @@ impl SlotIo for SendJob<'_> {
             // next) completed; each destination span lies in the arena or block of this device;
             // the driver has the call (checked at build) and the stream is not the legacy one.
             unsafe {
-                driver::mem::memcpy_batch_htod_async(self.dsts, self.srcs, self.sizes, stream.raw())
+                driver::mem::memcpy_batch_async(self.dsts, self.srcs, self.sizes, stream.raw())
             }?;
             self.stats.batches.add(1);
             self.stats.batch_entries.add(self.segs.len() as u64);

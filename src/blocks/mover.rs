@@ -1,0 +1,586 @@
+//! [`BlockMover`]: moves lists of blocks between device tensors and pinned host tensors with the
+//! copy engines, one batched driver call per move.
+
+use std::marker::PhantomData;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::plan::{BlockLayout, Run, Segment, runs, segments};
+use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
+use crate::dlpack::{DeviceView, MemoryKind};
+use crate::driver;
+use crate::error::{Error, Result};
+
+/// Which way a move goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// Device blocks to host blocks.
+    Offload,
+    /// Host blocks to device blocks.
+    Load,
+}
+
+impl Direction {
+    /// `"offload"` or `"load"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Direction::Offload => "offload",
+            Direction::Load => "load",
+        }
+    }
+}
+
+/// How a move is issued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strategy {
+    /// Every copy in `cuMemcpyBatchAsync` calls of at most [`MAX_BATCH`] entries.
+    Batched,
+    /// One `cuMemcpyAsync` per copy (a driver older than CUDA 12.8).
+    PerCopy,
+    /// Nothing to move.
+    Empty,
+}
+
+/// The most copies one `cuMemcpyBatchAsync` call carries; a longer move takes several calls.
+pub const MAX_BATCH: usize = 1 << 16;
+
+/// What a move would issue: [`BlockMover::plan`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MovePlan {
+    /// The direction.
+    pub direction: Direction,
+    /// How it is issued.
+    pub strategy: Strategy,
+    /// Blocks moved per tensor.
+    pub blocks: usize,
+    /// Runs of adjacent blocks (on both sides) they merge into.
+    pub runs: usize,
+    /// Copies issued (runs x parts x tensors).
+    pub copies: usize,
+    /// Driver calls that carry them.
+    pub calls: usize,
+    /// Bytes moved in all.
+    pub bytes: usize,
+    /// Why this strategy.
+    pub reason: &'static str,
+}
+
+/// A move in flight: [`BlockCopy::wait`] for it, or let a stream wait on
+/// [`BlockCopy::event`]. Dropped before the move completed, it waits for it (the tensors are
+/// borrowed until then).
+#[must_use = "dropping a BlockCopy waits for the move"]
+pub struct BlockCopy<'m> {
+    event: Option<Event>,
+    expected: Duration,
+    _mover: PhantomData<&'m ()>,
+}
+
+impl std::fmt::Debug for BlockCopy<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockCopy")
+            .field("pending", &self.event.is_some())
+            .finish()
+    }
+}
+
+impl BlockCopy<'_> {
+    /// Whether the move completed (never blocks; an error counts as done: `wait` reports it).
+    pub fn is_done(&self) -> bool {
+        self.event
+            .as_ref()
+            .is_none_or(|e| e.query().unwrap_or(true))
+    }
+
+    /// The event recorded after the move (`None`: nothing was moved).
+    pub fn event(&self) -> Option<&Event> {
+        self.event.as_ref()
+    }
+
+    /// Waits for the move.
+    ///
+    /// # Errors
+    /// [`Error::Driver`]: the move or its stream failed.
+    pub fn wait(mut self) -> Result<()> {
+        match self.event.take() {
+            Some(ev) => ev.wait_expecting(self.expected),
+            None => Ok(()),
+        }
+    }
+
+    /// The event, for a caller that keeps the tensors alive itself until it completed.
+    #[cfg(feature = "python")]
+    pub(crate) fn into_event(mut self) -> Option<Event> {
+        self.event.take()
+    }
+}
+
+impl Drop for BlockCopy<'_> {
+    fn drop(&mut self) {
+        if let Some(ev) = self.event.take()
+            && let Err(Error::Driver(e)) = ev.synchronize()
+        {
+            crate::error::on_drop::<()>(Err(e));
+        }
+    }
+}
+
+fn memory_name(m: MemoryKind) -> &'static str {
+    match m {
+        MemoryKind::Host => "host memory",
+        MemoryKind::Cuda(_) => "device memory",
+    }
+}
+
+/// One device tensor and its host counterpart.
+#[derive(Clone, Copy, Debug)]
+struct Pair {
+    device: BlockLayout,
+    host: BlockLayout,
+    device_read_only: bool,
+    host_read_only: bool,
+}
+
+/// Moves blocks between device tensors and pinned host tensors: tensor `i` of the device side
+/// pairs with tensor `i` of the host side, and a move takes one list of block ids for every
+/// pair (as KV caches are laid out: the same block ids in every layer's K and V tensors).
+///
+/// Each tensor is contiguous, with its blocks along `block_dim` (1 for `[2, num_blocks, ...]`,
+/// 0 for `[num_blocks, ...]` and cross-layer `[num_blocks, layers, 2, ...]`): a block is the
+/// product of the dimensions before `block_dim` parts (2: K and V) of the bytes after it. A pair
+/// has one block size and one number of parts; the two sides may hold different numbers of
+/// blocks.
+///
+/// A move checks every id before it issues anything, merges runs of ids adjacent on both sides
+/// into one copy, and issues all copies in one `cuMemcpyBatchAsync` (several beyond
+/// [`MAX_BATCH`] copies) on the caller's stream: copy engines only, no kernel.
+pub struct BlockMover<'t> {
+    /// `None`: the "device" tensors are host memory too (moves are `memcpy`s; no driver needed).
+    device: Option<Device>,
+    pairs: Vec<Pair>,
+    device_blocks: usize,
+    host_blocks: usize,
+    batched: bool,
+    /// Where moves on the legacy default stream go (the batched call refuses that stream).
+    side: [OnceLock<Stream>; 2],
+    /// The copy lists, reused from move to move.
+    scratch: Mutex<Scratch>,
+    _tensors: PhantomData<&'t ()>,
+}
+
+#[derive(Default)]
+struct Scratch {
+    segments: Vec<Segment>,
+    dsts: Vec<u64>,
+    srcs: Vec<u64>,
+    sizes: Vec<usize>,
+}
+
+impl std::fmt::Debug for BlockMover<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockMover")
+            .field("device", &self.device)
+            .field("tensors", &self.pairs.len())
+            .field("device_blocks", &self.device_blocks)
+            .field("host_blocks", &self.host_blocks)
+            .finish()
+    }
+}
+
+impl<'t> BlockMover<'t> {
+    /// A mover between `device_tensors` (one device's memory) and `host_tensors` (pinned host
+    /// memory), paired in order, with blocks along `block_dim`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`]: no tensors, lists of different lengths, a pair whose block
+    /// sizes or parts differ, `block_dim` not a dimension, device tensors in different kinds of
+    /// memory, a host tensor in device memory or (with device tensors) in pageable memory;
+    /// [`Error::DtypeMismatch`]: a pair of two dtypes; [`Error::WrongDevice`]: device tensors on
+    /// different devices; [`Error::CudaUnavailable`]: device tensors without a driver.
+    ///
+    /// Device tensors in host memory make a mover whose moves are `memcpy`s (no driver needed).
+    pub fn new(
+        device_tensors: &[DeviceView<'t>],
+        host_tensors: &[DeviceView<'t>],
+        block_dim: usize,
+    ) -> Result<Self> {
+        if device_tensors.is_empty() || device_tensors.len() != host_tensors.len() {
+            return Err(Error::arg(
+                "tensors",
+                format!(
+                    "{} device and {} host tensors",
+                    device_tensors.len(),
+                    host_tensors.len()
+                ),
+                "one host tensor per device tensor, at least one",
+            ));
+        }
+        let device = match device_tensors[0].memory() {
+            MemoryKind::Cuda(ordinal) => Some(Device::get(ordinal)?),
+            MemoryKind::Host => None,
+        };
+        let mut pairs = Vec::with_capacity(device_tensors.len());
+        for (i, (d, h)) in device_tensors.iter().zip(host_tensors).enumerate() {
+            match (d.memory(), &device) {
+                (MemoryKind::Cuda(id), Some(dev)) if id == dev.ordinal() => {}
+                (MemoryKind::Cuda(id), Some(dev)) => {
+                    return Err(Error::WrongDevice {
+                        what: "block mover",
+                        expected: dev.ordinal(),
+                        got: id,
+                    });
+                }
+                (MemoryKind::Host, None) => {}
+                (_, _) => {
+                    return Err(Error::arg(
+                        "device_tensors",
+                        format!("tensor {i} in {}", memory_name(d.memory())),
+                        "tensors all in one device's memory (or all in host memory)",
+                    ));
+                }
+            }
+            if d.dtype() != h.dtype() {
+                return Err(Error::DtypeMismatch {
+                    expected: d.dtype(),
+                    got: h.dtype(),
+                });
+            }
+            let host = BlockLayout::of(h.meta(), block_dim)?;
+            let pinned = match (&device, h.memory()) {
+                (_, MemoryKind::Cuda(_)) => false,
+                (None, MemoryKind::Host) => true,
+                (Some(dev), MemoryKind::Host) => {
+                    dev.is_pinned_range(host.base as *const u8, h.nbytes())?
+                }
+            };
+            if !pinned {
+                return Err(Error::arg(
+                    "host_tensors",
+                    format!(
+                        "tensor {i} in {}",
+                        if matches!(h.memory(), MemoryKind::Host) {
+                            "pageable host memory"
+                        } else {
+                            "device memory"
+                        }
+                    ),
+                    "pinned host memory (empty_host, a PinnedPool block, or pin)",
+                ));
+            }
+            let pair = Pair {
+                device: BlockLayout::of(d.meta(), block_dim)?,
+                host,
+                device_read_only: d.is_read_only(),
+                host_read_only: h.is_read_only(),
+            };
+            // The sizes of a pair are checked here once, not at every move.
+            segments(&pair.device, &pair.host, &[], &mut Vec::new()).map_err(|e| match e {
+                Error::InvalidArgument { value, .. } => Error::InvalidArgument {
+                    param: "tensors",
+                    value: format!("pair {i}: {value}"),
+                    expected: "blocks of one size and one number of parts on both sides",
+                },
+                e => e,
+            })?;
+            pairs.push(pair);
+        }
+        let batched = device.is_some()
+            && driver::probe().is_ok_and(|p| p.driver_version >= driver::mem::BATCH_MIN_DRIVER);
+        Ok(Self {
+            device,
+            device_blocks: pairs.iter().map(|p| p.device.num_blocks).min().unwrap_or(0),
+            host_blocks: pairs.iter().map(|p| p.host.num_blocks).min().unwrap_or(0),
+            pairs,
+            batched,
+            side: [OnceLock::new(), OnceLock::new()],
+            scratch: Mutex::new(Scratch::default()),
+            _tensors: PhantomData,
+        })
+    }
+
+    /// The device of the device tensors (`None`: they are host memory).
+    pub fn device(&self) -> Option<&Device> {
+        self.device.as_ref()
+    }
+
+    /// Blocks every device tensor holds (the fewest of any).
+    pub fn device_blocks(&self) -> usize {
+        self.device_blocks
+    }
+
+    /// Blocks every host tensor holds (the fewest of any).
+    pub fn host_blocks(&self) -> usize {
+        self.host_blocks
+    }
+
+    /// Bytes of one block summed over all tensors (every part).
+    pub fn block_bytes(&self) -> usize {
+        self.pairs
+            .iter()
+            .map(|p| p.device.bytes * p.device.outer)
+            .sum()
+    }
+
+    /// The tensor pairs.
+    pub fn len(&self) -> usize {
+        self.pairs.len()
+    }
+
+    /// Never: a mover has at least one pair.
+    pub fn is_empty(&self) -> bool {
+        self.pairs.is_empty()
+    }
+
+    /// Checks a move of `src_ids[i]` into `dst_ids[i]` in `direction`: its runs.
+    fn check(
+        &self,
+        direction: Direction,
+        src_ids: &[usize],
+        dst_ids: &[usize],
+    ) -> Result<Vec<Run>> {
+        let (src, dst) = match direction {
+            Direction::Offload => (
+                (self.device_blocks, "device_ids"),
+                (self.host_blocks, "host_ids"),
+            ),
+            Direction::Load => (
+                (self.host_blocks, "host_ids"),
+                (self.device_blocks, "device_ids"),
+            ),
+        };
+        let runs = runs((src_ids, src.1), (dst_ids, dst.1), src.0, dst.0)?;
+        let read_only = self.pairs.iter().position(|p| match direction {
+            Direction::Offload => p.host_read_only,
+            Direction::Load => p.device_read_only,
+        });
+        if let (Some(i), false) = (read_only, runs.is_empty()) {
+            return Err(Error::arg(
+                match direction {
+                    Direction::Offload => "host_tensors",
+                    Direction::Load => "device_tensors",
+                },
+                format!("tensor {i}, read-only"),
+                "writable destinations",
+            ));
+        }
+        Ok(runs)
+    }
+
+    /// What a move of `src_ids[i]` into `dst_ids[i]` in `direction` would issue, checked as the
+    /// move checks it (nothing is issued).
+    ///
+    /// # Errors
+    /// As [`BlockMover::offload`], before anything is issued.
+    pub fn plan(
+        &self,
+        direction: Direction,
+        src_ids: &[usize],
+        dst_ids: &[usize],
+    ) -> Result<MovePlan> {
+        let runs = self.check(direction, src_ids, dst_ids)?;
+        let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
+        let copies = runs.len() * parts;
+        let (strategy, calls, reason) = if copies == 0 {
+            (Strategy::Empty, 0, "no block to move")
+        } else if self.device.is_none() {
+            (
+                Strategy::PerCopy,
+                copies,
+                "host memory on both sides: one memcpy per copy",
+            )
+        } else if self.batched {
+            (
+                Strategy::Batched,
+                copies.div_ceil(MAX_BATCH),
+                "the copy engines move the merged runs in one batched call (CUDA 12.8+)",
+            )
+        } else {
+            (
+                Strategy::PerCopy,
+                copies,
+                "the driver predates cuMemcpyBatchAsync (CUDA 12.8): one call per copy",
+            )
+        };
+        Ok(MovePlan {
+            direction,
+            strategy,
+            blocks: src_ids.len(),
+            runs: runs.len(),
+            copies,
+            calls,
+            bytes: src_ids.len() * self.block_bytes(),
+            reason,
+        })
+    }
+
+    /// Starts copying device blocks `device_ids[i]` into host blocks `host_ids[i]` of every
+    /// pair, on `stream` (ordered after the work queued there).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`]: lists of different lengths, an id out of range, a host id
+    /// twice, a read-only host tensor (nothing issued); [`Error::StreamCapturing`];
+    /// [`Error::Driver`].
+    ///
+    /// # Safety
+    /// 1. The tensors' memory stays valid until the move completed. The returned [`BlockCopy`]
+    ///    waits when dropped; forgetting it (`mem::forget`) drops that guarantee.
+    /// 2. Nothing else writes the moved blocks' source or destination bytes until the move
+    ///    completed, except through work ordered on `stream`.
+    /// 3. `stream` is a stream of the mover's device.
+    pub unsafe fn offload(
+        &self,
+        device_ids: &[usize],
+        host_ids: &[usize],
+        stream: StreamHandle,
+    ) -> Result<BlockCopy<'_>> {
+        // SAFETY: caller's contract.
+        unsafe { self.start(Direction::Offload, device_ids, host_ids, stream) }
+    }
+
+    /// Starts copying host blocks `host_ids[i]` into device blocks `device_ids[i]` of every
+    /// pair, on `stream`.
+    ///
+    /// # Errors
+    /// As [`BlockMover::offload`] (a device id twice; a read-only device tensor).
+    ///
+    /// # Safety
+    /// As [`BlockMover::offload`].
+    pub unsafe fn load(
+        &self,
+        host_ids: &[usize],
+        device_ids: &[usize],
+        stream: StreamHandle,
+    ) -> Result<BlockCopy<'_>> {
+        // SAFETY: caller's contract.
+        unsafe { self.start(Direction::Load, host_ids, device_ids, stream) }
+    }
+
+    /// A move from `src_ids` to `dst_ids`, checked whole, then issued.
+    ///
+    /// # Safety
+    /// As [`BlockMover::offload`].
+    pub(crate) unsafe fn start(
+        &self,
+        direction: Direction,
+        src_ids: &[usize],
+        dst_ids: &[usize],
+        stream: StreamHandle,
+    ) -> Result<BlockCopy<'_>> {
+        let runs = self.check(direction, src_ids, dst_ids)?;
+        let bytes = src_ids.len() * self.block_bytes();
+        if runs.is_empty() {
+            return Ok(BlockCopy {
+                event: None,
+                expected: Duration::ZERO,
+                _mover: PhantomData,
+            });
+        }
+        let mut guard = self.scratch.try_lock();
+        let mut own = Scratch::default();
+        let scratch = guard.as_deref_mut().unwrap_or(&mut own);
+        scratch.segments.clear();
+        for p in &self.pairs {
+            let (src, dst) = match direction {
+                Direction::Offload => (&p.device, &p.host),
+                Direction::Load => (&p.host, &p.device),
+            };
+            segments(src, dst, &runs, &mut scratch.segments)?;
+        }
+        #[cfg(pinstage_seeded_bug = "blocks_skip_run")]
+        scratch.segments.pop();
+        let Some(device) = &self.device else {
+            for s in &scratch.segments {
+                // SAFETY: host memory on both sides (`new`), within the tensors (checked runs),
+                // valid and not used elsewhere (the caller's contracts 1 and 2); `copy` allows
+                // a source and destination that overlap.
+                unsafe { std::ptr::copy(s.src as *const u8, s.dst as *mut u8, s.len) };
+            }
+            return Ok(BlockCopy {
+                event: None,
+                expected: Duration::ZERO,
+                _mover: PhantomData,
+            });
+        };
+        let cur = stream.enter_for_copy(device)?;
+        let event = Event::new_in(&cur)?;
+        // SAFETY: caller's contracts 1-3; the segments lie within the tensors (checked runs).
+        unsafe { self.issue(&cur, direction, scratch, stream, &event) }?;
+        Ok(BlockCopy {
+            event: Some(event),
+            expected: crate::cuda::wait::copy_time(bytes),
+            _mover: PhantomData,
+        })
+    }
+
+    /// Issues `scratch.segments` on `stream` (the legacy stream: on a side stream joined both
+    /// ways) and records `event` after them.
+    ///
+    /// # Safety
+    /// As [`BlockMover::offload`]; every segment lies within the mover's tensors.
+    unsafe fn issue(
+        &self,
+        cur: &Current<'_>,
+        direction: Direction,
+        scratch: &mut Scratch,
+        stream: StreamHandle,
+        event: &Event,
+    ) -> Result<()> {
+        let batched = self.batched;
+        if batched && stream.as_raw() <= 1 {
+            // The batched call refuses the legacy stream: fork onto a side stream and join.
+            let side = match self.side[direction as usize].get() {
+                Some(s) => s,
+                None => {
+                    let s = Stream::new(cur.device())?;
+                    let _ = self.side[direction as usize].set(s);
+                    self.side[direction as usize].get().expect("set above")
+                }
+            };
+            let fork = Event::new_in(cur)?;
+            fork.record_in(cur, stream)?;
+            fork.wait_on(side.handle())?;
+            // SAFETY: as this function's; the side stream runs after the caller's work.
+            unsafe { self.issue_on(scratch, side.handle()) }?;
+            event.record_in(cur, side.handle())?;
+            return event.wait_on(stream);
+        }
+        // SAFETY: as this function's.
+        unsafe { self.issue_on(scratch, stream) }?;
+        event.record_in(cur, stream)
+    }
+
+    /// The copies of `scratch.segments` on `stream` (not the legacy one when batched).
+    ///
+    /// # Safety
+    /// As [`BlockMover::issue`].
+    unsafe fn issue_on(&self, scratch: &mut Scratch, stream: StreamHandle) -> Result<()> {
+        let Scratch {
+            segments,
+            dsts,
+            srcs,
+            sizes,
+        } = scratch;
+        if !self.batched {
+            for s in segments.iter() {
+                // SAFETY: the caller's contract, per segment.
+                unsafe { driver::mem::memcpy_async(s.dst, s.src, s.len, stream.raw()) }?;
+            }
+            return Ok(());
+        }
+        for chunk in segments.chunks(MAX_BATCH) {
+            dsts.clear();
+            srcs.clear();
+            sizes.clear();
+            for s in chunk {
+                dsts.push(s.dst);
+                srcs.push(s.src);
+                sizes.push(s.len);
+            }
+            // SAFETY: the caller's contract, per entry; three lists of one length; the driver
+            // has the call (`batched`) and `stream` is not the legacy stream (the caller).
+            unsafe { driver::mem::memcpy_batch_async(dsts, srcs, sizes, stream.raw()) }?;
+        }
+        Ok(())
+    }
+}

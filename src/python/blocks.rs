@@ -1,0 +1,330 @@
+//! `BlockMover`: paged KV-cache blocks between device tensors and pinned host tensors.
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::errors::{describe, type_err, value_err};
+use super::import::{Exchange, Imported, import, import_writable};
+use super::pending::PendingCopy;
+use super::stream::parse_stream;
+use crate::blocks::{Direction, Strategy};
+use crate::cuda::StreamHandle;
+use crate::dlpack::{DType, DeviceView, MemoryKind};
+
+/// Moves lists of KV-cache blocks between device tensors and pinned host tensors with the copy
+/// engines (no kernel): runs of adjacent ids merged, every copy of a move in one batched driver
+/// call, on the caller's stream.
+///
+/// Parameters:
+///     device_tensors: a list of C-contiguous DLPack tensors on one CUDA device (torch, cupy;
+///         one per layer and K/V, or one cross-layer tensor), or one tensor.
+///     host_tensors: as many pinned host arrays (``empty_host``, a ``PinnedPool`` block, a
+///         ``pin``-ned array, a torch ``pin_memory()`` tensor), paired in order; each pair has
+///         one dtype, one block size and one number of parts; the host side may hold more or
+///         fewer blocks.
+///     block_dim: the dimension that indexes blocks, the same in every tensor: 1 for
+///         ``[2, num_blocks, ...]`` (K and V first), 0 for ``[num_blocks, ...]`` and a
+///         cross-layer ``[num_blocks, layers, 2, ...]``. The dimensions before it are parts of
+///         a block (each copied), those after it one part's bytes.
+///
+/// Host arrays on both sides make a mover whose moves are plain memcpys (no driver needed).
+///
+/// Raises:
+///     PinstageValueError: lists of different lengths or empty, a pageable or device host
+///         tensor, a non-contiguous tensor, a JAX device tensor (immutable), a pair whose block
+///         sizes or parts differ, ``block_dim`` out of range. PinstageTypeError: a pair of two
+///         dtypes, not a DLPack producer. CudaUnavailableError: device tensors without a driver.
+///
+/// Example:
+///     >>> kv = [torch.empty(2, 8192, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+///     ...       for _ in range(64)]
+///     >>> host = [pinstage.empty_host((2, 4096, 16, 8, 128), "bfloat16") for _ in kv]
+///     >>> mover = pinstage.BlockMover(kv, host, block_dim=1)
+///     >>> mover.offload([7, 8, 9, 100], [0, 1, 2, 3]).wait()
+#[pyclass(frozen, module = "pinstage._native")]
+pub(crate) struct BlockMover {
+    mover: crate::blocks::BlockMover<'static>,
+    /// Keeps every tensor's memory alive (the mover's addresses point into it).
+    _tensors: Mutex<Vec<Imported>>,
+    /// The first device tensor's producer's table: its current stream is `stream=None`'s.
+    exchange: Option<Exchange>,
+    /// DLPack device type and id of the device tensors.
+    device: (u32, i32),
+}
+
+#[pymethods]
+impl BlockMover {
+    #[new]
+    #[pyo3(signature = (device_tensors, host_tensors, *, block_dim=0))]
+    fn new(
+        device_tensors: &Bound<'_, PyAny>,
+        host_tensors: &Bound<'_, PyAny>,
+        block_dim: usize,
+    ) -> PyResult<Self> {
+        let devs = tensor_list(device_tensors)?;
+        let hosts = tensor_list(host_tensors)?;
+        let mut imported = Vec::with_capacity(devs.len() + hosts.len());
+        for (i, t) in devs.iter().enumerate() {
+            imported.push(import_writable(t, None, &format!("device_tensors[{i}]"))?);
+        }
+        for t in &hosts {
+            imported.push(import(t, None)?);
+        }
+        let views: Vec<DeviceView<'static>> = imported.iter().map(|i| i.view.clone()).collect();
+        let (dv, hv) = views.split_at(devs.len());
+        let mover = crate::blocks::BlockMover::new(dv, hv, block_dim)?;
+        let device = dv.first().map_or((0, 0), |v| match v.memory() {
+            MemoryKind::Cuda(id) => (v.device_type(), id),
+            MemoryKind::Host => (v.device_type(), 0),
+        });
+        let exchange = imported.first().and_then(|i| i.exchange);
+        Ok(Self {
+            mover,
+            _tensors: Mutex::new(imported),
+            exchange,
+            device,
+        })
+    }
+
+    /// Starts copying device blocks ``device_ids[i]`` into host blocks ``host_ids[i]`` of every
+    /// tensor pair, and returns at once.
+    ///
+    /// Parameters:
+    ///     device_ids, host_ids: block ids of equal count: lists of ints, or 1-D integer numpy
+    ///         arrays or CPU torch tensors. Sources may repeat; a destination may not.
+    ///     stream: the stream the move is ordered on (after the work queued there); None: the
+    ///         device tensors' producer's current stream (torch), else the legacy default
+    ///         stream. Give offload and load different streams to run them at once.
+    ///
+    /// Returns:
+    ///     PendingCopy: ``wait()`` (returns None), ``done()``; it keeps the mover and its
+    ///     tensors alive until the move completed.
+    ///
+    /// Raises:
+    ///     PinstageValueError: counts differ, an id out of range or negative, a destination id
+    ///         twice, a read-only destination. PinstageTypeError: ids that are not integers.
+    ///     StreamCaptureError: the stream is capturing a graph. CudaDriverError: the driver
+    ///     refused the move. Nothing is issued when a call raises.
+    #[pyo3(signature = (device_ids, host_ids, *, stream=None))]
+    fn offload(
+        slf: &Bound<'_, Self>,
+        device_ids: &Bound<'_, PyAny>,
+        host_ids: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PendingCopy> {
+        start(slf, Direction::Offload, device_ids, host_ids, stream)
+    }
+
+    /// Starts copying host blocks ``host_ids[i]`` into device blocks ``device_ids[i]`` of every
+    /// tensor pair, and returns at once. Parameters, result and errors as ``offload``. The
+    /// host blocks must not change until the move completed.
+    #[pyo3(signature = (host_ids, device_ids, *, stream=None))]
+    fn load(
+        slf: &Bound<'_, Self>,
+        host_ids: &Bound<'_, PyAny>,
+        device_ids: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PendingCopy> {
+        start(slf, Direction::Load, host_ids, device_ids, stream)
+    }
+
+    /// What a move would issue, checked as the move checks it; nothing is issued.
+    ///
+    /// Parameters:
+    ///     direction: ``"offload"`` or ``"load"``.
+    ///     src_ids, dst_ids: as the move's (device then host ids for ``"offload"``).
+    ///
+    /// Returns:
+    ///     dict: ``direction``, ``strategy`` (``"batched"``, ``"per_copy"`` or ``"empty"``),
+    ///     ``blocks``, ``runs`` (merged runs of adjacent ids), ``copies``, ``calls`` (driver
+    ///     calls), ``bytes``, ``reason``.
+    fn plan<'py>(
+        &self,
+        py: Python<'py>,
+        direction: &str,
+        src_ids: &Bound<'py, PyAny>,
+        dst_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let dir = match direction {
+            "offload" => Direction::Offload,
+            "load" => Direction::Load,
+            other => {
+                return Err(value_err(format!(
+                    "direction must be \"offload\" or \"load\"; got {other:?}"
+                )));
+            }
+        };
+        let (src_arg, dst_arg) = arg_names(dir);
+        let (src, dst) = (block_ids(src_ids, src_arg)?, block_ids(dst_ids, dst_arg)?);
+        let p = self.mover.plan(dir, &src, &dst)?;
+        let d = PyDict::new(py);
+        d.set_item("direction", p.direction.name())?;
+        d.set_item(
+            "strategy",
+            match p.strategy {
+                Strategy::Batched => "batched",
+                Strategy::PerCopy => "per_copy",
+                Strategy::Empty => "empty",
+            },
+        )?;
+        d.set_item("blocks", p.blocks)?;
+        d.set_item("runs", p.runs)?;
+        d.set_item("copies", p.copies)?;
+        d.set_item("calls", p.calls)?;
+        d.set_item("bytes", p.bytes)?;
+        d.set_item("reason", p.reason)?;
+        Ok(d)
+    }
+
+    /// Number of tensor pairs.
+    #[getter]
+    fn num_tensors(&self) -> usize {
+        self.mover.len()
+    }
+
+    /// Blocks each device tensor holds (the fewest of any).
+    #[getter]
+    fn device_blocks(&self) -> usize {
+        self.mover.device_blocks()
+    }
+
+    /// Blocks each host tensor holds (the fewest of any).
+    #[getter]
+    fn host_blocks(&self) -> usize {
+        self.mover.host_blocks()
+    }
+
+    /// Bytes one block id moves, summed over every tensor and part.
+    #[getter]
+    fn block_bytes(&self) -> usize {
+        self.mover.block_bytes()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockMover(tensors={}, device_blocks={}, host_blocks={}, block_bytes={})",
+            self.mover.len(),
+            self.mover.device_blocks(),
+            self.mover.host_blocks(),
+            self.mover.block_bytes()
+        )
+    }
+}
+
+/// One tensor or a list (or tuple) of them.
+fn tensor_list<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    if obj.is_instance_of::<pyo3::types::PyList>() || obj.is_instance_of::<pyo3::types::PyTuple>() {
+        return obj.try_iter()?.collect();
+    }
+    Ok(vec![obj.clone()])
+}
+
+/// Block ids from a list of ints, or a 1-D integer host array (numpy, a CPU torch tensor).
+pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<usize>> {
+    let py = obj.py();
+    let is_array = obj.hasattr(pyo3::intern!(py, "__dlpack__"))?;
+    if !is_array {
+        let Ok(items) = obj.try_iter() else {
+            return Err(type_err(format!(
+                "{arg} must be a list of ints or a 1-D integer array; got {}",
+                describe(obj)
+            )));
+        };
+        let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+        for item in items {
+            let item = item?;
+            let Some(i) = super::args::as_index(&item)? else {
+                return Err(type_err(format!(
+                    "{arg} must hold ints; got {}",
+                    describe(&item)
+                )));
+            };
+            let v: i128 = i.extract()?;
+            out.push(id(v, arg)?);
+        }
+        return Ok(out);
+    }
+    let imp = import(obj, None)?;
+    let v = &imp.view;
+    if v.memory() != MemoryKind::Host || v.shape().len() > 1 {
+        return Err(value_err(format!(
+            "{arg} must be a 1-D integer array in host memory; got {}",
+            describe(obj)
+        )));
+    }
+    let n = v.numel();
+    let p = v.ptr() as usize;
+    macro_rules! read {
+        ($t:ty) => {{
+            // SAFETY: `n` elements of `$t` in host memory kept alive by `imp` (borrowed here).
+            let s = unsafe { std::slice::from_raw_parts(p as *const $t, n) };
+            s.iter().map(|&x| id(x as i128, arg)).collect()
+        }};
+    }
+    match v.dtype() {
+        DType::I8 => read!(i8),
+        DType::I16 => read!(i16),
+        DType::I32 => read!(i32),
+        DType::I64 => read!(i64),
+        DType::U8 => read!(u8),
+        DType::U16 => read!(u16),
+        DType::U32 => read!(u32),
+        DType::U64 => read!(u64),
+        other => Err(type_err(format!(
+            "{arg} must hold integers; got an array of {}",
+            other.name()
+        ))),
+    }
+}
+
+fn id(v: i128, arg: &str) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| value_err(format!("{arg} holds {v}: block ids are >= 0")))
+}
+
+/// The Python names of a move's source and destination ids.
+fn arg_names(direction: Direction) -> (&'static str, &'static str) {
+    match direction {
+        Direction::Offload => ("device_ids", "host_ids"),
+        Direction::Load => ("host_ids", "device_ids"),
+    }
+}
+
+fn start(
+    slf: &Bound<'_, BlockMover>,
+    direction: Direction,
+    src_ids: &Bound<'_, PyAny>,
+    dst_ids: &Bound<'_, PyAny>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<PendingCopy> {
+    let py = slf.py();
+    super::linger::reap(py);
+    let this = slf.get();
+    let (src_arg, dst_arg) = arg_names(direction);
+    let src = block_ids(src_ids, src_arg)?;
+    let dst = block_ids(dst_ids, dst_arg)?;
+    let stream = match (parse_stream(stream)?, &this.exchange, this.device) {
+        (Some(s), _, _) => s,
+        (None, Some(ex), (dt, id)) if this.mover.device().is_some() => {
+            ex.current_stream(py, dt, id)?
+        }
+        (None, _, _) => StreamHandle::LEGACY,
+    };
+    let mover = &this.mover;
+    let event = py.detach(|| {
+        // SAFETY: the tensors live as long as `this` (`_tensors`), which the PendingCopy keeps
+        // until the event completed (lingering when dropped early); writes by others are the
+        // caller's to order on `stream` (documented); the stream belongs to the caller.
+        unsafe { mover.start(direction, &src, &dst, stream) }.map(|c| c.into_event())
+    })?;
+    let bytes = src.len() * mover.block_bytes();
+    Ok(PendingCopy::holding(
+        event,
+        slf.clone().into_any().unbind(),
+        bytes,
+    ))
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<BlockMover>()
+}

@@ -1,0 +1,394 @@
+//! GPU tests of the block mover: every block of every tensor checked after every move (values
+//! distinct per tensor, part and block; destinations poisoned; blocks not moved still poisoned),
+//! both directions, three layouts, three kinds of stream; refusals that issue nothing.
+
+mod common;
+
+use common::{POISON, gpu_or_skip};
+use pinstage::blocks::{BlockMover, Direction, Strategy};
+use pinstage::dlpack::{DL_CPU, DL_CUDA, TensorDesc, validate};
+use pinstage::host::PinnedFlags;
+use pinstage::testing::DeviceBuffer;
+use pinstage::{DeviceView, Error, PinnedBuffer, Stream, StreamHandle};
+use rstest::rstest;
+
+/// The view of `len` bytes at `ptr` as a u8 tensor of `shape` (`device`: CUDA ordinal, or host).
+fn view(ptr: u64, device: Option<i32>, shape: &[i64]) -> DeviceView<'static> {
+    let meta = validate(&TensorDesc {
+        device_type: if device.is_some() { DL_CUDA } else { DL_CPU },
+        device_id: device.unwrap_or(0),
+        data: ptr,
+        byte_offset: 0,
+        code: 1,
+        bits: 8,
+        lanes: 1,
+        shape,
+        strides: None,
+        read_only: false,
+    })
+    .expect("a valid tensor");
+    // SAFETY: every test keeps the buffer behind `ptr` alive while the view is used.
+    unsafe { DeviceView::from_meta(meta) }
+}
+
+/// Byte `i` of block `b`, part `p`, tensor `t` on side `side` of move `m`: never the poison.
+fn byte(side: u8, m: u32, t: usize, p: usize, b: usize, i: usize) -> u8 {
+    let x = (m as u64) << 40 ^ (t as u64) << 32 ^ (p as u64) << 28 ^ (b as u64) << 12 ^ i as u64;
+    let x = (x ^ side as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let v = (x >> 56) as u8;
+    if v == POISON { v ^ 0x0F } else { v }
+}
+
+/// The shape of one side: `(shape, block_dim, parts)` for `blocks` blocks of `bytes` bytes per
+/// part, `tensors` tensors (`cross`: one tensor holding them all).
+#[derive(Clone, Copy, Debug)]
+enum Layout {
+    /// `[2, blocks, bytes]`, block_dim 1: K and V.
+    KvFirst,
+    /// `[blocks, 2, bytes]`, block_dim 0.
+    BlocksFirst,
+    /// One `[blocks, tensors, 2, bytes]` tensor, block_dim 0.
+    Cross,
+}
+
+impl Layout {
+    fn shape(self, blocks: usize, bytes: usize, tensors: usize) -> (Vec<i64>, usize) {
+        let (b, n, l) = (blocks as i64, bytes as i64, tensors as i64);
+        match self {
+            Layout::KvFirst => (vec![2, b, n], 1),
+            Layout::BlocksFirst => (vec![b, 2, n], 0),
+            Layout::Cross => (vec![b, l, 2, n], 0),
+        }
+    }
+    fn tensors(self, tensors: usize) -> usize {
+        if matches!(self, Layout::Cross) {
+            1
+        } else {
+            tensors
+        }
+    }
+    /// Offset of byte 0 of (part p, block b) in a tensor of `blocks` blocks of `bytes` per part,
+    /// and the length of a part as the mover sees it.
+    fn at(self, blocks: usize, bytes: usize, tensors: usize, p: usize, b: usize) -> usize {
+        match self {
+            Layout::KvFirst => (p * blocks + b) * bytes,
+            Layout::BlocksFirst => b * 2 * bytes + p * bytes,
+            Layout::Cross => b * tensors * 2 * bytes + p * bytes,
+        }
+    }
+    /// Parts of one block of one tensor as the test writes them.
+    fn parts(self, tensors: usize) -> usize {
+        if matches!(self, Layout::Cross) {
+            2 * tensors
+        } else {
+            2
+        }
+    }
+}
+
+/// Deterministic distinct ids: the first `n` of a permutation of `0..range`, with a run of 5
+/// adjacent pairs spliced in when there is room.
+fn ids(n: usize, range: usize, seed: u64) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..range).collect();
+    let mut x = seed | 1;
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    v.truncate(n);
+    v
+}
+
+struct Sides {
+    dev: Vec<DeviceBuffer>,
+    host: Vec<PinnedBuffer>,
+    layout: Layout,
+    tensors: usize,
+    bytes: usize,
+    dev_blocks: usize,
+    host_blocks: usize,
+}
+
+impl Sides {
+    fn new(
+        d: &pinstage::Device,
+        layout: Layout,
+        tensors: usize,
+        bytes: usize,
+        dev_blocks: usize,
+        host_blocks: usize,
+    ) -> Self {
+        let n = layout.tensors(tensors);
+        let per = |blocks| 2 * blocks * bytes * if n == 1 { tensors } else { 1 };
+        Sides {
+            dev: (0..n)
+                .map(|_| DeviceBuffer::new(d, per(dev_blocks)).unwrap())
+                .collect(),
+            host: (0..n)
+                .map(|_| PinnedBuffer::new(d, per(host_blocks), PinnedFlags::PORTABLE).unwrap())
+                .collect(),
+            layout,
+            tensors,
+            bytes,
+            dev_blocks,
+            host_blocks,
+        }
+    }
+
+    fn views(&self) -> (Vec<DeviceView<'static>>, Vec<DeviceView<'static>>, usize) {
+        let (ds, dim) = self.layout.shape(self.dev_blocks, self.bytes, self.tensors);
+        let (hs, _) = self
+            .layout
+            .shape(self.host_blocks, self.bytes, self.tensors);
+        let ord = self.dev[0].device().ordinal();
+        (
+            self.dev
+                .iter()
+                .map(|b| view(b.ptr(), Some(ord), &ds))
+                .collect(),
+            self.host
+                .iter()
+                .map(|b| view(b.as_ptr() as u64, None, &hs))
+                .collect(),
+            dim,
+        )
+    }
+
+    /// Fills side `side` (0 device, 1 host) with move `m`'s values.
+    fn fill(&mut self, side: u8, m: u32) -> Vec<Vec<u8>> {
+        let blocks = if side == 0 {
+            self.dev_blocks
+        } else {
+            self.host_blocks
+        };
+        let n = self.layout.tensors(self.tensors);
+        let parts = self.layout.parts(self.tensors);
+        let mut all = Vec::new();
+        for t in 0..n {
+            let mut data =
+                vec![POISON; 2 * blocks * self.bytes * if n == 1 { self.tensors } else { 1 }];
+            for b in 0..blocks {
+                for p in 0..parts {
+                    let at = self.layout.at(blocks, self.bytes, self.tensors, p, b);
+                    for i in 0..self.bytes {
+                        data[at + i] = byte(side, m, t, p, b, i);
+                    }
+                }
+            }
+            if side == 0 {
+                self.dev[t].upload(0, &data).unwrap();
+            } else {
+                self.host[t].as_mut_slice().copy_from_slice(&data);
+            }
+            all.push(data);
+        }
+        all
+    }
+
+    fn poison(&mut self, side: u8) {
+        for t in 0..self.dev.len() {
+            if side == 0 {
+                let len = self.dev[t].len();
+                self.dev[t].upload(0, &vec![POISON; len]).unwrap();
+            } else {
+                self.host[t].as_mut_slice().fill(POISON);
+            }
+        }
+    }
+
+    fn read(&self, side: u8, t: usize) -> Vec<u8> {
+        if side == 0 {
+            let mut out = vec![0u8; self.dev[t].len()];
+            self.dev[t].download(0, &mut out).unwrap();
+            out
+        } else {
+            self.host[t].as_slice().to_vec()
+        }
+    }
+
+    /// Checks that destination side `dst` holds `src[t]`'s block `s` at block `d` for every
+    /// pair, and poison everywhere else.
+    fn check(&self, dst: u8, src: &[Vec<u8>], src_ids: &[usize], dst_ids: &[usize], what: &str) {
+        let (sb, db) = if dst == 0 {
+            (self.host_blocks, self.dev_blocks)
+        } else {
+            (self.dev_blocks, self.host_blocks)
+        };
+        let parts = self.layout.parts(self.tensors);
+        for (t, src) in src.iter().enumerate() {
+            let mut want = vec![POISON; self.read(dst, t).len()];
+            for (&s, &d) in src_ids.iter().zip(dst_ids) {
+                for p in 0..parts {
+                    let from = self.layout.at(sb, self.bytes, self.tensors, p, s);
+                    let to = self.layout.at(db, self.bytes, self.tensors, p, d);
+                    want[to..to + self.bytes].copy_from_slice(&src[from..from + self.bytes]);
+                }
+            }
+            let got = self.read(dst, t);
+            if got != want {
+                let first = got.iter().zip(&want).position(|(a, b)| a != b).unwrap();
+                panic!(
+                    "{what}: tensor {t}: byte {first} is {:#x}, expected {:#x}",
+                    got[first], want[first]
+                );
+            }
+        }
+    }
+}
+
+#[rstest]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_blocks_every_block_lands(
+    #[values(Layout::KvFirst, Layout::BlocksFirst, Layout::Cross)] layout: Layout,
+    #[values(64, 4100, 65536)] bytes: usize,
+    #[values(0, 1, 2)] stream_kind: u8,
+) {
+    let Some(d) = gpu_or_skip("gpu_blocks_every_block_lands") else {
+        return;
+    };
+    let own = Stream::new(&d).unwrap();
+    let stream = match stream_kind {
+        0 => StreamHandle::LEGACY,
+        1 => StreamHandle::PER_THREAD,
+        _ => own.handle(),
+    };
+    let (tensors, dev_blocks, host_blocks) = (3, 48, 40);
+    let mut s = Sides::new(&d, layout, tensors, bytes, dev_blocks, host_blocks);
+    let (dv, hv, dim) = s.views();
+    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    for m in 0..6u32 {
+        let n = [1, 7, 16, 40, 3, 25][m as usize];
+        // Ids with a run of adjacent pairs in every other move.
+        let mut dev_ids = ids(n, dev_blocks, 11 + m as u64);
+        let mut host_ids = ids(n, host_blocks, 97 + m as u64);
+        if m % 2 == 1 && n >= 6 {
+            // Four pairs adjacent on both sides (one copy per part), then the rest.
+            let splice = |v: &mut Vec<usize>, at: usize| {
+                let rest: Vec<usize> = v
+                    .iter()
+                    .copied()
+                    .filter(|b| !(at..at + 4).contains(b))
+                    .collect();
+                *v = (at..at + 4).chain(rest).take(n).collect();
+            };
+            splice(&mut dev_ids, 30);
+            splice(&mut host_ids, 2);
+        }
+        // Offload into a poisoned host side.
+        let src = s.fill(0, m);
+        s.poison(1);
+        // SAFETY: the buffers outlive the move (waited for below); nothing else touches them.
+        let c = unsafe { mover.offload(&dev_ids, &host_ids, stream) }.unwrap();
+        c.wait().unwrap();
+        s.check(1, &src, &dev_ids, &host_ids, &format!("offload {m}"));
+        // Load into a poisoned device side, from new host values.
+        let src = s.fill(1, m + 100);
+        s.poison(0);
+        // SAFETY: as above.
+        let c = unsafe { mover.load(&host_ids, &dev_ids, stream) }.unwrap();
+        c.wait().unwrap();
+        s.check(0, &src, &host_ids, &dev_ids, &format!("load {m}"));
+    }
+    let plan = mover.plan(Direction::Load, &[1, 2, 3], &[5, 6, 9]).unwrap();
+    assert_eq!(plan.strategy, Strategy::Batched);
+    assert_eq!(plan.runs, 2);
+    let per_tensor_parts = if matches!(layout, Layout::KvFirst) {
+        2
+    } else {
+        1
+    };
+    assert_eq!(plan.copies, 2 * per_tensor_parts * layout.tensors(tensors));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_blocks_offload_and_load_at_once_every_move_checked() {
+    let Some(d) = gpu_or_skip("gpu_blocks_offload_and_load_at_once_every_move_checked") else {
+        return;
+    };
+    // Two movers over disjoint halves of one cache: one offloads while the other loads, on two
+    // streams, 30 rounds, every block of both checked each round.
+    let (a_s, b_s) = (Stream::new(&d).unwrap(), Stream::new(&d).unwrap());
+    let mut a = Sides::new(&d, Layout::KvFirst, 4, 16384, 64, 64);
+    let mut b = Sides::new(&d, Layout::KvFirst, 4, 16384, 64, 64);
+    let (av, ah, dim) = a.views();
+    let (bv, bh, _) = b.views();
+    let ma = BlockMover::new(&av, &ah, dim).unwrap();
+    let mb = BlockMover::new(&bv, &bh, dim).unwrap();
+    for m in 0..30u32 {
+        let ids_a = ids(32, 64, 5 + m as u64);
+        let ids_b = ids(32, 64, 500 + m as u64);
+        let src_a = a.fill(0, m);
+        a.poison(1);
+        let src_b = b.fill(1, m);
+        b.poison(0);
+        // SAFETY: waited for below; the buffers outlive it.
+        let ca = unsafe { ma.offload(&ids_a, &ids_b, a_s.handle()) }.unwrap();
+        // SAFETY: as above.
+        let cb = unsafe { mb.load(&ids_a, &ids_b, b_s.handle()) }.unwrap();
+        ca.wait().unwrap();
+        cb.wait().unwrap();
+        a.check(1, &src_a, &ids_a, &ids_b, &format!("offload round {m}"));
+        b.check(0, &src_b, &ids_a, &ids_b, &format!("load round {m}"));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_blocks_refusals_issue_nothing() {
+    let Some(d) = gpu_or_skip("gpu_blocks_refusals_issue_nothing") else {
+        return;
+    };
+    let mut s = Sides::new(&d, Layout::KvFirst, 2, 256, 16, 8);
+    let (dv, hv, dim) = s.views();
+    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    s.fill(0, 1);
+    s.poison(1);
+    let stream = StreamHandle::LEGACY;
+    let bad: [(&[usize], &[usize], &str); 5] = [
+        (&[1, 2], &[3, 3], "host_ids"),  // a destination twice
+        (&[16], &[0], "device_ids"),     // out of range on the device side
+        (&[0], &[8], "host_ids"),        // out of range on the host side
+        (&[0, 1], &[0], "block ids"),    // counts differ
+        (&[15, 0], &[7, 9], "host_ids"), // the second id out of range
+    ];
+    for (src, dst, param) in bad {
+        // SAFETY: nothing is issued (the move is refused); the buffers outlive the call.
+        let e = unsafe { mover.offload(src, dst, stream) }.unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument { param: p, .. } if *p == param),
+            "{src:?} -> {dst:?}: {e}"
+        );
+    }
+    d.enter().unwrap();
+    for t in 0..2 {
+        assert!(
+            s.read(1, t).iter().all(|&b| b == POISON),
+            "a refused move wrote host tensor {t}"
+        );
+    }
+    // A pageable host tensor, a dtype pair that differs, block sizes that differ.
+    let (ds, _) = Layout::KvFirst.shape(16, 256, 2);
+    let pageable = vec![POISON; 2 * 8 * 256];
+    let pv = view(pageable.as_ptr() as u64, None, &[2, 8, 256]);
+    let e = BlockMover::new(&dv[..1], &[pv], 1).unwrap_err();
+    assert!(e.to_string().contains("pageable"), "{e}");
+    let half = view(s.host[0].as_ptr() as u64, None, &[2, 8, 128]);
+    let e = BlockMover::new(&dv[..1], &[half], 1).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::InvalidArgument {
+                param: "tensors",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let dev_view = view(s.dev[0].ptr(), Some(d.ordinal()), &ds);
+    let e = BlockMover::new(&[dev_view.clone()], &[dev_view], 1).unwrap_err();
+    assert!(e.to_string().contains("device memory"), "{e}");
+    assert!(pageable.iter().all(|&b| b == POISON));
+}

@@ -1,0 +1,291 @@
+"""BlockMover: KV-cache blocks between device tensors and pinned host tensors.
+
+Every block of every tensor is checked after every move: values distinct per tensor, part, block
+and move; destinations poisoned with a value no source holds; blocks not moved still poisoned.
+Host arrays on both sides (no driver needed) exercise the ids, layouts and runs; the GPU tests
+move torch tensors both ways, on the current and on other streams, at once in both directions.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pinstage
+
+POISON = -0x5A5A5A5B  # int32; values are >= 0
+
+
+def values(shape, t, m):
+    """Distinct non-negative int32 values for tensor t of move m."""
+    base = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+    return ((base * 2654435761 + t * 1000003 + m * 7919) & 0x7FFFFFFF).astype(np.int32)
+
+
+def expected(dst_before, src, src_ids, dst_ids, block_dim):
+    """dst_before with block src_ids[i] of src copied into block dst_ids[i] (every part)."""
+    want = dst_before.copy()
+    for s, d in zip(src_ids, dst_ids):
+        idx_s = (slice(None),) * block_dim + (s,)
+        idx_d = (slice(None),) * block_dim + (d,)
+        want[idx_d] = src[idx_s]
+    return want
+
+
+LAYOUTS = {
+    # name: (shape given blocks, block_dim)
+    "kv_first": (lambda nb: (2, nb, 4, 6), 1),
+    "blocks_first": (lambda nb: (nb, 2, 4, 6), 0),
+    "cross_layer": (lambda nb: (nb, 3, 2, 5), 0),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_host_mover_moves_every_block_and_nothing_else(layout):
+    shape, dim = LAYOUTS[layout]
+    dev = [values(shape(24), t, 0) for t in range(3)]
+    host = [np.full(shape(16), POISON, np.int32) for _ in range(3)]
+    mover = pinstage.BlockMover(dev, host, block_dim=dim)
+    assert (mover.num_tensors, mover.device_blocks, mover.host_blocks) == (3, 24, 16)
+    assert mover.block_bytes == sum(x[(slice(None),) * dim + (0,)].nbytes for x in dev)
+    src_ids, dst_ids = [5, 6, 7, 20, 0, 1], [9, 10, 11, 2, 15, 3]
+    before = [h.copy() for h in host]
+    assert mover.offload(src_ids, dst_ids).wait() is None
+    for t in range(3):
+        np.testing.assert_array_equal(host[t], expected(before[t], dev[t], src_ids, dst_ids, dim))
+    # And back into poisoned device tensors, ids as numpy arrays of two integer dtypes.
+    for t in range(3):
+        host[t][...] = values(shape(16), t, 1)
+        dev[t][...] = POISON
+    before = [d.copy() for d in dev]
+    mover.load(np.array(dst_ids, np.uint16), np.array(src_ids, np.int64)).wait()
+    for t in range(3):
+        np.testing.assert_array_equal(dev[t], expected(before[t], host[t], dst_ids, src_ids, dim))
+    p = mover.plan("offload", src_ids, dst_ids)
+    # 5,6,7 -> 9,10,11 is one run; 0 -> 15, 1 -> 3 and 20 -> 2 are three more.
+    assert p["runs"] == 4 and p["blocks"] == 6
+    parts = 2 if layout == "kv_first" else 1
+    assert p["copies"] == 4 * parts * 3
+    assert p["bytes"] == 6 * mover.block_bytes
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.data(),
+    n_dev=st.integers(1, 40),
+    n_host=st.integers(1, 40),
+    layout=st.sampled_from(sorted(LAYOUTS)),
+)
+def test_host_mover_matches_a_loop_of_block_copies(data, n_dev, n_host, layout):
+    shape, dim = LAYOUTS[layout]
+    k = data.draw(st.integers(0, min(n_dev, n_host)))
+    dst_ids = data.draw(st.permutations(range(n_host)))[:k]
+    src_ids = data.draw(st.lists(st.integers(0, n_dev - 1), min_size=k, max_size=k))
+    dev = [values(shape(n_dev), t, 3) for t in range(2)]
+    host = [np.full(shape(n_host), POISON, np.int32) for _ in range(2)]
+    before = [h.copy() for h in host]
+    pinstage.BlockMover(dev, host, block_dim=dim).offload(src_ids, dst_ids).wait()
+    for t in range(2):
+        np.testing.assert_array_equal(host[t], expected(before[t], dev[t], src_ids, dst_ids, dim))
+
+
+@pytest.mark.parametrize(
+    "src, dst, exc, match",
+    [
+        ([1, 2], [3, 3], pinstage.PinstageValueError, "host_ids.*3 twice"),
+        ([24], [0], pinstage.PinstageValueError, "device_ids.*24"),
+        ([0], [16], pinstage.PinstageValueError, "host_ids.*16"),
+        ([0, 1], [0], pinstage.PinstageValueError, "2 source and 1 destination"),
+        ([-1], [0], pinstage.PinstageValueError, "device_ids holds -1"),
+        ([1.0], [0], pinstage.PinstageTypeError, "device_ids must hold ints"),
+        (np.array([1.0]), [0], pinstage.PinstageTypeError, "integers"),
+        (np.array([[1]]), [0], pinstage.PinstageValueError, "1-D"),
+        ("ab", [0, 1], pinstage.PinstageTypeError, "ints"),
+        (3, [0], pinstage.PinstageTypeError, "list of ints"),
+    ],
+)
+def test_bad_ids_are_refused_and_nothing_is_written(src, dst, exc, match):
+    dev = [values((2, 24, 3), 0, 0)]
+    host = [np.full((2, 16, 3), POISON, np.int32)]
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    with pytest.raises(exc, match=match):
+        mover.offload(src, dst)
+    with pytest.raises(exc, match=match):
+        mover.plan("offload", src, dst)
+    assert (host[0] == POISON).all()
+
+
+def test_bad_tensors_are_refused():
+    dev = [np.zeros((2, 8, 4), np.int32)]
+    with pytest.raises(pinstage.PinstageValueError, match="one host tensor per device tensor"):
+        pinstage.BlockMover(dev, [])
+    with pytest.raises(pinstage.PinstageValueError, match="block_dim"):
+        pinstage.BlockMover(dev, [np.zeros((2, 8, 4), np.int32)], block_dim=3)
+    with pytest.raises(pinstage.PinstageValueError, match="pair 0"):
+        pinstage.BlockMover(dev, [np.zeros((2, 8, 5), np.int32)], block_dim=1)
+    with pytest.raises(pinstage.PinstageTypeError):
+        pinstage.BlockMover(dev, [np.zeros((2, 8, 4), np.float32)], block_dim=1)
+    with pytest.raises(pinstage.PinstageValueError, match="contiguous"):
+        pinstage.BlockMover(dev, [np.zeros((2, 8, 8), np.int32)[:, :, ::2]], block_dim=1)
+    with pytest.raises(pinstage.PinstageValueError, match="direction"):
+        pinstage.BlockMover(dev, [np.zeros((2, 8, 4), np.int32)], block_dim=1).plan("up", [0], [0])
+    ro = np.zeros((2, 8, 4), np.int32)
+    ro.flags.writeable = False
+    mover = pinstage.BlockMover(dev, [ro], block_dim=1)
+    with pytest.raises(pinstage.PinstageValueError, match="read-only"):
+        mover.offload([0], [0])
+    mover.load([0], [1]).wait()  # reading a read-only host tensor is fine
+
+
+# --------------------------------------------------------------------------------------- GPU
+
+
+def torch_side(torch, shape, n, t0, m, device):
+    return [torch.from_numpy(values(shape, t0 + t, m)).to(device) for t in range(n)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("stream_kind", ["current", "side", "int"])
+@pytest.mark.parametrize("host_kind", ["empty_pinned", "torch_pinned"])
+def test_torch_every_block_of_every_move(gpu, layout, stream_kind, host_kind):
+    torch = pytest.importorskip("torch")
+    shape, dim = LAYOUTS[layout]
+    L, NB, NH = 4, 40, 32
+    dev = torch_side(torch, shape(NB), L, 0, 0, "cuda")
+    if host_kind == "empty_pinned":
+        host_np = [pinstage.empty_pinned(shape(NH), "int32") for _ in range(L)]
+        host = host_np
+    else:
+        host = [torch.empty(shape(NH), dtype=torch.int32).pin_memory() for _ in range(L)]
+        host_np = [h.numpy() for h in host]
+    mover = pinstage.BlockMover(dev, host, block_dim=dim)
+    side = torch.cuda.Stream()
+    stream = {"current": None, "side": side, "int": side.cuda_stream}[stream_kind]
+    rng = np.random.default_rng(7)
+    for m in range(8):
+        k = [1, 5, 32, 17, 9, 32, 2, 24][m]
+        src_ids = rng.permutation(NB)[:k]
+        dst_ids = rng.permutation(NH)[:k]
+        if m % 2:
+            src_ids[:4], dst_ids[:4] = np.arange(10, 14)[: min(4, k)], np.arange(3, 7)[: min(4, k)]
+            src_ids, dst_ids = src_ids[np.unique(dst_ids, return_index=True)[1]], np.unique(dst_ids)
+        for t in range(L):
+            dev[t].copy_(torch.from_numpy(values(shape(NB), t, m)))
+            host_np[t][...] = POISON
+        torch.cuda.synchronize()
+        src = [d.cpu().numpy() for d in dev]
+        with torch.cuda.stream(side) if stream_kind != "current" else torch.cuda.stream(torch.cuda.current_stream()):
+            p = mover.offload(torch.from_numpy(src_ids), dst_ids.tolist(), stream=stream)
+        p.wait()
+        for t in range(L):
+            want = expected(np.full(shape(NH), POISON, np.int32), src[t], src_ids, dst_ids, dim)
+            np.testing.assert_array_equal(host_np[t], want, err_msg=f"offload {m} tensor {t}")
+        # Back: new host values into poisoned device tensors.
+        for t in range(L):
+            host_np[t][...] = values(shape(NH), 10 + t, m)
+            dev[t].fill_(POISON)
+        torch.cuda.synchronize()
+        p = mover.load(dst_ids, src_ids, stream=stream)
+        p.wait()
+        for t in range(L):
+            want = expected(np.full(shape(NB), POISON, np.int32), host_np[t], dst_ids, src_ids, dim)
+            np.testing.assert_array_equal(dev[t].cpu().numpy(), want, err_msg=f"load {m} tensor {t}")
+    plan = mover.plan("load", [1, 2], [3, 4])
+    assert plan["strategy"] == "batched" and plan["runs"] == 1
+
+
+@pytest.mark.gpu
+def test_torch_offload_and_load_at_once_on_two_streams_every_round_checked(gpu):
+    torch = pytest.importorskip("torch")
+    L, NB, shape = 8, 64, (2, 64, 16, 64)  # 8 KiB per block part (int32)
+    hot = torch_side(torch, shape, L, 0, 0, "cuda")
+    cold = [torch.full(shape, POISON, dtype=torch.int32, device="cuda") for _ in range(L)]
+    host_out = [pinstage.empty_pinned(shape, "int32") for _ in range(L)]
+    host_in = [pinstage.empty_pinned(shape, "int32") for _ in range(L)]
+    out_m = pinstage.BlockMover(hot, host_out, block_dim=1)
+    in_m = pinstage.BlockMover(cold, host_in, block_dim=1)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    rng = np.random.default_rng(3)
+    for r in range(20):
+        a, b = rng.permutation(NB)[:48], rng.permutation(NB)[:48]
+        for t in range(L):
+            hot[t].copy_(torch.from_numpy(values(shape, t, r)))
+            cold[t].fill_(POISON)
+            host_out[t][...] = POISON
+            host_in[t][...] = values(shape, 50 + t, r)
+        torch.cuda.synchronize()
+        src = [h.cpu().numpy() for h in hot]
+        p1 = out_m.offload(a, b, stream=s1)
+        p2 = in_m.load(b, a, stream=s2)
+        p1.wait()
+        p2.wait()
+        for t in range(L):
+            np.testing.assert_array_equal(
+                host_out[t], expected(np.full(shape, POISON, np.int32), src[t], a, b, 1), err_msg=f"round {r}"
+            )
+            np.testing.assert_array_equal(
+                cold[t].cpu().numpy(), expected(np.full(shape, POISON, np.int32), host_in[t], b, a, 1), err_msg=f"round {r}"
+            )
+
+
+@pytest.mark.gpu
+def test_torch_stream_order_and_event(gpu):
+    """A move on the current stream runs after the work queued before it and before the work
+    queued after it; done() is False while a kernel ahead of it still runs."""
+    torch = pytest.importorskip("torch")
+    dev = [torch.zeros((1, 16, 1024), dtype=torch.int32, device="cuda")]
+    host = [pinstage.empty_pinned((1, 16, 1024), "int32")]
+    host[0][...] = POISON
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the move
+    dev[0][:, 3].fill_(1234)  # queued before the move: the move must see it
+    p = mover.offload([3], [5])
+    assert not p.done()
+    dev[0][:, 3].fill_(99)  # queued after: the move must not see it
+    p.wait()
+    assert p.done()
+    assert (host[0][:, 5] == 1234).all() and (host[0][:, 4] == POISON).all()
+
+
+@pytest.mark.gpu
+def test_gpu_refusals_issue_nothing(gpu):
+    torch = pytest.importorskip("torch")
+    dev = [torch.full((2, 8, 64), 7, dtype=torch.int32, device="cuda")]
+    pageable = [np.full((2, 8, 64), POISON, np.int32)]
+    with pytest.raises(pinstage.PinstageValueError, match="pageable"):
+        pinstage.BlockMover(dev, pageable, block_dim=1)
+    with pytest.raises(pinstage.PinstageValueError, match="device memory"):
+        pinstage.BlockMover(dev, dev, block_dim=1)
+    host = [pinstage.empty_pinned((2, 8, 64), "int32")]
+    host[0][...] = POISON
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    for src, dst in [([1, 2], [3, 3]), ([8], [0]), ([0, 1], [0])]:
+        with pytest.raises(pinstage.PinstageValueError):
+            mover.offload(src, dst)
+    torch.cuda.synchronize()
+    assert (host[0] == POISON).all() and pageable[0].flags.writeable
+    jax = pytest.importorskip("jax")
+    ja = jax.device_put(np.zeros((2, 8, 64), np.int32))
+    with pytest.raises(pinstage.PinstageValueError, match="JAX"):
+        pinstage.BlockMover([ja], host, block_dim=1)
+
+
+@pytest.mark.gpu
+def test_dropped_pending_move_keeps_tensors_alive(gpu):
+    torch = pytest.importorskip("torch")
+    import gc
+
+    dev = [torch.arange(2 * 32 * 4096, dtype=torch.int32, device="cuda").reshape(2, 32, 4096)]
+    host = [pinstage.empty_pinned((2, 32, 4096), "int32")]
+    host[0][...] = POISON
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    want = dev[0].cpu().numpy()
+    keep = host[0]
+    torch.cuda._sleep(100_000_000)
+    mover.offload(list(range(32)), list(range(32)))  # dropped at once, the move still queued
+    del mover, dev, host
+    gc.collect()
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(keep, want)
