@@ -104,6 +104,10 @@ fn ids(n: usize, range: usize, seed: u64) -> Vec<usize> {
 struct Sides {
     dev: Vec<DeviceBuffer>,
     host: Vec<PinnedBuffer>,
+    /// Tensor t's (buffer, byte offset) on each side: one buffer per tensor, or (pooled) all
+    /// tensors in one buffer at a regular stride, as slices of one allocation are.
+    dev_at: Vec<(usize, usize)>,
+    host_at: Vec<(usize, usize)>,
     layout: Layout,
     tensors: usize,
     bytes: usize,
@@ -120,15 +124,42 @@ impl Sides {
         dev_blocks: usize,
         host_blocks: usize,
     ) -> Self {
+        Self::with(d, layout, tensors, bytes, dev_blocks, host_blocks, false)
+    }
+
+    /// `pooled`: each side's tensors in one allocation, `stride` apart (a 256-byte gap after
+    /// each tensor).
+    fn with(
+        d: &pinstage::Device,
+        layout: Layout,
+        tensors: usize,
+        bytes: usize,
+        dev_blocks: usize,
+        host_blocks: usize,
+        pooled: bool,
+    ) -> Self {
         let n = layout.tensors(tensors);
         let per = |blocks| 2 * blocks * bytes * if n == 1 { tensors } else { 1 };
+        // (buffers, each buffer's bytes, tensor t's (buffer, offset))
+        let place = |blocks: usize| -> (usize, usize, Vec<(usize, usize)>) {
+            if pooled {
+                let stride = per(blocks) + 256;
+                (1, stride * n, (0..n).map(|t| (0, t * stride)).collect())
+            } else {
+                (n, per(blocks), (0..n).map(|t| (t, 0)).collect())
+            }
+        };
+        let (nd, dlen, dev_at) = place(dev_blocks);
+        let (nh, hlen, host_at) = place(host_blocks);
         Sides {
-            dev: (0..n)
-                .map(|_| DeviceBuffer::new(d, per(dev_blocks)).unwrap())
+            dev: (0..nd)
+                .map(|_| DeviceBuffer::new(d, dlen).unwrap())
                 .collect(),
-            host: (0..n)
-                .map(|_| PinnedBuffer::new(d, per(host_blocks), PinnedFlags::PORTABLE).unwrap())
+            host: (0..nh)
+                .map(|_| PinnedBuffer::new(d, hlen, PinnedFlags::PORTABLE).unwrap())
                 .collect(),
+            dev_at,
+            host_at,
             layout,
             tensors,
             bytes,
@@ -144,16 +175,27 @@ impl Sides {
             .shape(self.host_blocks, self.bytes, self.tensors);
         let ord = self.dev[0].device().ordinal();
         (
-            self.dev
+            self.dev_at
                 .iter()
-                .map(|b| view(b.ptr(), Some(ord), &ds))
+                .map(|&(b, o)| view(self.dev[b].ptr() + o as u64, Some(ord), &ds))
                 .collect(),
-            self.host
+            self.host_at
                 .iter()
-                .map(|b| view(b.as_ptr() as u64, None, &hs))
+                .map(|&(b, o)| view(self.host[b].as_ptr() as u64 + o as u64, None, &hs))
                 .collect(),
             dim,
         )
+    }
+
+    /// Bytes of one tensor of side `side` (0 device, 1 host).
+    fn tensor_len(&self, side: u8) -> usize {
+        let blocks = if side == 0 {
+            self.dev_blocks
+        } else {
+            self.host_blocks
+        };
+        let n = self.layout.tensors(self.tensors);
+        2 * blocks * self.bytes * if n == 1 { self.tensors } else { 1 }
     }
 
     /// Fills side `side` (0 device, 1 host) with move `m`'s values.
@@ -178,33 +220,44 @@ impl Sides {
                 }
             }
             if side == 0 {
-                self.dev[t].upload(0, &data).unwrap();
+                let (b, o) = self.dev_at[t];
+                self.dev[b].upload(o, &data).unwrap();
             } else {
-                self.host[t].as_mut_slice().copy_from_slice(&data);
+                let (b, o) = self.host_at[t];
+                self.host[b].as_mut_slice()[o..o + data.len()].copy_from_slice(&data);
             }
             all.push(data);
         }
         all
     }
 
+    /// Poisons every byte of side `side`'s buffers (the gaps between pooled tensors too).
     fn poison(&mut self, side: u8) {
-        for t in 0..self.dev.len() {
-            if side == 0 {
-                let len = self.dev[t].len();
-                self.dev[t].upload(0, &vec![POISON; len]).unwrap();
-            } else {
-                self.host[t].as_mut_slice().fill(POISON);
+        if side == 0 {
+            for b in &mut self.dev {
+                let len = b.len();
+                b.upload(0, &vec![POISON; len]).unwrap();
+            }
+        } else {
+            for b in &mut self.host {
+                b.as_mut_slice().fill(POISON);
             }
         }
     }
 
+    /// Tensor `t` of side `side` (pooled: and the gap after it, which must stay poisoned).
     fn read(&self, side: u8, t: usize) -> Vec<u8> {
+        let len = self.tensor_len(side);
         if side == 0 {
-            let mut out = vec![0u8; self.dev[t].len()];
-            self.dev[t].download(0, &mut out).unwrap();
+            let (b, o) = self.dev_at[t];
+            let end = (o + len + 256).min(self.dev[b].len());
+            let mut out = vec![0u8; end - o];
+            self.dev[b].download(o, &mut out).unwrap();
             out
         } else {
-            self.host[t].as_slice().to_vec()
+            let (b, o) = self.host_at[t];
+            let end = (o + len + 256).min(self.host[b].len());
+            self.host[b].as_slice()[o..end].to_vec()
         }
     }
 
@@ -244,6 +297,7 @@ fn gpu_blocks_every_block_lands(
     #[values(Layout::KvFirst, Layout::BlocksFirst, Layout::Cross)] layout: Layout,
     #[values(64, 4100, 65536)] bytes: usize,
     #[values(0, 1, 2)] stream_kind: u8,
+    #[values(false, true)] pooled: bool,
 ) {
     let Some(d) = gpu_or_skip("gpu_blocks_every_block_lands") else {
         return;
@@ -255,7 +309,7 @@ fn gpu_blocks_every_block_lands(
         _ => own.handle(),
     };
     let (tensors, dev_blocks, host_blocks) = (3, 48, 40);
-    let mut s = Sides::new(&d, layout, tensors, bytes, dev_blocks, host_blocks);
+    let mut s = Sides::with(&d, layout, tensors, bytes, dev_blocks, host_blocks, pooled);
     let (dv, hv, dim) = s.views();
     let mover = BlockMover::new(&dv, &hv, dim).unwrap();
     for m in 0..6u32 {
@@ -292,14 +346,26 @@ fn gpu_blocks_every_block_lands(
         s.check(0, &src, &host_ids, &dev_ids, &format!("load {m}"));
     }
     let plan = mover.plan(Direction::Load, &[1, 2, 3], &[5, 6, 9]).unwrap();
-    assert_eq!(plan.strategy, Strategy::Batched);
     assert_eq!(plan.runs, 2);
     let per_tensor_parts = if matches!(layout, Layout::KvFirst) {
         2
     } else {
         1
     };
-    assert_eq!(plan.copies, 2 * per_tensor_parts * layout.tensors(tensors));
+    // Strided: tensors at one stride (pooled, several of them) and small copies (3 blocks in 2
+    // runs: 1.5 blocks per copy); one 2D copy per run and part then crosses every tensor.
+    let part = if matches!(layout, Layout::KvFirst) {
+        bytes
+    } else {
+        2 * bytes
+    };
+    if pooled && layout.tensors(tensors) > 1 && 3 * part / 2 <= 32 << 10 {
+        assert_eq!(plan.strategy, Strategy::Strided);
+        assert_eq!(plan.copies, 2 * per_tensor_parts);
+    } else {
+        assert_eq!(plan.strategy, Strategy::Batched);
+        assert_eq!(plan.copies, 2 * per_tensor_parts * layout.tensors(tensors));
+    }
 }
 
 #[test]
@@ -388,7 +454,12 @@ fn gpu_blocks_refusals_issue_nothing() {
         "{e}"
     );
     let dev_view = view(s.dev[0].ptr(), Some(d.ordinal()), &ds);
-    let e = BlockMover::new(&[dev_view.clone()], &[dev_view], 1).unwrap_err();
+    let e = BlockMover::new(
+        std::slice::from_ref(&dev_view),
+        std::slice::from_ref(&dev_view),
+        1,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("device memory"), "{e}");
     assert!(pageable.iter().all(|&b| b == POISON));
 }

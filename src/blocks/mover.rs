@@ -37,6 +37,9 @@ impl Direction {
 pub enum Strategy {
     /// Every copy in `cuMemcpyBatchAsync` calls of at most [`MAX_BATCH`] entries.
     Batched,
+    /// One `cuMemcpy2DAsync` per run and part, across every tensor at once (the tensors of each
+    /// side sit at one address stride: slices of one allocation).
+    Strided,
     /// One `cuMemcpyAsync` per copy (a driver older than CUDA 12.8).
     PerCopy,
     /// Nothing to move.
@@ -45,6 +48,15 @@ pub enum Strategy {
 
 /// The most copies one `cuMemcpyBatchAsync` call carries; a longer move takes several calls.
 pub const MAX_BATCH: usize = 1 << 16;
+
+/// The largest pitch a 2D copy takes (`CU_DEVICE_ATTRIBUTE_MAX_PITCH` of current GPUs).
+const MAX_PITCH: usize = i32::MAX as usize;
+
+/// Up to how many bytes per copy (on average over a move) [`Strategy::Strided`] beats
+/// [`Strategy::Batched`], per direction (offload, load): measured on the H200, where a batch of
+/// 4-16 KiB host-to-device copies runs at 3-4 GB/s and 2D copies of the same rows at 18-25
+/// (benches/RESULTS.md).
+const STRIDED_UP_TO: [usize; 2] = [8 << 10, 32 << 10];
 
 /// What a move would issue: [`BlockMover::plan`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -57,7 +69,8 @@ pub struct MovePlan {
     pub blocks: usize,
     /// Runs of adjacent blocks (on both sides) they merge into.
     pub runs: usize,
-    /// Copies issued (runs x parts x tensors).
+    /// Copies issued (runs x parts x tensors; runs x parts for [`Strategy::Strided`], each
+    /// across every tensor).
     pub copies: usize,
     /// Driver calls that carry them.
     pub calls: usize,
@@ -162,6 +175,9 @@ pub struct BlockMover<'t> {
     device_blocks: usize,
     host_blocks: usize,
     batched: bool,
+    /// The address strides (device, host) between consecutive tensors when every side's
+    /// tensors share one layout at one stride (2D copies can then cross all tensors at once).
+    strides: Option<(usize, usize)>,
     /// Where moves on the legacy default stream go (the batched call refuses that stream).
     side: [OnceLock<Stream>; 2],
     /// The copy lists, reused from move to move.
@@ -287,8 +303,13 @@ impl<'t> BlockMover<'t> {
         }
         let batched = device.is_some()
             && driver::probe().is_ok_and(|p| p.driver_version >= driver::mem::BATCH_MIN_DRIVER);
+        let strides = match device {
+            Some(_) => strides(&pairs),
+            None => None,
+        };
         Ok(Self {
             device,
+            strides,
             device_blocks: pairs.iter().map(|p| p.device.num_blocks).min().unwrap_or(0),
             host_blocks: pairs.iter().map(|p| p.host.num_blocks).min().unwrap_or(0),
             pairs,
@@ -381,23 +402,36 @@ impl<'t> BlockMover<'t> {
         let runs = self.check(direction, src_ids, dst_ids)?;
         let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
         let copies = runs.len() * parts;
-        let (strategy, calls, reason) = if copies == 0 {
-            (Strategy::Empty, 0, "no block to move")
+        let strided = self.strided(direction, src_ids.len(), runs.len());
+        let (strategy, copies, calls, reason) = if copies == 0 {
+            (Strategy::Empty, 0, 0, "no block to move")
+        } else if strided {
+            let copies = runs.len() * self.pairs[0].device.outer;
+            (
+                Strategy::Strided,
+                copies,
+                copies,
+                "the tensors sit at one stride and the copies are small: one 2D copy per run \
+                 and part crosses every tensor (small batched host-to-device copies are slow)",
+            )
         } else if self.device.is_none() {
             (
                 Strategy::PerCopy,
+                copies,
                 copies,
                 "host memory on both sides: one memcpy per copy",
             )
         } else if self.batched {
             (
                 Strategy::Batched,
+                copies,
                 copies.div_ceil(MAX_BATCH),
                 "the copy engines move the merged runs in one batched call (CUDA 12.8+)",
             )
         } else {
             (
                 Strategy::PerCopy,
+                copies,
                 copies,
                 "the driver predates cuMemcpyBatchAsync (CUDA 12.8): one call per copy",
             )
@@ -476,11 +510,18 @@ impl<'t> BlockMover<'t> {
                 _mover: PhantomData,
             });
         }
+        let strided = self.strided(direction, src_ids.len(), runs.len());
         let mut guard = self.scratch.try_lock();
         let mut own = Scratch::default();
         let scratch = guard.as_deref_mut().unwrap_or(&mut own);
         scratch.segments.clear();
-        for p in &self.pairs {
+        // Strided: the segments of the first pair; each becomes one 2D copy across all pairs.
+        let pairs = if strided {
+            &self.pairs[..1]
+        } else {
+            &self.pairs[..]
+        };
+        for p in pairs {
             let (src, dst) = match direction {
                 Direction::Offload => (&p.device, &p.host),
                 Direction::Load => (&p.host, &p.device),
@@ -504,13 +545,66 @@ impl<'t> BlockMover<'t> {
         };
         let cur = stream.enter_for_copy(device)?;
         let event = Event::new_in(&cur)?;
-        // SAFETY: caller's contracts 1-3; the segments lie within the tensors (checked runs).
-        unsafe { self.issue(&cur, direction, scratch, stream, &event) }?;
+        if strided {
+            // SAFETY: caller's contracts 1-3; row i of every 2D copy is the segment's bytes in
+            // pair i (the pairs' layouts are equal and `strides` apart: `strides()`).
+            unsafe { self.issue_strided(direction, scratch, stream) }?;
+            event.record_in(&cur, stream)?;
+        } else {
+            // SAFETY: caller's contracts 1-3; the segments lie within the tensors (checked runs).
+            unsafe { self.issue(&cur, direction, scratch, stream, &event) }?;
+        }
         Ok(BlockCopy {
             event: Some(event),
             expected: crate::cuda::wait::copy_time(bytes),
             _mover: PhantomData,
         })
+    }
+
+    /// Whether a move of `blocks` blocks in `runs` runs goes as [`Strategy::Strided`].
+    fn strided(&self, direction: Direction, blocks: usize, runs: usize) -> bool {
+        if self.strides.is_none() || runs == 0 {
+            return false;
+        }
+        let per_copy = blocks * self.pairs[0].device.bytes / runs;
+        per_copy <= STRIDED_UP_TO[direction as usize]
+    }
+
+    /// Issues `scratch.segments` (the first pair's) as 2D copies of one row per pair on
+    /// `stream`.
+    ///
+    /// # Safety
+    /// As [`BlockMover::offload`]; `self.strides` is set and the segments lie within the first
+    /// pair's tensors.
+    unsafe fn issue_strided(
+        &self,
+        direction: Direction,
+        scratch: &Scratch,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let (device_pitch, host_pitch) = self.strides.expect("strided moves have strides");
+        let (src_pitch, dst_pitch) = match direction {
+            Direction::Offload => (device_pitch, host_pitch),
+            Direction::Load => (host_pitch, device_pitch),
+        };
+        let to_host = direction == Direction::Offload;
+        for s in &scratch.segments {
+            let src = driver::mem::Pitched {
+                addr: s.src,
+                pitch: src_pitch,
+                host: !to_host,
+            };
+            let dst = driver::mem::Pitched {
+                addr: s.dst,
+                pitch: dst_pitch,
+                host: to_host,
+            };
+            // SAFETY: the caller's contract; rows of `s.len <= pitch` bytes (`strides()`).
+            unsafe {
+                driver::mem::memcpy_2d_async(dst, src, s.len, self.pairs.len(), stream.raw())
+            }?;
+        }
+        Ok(())
     }
 
     /// Issues `scratch.segments` on `stream` (the legacy stream: on a side stream joined both
@@ -583,4 +677,25 @@ impl<'t> BlockMover<'t> {
         }
         Ok(())
     }
+}
+
+/// The address strides (device, host) between consecutive pairs when there are several pairs,
+/// every side's tensors share one layout, and they sit at one positive stride no shorter than a
+/// tensor and within [`MAX_PITCH`]: then row `i` of a 2D copy is pair `i`'s bytes.
+fn strides(pairs: &[Pair]) -> Option<(usize, usize)> {
+    let stride = |side: fn(&Pair) -> &BlockLayout| -> Option<usize> {
+        let first = side(&pairs[0]);
+        let extent = first.outer * first.num_blocks * first.bytes;
+        let step = side(pairs.get(1)?).base.checked_sub(first.base)? as usize;
+        let regular = pairs.iter().enumerate().all(|(i, p)| {
+            let l = side(p);
+            (l.num_blocks, l.bytes, l.outer) == (first.num_blocks, first.bytes, first.outer)
+                && Some(l.base)
+                    == (step as u64)
+                        .checked_mul(i as u64)
+                        .and_then(|o| first.base.checked_add(o))
+        });
+        (regular && step >= extent && step <= MAX_PITCH).then_some(step)
+    };
+    Some((stride(|p| &p.device)?, stride(|p| &p.host)?))
 }

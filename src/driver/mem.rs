@@ -277,6 +277,69 @@ pub(crate) unsafe fn memcpy_2d_htod_async(
     })
 }
 
+/// One side of a pitched copy: where row 0 starts, the distance between rows, and whether it
+/// is host memory (else device memory).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Pitched {
+    pub(crate) addr: u64,
+    pub(crate) pitch: usize,
+    pub(crate) host: bool,
+}
+
+/// [cuMemcpy2DAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html):
+/// `height` rows of `width` bytes from `src` to `dst`, each side stepping by its pitch.
+///
+/// # Safety
+/// 1. Every row lies in memory of its side's kind that stays valid until the copy completed;
+///    nothing else writes a destination row (or a source row) until then.
+/// 2. `width <= pitch` on both sides, a pitch within the device's maximum pitch.
+/// 3. `stream` is a live stream of the current context (or a special handle).
+pub(crate) unsafe fn memcpy_2d_async(
+    dst: Pitched,
+    src: Pitched,
+    width: usize,
+    height: usize,
+    stream: CUstream,
+) -> DResult<()> {
+    let kind = |host| {
+        if host {
+            sys::CUmemorytype::CU_MEMORYTYPE_HOST
+        } else {
+            sys::CUmemorytype::CU_MEMORYTYPE_DEVICE
+        }
+    };
+    let c = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: kind(src.host),
+        srcHost: if src.host {
+            src.addr as *const c_void
+        } else {
+            std::ptr::null()
+        },
+        srcDevice: if src.host { 0 } else { src.addr },
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src.pitch,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: kind(dst.host),
+        dstHost: if dst.host {
+            dst.addr as *mut c_void
+        } else {
+            std::ptr::null_mut()
+        },
+        dstDevice: if dst.host { 0 } else { dst.addr },
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst.pitch,
+        WidthInBytes: width,
+        Height: height,
+    };
+    // SAFETY: caller's contract; `c` outlives the call (the driver reads it during the call).
+    check("cuMemcpy2DAsync", unsafe {
+        sys::cuMemcpy2DAsync_v2(&c, stream)
+    })
+}
+
 /// [cuMemcpyDtoHAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
 ///
 /// # Safety

@@ -164,6 +164,7 @@ impl BlockMover {
             "strategy",
             match p.strategy {
                 Strategy::Batched => "batched",
+                Strategy::Strided => "strided",
                 Strategy::PerCopy => "per_copy",
                 Strategy::Empty => "empty",
             },

@@ -155,6 +155,29 @@ impl PendingCopy {
         self.wait_inner(py, timeout)
     }
 
+    /// Makes later work on ``stream`` wait for the copy on the device; the host does not wait.
+    /// A framework's stream can then use the copied data (and the copy's destination keeps
+    /// being held by this handle until the copy completed).
+    ///
+    /// Parameters:
+    ///     stream: a torch or cupy stream, a ``__cuda_stream__`` object or an int handle of the
+    ///         copy's device.
+    ///
+    /// Raises:
+    ///     PinstageTypeError: ``stream`` is not a stream. CudaDriverError: the driver refused it.
+    fn stream_wait(&self, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+        let Some(handle) = super::stream::parse_stream(Some(stream))? else {
+            return Err(super::errors::type_err(
+                "stream_wait(stream): stream must be a torch or cupy stream, a __cuda_stream__ \
+                 object or an int, got None",
+            ));
+        };
+        if let Some(ev) = self.event.lock().clone() {
+            ev.wait_on(handle)?;
+        }
+        Ok(())
+    }
+
     fn __repr__(&self) -> PyResult<String> {
         Ok(format!(
             "PendingCopy(done={})",

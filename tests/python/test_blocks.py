@@ -140,6 +140,13 @@ def test_bad_tensors_are_refused():
 # --------------------------------------------------------------------------------------- GPU
 
 
+def with_run(ids, run, pool, k):
+    """`k` distinct ids: `run` first, then ids of `pool` not in it."""
+    run = run[: min(len(run), k)]
+    rest = [x for x in pool if x not in set(run.tolist())]
+    return np.array(run.tolist() + rest[: k - len(run)], dtype=ids.dtype)
+
+
 def torch_side(torch, shape, n, t0, m, device):
     return [torch.from_numpy(values(shape, t0 + t, m)).to(device) for t in range(n)]
 
@@ -148,16 +155,28 @@ def torch_side(torch, shape, n, t0, m, device):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("stream_kind", ["current", "side", "int"])
 @pytest.mark.parametrize("host_kind", ["empty_pinned", "torch_pinned"])
-def test_torch_every_block_of_every_move(gpu, layout, stream_kind, host_kind):
+@pytest.mark.parametrize("pooled", [False, True], ids=["apart", "pooled"])
+def test_torch_every_block_of_every_move(gpu, layout, stream_kind, host_kind, pooled):
+    """pooled: each side's tensors are slices of one allocation (as engines allocate a KV
+    pool), so small moves go as 2D copies across all tensors ("strided")."""
     torch = pytest.importorskip("torch")
     shape, dim = LAYOUTS[layout]
     L, NB, NH = 4, 40, 32
     dev = torch_side(torch, shape(NB), L, 0, 0, "cuda")
+    if pooled:
+        dev = list(torch.stack(dev).unbind(0))
     if host_kind == "empty_pinned":
-        host_np = [pinstage.empty_pinned(shape(NH), "int32") for _ in range(L)]
+        if pooled:
+            pool = pinstage.empty_pinned((L,) + shape(NH), "int32")
+            host_np = [pool[t] for t in range(L)]
+        else:
+            host_np = [pinstage.empty_pinned(shape(NH), "int32") for _ in range(L)]
         host = host_np
     else:
-        host = [torch.empty(shape(NH), dtype=torch.int32).pin_memory() for _ in range(L)]
+        if pooled:
+            host = list(torch.empty((L,) + shape(NH), dtype=torch.int32).pin_memory().unbind(0))
+        else:
+            host = [torch.empty(shape(NH), dtype=torch.int32).pin_memory() for _ in range(L)]
         host_np = [h.numpy() for h in host]
     mover = pinstage.BlockMover(dev, host, block_dim=dim)
     side = torch.cuda.Stream()
@@ -167,9 +186,9 @@ def test_torch_every_block_of_every_move(gpu, layout, stream_kind, host_kind):
         k = [1, 5, 32, 17, 9, 32, 2, 24][m]
         src_ids = rng.permutation(NB)[:k]
         dst_ids = rng.permutation(NH)[:k]
-        if m % 2:
-            src_ids[:4], dst_ids[:4] = np.arange(10, 14)[: min(4, k)], np.arange(3, 7)[: min(4, k)]
-            src_ids, dst_ids = src_ids[np.unique(dst_ids, return_index=True)[1]], np.unique(dst_ids)
+        if m % 2:  # a run of 4 blocks adjacent on both sides, then distinct others
+            src_ids = with_run(src_ids, np.arange(10, 14), rng.permutation(NB), k)
+            dst_ids = with_run(dst_ids, np.arange(3, 7), rng.permutation(NH), k)
         for t in range(L):
             dev[t].copy_(torch.from_numpy(values(shape(NB), t, m)))
             host_np[t][...] = POISON
@@ -192,7 +211,7 @@ def test_torch_every_block_of_every_move(gpu, layout, stream_kind, host_kind):
             want = expected(np.full(shape(NB), POISON, np.int32), host_np[t], dst_ids, src_ids, dim)
             np.testing.assert_array_equal(dev[t].cpu().numpy(), want, err_msg=f"load {m} tensor {t}")
     plan = mover.plan("load", [1, 2], [3, 4])
-    assert plan["strategy"] == "batched" and plan["runs"] == 1
+    assert plan["strategy"] == ("strided" if pooled else "batched") and plan["runs"] == 1
 
 
 @pytest.mark.gpu

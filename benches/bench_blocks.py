@@ -1,0 +1,518 @@
+"""KV-cache blocks between device memory and pinned host memory: pinstage's `BlockMover` against
+the idioms an engine writes itself, every block of every timed call checked.
+
+Workload (issue #31): L = 64 device tensors (32 layers x K/V) of NB blocks of B bytes each,
+int32, laid out `[NB, B/4]` per tensor (block_dim 0), and L pinned host tensors of the same
+shape; a call moves M = NB/4 blocks of every tensor, device ids and host ids random (two fixed-seed
+permutations, a new draw per call). NB = min(8192, CAP / (L * B)) so each side stays within CAP
+(8 GiB): B = 4, 16 KiB hold 8192 blocks per tensor, 32 KiB 4096, 64 KiB 2048, 256 KiB 512.
+
+Variants, one torch stream `s`, a call = issue + `s.synchronize()` (wall time, perf_counter_ns):
+  pinstage     mover.offload(dev_ids, host_ids, stream=s) / mover.load(host_ids, dev_ids, ...)
+  batch-peer   vLLM's DMA idiom: the (tensor, block) pairs merged into runs with numpy and ONE
+               cuMemcpyBatchAsync (ctypes, srcAccessOrder STREAM, arrays built per call)
+  copy-loop    torch `copy_(non_blocking=True)` per (tensor, run)
+  sm-gather    torch index_select / index_copy_ on the device (an SM kernel) + one contiguous
+               copy to or from a packed pinned staging tensor (host ids 0..M-1; for reference)
+  contiguous   one copy of the same bytes between a packed device tensor and packed pinned
+               memory (the link's rate for this many bytes: the >= 0.9x goal's denominator)
+Checks, outside the timing, after every call: the destination side was poisoned (0xEEEEEEEE)
+before it, sources changed per call (random int32 + call number); afterwards every moved block
+equals its source block and every other destination block still holds the poison (the host side
+is copied to the device for the comparison). A round is one call of every variant in rotated
+order; figures are medians over --rounds rounds (min-max). Ratios: pinstage / peer.
+
+Also: offload and load at once (pinstage, two streams, disjoint ids) against either alone; host
+time per pinstage call (issue only); and a ~4 ms CUDA graph (matmuls) replayed while pinstage
+moves blocks on another stream, against the same replays alone and beside the sm-gather peer.
+
+    python3 benches/bench_blocks.py [--rounds 5] [--sizes 4,16,32,64,256] [--out DIR]
+
+Exit status 1 when any check failed or a call raised; the summary table is printed last.
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+import pinstage
+
+L = 64
+CAP = 8 << 30
+POISON = -286331154  # 0xEEEEEEEE as int32
+failures = []
+
+
+def fail(msg):
+    failures.append(msg)
+    print("CHECK FAILED:", msg, flush=True)
+
+
+# ---------------------------------------------------------------- the batched-DMA peer (ctypes)
+class MemcpyAttributes(ctypes.Structure):
+    # CUmemcpyAttributes (CUDA 12.8): srcAccessOrder, srcLocHint {type, id}, dstLocHint, flags
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcType", ctypes.c_int),
+        ("srcId", ctypes.c_int),
+        ("dstType", ctypes.c_int),
+        ("dstId", ctypes.c_int),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+class BatchPeer:
+    """One cuMemcpyBatchAsync of every (tensor, run) pair, as vLLM's DMA path issues it."""
+
+    def __init__(self):
+        cuda = ctypes.CDLL("libcuda.so.1")
+        # The CUDA 12.8 entry point (with failIdx), as pinstage and vLLM's extension load it.
+        fn, status = ctypes.c_void_p(), ctypes.c_int()
+        get = cuda.cuGetProcAddress_v2
+        get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                        ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
+        rc = get(b"cuMemcpyBatchAsync", ctypes.byref(fn), 12080, 0, ctypes.byref(status))
+        if rc != 0 or not fn.value:
+            raise RuntimeError(f"cuGetProcAddress(cuMemcpyBatchAsync): CUresult {rc}")
+        p = ctypes.c_void_p
+        proto = ctypes.CFUNCTYPE(ctypes.c_int, p, p, p, ctypes.c_size_t, p, p, ctypes.c_size_t,
+                                 p, p)
+        self.f = proto(fn.value)
+        self.attr = MemcpyAttributes(1, 0, 0, 0, 0, 0)  # order STREAM, no hints
+        self.idx = (ctypes.c_size_t * 1)(0)
+        self.fail = ctypes.c_size_t(0)
+
+    def issue(self, src_base, dst_base, stride, B, src_ids, dst_ids, stream):
+        """src_base/dst_base: (L,) uint64 tensor base addresses; stride: bytes per block."""
+        starts, lens = runs_of(src_ids, dst_ids)
+        s0 = src_ids[starts].astype(np.uint64) * np.uint64(stride)
+        d0 = dst_ids[starts].astype(np.uint64) * np.uint64(stride)
+        srcs = (src_base[:, None] + s0[None, :]).ravel()
+        dsts = (dst_base[:, None] + d0[None, :]).ravel()
+        sizes = np.tile(lens.astype(np.uint64) * np.uint64(B), len(src_base))
+        rc = self.f(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
+                    ctypes.byref(self.attr), self.idx, 1, ctypes.byref(self.fail),
+                    ctypes.c_void_p(stream))
+        if rc != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync: CUresult {rc}")
+        return len(sizes)
+
+
+def runs_of(src_ids, dst_ids):
+    """Starts (indices) and lengths of the runs where both id lists step by one."""
+    n = len(src_ids)
+    brk = np.ones(n, bool)
+    brk[1:] = (np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)
+    starts = np.flatnonzero(brk)
+    lens = np.diff(np.append(starts, n))
+    return starts, lens
+
+
+# ---------------------------------------------------------------- one block size
+class Case:
+    def __init__(self, pool, B):
+        self.B = B
+        self.W = B // 4
+        self.NB = min(8192, CAP // (L * B))
+        self.M = self.NB // 4
+        n = L * self.NB * self.W
+        self.dev = pool["dev"][:n].view(L, self.NB, self.W)
+        self.host = pool["host"][:n].view(L, self.NB, self.W)
+        self.hdev = pool["hdev"][:n].view(L, self.NB, self.W)  # host side's device mirror
+        m = L * self.M * self.W
+        self.gdev = pool["gdev"][:m].view(L, self.M, self.W)  # packed device blocks
+        self.stage = pool["stage"][:m].view(L, self.M, self.W)  # packed pinned blocks
+        self.rand = pool["rand"][:n].view(L, self.NB, self.W)
+        self.devs = list(self.dev.unbind(0))
+        self.hosts = list(self.host.unbind(0))
+        self.mover = pinstage.BlockMover(self.devs, self.hosts, block_dim=0)
+        self.dev_base = np.array([t.data_ptr() for t in self.devs], np.uint64)
+        self.host_base = np.array([t.data_ptr() for t in self.hosts], np.uint64)
+        self.bytes = L * self.M * B
+        self.rng = np.random.default_rng(0xB10C5 + B)
+        self.salt = 0
+
+    def draw(self):
+        d = self.rng.permutation(self.NB)[: self.M].astype(np.int64)
+        h = self.rng.permutation(self.NB)[: self.M].astype(np.int64)
+        return d, h
+
+    # -- fills (outside the timing)
+    def fill_source(self, side):
+        self.salt += 1
+        if side == "dev":
+            torch.add(self.rand, self.salt, out=self.dev)
+        else:
+            torch.add(self.rand, self.salt, out=self.hdev)
+            self.host.copy_(self.hdev)
+        torch.cuda.synchronize()
+
+    def poison(self, side):
+        if side == "dev":
+            self.dev.fill_(POISON)
+        else:
+            self.hdev.fill_(POISON)
+            self.host.copy_(self.hdev)
+        torch.cuda.synchronize()
+
+    # -- checks (outside the timing)
+    def check(self, name, direction, d_ids, h_ids):
+        if direction == "offload":
+            self.hdev.copy_(self.host)
+            src, dst, s_ids, t_ids = self.dev, self.hdev, d_ids, h_ids
+        else:
+            src, dst, s_ids, t_ids = self.hdev, self.dev, h_ids, d_ids
+        si = torch.from_numpy(s_ids).cuda()
+        ti = torch.from_numpy(t_ids).cuda()
+        ok = torch.equal(dst.index_select(1, ti), src.index_select(1, si))
+        mask = torch.ones(self.NB, dtype=torch.bool, device="cuda")
+        mask[ti] = False
+        rest = dst[:, mask]
+        ok_rest = bool((rest == POISON).all())
+        if not (ok and ok_rest):
+            fail(f"{name} {direction} {self.B >> 10} KiB: moved blocks "
+                 f"{'ok' if ok else 'WRONG'}, other blocks {'ok' if ok_rest else 'WRITTEN'}")
+
+    def check_packed(self, name, direction, d_ids):
+        """sm-gather / contiguous: host blocks 0..M-1 of the packed staging tensor."""
+        di = torch.from_numpy(d_ids).cuda()
+        if direction == "offload":
+            got = self.stage.cuda()
+            want = self.dev.index_select(1, di) if name == "sm-gather" else self.gdev
+        else:
+            got = self.dev.index_select(1, di) if name == "sm-gather" else self.gdev
+            want = self.stage.cuda()
+        if not torch.equal(got, want):
+            fail(f"{name} {direction} {self.B >> 10} KiB: WRONG")
+        if name == "sm-gather" and direction == "load":
+            mask = torch.ones(self.NB, dtype=torch.bool, device="cuda")
+            mask[di] = False
+            if not bool((self.dev[:, mask] == POISON).all()):
+                fail(f"{name} load {self.B >> 10} KiB: other blocks WRITTEN")
+
+
+def one_call(case, name, direction, s, peer, timings, host_us):
+    """Prepare, time one call of `name`, check it."""
+    d_ids, h_ids = case.draw()
+    src_side = "dev" if direction == "offload" else "host"
+    dst_side = "host" if direction == "offload" else "dev"
+    packed = name in ("sm-gather", "contiguous")
+    # sources hold new values, destinations the poison
+    if packed:
+        case.fill_source("dev")
+        if direction == "offload":
+            case.gdev.copy_(case.dev[:, : case.M])
+            case.hdev.fill_(POISON)
+            case.stage.copy_(case.hdev[:, : case.M])
+        else:
+            case.gdev.copy_(case.dev[:, : case.M])
+            case.gdev.add_(7)
+            case.stage.copy_(case.gdev)
+            case.dev.fill_(POISON)
+            case.gdev.fill_(POISON)
+        torch.cuda.synchronize()
+    else:
+        case.fill_source(src_side)
+        case.poison(dst_side)
+    di_t = torch.from_numpy(d_ids).cuda() if name == "sm-gather" else None
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        t0 = time.perf_counter_ns()
+        if name == "pinstage":
+            if direction == "offload":
+                p = case.mover.offload(d_ids, h_ids, stream=s)
+            else:
+                p = case.mover.load(h_ids, d_ids, stream=s)
+            t1 = time.perf_counter_ns()
+            s.synchronize()
+            p.wait()
+        elif name == "batch-peer":
+            if direction == "offload":
+                peer.issue(case.dev_base, case.host_base, case.B, case.B, d_ids, h_ids, s.cuda_stream)
+            else:
+                peer.issue(case.host_base, case.dev_base, case.B, case.B, h_ids, d_ids, s.cuda_stream)
+            t1 = time.perf_counter_ns()
+            s.synchronize()
+        elif name == "copy-loop":
+            src_ids, dst_ids = (d_ids, h_ids) if direction == "offload" else (h_ids, d_ids)
+            starts, lens = runs_of(src_ids, dst_ids)
+            src_l = case.devs if direction == "offload" else case.hosts
+            dst_l = case.hosts if direction == "offload" else case.devs
+            sl = [(int(src_ids[a]), int(dst_ids[a]), int(n)) for a, n in zip(starts, lens)]
+            for st, dt in zip(src_l, dst_l):
+                for a, b, n in sl:
+                    dt[b : b + n].copy_(st[a : a + n], non_blocking=True)
+            t1 = time.perf_counter_ns()
+            s.synchronize()
+        elif name == "sm-gather":
+            if direction == "offload":
+                torch.index_select(case.dev, 1, di_t, out=case.gdev)
+                case.stage.copy_(case.gdev, non_blocking=True)
+            else:
+                case.gdev.copy_(case.stage, non_blocking=True)
+                case.dev.index_copy_(1, di_t, case.gdev)
+            t1 = time.perf_counter_ns()
+            s.synchronize()
+        else:  # contiguous
+            if direction == "offload":
+                case.stage.copy_(case.gdev, non_blocking=True)
+            else:
+                case.gdev.copy_(case.stage, non_blocking=True)
+            t1 = time.perf_counter_ns()
+            s.synchronize()
+        t2 = time.perf_counter_ns()
+    timings.append(case.bytes / (t2 - t0))  # GB/s (bytes per ns)
+    host_us.append((t1 - t0) / 1e3)
+    if packed:
+        case.check_packed(name, direction, d_ids)
+    else:
+        case.check(name, direction, d_ids, h_ids)
+
+
+def both_at_once(case, s, s2, rounds):
+    """pinstage offload (stream s) and load (stream s2) at once, disjoint ids; checked."""
+    out = []
+    for _ in range(rounds):
+        perm_d = case.rng.permutation(case.NB)
+        perm_h = case.rng.permutation(case.NB)
+        d_out, d_in = perm_d[: case.M], perm_d[case.M : 2 * case.M]
+        h_out, h_in = perm_h[: case.M], perm_h[case.M : 2 * case.M]
+        case.fill_source("dev")
+        # host blocks h_in carry values; the rest of the host side the poison
+        case.salt += 1
+        torch.add(case.rand, case.salt, out=case.hdev)
+        hmask = torch.zeros(case.NB, dtype=torch.bool, device="cuda")
+        hmask[torch.from_numpy(h_in).cuda()] = True
+        case.hdev[:, ~hmask] = POISON
+        case.host.copy_(case.hdev)
+        want_host_in = case.hdev.index_select(1, torch.from_numpy(h_in).cuda()).clone()
+        want_dev_out = case.dev.index_select(1, torch.from_numpy(d_out).cuda()).clone()
+        torch.cuda.synchronize()
+        # Issued from two threads (a move's call releases the GIL; issuing a batch of small
+        # copies takes the driver as long as the copies take), as an engine would.
+        got = {}
+        t0 = time.perf_counter_ns()
+        th = threading.Thread(target=lambda: got.update(b=case.mover.load(h_in, d_in, stream=s2)))
+        th.start()
+        a = case.mover.offload(d_out, h_out, stream=s)
+        th.join()
+        s.synchronize()
+        s2.synchronize()
+        t2 = time.perf_counter_ns()
+        a.wait()
+        got["b"].wait()
+        out.append(2 * case.bytes / (t2 - t0))
+        case.hdev.copy_(case.host)
+        got_host = case.hdev.index_select(1, torch.from_numpy(h_out).cuda())
+        got_dev = case.dev.index_select(1, torch.from_numpy(d_in).cuda())
+        if not (torch.equal(got_host, want_dev_out) and torch.equal(got_dev, want_host_in)):
+            fail(f"both at once {case.B >> 10} KiB: WRONG")
+    return out
+
+
+def graph_beside(case, s, rounds):
+    """Replay time of a ~4 ms graph alone, beside pinstage moves, beside the sm-gather peer."""
+    g_stream = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    with torch.cuda.stream(g_stream):
+        for _ in range(3):
+            torch.matmul(a, b, out=c)
+    torch.cuda.synchronize()
+    reps = 1
+    while True:  # ~4 ms of matmuls in the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=g_stream):
+            for _ in range(reps):
+                torch.matmul(a, b, out=c)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(g_stream):
+            e0.record(g_stream)
+            graph.replay()
+            e1.record(g_stream)
+        torch.cuda.synchronize()
+        ms = e0.elapsed_time(e1)
+        if ms >= 3.5 or reps > 4096:
+            break
+        reps = max(reps + 1, int(reps * 4.0 / max(ms, 1e-3)))
+
+    def replays(n):
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        with torch.cuda.stream(g_stream):
+            evs[0].record(g_stream)
+            for i in range(n):
+                graph.replay()
+                evs[i + 1].record(g_stream)
+        return evs
+
+    def times(evs, upto):
+        return [evs[i].elapsed_time(evs[i + 1]) for i in range(len(evs) - 1)
+                if upto is None or evs[i + 1].elapsed_time(upto) >= 0]
+
+    res = {"graph_ms": None, "alone": [], "pinstage": [], "sm-gather": []}
+    n = 40
+    replays(2 * n)  # warm-up: clocks settle before anything is timed
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for peer in ("alone", "pinstage", "alone", "sm-gather"):
+            if peer == "alone":
+                evs = replays(n)
+                torch.cuda.synchronize()
+                res["alone"].append(statistics.median(times(evs, None)))
+                continue
+            d_ids, h_ids = case.draw()
+            case.fill_source("dev")
+            case.poison("host")
+            di = torch.from_numpy(d_ids).cuda()
+            done = torch.cuda.Event(enable_timing=True)
+            started = threading.Event()
+            held = {}
+
+            def move():
+                # In its own thread (issuing small copies takes the driver about as long as the
+                # copies), while this thread queues the replays.
+                with torch.cuda.stream(s):
+                    started.set()
+                    if peer == "pinstage":
+                        held["p"] = case.mover.offload(d_ids, h_ids, stream=s)
+                    else:
+                        torch.index_select(case.dev, 1, di, out=case.gdev)
+                        case.stage.copy_(case.gdev, non_blocking=True)
+                    done.record(s)
+
+            th = threading.Thread(target=move)
+            th.start()
+            started.wait()
+            evs = replays(n)
+            th.join()
+            torch.cuda.synchronize()
+            if peer == "pinstage":
+                held["p"].wait()
+                case.check("graph-beside", "offload", d_ids, h_ids)
+            else:
+                case.check_packed("sm-gather", "offload", d_ids)
+            during = times(evs, done)
+            if during:
+                res[peer].append(statistics.median(during))
+    res["graph_ms"] = statistics.median(res["alone"])
+    return res
+
+
+def med(xs):
+    return (statistics.median(xs), min(xs), max(xs)) if xs else (float("nan"),) * 3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sizes", default="4,16,32,64,256")
+    ap.add_argument("--loop-rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.cuda.init()
+    sizes = [int(x) << 10 for x in args.sizes.split(",")]
+    print(f"pinstage {pinstage.__version__}, torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name()}", flush=True)
+    t_alloc = time.perf_counter()
+    n = CAP // 4
+    pool = {
+        "dev": torch.empty(n, dtype=torch.int32, device="cuda"),
+        "hdev": torch.empty(n, dtype=torch.int32, device="cuda"),
+        "rand": torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device="cuda"),
+        "host": torch.empty(n, dtype=torch.int32, pin_memory=True),
+        "gdev": torch.empty(n // 4, dtype=torch.int32, device="cuda"),
+        "stage": torch.empty(n // 4, dtype=torch.int32, pin_memory=True),
+    }
+    print(f"allocated in {time.perf_counter() - t_alloc:.1f} s", flush=True)
+    peer = BatchPeer()
+    s, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    variants = ["pinstage", "batch-peer", "copy-loop", "sm-gather", "contiguous"]
+    results = {}
+    for B in sizes:
+        case = Case(pool, B)
+        print(f"\n== {B >> 10} KiB blocks: {L} tensors x {case.NB} blocks, {case.M} moved per "
+              f"tensor ({case.bytes / 2**30:.2f} GiB a call)", flush=True)
+        d_ids, h_ids = case.draw()
+        for direction, a, b in (("offload", d_ids, h_ids), ("load", h_ids, d_ids)):
+            print(f"  pinstage's plan for a random {direction}: {case.mover.plan(direction, a, b)}")
+        for direction in ("offload", "load"):
+            gbs = {v: [] for v in variants}
+            hus = {v: [] for v in variants}
+            for v in variants:  # warm-up, unchecked figures dropped
+                one_call(case, v, direction, s, peer, [], [])
+            for r in range(args.rounds):
+                order = variants[r % len(variants):] + variants[: r % len(variants)]
+                for v in order:
+                    if v == "copy-loop" and r >= args.loop_rounds:
+                        continue
+                    try:
+                        one_call(case, v, direction, s, peer, gbs[v], hus[v])
+                    except Exception as e:  # noqa: BLE001 -- reported, the bench goes on
+                        fail(f"{v} {direction} {B >> 10} KiB raised {e!r}")
+            results[(B, direction)] = {v: (med(gbs[v]), med(hus[v])) for v in variants}
+            for v in variants:
+                (g, lo, hi), (h, _, _) = results[(B, direction)][v]
+                print(f"  {direction:7s} {v:11s} {g:6.2f} GB/s ({lo:.2f}-{hi:.2f})  "
+                      f"host {h:9.1f} us/call", flush=True)
+        both = both_at_once(case, s, s2, args.rounds)
+        results[(B, "both")] = med(both)
+        print(f"  both at once {med(both)[0]:.2f} GB/s ({med(both)[1]:.2f}-{med(both)[2]:.2f})",
+              flush=True)
+        if B == 32 << 10:
+            results["graph"] = graph_beside(case, s, args.rounds)
+        del case
+        torch.cuda.synchronize()
+
+    print("\n== summary (GB/s medians; ratio = pinstage / peer)")
+    print(f"{'block':>7} {'dir':8} {'pinstage':>9} {'batch':>7} {'x batch':>8} {'contig':>7} "
+          f"{'x contig':>9} {'loop':>6} {'sm':>6} {'host us':>8} {'us/id':>6}")
+    summary = []
+    for B in sizes:
+        for direction in ("offload", "load"):
+            r = results[(B, direction)]
+            p, bp, c = r["pinstage"][0][0], r["batch-peer"][0][0], r["contiguous"][0][0]
+            h = r["pinstage"][1][0]
+            M = min(8192, CAP // (L * B)) // 4
+            row = (f"{B >> 10:>4} KiB {direction:8} {p:9.2f} {bp:7.2f} {p / bp:7.2f}x {c:7.2f} "
+                   f"{p / c:8.2f}x {r['copy-loop'][0][0]:6.2f} {r['sm-gather'][0][0]:6.2f} "
+                   f"{h:8.1f} {h / M:6.3f}")
+            print(row)
+            summary.append(row)
+        both = results[(B, "both")][0]
+        alone = max(results[(B, "offload")]["pinstage"][0][0],
+                    results[(B, "load")]["pinstage"][0][0])
+        row = f"{B >> 10:>4} KiB both     {both:9.2f}   = {both / alone:.2f}x the faster direction alone"
+        print(row)
+        summary.append(row)
+    if "graph" in results:
+        g = results["graph"]
+        alone = g["graph_ms"]
+        for peer_name in ("pinstage", "sm-gather"):
+            if g[peer_name]:
+                m = statistics.median(g[peer_name])
+                row = (f"graph {alone:.3f} ms alone; beside {peer_name}: {m:.3f} ms "
+                       f"({(m / alone - 1) * 100:+.2f}%)")
+            else:
+                row = f"graph beside {peer_name}: no replay finished while it ran"
+            print(row)
+            summary.append(row)
+    print(f"checks: {'all passed' if not failures else f'{len(failures)} FAILED'}")
+    if args.out:
+        with open(os.path.join(args.out, "bench_blocks.json"), "w") as f:
+            json.dump({"summary": summary, "failures": failures,
+                       "results": {str(k): v for k, v in results.items()}}, f, indent=1,
+                      default=str)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+/* blocks2d.c -- can 2D copies (one per block, across tensors at a regular address stride) or
+ * split batch entries beat one cuMemcpyBatchAsync of every (tensor, block) pair?
+ *
+ * Build and run on the GPU machine:  nvcc -O2 -o blocks2d blocks2d.c -lcuda && ./blocks2d [KiB...]
+ *
+ * Workload as lab/c/blocks.c: L = 64 tensors of NB blocks of B bytes (NB = min(8192, 8 GiB /
+ * (L B))), M = NB/4 random blocks per call (device ids and host ids: prefixes of two fixed-seed
+ * permutations, redrawn per call). Here the L tensors of each side are slices of ONE allocation,
+ * tensor t at base + t * NB * B (how a pool-allocated KV cache sits), so block b of every tensor
+ * is one 2D copy of height L and pitch NB * B.
+ *   batch      one cuMemcpyBatchAsync (order STREAM) of the L * M (tensor, block) copies
+ *   split4k    the same with each copy cut into 4 KiB pieces (B > 4 KiB)
+ *   2d         one cuMemcpy2DAsync per block: width B, height L, both pitches NB * B
+ *   2d-x2      the 2D copies alternating over two streams (two engines?)
+ *   contig     one copy of the same L * M * B bytes (the link's rate)
+ * Every timed call is checked: the destination poisoned (0xEE) before it; after it, the first
+ * and last 8 bytes of every moved (tensor, block) and one unmoved block per tensor compared with
+ * the source pattern (which changes per call). Median of 5 timed calls (1 warm-up), GB/s from
+ * host wall time of issue + cuStreamSynchronize, and the host time of the issue alone.
+ * Exit status 1 on any wrong byte or CUDA error.
+ */
+#include <cuda.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *s_; \
+    cuGetErrorName(r_, &s_); fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_); \
+    exit(1); } } while (0)
+
+#define L 64
+#define CAP ((size_t)8 << 30)
+#define REPS 5
+
+typedef CUresult (*batch_fn_t)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t,
+                               CUmemcpyAttributes *, size_t *, size_t, size_t *, CUstream);
+static batch_fn_t batch_fn;
+static int wrong;
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
+static uint64_t rng_state = 0x5EED2D;
+static uint64_t rnd(void) {
+    rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7; rng_state ^= rng_state << 17;
+    return rng_state;
+}
+static void perm(size_t *p, size_t n) {
+    for (size_t i = 0; i < n; i++) p[i] = i;
+    for (size_t i = n - 1; i > 0; i--) { size_t j = rnd() % (i + 1); size_t t = p[i]; p[i] = p[j]; p[j] = t; }
+}
+static uint64_t pat(uint64_t salt, size_t t, size_t b, size_t w) {
+    uint64_t x = (salt << 48) ^ ((uint64_t)t << 40) ^ ((uint64_t)b << 16) ^ w;
+    x *= 0x9E3779B97F4A7C15ULL;
+    x ^= x >> 29;
+    return (x & 0xFF) == 0xEE ? x ^ 1 : x;
+}
+
+enum { S_BATCH, S_SPLIT, S_2D, S_2DX2, S_CONTIG, NS };
+static const char *SNAME[NS] = {"batch", "split4k", "2d", "2d-x2", "contig"};
+
+static CUdeviceptr *cd, *cs;
+static size_t *cz;
+
+/* dir 0: H2D (host -> device), 1: D2H. */
+static void issue(int s, int dir, CUdeviceptr dev, char *host, size_t NB, size_t B, size_t M,
+                  size_t *did, size_t *hid, CUstream st, CUstream st2, CUdeviceptr gdev,
+                  char *stage) {
+    size_t pitch = NB * B;
+    if (s == S_CONTIG) {
+        if (dir == 0) CHECK(cuMemcpyHtoDAsync(gdev, stage, L * M * B, st));
+        else CHECK(cuMemcpyDtoHAsync(stage, gdev, L * M * B, st));
+        return;
+    }
+    if (s == S_BATCH || s == S_SPLIT) {
+        size_t piece = (s == S_SPLIT && B > 4096) ? 4096 : B, n = 0;
+        for (size_t t = 0; t < L; t++)
+            for (size_t i = 0; i < M; i++)
+                for (size_t o = 0; o < B; o += piece) {
+                    CUdeviceptr d = dev + t * pitch + did[i] * B + o;
+                    CUdeviceptr h = (CUdeviceptr)(host + t * pitch + hid[i] * B + o);
+                    cd[n] = dir == 0 ? d : h;
+                    cs[n] = dir == 0 ? h : d;
+                    cz[n] = piece;
+                    n++;
+                }
+        CUmemcpyAttributes a;
+        memset(&a, 0, sizeof a);
+        a.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+        size_t idx = 0, fail = 0;
+        CHECK(batch_fn(cd, cs, cz, n, &a, &idx, 1, &fail, st));
+        return;
+    }
+    for (size_t i = 0; i < M; i++) {
+        CUDA_MEMCPY2D c;
+        memset(&c, 0, sizeof c);
+        CUdeviceptr d = dev + did[i] * B;
+        char *h = host + hid[i] * B;
+        if (dir == 0) {
+            c.srcMemoryType = CU_MEMORYTYPE_HOST; c.srcHost = h; c.srcPitch = pitch;
+            c.dstMemoryType = CU_MEMORYTYPE_DEVICE; c.dstDevice = d; c.dstPitch = pitch;
+        } else {
+            c.srcMemoryType = CU_MEMORYTYPE_DEVICE; c.srcDevice = d; c.srcPitch = pitch;
+            c.dstMemoryType = CU_MEMORYTYPE_HOST; c.dstHost = h; c.dstPitch = pitch;
+        }
+        c.WidthInBytes = B;
+        c.Height = L;
+        CHECK(cuMemcpy2DAsync(&c, (s == S_2DX2 && (i & 1)) ? st2 : st));
+    }
+}
+
+int main(int argc, char **argv) {
+    CUdevice dev0;
+    CUcontext ctx;
+    CHECK(cuInit(0));
+    CHECK(cuDeviceGet(&dev0, 0));
+    CHECK(cuDevicePrimaryCtxRetain(&ctx, dev0));
+    CHECK(cuCtxSetCurrent(ctx));
+    int maxpitch = 0;
+    CHECK(cuDeviceGetAttribute(&maxpitch, CU_DEVICE_ATTRIBUTE_MAX_PITCH, dev0));
+    CUdriverProcAddressQueryResult q;
+    CHECK(cuGetProcAddress("cuMemcpyBatchAsync", (void **)&batch_fn, 12080,
+                           CU_GET_PROC_ADDRESS_DEFAULT, &q));
+    CUdeviceptr dev, gdev;
+    char *host, *stage, *mirror;
+    CHECK(cuMemAlloc(&dev, CAP));
+    CHECK(cuMemAlloc(&gdev, CAP / 4));
+    CHECK(cuMemHostAlloc((void **)&host, CAP, 0));
+    CHECK(cuMemHostAlloc((void **)&stage, CAP / 4, 0));
+    mirror = malloc(CAP);
+    size_t maxn = (CAP / 4) / 4096 + 16;
+    cd = malloc(maxn * sizeof *cd); cs = malloc(maxn * sizeof *cs); cz = malloc(maxn * sizeof *cz);
+    CUstream st, st2;
+    CHECK(cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
+    CHECK(cuStreamCreate(&st2, CU_STREAM_NON_BLOCKING));
+    printf("blocks2d: L=%d, cap %zu GiB per side, max pitch %d\n", L, CAP >> 30, maxpitch);
+    size_t sizes[8] = {4096, 16384, 32768, 65536, 262144};
+    int nsizes = 5;
+    if (argc > 1) {  /* block sizes in KiB */
+        nsizes = argc - 1 > 8 ? 8 : argc - 1;
+        for (int i = 0; i < nsizes; i++) sizes[i] = (size_t)atoi(argv[i + 1]) << 10;
+    }
+    double res[8][2][NS], host_ms[8][2][NS];
+    size_t *pd = malloc(8192 * sizeof *pd), *ph = malloc(8192 * sizeof *ph);
+    uint64_t salt = 1;
+    for (int zi = 0; zi < nsizes; zi++) {
+        size_t B = sizes[zi], NB = CAP / (L * B);
+        if (NB > 8192) NB = 8192;
+        size_t M = NB / 4, pitch = NB * B, W = B / 8;
+        for (int dir = 0; dir < 2; dir++)
+            for (int s = 0; s < NS; s++) {
+                double t[REPS], h[REPS];
+                int ok = 1;
+                if (s == S_2D || s == S_2DX2) ok = pitch <= (size_t)maxpitch;
+                if (!ok) { res[zi][dir][s] = -1; host_ms[zi][dir][s] = -1; continue; }
+                for (int r = -1; r < REPS; r++) {
+                    perm(pd, NB); perm(ph, NB);
+                    salt++;
+                    /* source pattern, destination poison */
+                    char *src_host = dir == 0 ? host : mirror;  /* H2D: host is the source */
+                    if (s == S_CONTIG) {
+                        uint64_t *sp = (uint64_t *)stage;
+                        size_t n = L * M * B / 8;
+                        if (dir == 0) { for (size_t i = 0; i < n; i += 4099) sp[i] = pat(salt, 0, 0, i); CHECK(cuMemsetD8(gdev, 0xEE, L * M * B)); }
+                        else { for (size_t i = 0; i < n; i += 4099) ((uint64_t *)mirror)[i] = pat(salt, 0, 0, i);
+                               CHECK(cuMemcpyHtoD(gdev, mirror, L * M * B));
+                               for (size_t i = 0; i < n; i += 4099) sp[i] = 0xEEEEEEEEEEEEEEEEULL; }
+                    } else {
+                        for (size_t tt = 0; tt < L; tt++)
+                            for (size_t b = 0; b < NB; b++) {
+                                uint64_t *p = (uint64_t *)(src_host + tt * pitch + b * B);
+                                p[0] = pat(salt, tt, b, 0); p[W - 1] = pat(salt, tt, b, W - 1);
+                            }
+                        if (dir == 0) CHECK(cuMemsetD8(dev, 0xEE, L * pitch));
+                        else {
+                            CHECK(cuMemcpyHtoD(dev, mirror, L * pitch));
+                            for (size_t tt = 0; tt < L; tt++)
+                                for (size_t i = 0; i <= M; i++) {
+                                    uint64_t *p = (uint64_t *)(host + tt * pitch + ph[i] * B);
+                                    p[0] = p[W - 1] = 0xEEEEEEEEEEEEEEEEULL;
+                                }
+                        }
+                    }
+                    CHECK(cuCtxSynchronize());
+                    double t0 = now_ms();
+                    issue(s, dir, dev, host, NB, B, M, pd, ph, st, st2, gdev, stage);
+                    double t1 = now_ms();
+                    CHECK(cuStreamSynchronize(st));
+                    CHECK(cuStreamSynchronize(st2));
+                    double t2 = now_ms();
+                    if (r >= 0) { t[r] = L * M * B / ((t2 - t0) * 1e6); h[r] = t1 - t0; }
+                    /* check */
+                    if (s == S_CONTIG) {
+                        if (dir == 0) CHECK(cuMemcpyDtoH(mirror, gdev, L * M * B));
+                        char *got = dir == 0 ? mirror : stage;
+                        for (size_t i = 0; i < L * M * B / 8; i += 4099)
+                            if (((uint64_t *)got)[i] != pat(salt, 0, 0, i)) { wrong++; break; }
+                        continue;
+                    }
+                    char *dst = dir == 0 ? mirror : host;
+                    if (dir == 0) CHECK(cuMemcpyDtoH(mirror, dev, L * pitch));
+                    size_t *sid = dir == 0 ? ph : pd, *tid = dir == 0 ? pd : ph;
+                    for (size_t tt = 0; tt < L; tt++) {
+                        for (size_t i = 0; i < M; i++) {
+                            uint64_t *p = (uint64_t *)(dst + tt * pitch + tid[i] * B);
+                            if (p[0] != pat(salt, tt, sid[i], 0) || p[W - 1] != pat(salt, tt, sid[i], W - 1)) {
+                                if (wrong++ < 5) printf("WRONG %s dir %d B %zu t %zu i %zu\n", SNAME[s], dir, B, tt, i);
+                            }
+                        }
+                        uint64_t *u = (uint64_t *)(dst + tt * pitch + tid[M] * B);
+                        if (u[0] != 0xEEEEEEEEEEEEEEEEULL) { if (wrong++ < 5) printf("WRITTEN %s unmoved\n", SNAME[s]); }
+                    }
+                }
+                /* medians */
+                for (int a = 0; a < REPS; a++) for (int b2 = a + 1; b2 < REPS; b2++) {
+                    if (t[b2] < t[a]) { double x = t[a]; t[a] = t[b2]; t[b2] = x; }
+                    if (h[b2] < h[a]) { double x = h[a]; h[a] = h[b2]; h[b2] = x; }
+                }
+                res[zi][dir][s] = t[REPS / 2];
+                host_ms[zi][dir][s] = h[REPS / 2];
+                printf("B %6zu %s %-8s %6.1f GB/s (%.1f-%.1f)  issue %8.2f ms\n", B, dir ? "D2H" : "H2D",
+                       SNAME[s], t[REPS / 2], t[0], t[REPS - 1], h[REPS / 2]);
+                fflush(stdout);
+            }
+    }
+    printf("\nSUMMARY GB/s (issue ms)\n%-12s", "");
+    for (int zi = 0; zi < nsizes; zi++) printf("%20zuK", sizes[zi] >> 10);
+    printf("\n");
+    for (int dir = 0; dir < 2; dir++)
+        for (int s = 0; s < NS; s++) {
+            printf("%s %-8s", dir ? "D2H" : "H2D", SNAME[s]);
+            for (int zi = 0; zi < nsizes; zi++) printf("   %7.1f (%7.2f)", res[zi][dir][s], host_ms[zi][dir][s]);
+            printf("\n");
+        }
+    printf("wrong: %d\n", wrong);
+    return wrong ? 1 : 0;
+}
