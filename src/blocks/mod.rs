@@ -1,12 +1,16 @@
 //! Paged KV-cache blocks between device tensors and pinned host tensors: [`BlockMover`] moves
-//! lists of block ids with the copy engines (runs of adjacent ids merged, one batched driver call
-//! per move); the planning behind it is pure and tested without a GPU.
+//! lists of block ids with the copy engines (runs of adjacent ids merged; one batched driver call
+//! per move, or one 2D copy per run across tensors that sit at one stride); the planning behind
+//! it is pure and tested without a GPU.
 
+mod copy;
 mod mover;
 mod plan;
+mod strides;
 #[cfg(test)]
 mod tests;
 
-pub use mover::{BlockCopy, BlockMover, Direction, MAX_BATCH, MovePlan, Strategy};
+pub use copy::{BlockCopy, Direction, MAX_BATCH, MovePlan, Strategy};
+pub use mover::BlockMover;
 #[cfg(test)]
 pub(crate) use plan::{BlockLayout, Segment, plan};

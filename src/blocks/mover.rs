@@ -1,5 +1,5 @@
 //! [`BlockMover`]: moves lists of blocks between device tensors and pinned host tensors with the
-//! copy engines, one batched driver call per move.
+//! copy engines: one batched driver call per move, or 2D copies across the tensors.
 
 use std::marker::PhantomData;
 use std::sync::OnceLock;
@@ -7,152 +7,19 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::plan::{BlockLayout, Run, Segment, runs, segments};
+use super::copy::{BlockCopy, Direction, MAX_BATCH, MovePlan, Strategy};
+use super::plan::{BlockLayout, Pair, Run, Segment, runs, segments};
+use super::strides::{STRIDED_UP_TO, one_allocation, strides};
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
 use crate::error::{Error, Result};
-
-/// Which way a move goes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Direction {
-    /// Device blocks to host blocks.
-    Offload,
-    /// Host blocks to device blocks.
-    Load,
-}
-
-impl Direction {
-    /// `"offload"` or `"load"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Direction::Offload => "offload",
-            Direction::Load => "load",
-        }
-    }
-}
-
-/// How a move is issued.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Strategy {
-    /// Every copy in `cuMemcpyBatchAsync` calls of at most [`MAX_BATCH`] entries.
-    Batched,
-    /// One `cuMemcpy2DAsync` per run and part, across every tensor at once (the tensors of each
-    /// side sit at one address stride: slices of one allocation).
-    Strided,
-    /// One `cuMemcpyAsync` per copy (a driver older than CUDA 12.8).
-    PerCopy,
-    /// Nothing to move.
-    Empty,
-}
-
-/// The most copies one `cuMemcpyBatchAsync` call carries; a longer move takes several calls.
-pub const MAX_BATCH: usize = 1 << 16;
-
-/// The largest pitch a 2D copy takes (`CU_DEVICE_ATTRIBUTE_MAX_PITCH` of current GPUs).
-const MAX_PITCH: usize = i32::MAX as usize;
-
-/// Up to how many bytes per copy (on average over a move) [`Strategy::Strided`] beats
-/// [`Strategy::Batched`], per direction (offload, load): measured on the H200, where a batch of
-/// 4-16 KiB host-to-device copies runs at 3-4 GB/s and 2D copies of the same rows at 18-25
-/// (benches/RESULTS.md).
-const STRIDED_UP_TO: [usize; 2] = [8 << 10, 32 << 10];
-
-/// What a move would issue: [`BlockMover::plan`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct MovePlan {
-    /// The direction.
-    pub direction: Direction,
-    /// How it is issued.
-    pub strategy: Strategy,
-    /// Blocks moved per tensor.
-    pub blocks: usize,
-    /// Runs of adjacent blocks (on both sides) they merge into.
-    pub runs: usize,
-    /// Copies issued (runs x parts x tensors; runs x parts for [`Strategy::Strided`], each
-    /// across every tensor).
-    pub copies: usize,
-    /// Driver calls that carry them.
-    pub calls: usize,
-    /// Bytes moved in all.
-    pub bytes: usize,
-    /// Why this strategy.
-    pub reason: &'static str,
-}
-
-/// A move in flight: [`BlockCopy::wait`] for it, or let a stream wait on
-/// [`BlockCopy::event`]. Dropped before the move completed, it waits for it (the tensors are
-/// borrowed until then).
-#[must_use = "dropping a BlockCopy waits for the move"]
-pub struct BlockCopy<'m> {
-    event: Option<Event>,
-    expected: Duration,
-    _mover: PhantomData<&'m ()>,
-}
-
-impl std::fmt::Debug for BlockCopy<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BlockCopy")
-            .field("pending", &self.event.is_some())
-            .finish()
-    }
-}
-
-impl BlockCopy<'_> {
-    /// Whether the move completed (never blocks; an error counts as done: `wait` reports it).
-    pub fn is_done(&self) -> bool {
-        self.event
-            .as_ref()
-            .is_none_or(|e| e.query().unwrap_or(true))
-    }
-
-    /// The event recorded after the move (`None`: nothing was moved).
-    pub fn event(&self) -> Option<&Event> {
-        self.event.as_ref()
-    }
-
-    /// Waits for the move.
-    ///
-    /// # Errors
-    /// [`Error::Driver`]: the move or its stream failed.
-    pub fn wait(mut self) -> Result<()> {
-        match self.event.take() {
-            Some(ev) => ev.wait_expecting(self.expected),
-            None => Ok(()),
-        }
-    }
-
-    /// The event, for a caller that keeps the tensors alive itself until it completed.
-    #[cfg(feature = "python")]
-    pub(crate) fn into_event(mut self) -> Option<Event> {
-        self.event.take()
-    }
-}
-
-impl Drop for BlockCopy<'_> {
-    fn drop(&mut self) {
-        if let Some(ev) = self.event.take()
-            && let Err(Error::Driver(e)) = ev.synchronize()
-        {
-            crate::error::on_drop::<()>(Err(e));
-        }
-    }
-}
 
 fn memory_name(m: MemoryKind) -> &'static str {
     match m {
         MemoryKind::Host => "host memory",
         MemoryKind::Cuda(_) => "device memory",
     }
-}
-
-/// One device tensor and its host counterpart.
-#[derive(Clone, Copy, Debug)]
-struct Pair {
-    device: BlockLayout,
-    host: BlockLayout,
-    device_read_only: bool,
-    host_read_only: bool,
 }
 
 /// Moves blocks between device tensors and pinned host tensors: tensor `i` of the device side
@@ -176,7 +43,8 @@ pub struct BlockMover<'t> {
     host_blocks: usize,
     batched: bool,
     /// The address strides (device, host) between consecutive tensors when every side's
-    /// tensors share one layout at one stride (2D copies can then cross all tensors at once).
+    /// tensors share one layout at one stride within one allocation (2D copies can then cross
+    /// all tensors at once).
     strides: Option<(usize, usize)>,
     /// Where moves on the legacy default stream go (the batched call refuses that stream).
     side: [OnceLock<Stream>; 2],
@@ -303,8 +171,8 @@ impl<'t> BlockMover<'t> {
         }
         let batched = device.is_some()
             && driver::probe().is_ok_and(|p| p.driver_version >= driver::mem::BATCH_MIN_DRIVER);
-        let strides = match device {
-            Some(_) => strides(&pairs),
+        let strides = match &device {
+            Some(dev) => strides(&pairs).filter(|_| one_allocation(dev, &pairs)),
             None => None,
         };
         Ok(Self {
@@ -677,25 +545,4 @@ impl<'t> BlockMover<'t> {
         }
         Ok(())
     }
-}
-
-/// The address strides (device, host) between consecutive pairs when there are several pairs,
-/// every side's tensors share one layout, and they sit at one positive stride no shorter than a
-/// tensor and within [`MAX_PITCH`]: then row `i` of a 2D copy is pair `i`'s bytes.
-fn strides(pairs: &[Pair]) -> Option<(usize, usize)> {
-    let stride = |side: fn(&Pair) -> &BlockLayout| -> Option<usize> {
-        let first = side(&pairs[0]);
-        let extent = first.outer * first.num_blocks * first.bytes;
-        let step = side(pairs.get(1)?).base.checked_sub(first.base)? as usize;
-        let regular = pairs.iter().enumerate().all(|(i, p)| {
-            let l = side(p);
-            (l.num_blocks, l.bytes, l.outer) == (first.num_blocks, first.bytes, first.outer)
-                && Some(l.base)
-                    == (step as u64)
-                        .checked_mul(i as u64)
-                        .and_then(|o| first.base.checked_add(o))
-        });
-        (regular && step >= extent && step <= MAX_PITCH).then_some(step)
-    };
-    Some((stride(|p| &p.device)?, stride(|p| &p.host)?))
 }

@@ -55,6 +55,15 @@ impl BlockLayout {
     }
 }
 
+/// One device tensor and its host counterpart.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Pair {
+    pub(crate) device: BlockLayout,
+    pub(crate) host: BlockLayout,
+    pub(crate) device_read_only: bool,
+    pub(crate) host_read_only: bool,
+}
+
 /// One copy: `len` bytes from `src` to `dst`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Segment {

@@ -374,6 +374,29 @@ pub(crate) fn is_pinned_host(ptr: *const c_void) -> bool {
     code == sys::CUresult::CUDA_SUCCESS && mem_type == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
 }
 
+/// [cuPointerGetAttributes](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__UNIFIED.html)
+/// with `CU_POINTER_ATTRIBUTE_RANGE_START_ADDR` and `_RANGE_SIZE`: the start and length of the
+/// driver allocation (device or pinned host memory) holding `ptr`; `None` for memory the driver
+/// does not know.
+pub(crate) fn allocation_range(ptr: u64) -> Option<(u64, usize)> {
+    let mut start: CUdeviceptr = 0;
+    let mut size: usize = 0;
+    let mut attrs = [
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+    ];
+    let mut data: [*mut c_void; 2] = [
+        (&mut start as *mut CUdeviceptr).cast(),
+        (&mut size as *mut usize).cast(),
+    ];
+    // SAFETY: two attributes, each with an out-pointer of its type's size (a CUdeviceptr, a
+    // size_t); the driver only inspects the address value of `ptr`.
+    let code = unsafe {
+        sys::cuPointerGetAttributes(2, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr as CUdeviceptr)
+    };
+    (code == sys::CUresult::CUDA_SUCCESS && start != 0 && size != 0).then_some((start, size))
+}
+
 /// Whether all of `ptr..ptr+len` is page-locked host memory known to the driver, as far as its
 /// first and last bytes tell: a copy that treats the range as pinned must not run over into
 /// pageable memory past a pinned start (an array partly pinned by `pin` of a slice). Memory is
