@@ -359,7 +359,7 @@ fn gpu_blocks_every_block_lands(
     } else {
         2 * bytes
     };
-    if pooled && layout.tensors(tensors) > 1 && 3 * part / 2 <= 32 << 10 {
+    if pooled && layout.tensors(tensors) > 1 && 3 * part / 2 <= 64 << 10 {
         assert_eq!(plan.strategy, Strategy::Strided);
         assert_eq!(plan.copies, 2 * per_tensor_parts);
     } else {
