@@ -42,7 +42,7 @@ pub enum Strategy {
 /// The most copies one `cuMemcpyBatchAsync` call carries; a longer move takes several calls.
 pub const MAX_BATCH: usize = 1 << 16;
 
-/// What a move would issue: [`BlockMover::plan`].
+/// What a move would issue: [`BlockMover::plan`](super::BlockMover::plan).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MovePlan {
     /// The direction.
