@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 
 use super::copy::{BlockCopy, Direction, MAX_BATCH, MovePlan, Strategy};
 use super::plan::{BlockLayout, Pair, Run, Segment, runs, segments};
-use super::strides::{STRIDED_UP_TO, one_allocation, strides};
+use super::strides::{one_allocation, small_copies, strides};
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
@@ -431,11 +431,7 @@ impl<'t> BlockMover<'t> {
 
     /// Whether a move of `blocks` blocks in `runs` runs goes as [`Strategy::Strided`].
     fn strided(&self, direction: Direction, blocks: usize, runs: usize) -> bool {
-        if self.strides.is_none() || runs == 0 {
-            return false;
-        }
-        let per_copy = blocks * self.pairs[0].device.bytes / runs;
-        per_copy <= STRIDED_UP_TO[direction as usize]
+        self.strides.is_some() && small_copies(direction, blocks, self.pairs[0].device.bytes, runs)
     }
 
     /// Issues `scratch.segments` (the first pair's) as 2D copies of one row per pair on

@@ -1,6 +1,7 @@
 //! When 2D copies can cross every tensor of a side at once: the tensors share one layout, sit at
 //! one address stride, and lie in one driver allocation.
 
+use super::Direction;
 use super::plan::{BlockLayout, Pair};
 use crate::cuda::Device;
 use crate::driver;
@@ -12,7 +13,18 @@ const MAX_PITCH: usize = i32::MAX as usize;
 /// beats [`Strategy::Batched`](super::Strategy::Batched), per direction (offload, load), as
 /// measured on the H200 (benches/RESULTS.md): host-to-device, 2D copies win from 4 KiB (7-8x) to
 /// 64 KiB (1.3x); device-to-host, only at 4 KiB.
-pub(super) const STRIDED_UP_TO: [usize; 2] = [8 << 10, 64 << 10];
+const STRIDED_UP_TO: [usize; 2] = [8 << 10, 64 << 10];
+
+/// Whether a move of `blocks` blocks of `part_bytes` per part, merged into `runs` runs, makes
+/// copies small enough for 2D copies to beat a batch (`STRIDED_UP_TO`).
+pub(super) fn small_copies(
+    direction: Direction,
+    blocks: usize,
+    part_bytes: usize,
+    runs: usize,
+) -> bool {
+    runs > 0 && blocks * part_bytes / runs <= STRIDED_UP_TO[direction as usize]
+}
 
 /// Whether each side's tensors lie in one driver allocation (a 2D copy may not cross from one
 /// allocation into another, even at a regular stride).

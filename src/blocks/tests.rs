@@ -186,3 +186,73 @@ fn bad_moves_are_refused_and_plan_nothing(
     assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
     assert_eq!(segs, before);
 }
+
+/// Pairs whose device tensor i sits at `dev(i)` and host tensor i at `host(i)`, each `blocks`
+/// blocks of 2 parts of 64 bytes (extent `blocks * 128`).
+fn pairs(
+    n: usize,
+    blocks: usize,
+    dev: impl Fn(u64) -> u64,
+    host: impl Fn(u64) -> u64,
+) -> Vec<plan::Pair> {
+    (0..n as u64)
+        .map(|i| plan::Pair {
+            device: layout(dev(i), blocks, 64, 2),
+            host: layout(host(i), blocks, 64, 2),
+            device_read_only: false,
+            host_read_only: false,
+        })
+        .collect()
+}
+
+#[rstest]
+#[case::abutting(3, |i| 0x10_0000 + i * 1280, |i| 0x7f00_0000 + i * 1280, Some((1280, 1280)))]
+#[case::with_gaps(4, |i| 0x10_0000 + i * 4096, |i| 0x7f00_0000 + i * 2048, Some((4096, 2048)))]
+#[case::one_pair(1, |_| 0x10_0000, |_| 0x7f00_0000, None)]
+#[case::overlapping(3, |i| 0x10_0000 + i * 1024, |i| 0x7f00_0000 + i * 1280, None)]
+#[case::descending(3, |i| 0x10_0000 - i * 1280, |i| 0x7f00_0000 + i * 1280, None)]
+#[case::irregular(3, |i| 0x10_0000 + i * 1280 + (i / 2) * 256, |i| 0x7f00_0000 + i * 1280, None)]
+#[case::host_irregular(3, |i| 0x10_0000 + i * 1280, |i| 0x7f00_0000 + i * i * 1280, None)]
+#[case::past_the_largest_pitch(2, |i| 0x10_0000 + i * (1 << 31), |i| 0x7f00_0000 + i * 1280, None)]
+#[case::at_the_largest_pitch(2, |i| 0x10_0000 + i * ((1 << 31) - 1), |i| 0x7f00_0000 + i * 1280, Some(((1 << 31) - 1, 1280)))]
+fn two_d_copies_need_one_layout_at_one_stride(
+    #[case] n: usize,
+    #[case] dev: fn(u64) -> u64,
+    #[case] host: fn(u64) -> u64,
+    #[case] want: Option<(usize, usize)>,
+) {
+    assert_eq!(strides::strides(&pairs(n, 10, dev, host)), want);
+}
+
+#[test]
+fn two_d_copies_need_one_layout() {
+    let mut p = pairs(3, 10, |i| 0x10_0000 + i * 1280, |i| 0x7f00_0000 + i * 1280);
+    assert!(strides::strides(&p).is_some());
+    p[2].host.num_blocks = 9;
+    assert_eq!(strides::strides(&p), None);
+    p[2].host.num_blocks = 10;
+    p[1].device.bytes = 32;
+    assert_eq!(strides::strides(&p), None);
+    p[1].device.bytes = 64;
+    p[1].device.outer = 1;
+    assert_eq!(strides::strides(&p), None, "one part fewer");
+}
+
+#[rstest]
+#[case::load_4k(Direction::Load, 2048, 4 << 10, 2048, true)]
+#[case::load_64k(Direction::Load, 2048, 64 << 10, 2048, true)]
+#[case::load_past_64k(Direction::Load, 2048, (64 << 10) + 4, 2048, false)]
+#[case::load_merged_past_64k(Direction::Load, 2048, 48 << 10, 1024, false)]
+#[case::offload_8k(Direction::Offload, 2048, 8 << 10, 2048, true)]
+#[case::offload_16k(Direction::Offload, 2048, 16 << 10, 2048, false)]
+#[case::offload_merged(Direction::Offload, 4, 4 << 10, 1, false)]
+#[case::nothing(Direction::Load, 0, 4 << 10, 0, false)]
+fn two_d_copies_for_small_copies_only(
+    #[case] direction: Direction,
+    #[case] blocks: usize,
+    #[case] part: usize,
+    #[case] runs: usize,
+    #[case] want: bool,
+) {
+    assert_eq!(strides::small_copies(direction, blocks, part, runs), want);
+}
