@@ -6,6 +6,9 @@ int32, laid out `[NB, B/4]` per tensor (block_dim 0), and L pinned host tensors 
 shape; a call moves M = NB/4 blocks of every tensor, device ids and host ids random (two fixed-seed
 permutations, a new draw per call). NB = min(8192, CAP / (L * B)) so each side stays within CAP
 (8 GiB): B = 4, 16 KiB hold 8192 blocks per tensor, 32 KiB 4096, 64 KiB 2048, 256 KiB 512.
+Each side is ONE allocation split into per-layer views (as engines allocate a KV pool), so
+pinstage may move small blocks as 2D copies across all tensors (the summary names the strategy
+it took); tensors in separate allocations are moved batched, like the batch peer.
 
 Variants, one torch stream `s`, a call = issue + `s.synchronize()` (wall time, perf_counter_ns):
   pinstage     mover.offload(dev_ids, host_ids, stream=s) / mover.load(host_ids, dev_ids, ...)
@@ -299,11 +302,20 @@ def both_at_once(case, s, s2, rounds):
         # Issued from two threads (a move's call releases the GIL; issuing a batch of small
         # copies takes the driver as long as the copies take), as an engine would.
         got = {}
+
+        def load():
+            try:
+                got["b"] = case.mover.load(h_in, d_in, stream=s2)
+            except Exception as e:  # noqa: BLE001 -- reported below
+                got["error"] = e
+
         t0 = time.perf_counter_ns()
-        th = threading.Thread(target=lambda: got.update(b=case.mover.load(h_in, d_in, stream=s2)))
+        th = threading.Thread(target=load)
         th.start()
         a = case.mover.offload(d_out, h_out, stream=s)
         th.join()
+        if "error" in got:
+            raise got["error"]
         s.synchronize()
         s2.synchronize()
         t2 = time.perf_counter_ns()
@@ -354,9 +366,15 @@ def graph_beside(case, s, rounds):
                 evs[i + 1].record(g_stream)
         return evs
 
-    def times(evs, upto):
-        return [evs[i].elapsed_time(evs[i + 1]) for i in range(len(evs) - 1)
-                if upto is None or evs[i + 1].elapsed_time(upto) >= 0]
+    def times(evs, span):
+        """Replay times; with `span` (start, end events of a move): only the replays that
+        started after the move started and ended before it ended."""
+        out = []
+        for i in range(len(evs) - 1):
+            if span is None or (span[0].elapsed_time(evs[i]) >= 0
+                                and evs[i + 1].elapsed_time(span[1]) >= 0):
+                out.append(evs[i].elapsed_time(evs[i + 1]))
+        return out
 
     res = {"graph_ms": None, "alone": [], "pinstage": [], "sm-gather": []}
     n = 40
@@ -373,6 +391,7 @@ def graph_beside(case, s, rounds):
             case.fill_source("dev")
             case.poison("host")
             di = torch.from_numpy(d_ids).cuda()
+            begun = torch.cuda.Event(enable_timing=True)
             done = torch.cuda.Event(enable_timing=True)
             started = threading.Event()
             held = {}
@@ -381,6 +400,7 @@ def graph_beside(case, s, rounds):
                 # In its own thread (issuing small copies takes the driver about as long as the
                 # copies), while this thread queues the replays.
                 with torch.cuda.stream(s):
+                    begun.record(s)
                     started.set()
                     if peer == "pinstage":
                         held["p"] = case.mover.offload(d_ids, h_ids, stream=s)
@@ -400,7 +420,7 @@ def graph_beside(case, s, rounds):
                 case.check("graph-beside", "offload", d_ids, h_ids)
             else:
                 case.check_packed("sm-gather", "offload", d_ids)
-            during = times(evs, done)
+            during = times(evs, (begun, done))
             if during:
                 res[peer].append(statistics.median(during))
     res["graph_ms"] = statistics.median(res["alone"])
@@ -443,7 +463,9 @@ def main():
               f"tensor ({case.bytes / 2**30:.2f} GiB a call)", flush=True)
         d_ids, h_ids = case.draw()
         for direction, a, b in (("offload", d_ids, h_ids), ("load", h_ids, d_ids)):
-            print(f"  pinstage's plan for a random {direction}: {case.mover.plan(direction, a, b)}")
+            plan = case.mover.plan(direction, a, b)
+            results[(B, direction, "strategy")] = plan["strategy"]
+            print(f"  pinstage's plan for a random {direction}: {plan}")
         for direction in ("offload", "load"):
             gbs = {v: [] for v in variants}
             hus = {v: [] for v in variants}
@@ -473,7 +495,7 @@ def main():
         torch.cuda.synchronize()
 
     print("\n== summary (GB/s medians; ratio = pinstage / peer)")
-    print(f"{'block':>7} {'dir':8} {'pinstage':>9} {'batch':>7} {'x batch':>8} {'contig':>7} "
+    print(f"{'block':>7} {'dir':8} {'strategy':8} {'pinstage':>9} {'batch':>7} {'x batch':>8} {'contig':>7} "
           f"{'x contig':>9} {'loop':>6} {'sm':>6} {'host us':>8} {'us/id':>6}")
     summary = []
     for B in sizes:
@@ -482,7 +504,9 @@ def main():
             p, bp, c = r["pinstage"][0][0], r["batch-peer"][0][0], r["contiguous"][0][0]
             h = r["pinstage"][1][0]
             M = min(8192, CAP // (L * B)) // 4
-            row = (f"{B >> 10:>4} KiB {direction:8} {p:9.2f} {bp:7.2f} {p / bp:7.2f}x {c:7.2f} "
+            strategy = results[(B, direction, "strategy")]
+            row = (f"{B >> 10:>4} KiB {direction:8} {strategy:8} {p:9.2f} {bp:7.2f} "
+                   f"{p / bp:7.2f}x {c:7.2f} "
                    f"{p / c:8.2f}x {r['copy-loop'][0][0]:6.2f} {r['sm-gather'][0][0]:6.2f} "
                    f"{h:8.1f} {h / M:6.3f}")
             print(row)

@@ -7,8 +7,9 @@ stream), the "model" appends one block of new K/V per layer, and its "attention"
 block of the sequence through the block table. To make room, the least recently used idle
 sequences are offloaded (`mover.offload`, on a side stream that waits for the model's writes;
 the model's stream waits for the offload before it overwrites the freed blocks). Every step
-checks every running sequence's attention sum against values computed on the host, so a block
-lost or misplaced anywhere in the cycle fails the example. With no GPU it runs on host memory.
+reads every running sequence's blocks in every layer and compares them with the values written
+(distinct per sequence, position, layer and K/V), so a block lost, misplaced or overwritten
+anywhere in the cycle fails the example. With no GPU it runs on host memory.
 
 python examples/kv_offload.py [--steps 60]
 """
@@ -106,13 +107,17 @@ def main():
             length[seq] += BLOCK
             lru.pop(seq, None)
             lru[seq] = True
-        # "attention": per running sequence, the sum over its blocks in every layer
+        # "attention": every running sequence reads all its blocks through its block table;
+        # each layer's K and V, every token of every block, must hold the values written.
         for seq in sorted(running):
             table = torch.tensor(on_dev[seq], device=dev)
-            got = sum(float(kv[layer].index_select(1, table).float().sum()) for layer in range(LAYERS))
-            want = float(token_values(seq + SEQS * seq_gen[seq], np.arange(length[seq])).sum()) * HEADS * DIM
-            if got != want:
-                raise SystemExit(f"step {step}: sequence {seq} attends {got}, expected {want}")
+            nb = length[seq] // BLOCK
+            vals = token_values(seq + SEQS * seq_gen[seq], np.arange(length[seq]))
+            want = torch.from_numpy(vals.reshape(LAYERS, 2, nb, BLOCK)).to(dev, torch.float16)
+            for layer in range(LAYERS):
+                got = kv[layer].index_select(1, table)  # [2, nb, BLOCK, HEADS, DIM]
+                if not torch.equal(got, want[layer][:, :, :, None, None].expand_as(got)):
+                    raise SystemExit(f"step {step}: sequence {seq}, layer {layer}: wrong KV")
     if pending_offload is not None:
         pending_offload.wait()
     print(f"{args.steps} steps on {dev}: {moved['offloaded']} blocks offloaded, {moved['loaded']} "

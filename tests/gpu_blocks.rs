@@ -428,11 +428,26 @@ fn gpu_blocks_refusals_issue_nothing() {
             "{src:?} -> {dst:?}: {e}"
         );
     }
-    d.enter().unwrap();
+    // A valid move on the same stream, waited for: anything a refused move had queued before
+    // it (on the stream, or the side stream it forks onto) has landed by then.
+    // SAFETY: waited for at once; the buffers outlive it.
+    unsafe { mover.offload(&[5], &[6], stream) }
+        .unwrap()
+        .wait()
+        .unwrap();
+    let (k, v) = (s.layout.at(8, 256, 2, 0, 6), s.layout.at(8, 256, 2, 1, 6));
+    let written = |i: usize| (k..k + 256).contains(&i) || (v..v + 256).contains(&i);
     for t in 0..2 {
+        let host = s.read(1, t);
         assert!(
-            s.read(1, t).iter().all(|&b| b == POISON),
+            host.iter()
+                .enumerate()
+                .all(|(i, &b)| b == POISON || written(i)),
             "a refused move wrote host tensor {t}"
+        );
+        assert!(
+            host[k] != POISON && host[v] != POISON,
+            "the valid move did not land"
         );
     }
     // A pageable host tensor, a dtype pair that differs, block sizes that differ.

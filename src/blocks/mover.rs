@@ -1,5 +1,5 @@
 //! [`BlockMover`]: moves lists of blocks between device tensors and pinned host tensors with the
-//! copy engines: one batched driver call per move, or 2D copies across the tensors.
+//! copy engines: batched driver calls, or 2D copies across the tensors.
 
 use std::marker::PhantomData;
 use std::sync::OnceLock;
@@ -33,8 +33,11 @@ fn memory_name(m: MemoryKind) -> &'static str {
 /// blocks.
 ///
 /// A move checks every id before it issues anything, merges runs of ids adjacent on both sides
-/// into one copy, and issues all copies in one `cuMemcpyBatchAsync` (several beyond
-/// [`MAX_BATCH`] copies) on the caller's stream: copy engines only, no kernel.
+/// into one copy, and issues the copies on the caller's stream, copy engines only, no kernel:
+/// in one `cuMemcpyBatchAsync` (several beyond [`MAX_BATCH`] copies), or, when each side's
+/// tensors share one layout at one stride within one allocation and the copies are small, as
+/// one 2D copy per run and part across every tensor ([`Strategy::Strided`];
+/// [`BlockMover::plan`] says which and why).
 pub struct BlockMover<'t> {
     /// `None`: the "device" tensors are host memory too (moves are `memcpy`s; no driver needed).
     device: Option<Device>,
@@ -413,15 +416,25 @@ impl<'t> BlockMover<'t> {
         };
         let cur = stream.enter_for_copy(device)?;
         let event = Event::new_in(&cur)?;
-        if strided {
+        let mut issued = if strided {
             // SAFETY: caller's contracts 1-3; row i of every 2D copy is the segment's bytes in
             // pair i (the pairs' layouts are equal and `strides` apart: `strides()`).
-            unsafe { self.issue_strided(direction, scratch, stream) }?;
-            event.record_in(&cur, stream)?;
+            unsafe { self.issue_strided(direction, scratch, stream) }
+                .and_then(|()| event.record_in(&cur, stream))
         } else {
             // SAFETY: caller's contracts 1-3; the segments lie within the tensors (checked runs).
-            unsafe { self.issue(&cur, direction, scratch, stream, &event) }?;
+            unsafe { self.issue(&cur, direction, scratch, stream, &event) }
+        };
+        if issued.is_err() {
+            // Copies queued before the failure cannot be followed: wait for them (on the
+            // caller's stream and the side streams) so none still touches the tensors when
+            // the error returns and the borrow ends.
+            for side in self.side.iter().filter_map(OnceLock::get) {
+                let _ = side.handle().synchronize(&cur);
+            }
+            issued = stream.drained_on_err(&cur, issued);
         }
+        issued?;
         Ok(BlockCopy {
             event: Some(event),
             expected: crate::cuda::wait::copy_time(bytes),

@@ -12,7 +12,7 @@ const MAX_PITCH: usize = i32::MAX as usize;
 /// Up to how many bytes per copy (on average over a move) [`Strategy::Strided`](super::Strategy::Strided)
 /// beats [`Strategy::Batched`](super::Strategy::Batched), per direction (offload, load), as
 /// measured on the H200 (benches/RESULTS.md): host-to-device, 2D copies win from 4 KiB (7-8x) to
-/// 64 KiB (1.3x); device-to-host, only at 4 KiB.
+/// 64 KiB (1.3x); device-to-host, at 4 KiB (1.5x; 16 KiB already favours the batch).
 const STRIDED_UP_TO: [usize; 2] = [8 << 10, 64 << 10];
 
 /// Whether a move of `blocks` blocks of `part_bytes` per part, merged into `runs` runs, makes

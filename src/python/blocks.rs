@@ -13,8 +13,9 @@ use crate::cuda::StreamHandle;
 use crate::dlpack::{DType, DeviceView, MemoryKind};
 
 /// Moves lists of KV-cache blocks between device tensors and pinned host tensors with the copy
-/// engines (no kernel): runs of adjacent ids merged, every copy of a move in one batched driver
-/// call, on the caller's stream.
+/// engines (no kernel), on the caller's stream: runs of adjacent ids merged, a move's copies in
+/// one batched driver call, or, when each side's tensors are views of one allocation (one pool
+/// tensor split per layer) and the copies are small, one 2D copy per run across every tensor.
 ///
 /// Parameters:
 ///     device_tensors: a list of C-contiguous DLPack tensors on one CUDA device (torch, cupy;
@@ -37,10 +38,9 @@ use crate::dlpack::{DType, DeviceView, MemoryKind};
 ///         dtypes, not a DLPack producer. CudaUnavailableError: device tensors without a driver.
 ///
 /// Example:
-///     >>> kv = [torch.empty(2, 8192, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
-///     ...       for _ in range(64)]
-///     >>> host = [pinstage.empty_host((2, 4096, 16, 8, 128), "bfloat16") for _ in kv]
-///     >>> mover = pinstage.BlockMover(kv, host, block_dim=1)
+///     >>> pool = torch.empty(64, 2, 4096, 16, 8, 64, dtype=torch.bfloat16, device="cuda")
+///     >>> host = torch.empty(64, 2, 1024, 16, 8, 64, dtype=torch.bfloat16).pin_memory()
+///     >>> mover = pinstage.BlockMover(list(pool), list(host), block_dim=1)
 ///     >>> mover.offload([7, 8, 9, 100], [0, 1, 2, 3]).wait()
 #[pyclass(frozen, module = "pinstage._native")]
 pub(crate) struct BlockMover {
@@ -136,7 +136,8 @@ impl BlockMover {
     ///     src_ids, dst_ids: as the move's (device then host ids for ``"offload"``).
     ///
     /// Returns:
-    ///     dict: ``direction``, ``strategy`` (``"batched"``, ``"per_copy"`` or ``"empty"``),
+    ///     dict: ``direction``, ``strategy`` (``"batched"``, ``"strided"``, ``"per_copy"`` or
+    ///     ``"empty"``),
     ///     ``blocks``, ``runs`` (merged runs of adjacent ids), ``copies``, ``calls`` (driver
     ///     calls), ``bytes``, ``reason``.
     fn plan<'py>(
@@ -258,9 +259,14 @@ pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<usize
     let p = v.ptr() as usize;
     macro_rules! read {
         ($t:ty) => {{
-            // SAFETY: `n` elements of `$t` in host memory kept alive by `imp` (borrowed here).
-            let s = unsafe { std::slice::from_raw_parts(p as *const $t, n) };
-            s.iter().map(|&x| id(x as i128, arg)).collect()
+            (0..n)
+                .map(|i| {
+                    // SAFETY: element `i < n` of `$t` in host memory kept alive by `imp`
+                    // (borrowed here); read unaligned (a producer may export any address).
+                    let x = unsafe { std::ptr::read_unaligned((p as *const $t).add(i)) };
+                    id(x as i128, arg)
+                })
+                .collect()
         }};
     }
     match v.dtype() {
@@ -305,7 +311,19 @@ fn start(
     let src = block_ids(src_ids, src_arg)?;
     let dst = block_ids(dst_ids, dst_arg)?;
     let stream = match (parse_stream(stream)?, &this.exchange, this.device) {
-        (Some(s), _, _) => s,
+        (Some(s), _, _) => {
+            // Only a definite answer refuses (a driver that cannot tell lets the move go on).
+            if let Some(dev) = this.mover.device()
+                && s.is_on(dev).is_ok_and(|own| !own)
+            {
+                return Err(value_err(format!(
+                    "stream= must be a stream of the device tensors' device (cuda:{}); got one \
+                     of another device",
+                    dev.ordinal()
+                )));
+            }
+            s
+        }
         (None, Some(ex), (dt, id)) if this.mover.device().is_some() => {
             ex.current_stream(py, dt, id)?
         }
