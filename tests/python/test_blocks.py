@@ -115,6 +115,27 @@ def test_bad_ids_are_refused_and_nothing_is_written(src, dst, exc, match):
     assert (host[0] == POISON).all()
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+def test_ids_from_every_integer_dtype_aligned_or_not(dtype, aligned):
+    dev = [values((2, 24, 3), 0, 0)]
+    host = [np.full((2, 16, 3), POISON, np.int32)]
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    want_src, want_dst = [3, 4, 20], [15, 0, 7]
+    ids = []
+    for v in (want_src, want_dst):
+        a = np.array(v, dtype=dtype)
+        if not aligned and a.itemsize > 1:  # the same values one byte off their alignment
+            raw = np.zeros(a.nbytes + 1, np.uint8)
+            a = np.ndarray(len(v), dtype=dtype, buffer=raw, offset=1)
+            a[:] = v
+        ids.append(a)
+    assert mover.plan("offload", ids[0], ids[1])["blocks"] == 3
+    mover.offload(ids[0], ids[1]).wait()
+    want = expected(np.full((2, 16, 3), POISON, np.int32), dev[0], want_src, want_dst, 1)
+    np.testing.assert_array_equal(host[0], want)
+
+
 def test_bad_tensors_are_refused():
     dev = [np.zeros((2, 8, 4), np.int32)]
     with pytest.raises(pinstage.PinstageValueError, match="one host tensor per device tensor"):
