@@ -35,7 +35,7 @@ use crate::dlpack::{DType, DeviceView, MemoryKind};
 ///     PinstageValueError: lists of different lengths or empty, a pageable or device host
 ///         tensor, a non-contiguous tensor, a JAX device tensor (immutable), a pair whose block
 ///         sizes or parts differ, ``block_dim`` out of range. PinstageTypeError: a pair of two
-///         dtypes, not a DLPack producer. CudaUnavailableError: device tensors without a driver.
+///         dtypes, not a DLPack producer, a ``block_dim`` that is not an int. CudaUnavailableError: device tensors without a driver.
 ///
 /// Example:
 ///     >>> pool = torch.empty(64, 2, 4096, 16, 8, 64, dtype=torch.bfloat16, device="cuda")
@@ -56,12 +56,20 @@ pub(crate) struct BlockMover {
 #[pymethods]
 impl BlockMover {
     #[new]
-    #[pyo3(signature = (device_tensors, host_tensors, *, block_dim=0))]
+    #[pyo3(
+        signature = (device_tensors, host_tensors, *, block_dim=None),
+        text_signature = "(device_tensors, host_tensors, *, block_dim=0)"
+    )]
     fn new(
         device_tensors: &Bound<'_, PyAny>,
         host_tensors: &Bound<'_, PyAny>,
-        block_dim: usize,
+        block_dim: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        // A dimension of a DLPack tensor: numpy's limit of 64 dimensions.
+        let block_dim = match block_dim {
+            Some(b) => super::args::count_arg(b, "block_dim", 0, 63)?,
+            None => 0,
+        };
         let devs = tensor_list(device_tensors)?;
         let hosts = tensor_list(host_tensors)?;
         let mut imported = Vec::with_capacity(devs.len() + hosts.len());

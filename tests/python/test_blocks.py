@@ -142,6 +142,12 @@ def test_bad_tensors_are_refused():
         pinstage.BlockMover(dev, [])
     with pytest.raises(pinstage.PinstageValueError, match="block_dim"):
         pinstage.BlockMover(dev, [np.zeros((2, 8, 4), np.int32)], block_dim=3)
+    bad_dims = ((-1, pinstage.PinstageValueError), (True, pinstage.PinstageTypeError),
+                (1.0, pinstage.PinstageTypeError))
+    for bad, exc in bad_dims:
+        with pytest.raises(exc, match="block_dim must be an int"):
+            pinstage.BlockMover(dev, [np.zeros((2, 8, 4), np.int32)], block_dim=bad)
+    assert pinstage.BlockMover(dev, [np.zeros((2, 8, 4), np.int32)], block_dim=np.int64(1)).host_blocks == 8
     with pytest.raises(pinstage.PinstageValueError, match="pair 0"):
         pinstage.BlockMover(dev, [np.zeros((2, 8, 5), np.int32)], block_dim=1)
     with pytest.raises(pinstage.PinstageTypeError):
