@@ -478,3 +478,55 @@ fn gpu_blocks_refusals_issue_nothing() {
     assert!(e.to_string().contains("device memory"), "{e}");
     assert!(pageable.iter().all(|&b| b == POISON));
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_blocks_never_take_2d_copies_across_allocations() {
+    let Some(d) = gpu_or_skip("gpu_blocks_never_take_2d_copies_across_allocations") else {
+        return;
+    };
+    // Two device tensors in one allocation, two host tensors in two allocations: any two
+    // addresses sit "at one stride", but a 2D copy may not cross from one allocation into the
+    // other (the driver refuses it), so small moves must go batched, and land.
+    let (blocks, bytes) = (16, 1024);
+    let per = 2 * blocks * bytes;
+    let dev = DeviceBuffer::new(&d, 2 * per).unwrap();
+    let mut host: Vec<PinnedBuffer> = (0..2)
+        .map(|_| PinnedBuffer::new(&d, per, PinnedFlags::PORTABLE).unwrap())
+        .collect();
+    host.sort_by_key(|h| h.as_ptr() as u64);
+    let shape = [2, blocks as i64, bytes as i64];
+    let dv: Vec<_> = (0..2)
+        .map(|t| view(dev.ptr() + (t * per) as u64, Some(d.ordinal()), &shape))
+        .collect();
+    let hv: Vec<_> = host
+        .iter()
+        .map(|h| view(h.as_ptr() as u64, None, &shape))
+        .collect();
+    let mover = BlockMover::new(&dv, &hv, 1).unwrap();
+    let (src, dst) = ([3usize, 9, 12], [0usize, 5, 15]);
+    assert_eq!(
+        mover.plan(Direction::Offload, &src, &dst).unwrap().strategy,
+        Strategy::Batched
+    );
+    let data: Vec<u8> = (0..2 * per).map(|i| byte(0, 1, i / per, 0, 0, i)).collect();
+    dev.upload(0, &data).unwrap();
+    for h in &mut host {
+        h.as_mut_slice().fill(POISON);
+    }
+    // SAFETY: waited for at once; the buffers outlive it.
+    unsafe { mover.offload(&src, &dst, StreamHandle::LEGACY) }
+        .unwrap()
+        .wait()
+        .unwrap();
+    for (t, h) in host.iter().enumerate() {
+        let mut want = vec![POISON; per];
+        for (&s, &b) in src.iter().zip(&dst) {
+            for p in 0..2 {
+                let (from, to) = (t * per + (p * blocks + s) * bytes, (p * blocks + b) * bytes);
+                want[to..to + bytes].copy_from_slice(&data[from..from + bytes]);
+            }
+        }
+        assert!(h.as_slice() == &want[..], "host tensor {t}");
+    }
+}
