@@ -42,10 +42,11 @@ fn layout(kind: usize, blocks: usize, bytes: usize) -> (Vec<i64>, usize, At) {
             Box::new(move |p, k| (p * blocks + k) * bytes),
         ),
         1 => (vec![b, 2, n], 0, Box::new(move |p, k| (k * 2 + p) * bytes)),
+        // Parts from two dimensions before the blocks (1 x 2).
         _ => (
-            vec![b, 2, 1, n],
-            0,
-            Box::new(move |p, k| (k * 2 + p) * bytes),
+            vec![1, 2, b, n],
+            2,
+            Box::new(move |p, k| (p * blocks + k) * bytes),
         ),
     }
 }
