@@ -14,6 +14,8 @@ Variants, one torch stream `s`, a call = issue + `s.synchronize()` (wall time, p
   pinstage     mover.offload(dev_ids, host_ids, stream=s) / mover.load(host_ids, dev_ids, ...)
   batch-peer   vLLM's DMA idiom: the (tensor, block) pairs merged into runs with numpy and ONE
                cuMemcpyBatchAsync (ctypes, srcAccessOrder STREAM, arrays built per call)
+  2d-peer      with each side one allocation (as here): one cuMemcpy2DAsync per run across all
+               tensors (height L, pitch the tensor stride; ctypes), what pinstage's "strided" does
   copy-loop    torch `copy_(non_blocking=True)` per (tensor, run)
   sm-gather    torch index_select / index_copy_ on the device (an SM kernel) + one contiguous
                copy to or from a packed pinned staging tensor (host ids 0..M-1; for reference)
@@ -109,6 +111,54 @@ class BatchPeer:
         return len(sizes)
 
 
+class Memcpy2D(ctypes.Structure):
+    # CUDA_MEMCPY2D
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
+    ]
+
+
+class TwoDPeer:
+    """The idiom a user with one pool allocation per side can write: one cuMemcpy2DAsync per
+    (run) across every tensor (height L, pitch the tensor stride), through ctypes."""
+
+    HOST, DEVICE = 1, 2
+
+    def __init__(self):
+        cuda = ctypes.CDLL("libcuda.so.1")
+        self.f = cuda.cuMemcpy2DAsync_v2
+        self.f.argtypes = [ctypes.POINTER(Memcpy2D), ctypes.c_void_p]
+        self.f.restype = ctypes.c_int
+        self.c = Memcpy2D()
+
+    def issue(self, src_base, dst_base, pitch, B, src_ids, dst_ids, src_host, stream):
+        c = self.c
+        c.srcMemoryType = self.HOST if src_host else self.DEVICE
+        c.dstMemoryType = self.DEVICE if src_host else self.HOST
+        c.srcPitch = c.dstPitch = pitch
+        c.Height = L
+        starts, lens = runs_of(src_ids, dst_ids)
+        for a, n in zip(starts.tolist(), lens.tolist()):
+            src = src_base + int(src_ids[a]) * B
+            dst = dst_base + int(dst_ids[a]) * B
+            if src_host:
+                c.srcHost, c.srcDevice, c.dstHost, c.dstDevice = src, 0, None, dst
+            else:
+                c.srcHost, c.srcDevice, c.dstHost, c.dstDevice = None, src, dst, 0
+            c.WidthInBytes = n * B
+            rc = self.f(ctypes.byref(c), ctypes.c_void_p(stream))
+            if rc != 0:
+                raise RuntimeError(f"cuMemcpy2DAsync: CUresult {rc}")
+
+
 def runs_of(src_ids, dst_ids):
     """Starts (indices) and lengths of the runs where both id lists step by one."""
     n = len(src_ids)
@@ -202,7 +252,7 @@ class Case:
                 fail(f"{name} load {self.B >> 10} KiB: other blocks WRITTEN")
 
 
-def one_call(case, name, direction, s, peer, timings, host_us):
+def one_call(case, name, direction, s, peer, timings, host_us, peer2d=None):
     """Prepare, time one call of `name`, check it."""
     d_ids, h_ids = case.draw()
     src_side = "dev" if direction == "offload" else "host"
@@ -242,6 +292,15 @@ def one_call(case, name, direction, s, peer, timings, host_us):
                 peer.issue(case.dev_base, case.host_base, case.B, case.B, d_ids, h_ids, s.cuda_stream)
             else:
                 peer.issue(case.host_base, case.dev_base, case.B, case.B, h_ids, d_ids, s.cuda_stream)
+            t1 = time.perf_counter_ns()
+            s.synchronize()
+        elif name == "2d-peer":
+            pitch = case.NB * case.B  # the tensors of each side are one allocation, this apart
+            d0, h0 = int(case.dev_base[0]), int(case.host_base[0])
+            if direction == "offload":
+                peer2d.issue(d0, h0, pitch, case.B, d_ids, h_ids, False, s.cuda_stream)
+            else:
+                peer2d.issue(h0, d0, pitch, case.B, h_ids, d_ids, True, s.cuda_stream)
             t1 = time.perf_counter_ns()
             s.synchronize()
         elif name == "copy-loop":
@@ -454,8 +513,9 @@ def main():
     }
     print(f"allocated in {time.perf_counter() - t_alloc:.1f} s", flush=True)
     peer = BatchPeer()
+    peer2d = TwoDPeer()
     s, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    variants = ["pinstage", "batch-peer", "copy-loop", "sm-gather", "contiguous"]
+    variants = ["pinstage", "batch-peer", "2d-peer", "copy-loop", "sm-gather", "contiguous"]
     results = {}
     for B in sizes:
         case = Case(pool, B)
@@ -470,14 +530,14 @@ def main():
             gbs = {v: [] for v in variants}
             hus = {v: [] for v in variants}
             for v in variants:  # warm-up, unchecked figures dropped
-                one_call(case, v, direction, s, peer, [], [])
+                one_call(case, v, direction, s, peer, [], [], peer2d)
             for r in range(args.rounds):
                 order = variants[r % len(variants):] + variants[: r % len(variants)]
                 for v in order:
                     if v == "copy-loop" and r >= args.loop_rounds:
                         continue
                     try:
-                        one_call(case, v, direction, s, peer, gbs[v], hus[v])
+                        one_call(case, v, direction, s, peer, gbs[v], hus[v], peer2d)
                     except Exception as e:  # noqa: BLE001 -- reported, the bench goes on
                         fail(f"{v} {direction} {B >> 10} KiB raised {e!r}")
             results[(B, direction)] = {v: (med(gbs[v]), med(hus[v])) for v in variants}
@@ -495,18 +555,20 @@ def main():
         torch.cuda.synchronize()
 
     print("\n== summary (GB/s medians; ratio = pinstage / peer)")
-    print(f"{'block':>7} {'dir':8} {'strategy':8} {'pinstage':>9} {'batch':>7} {'x batch':>8} {'contig':>7} "
+    print(f"{'block':>7} {'dir':8} {'strategy':8} {'pinstage':>9} {'batch':>7} {'x batch':>8} "
+          f"{'2d':>7} {'x 2d':>7} {'contig':>7} "
           f"{'x contig':>9} {'loop':>6} {'sm':>6} {'host us':>8} {'us/id':>6}")
     summary = []
     for B in sizes:
         for direction in ("offload", "load"):
             r = results[(B, direction)]
             p, bp, c = r["pinstage"][0][0], r["batch-peer"][0][0], r["contiguous"][0][0]
+            td = r["2d-peer"][0][0]
             h = r["pinstage"][1][0]
             M = min(8192, CAP // (L * B)) // 4
             strategy = results[(B, direction, "strategy")]
             row = (f"{B >> 10:>4} KiB {direction:8} {strategy:8} {p:9.2f} {bp:7.2f} "
-                   f"{p / bp:7.2f}x {c:7.2f} "
+                   f"{p / bp:7.2f}x {td:7.2f} {p / td:6.2f}x {c:7.2f} "
                    f"{p / c:8.2f}x {r['copy-loop'][0][0]:6.2f} {r['sm-gather'][0][0]:6.2f} "
                    f"{h:8.1f} {h / M:6.3f}")
             print(row)
