@@ -261,3 +261,63 @@ fn bad_tensors_are_refused() {
         .wait()
         .unwrap();
 }
+
+#[test]
+fn handles_and_names_say_what_they_hold() {
+    assert_eq!(
+        (Direction::Offload.name(), Direction::Load.name()),
+        ("offload", "load")
+    );
+    assert_eq!(pinstage::blocks::MAX_BATCH, 65536);
+    let mut d = vec![1u8; 64];
+    let mut h = vec![0u8; 64];
+    let dv = [view(&mut d, &[2, 8, 4], 1, false)];
+    let hv = [view(&mut h, &[2, 8, 4], 1, false)];
+    let mover = BlockMover::new(&dv, &hv, 1).unwrap();
+    assert!(!mover.is_empty() && mover.device().is_none());
+    let shown = format!("{mover:?}");
+    assert!(
+        shown.contains("tensors: 1") && shown.contains("device_blocks: 8"),
+        "{shown}"
+    );
+    // SAFETY: host memory, alive while the mover is.
+    let c = unsafe { mover.offload(&[1], &[2], StreamHandle::LEGACY) }.unwrap();
+    // A host move is a memcpy: done when the call returns, with no event to wait on.
+    assert!(c.is_done() && c.event().is_none());
+    assert!(format!("{c:?}").contains("pending: false"));
+    c.wait().unwrap();
+    assert_eq!(&h[8..12], &[1, 1, 1, 1]);
+}
+
+#[test]
+fn device_tensors_in_two_kinds_of_memory_are_refused() {
+    let mut d = vec![1u8; 64];
+    let mut h = [0u8; 128];
+    let host_dev = view(&mut d, &[2, 8, 4], 1, false);
+    // A CUDA tensor's description (never dereferenced: the mover refuses the mix first).
+    let meta = validate(&TensorDesc {
+        device_type: pinstage::dlpack::DL_CUDA,
+        device_id: 0,
+        data: 0x7000_0000,
+        byte_offset: 0,
+        code: 1,
+        bits: 8,
+        lanes: 1,
+        shape: &[2, 8, 4],
+        strides: None,
+        read_only: false,
+    })
+    .unwrap();
+    // SAFETY: never read or written (refused before any copy).
+    let cuda = unsafe { DeviceView::from_meta(meta) };
+    let hv = [
+        view(&mut h[..64], &[2, 8, 4], 1, false),
+        view(&mut h[64..], &[2, 8, 4], 1, false),
+    ];
+    let e = BlockMover::new(&[host_dev, cuda], &hv, 1).unwrap_err();
+    assert!(
+        matches!(&e, Error::InvalidArgument { param: "device_tensors", value, .. }
+            if value == "tensor 1 in device memory"),
+        "{e}"
+    );
+}

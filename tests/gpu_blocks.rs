@@ -530,3 +530,33 @@ fn gpu_blocks_never_take_2d_copies_across_allocations() {
         assert!(h.as_slice() == &want[..], "host tensor {t}");
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_blocks_moves_past_one_batch_take_several_calls_and_land() {
+    let Some(d) = gpu_or_skip("gpu_blocks_moves_past_one_batch_take_several_calls_and_land") else {
+        return;
+    };
+    // 40000 blocks of 8 bytes, none adjacent to the next on both sides: 2 parts x 40000 runs =
+    // 80000 copies, more than one cuMemcpyBatchAsync carries (MAX_BATCH = 65536).
+    let (blocks, bytes) = (80_000usize, 8usize);
+    let mut s = Sides::new(&d, Layout::KvFirst, 1, bytes, blocks, blocks);
+    let (dv, hv, dim) = s.views();
+    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    let dev_ids: Vec<usize> = (0..40_000).map(|i| 2 * i).collect();
+    let host_ids: Vec<usize> = (0..40_000).map(|i| blocks - 1 - 2 * i).collect();
+    let plan = mover.plan(Direction::Offload, &dev_ids, &host_ids).unwrap();
+    assert_eq!(
+        (plan.strategy, plan.copies, plan.calls),
+        (Strategy::Batched, 80_000, 2)
+    );
+    let src = s.fill(0, 7);
+    s.poison(1);
+    let own = Stream::new(&d).unwrap();
+    // SAFETY: waited for at once; the buffers outlive it.
+    unsafe { mover.offload(&dev_ids, &host_ids, own.handle()) }
+        .unwrap()
+        .wait()
+        .unwrap();
+    s.check(1, &src, &dev_ids, &host_ids, "offload of 80000 copies");
+}
