@@ -13,7 +13,8 @@
 //! - [`d2h`]: device to host, into pinned memory at line rate or pageable memory through a
 //!   pinned bounce ring ([`copy_d2h`], [`d2h::copy_d2h_async`]).
 //! - [`blocks`]: paged KV-cache blocks between device tensors and pinned host tensors
-//!   ([`BlockMover`]: lists of block ids, one batched copy-engine call per move).
+//!   ([`BlockMover`]: lists of block ids moved by the copy engines: batched calls, or 2D copies
+//!   across tensors that share one allocation).
 //! - [`host`]: page-locked memory ([`PinnedBuffer`], [`host::PinnedPool`]), memory pinned in
 //!   place, and what a copy in flight holds ([`host::PendingCopy`]).
 //! - [`cuda`]: devices, streams and events over the driver.

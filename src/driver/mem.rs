@@ -253,28 +253,21 @@ pub(crate) unsafe fn memcpy_2d_htod_async(
     height: usize,
     stream: CUstream,
 ) -> DResult<()> {
-    let c = sys::CUDA_MEMCPY2D {
-        srcXInBytes: 0,
-        srcY: 0,
-        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
-        srcHost: src,
-        srcDevice: 0,
-        srcArray: std::ptr::null_mut(),
-        srcPitch: width,
-        dstXInBytes: 0,
-        dstY: 0,
-        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-        dstHost: std::ptr::null_mut(),
-        dstDevice: dst,
-        dstArray: std::ptr::null_mut(),
-        dstPitch: width,
-        WidthInBytes: width,
-        Height: height,
+    let packed = |addr, host| Pitched {
+        addr,
+        pitch: width,
+        host,
     };
-    // SAFETY: caller's contract; `c` outlives the call (the driver reads it during the call).
-    check("cuMemcpy2DAsync", unsafe {
-        sys::cuMemcpy2DAsync_v2(&c, stream)
-    })
+    // SAFETY: caller's contract: packed rows (pitch = width) of host source, device destination.
+    unsafe {
+        memcpy_2d_async(
+            packed(dst, false),
+            packed(src as u64, true),
+            width,
+            height,
+            stream,
+        )
+    }
 }
 
 /// One side of a pitched copy: where row 0 starts, the distance between rows, and whether it
