@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{POISON, gpu_or_skip};
+use common::{POISON, gpu_or_skip, stall};
 use pinstage::blocks::{BlockMover, Direction, Strategy};
 use pinstage::dlpack::{DL_CPU, DL_CUDA, TensorDesc, validate};
 use pinstage::host::PinnedFlags;
@@ -298,6 +298,7 @@ fn gpu_blocks_every_block_lands(
     #[values(64, 4100, 65536)] bytes: usize,
     #[values(0, 1, 2)] stream_kind: u8,
     #[values(false, true)] pooled: bool,
+    #[values(true, false)] thread: bool,
 ) {
     let Some(d) = gpu_or_skip("gpu_blocks_every_block_lands") else {
         return;
@@ -312,6 +313,11 @@ fn gpu_blocks_every_block_lands(
     let mut s = Sides::with(&d, layout, tensors, bytes, dev_blocks, host_blocks, pooled);
     let (dv, hv, dim) = s.views();
     let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    let mover = if thread {
+        mover
+    } else {
+        mover.on_caller_thread()
+    };
     for m in 0..6u32 {
         let n = [1, 7, 16, 40, 3, 25][m as usize];
         // Ids with a run of adjacent pairs in every other move.
@@ -559,4 +565,96 @@ fn gpu_blocks_moves_past_one_batch_take_several_calls_and_land() {
         .wait()
         .unwrap();
     s.check(1, &src, &dev_ids, &host_ids, "offload of 80000 copies");
+}
+
+#[rstest]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_blocks_stream_order_holds_without_a_wait(
+    #[values(false, true)] pooled: bool,
+    #[values(true, false)] thread: bool,
+) {
+    let Some(d) = gpu_or_skip("gpu_blocks_stream_order_holds_without_a_wait") else {
+        return;
+    };
+    // A load, then an offload of the loaded blocks, then a load that overwrites them, all on
+    // one stalled stream with no wait in between: each must see the one before and none the
+    // one after, whichever thread issues them. The offload reads in the reverse order of the
+    // load's writes, so copies that overlapped would read poison.
+    let (tensors, bytes, blocks) = (4, 65536, 128);
+    let mut s = Sides::with(&d, Layout::KvFirst, tensors, bytes, blocks, blocks, pooled);
+    let (dv, hv, dim) = s.views();
+    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    let mover = if thread {
+        mover
+    } else {
+        mover.on_caller_thread()
+    };
+    let own = Stream::new(&d).unwrap();
+    // Warm-up moves of one block each way: the mover's threads start before the stall.
+    // SAFETY: waited for at once; the buffers outlive them.
+    unsafe { mover.offload(&[0], &[0], own.handle()) }
+        .unwrap()
+        .wait()
+        .unwrap();
+    // SAFETY: as above.
+    unsafe { mover.load(&[0], &[0], own.handle()) }
+        .unwrap()
+        .wait()
+        .unwrap();
+    let first: Vec<usize> = (0..40).collect(); // host blocks loaded first
+    let back: Vec<usize> = (40..80).collect(); // host blocks the offload writes
+    let second: Vec<usize> = (80..120).collect(); // host blocks loaded last
+    let dev_ids: Vec<usize> = (0..40).map(|i| 3 * i + 1).collect();
+    let rev: Vec<usize> = dev_ids.iter().rev().copied().collect();
+    let back_rev: Vec<usize> = back.iter().rev().copied().collect();
+    for round in 0..3u32 {
+        let host = s.fill(1, round);
+        s.poison(0);
+        let stall = stall(&own);
+        // SAFETY: waited for below (the copies drop last); the buffers outlive them.
+        let c1 = unsafe { mover.load(&first, &dev_ids, own.handle()) }.unwrap();
+        // SAFETY: as above.
+        let c2 = unsafe { mover.offload(&rev, &back_rev, own.handle()) }.unwrap();
+        // SAFETY: as above.
+        let c3 = unsafe { mover.load(&second, &dev_ids, own.handle()) }.unwrap();
+        assert!(
+            !c2.is_done(),
+            "round {round}: the offload's event completed under a stall"
+        );
+        stall.release();
+        // The offload's event: once it completed, its host blocks hold the first load's values
+        // (read here at once, with no other wait).
+        c2.wait().unwrap();
+        let mut want_host = host.clone();
+        for (t, want) in want_host.iter_mut().enumerate() {
+            for (&h, &b) in first.iter().zip(&back) {
+                for p in 0..2 {
+                    let from = s.layout.at(blocks, bytes, tensors, p, h);
+                    let to = s.layout.at(blocks, bytes, tensors, p, b);
+                    let block = host[t][from..from + bytes].to_vec();
+                    want[to..to + bytes].copy_from_slice(&block);
+                }
+            }
+        }
+        for (t, want) in want_host.iter().enumerate() {
+            let got = s.read(1, t);
+            if got[..want.len()] != want[..] {
+                let first = got.iter().zip(want).position(|(a, b)| a != b).unwrap();
+                panic!(
+                    "round {round}: host tensor {t}: byte {first} is {:#x}, expected {:#x} \
+                     (the offload did not see the first load, or saw the second)",
+                    got[first], want[first]
+                );
+            }
+        }
+        c3.wait().unwrap();
+        c1.wait().unwrap();
+        s.check(
+            0,
+            &host,
+            &second,
+            &dev_ids,
+            &format!("round {round}: the last load"),
+        );
+    }
 }

@@ -1,8 +1,10 @@
 //! What a move is and returns: [`Direction`], [`Strategy`], [`MovePlan`] and [`BlockCopy`].
 
 use std::marker::PhantomData;
+use std::sync::Arc;
 use std::time::Duration;
 
+use super::issuer::Outcome;
 use crate::cuda::Event;
 use crate::error::{Error, Result};
 
@@ -71,6 +73,8 @@ pub struct MovePlan {
 pub struct BlockCopy<'m> {
     pub(super) event: Option<Event>,
     pub(super) expected: Duration,
+    /// Set for a move issued on the mover's thread: whether issuing failed.
+    pub(super) outcome: Option<Arc<Outcome>>,
     pub(super) _mover: PhantomData<&'m ()>,
 }
 
@@ -83,6 +87,16 @@ impl std::fmt::Debug for BlockCopy<'_> {
 }
 
 impl BlockCopy<'_> {
+    /// A move with nothing in flight (nothing to move, or moved already).
+    pub(super) fn done() -> Self {
+        Self {
+            event: None,
+            expected: Duration::ZERO,
+            outcome: None,
+            _mover: PhantomData,
+        }
+    }
+
     /// Whether the move completed (never blocks; an error counts as done: `wait` reports it).
     pub fn is_done(&self) -> bool {
         self.event
@@ -100,16 +114,17 @@ impl BlockCopy<'_> {
     /// # Errors
     /// [`Error::Driver`]: the move or its stream failed.
     pub fn wait(mut self) -> Result<()> {
-        match self.event.take() {
-            Some(ev) => ev.wait_expecting(self.expected),
-            None => Ok(()),
+        if let Some(ev) = self.event.take() {
+            ev.wait_expecting(self.expected)?;
         }
+        self.outcome.as_ref().map_or(Ok(()), |o| o.check())
     }
 
-    /// The event, for a caller that keeps the tensors alive itself until it completed.
+    /// The event and the issuing's outcome, for a caller that keeps the tensors alive itself
+    /// until the event completed (and checks the outcome then).
     #[cfg(feature = "python")]
-    pub(crate) fn into_event(mut self) -> Option<Event> {
-        self.event.take()
+    pub(crate) fn into_parts(mut self) -> (Option<Event>, Option<Arc<Outcome>>) {
+        (self.event.take(), self.outcome.take())
     }
 }
 

@@ -4,6 +4,7 @@
 //! it is pure and tested without a GPU.
 
 mod copy;
+mod issuer;
 mod mover;
 mod plan;
 mod strides;
@@ -11,6 +12,8 @@ mod strides;
 mod tests;
 
 pub use copy::{BlockCopy, Direction, MAX_BATCH, MovePlan, Strategy};
+#[cfg(feature = "python")]
+pub(crate) use issuer::Outcome;
 pub use mover::BlockMover;
 #[cfg(test)]
 pub(crate) use plan::{BlockLayout, Segment, plan};

@@ -3,11 +3,11 @@
 
 use std::marker::PhantomData;
 use std::sync::OnceLock;
-use std::time::Duration;
 
 use parking_lot::Mutex;
 
 use super::copy::{BlockCopy, Direction, MAX_BATCH, MovePlan, Strategy};
+use super::issuer::{Issue, Issuer, Lists, issue};
 use super::plan::{BlockLayout, Pair, Run, Segment, runs, segments};
 use super::strides::{one_allocation, small_copies, strides};
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
@@ -49,9 +49,15 @@ pub struct BlockMover<'t> {
     /// tensors share one layout at one stride within one allocation (2D copies can then cross
     /// all tensors at once).
     strides: Option<(usize, usize)>,
-    /// Where moves on the legacy default stream go (the batched call refuses that stream).
+    /// Whether moves are issued on the mover's threads ([`BlockMover::on_caller_thread`]).
+    threaded: bool,
+    /// The issuing thread of each direction, started by its first move (`None`: it could not
+    /// start; moves are issued on the caller's thread).
+    issuers: [OnceLock<Option<Issuer>>; 2],
+    /// Where moves issued on the caller's thread go from the legacy default stream (the batched
+    /// call refuses that stream).
     side: [OnceLock<Stream>; 2],
-    /// The copy lists, reused from move to move.
+    /// The copy lists of moves issued on the caller's thread, reused from move to move.
     scratch: Mutex<Scratch>,
     _tensors: PhantomData<&'t ()>,
 }
@@ -59,9 +65,7 @@ pub struct BlockMover<'t> {
 #[derive(Default)]
 struct Scratch {
     segments: Vec<Segment>,
-    dsts: Vec<u64>,
-    srcs: Vec<u64>,
-    sizes: Vec<usize>,
+    lists: Lists,
 }
 
 impl std::fmt::Debug for BlockMover<'_> {
@@ -185,10 +189,21 @@ impl<'t> BlockMover<'t> {
             host_blocks: pairs.iter().map(|p| p.host.num_blocks).min().unwrap_or(0),
             pairs,
             batched,
+            threaded: true,
+            issuers: [OnceLock::new(), OnceLock::new()],
             side: [OnceLock::new(), OnceLock::new()],
             scratch: Mutex::new(Scratch::default()),
             _tensors: PhantomData,
         })
+    }
+
+    /// Issues moves on the calling thread: a move returns once the driver took every copy
+    /// (for thousands of copies, about as long as they take), as one issued on the mover's
+    /// threads returns at once. Either way the copies run in the calling stream's order.
+    #[must_use]
+    pub fn on_caller_thread(mut self) -> Self {
+        self.threaded = false;
+        self
     }
 
     /// The device of the device tensors (`None`: they are host memory).
@@ -375,56 +390,49 @@ impl<'t> BlockMover<'t> {
         let runs = self.check(direction, src_ids, dst_ids)?;
         let bytes = src_ids.len() * self.block_bytes();
         if runs.is_empty() {
-            return Ok(BlockCopy {
-                event: None,
-                expected: Duration::ZERO,
-                _mover: PhantomData,
-            });
+            return Ok(BlockCopy::done());
         }
         let strided = self.strided(direction, src_ids.len(), runs.len());
-        let mut guard = self.scratch.try_lock();
-        let mut own = Scratch::default();
-        let scratch = guard.as_deref_mut().unwrap_or(&mut own);
-        scratch.segments.clear();
-        // Strided: the segments of the first pair; each becomes one 2D copy across all pairs.
-        let pairs = if strided {
-            &self.pairs[..1]
-        } else {
-            &self.pairs[..]
-        };
-        for p in pairs {
-            let (src, dst) = match direction {
-                Direction::Offload => (&p.device, &p.host),
-                Direction::Load => (&p.host, &p.device),
-            };
-            segments(src, dst, &runs, &mut scratch.segments)?;
-        }
-        #[cfg(pinstage_seeded_bug = "blocks_skip_run")]
-        scratch.segments.pop();
+        let expected = crate::cuda::wait::copy_time(bytes);
         let Some(device) = &self.device else {
-            for s in &scratch.segments {
+            let mut segs = Vec::new();
+            self.segments(direction, &runs, strided, &mut segs)?;
+            for s in &segs {
                 // SAFETY: host memory on both sides (`new`), within the tensors (checked runs),
                 // valid and not used elsewhere (the caller's contracts 1 and 2); `copy` allows
                 // a source and destination that overlap.
                 unsafe { std::ptr::copy(s.src as *const u8, s.dst as *mut u8, s.len) };
             }
-            return Ok(BlockCopy {
-                event: None,
-                expected: Duration::ZERO,
-                _mover: PhantomData,
-            });
+            return Ok(BlockCopy::done());
         };
         let cur = stream.enter_for_copy(device)?;
         let event = Event::new_in(&cur)?;
-        let mut issued = if strided {
-            // SAFETY: caller's contracts 1-3; row i of every 2D copy is the segment's bytes in
-            // pair i (the pairs' layouts are equal and `strides` apart: `strides()`).
-            unsafe { self.issue_strided(direction, scratch, stream) }
-                .and_then(|()| event.record_in(&cur, stream))
-        } else {
-            // SAFETY: caller's contracts 1-3; the segments lie within the tensors (checked runs).
-            unsafe { self.issue(&cur, direction, scratch, stream, &event) }
+        let how = self.how(direction, strided);
+        let issuer = match self.threaded {
+            true => self.issuers[direction as usize].get_or_init(|| Issuer::start(device)),
+            false => &None,
         };
+        if let Some(issuer) = issuer {
+            let mut segs = issuer.segments();
+            self.segments(direction, &runs, strided, &mut segs)?;
+            // SAFETY: caller's contracts 1-3 (the returned copy borrows the mover, so the
+            // tensors outlive it); the segments lie within the tensors (checked runs) and
+            // suit `how` (`strides()` for 2D copies).
+            let outcome = unsafe { issuer.send(&cur, segs, how, stream, &event) }?;
+            return Ok(BlockCopy {
+                event: Some(event),
+                expected,
+                outcome: Some(outcome),
+                _mover: PhantomData,
+            });
+        }
+        let mut guard = self.scratch.try_lock();
+        let mut own = Scratch::default();
+        let scratch = guard.as_deref_mut().unwrap_or(&mut own);
+        scratch.segments.clear();
+        self.segments(direction, &runs, strided, &mut scratch.segments)?;
+        // SAFETY: caller's contracts 1-3; the segments lie within the tensors (checked runs).
+        let mut issued = unsafe { self.issue_here(&cur, direction, how, scratch, stream, &event) };
         if issued.is_err() {
             // Copies queued before the failure cannot be followed: wait for them (on the
             // caller's stream and the side streams) so none still touches the tensors when
@@ -437,9 +445,56 @@ impl<'t> BlockMover<'t> {
         issued?;
         Ok(BlockCopy {
             event: Some(event),
-            expected: crate::cuda::wait::copy_time(bytes),
+            expected,
+            outcome: None,
             _mover: PhantomData,
         })
+    }
+
+    /// The copies of a move of `runs` in `direction` into `out`: for a strided move the first
+    /// pair's (each becomes one 2D copy across every pair), else every pair's.
+    fn segments(
+        &self,
+        direction: Direction,
+        runs: &[Run],
+        strided: bool,
+        out: &mut Vec<Segment>,
+    ) -> Result<()> {
+        let pairs = if strided {
+            &self.pairs[..1]
+        } else {
+            &self.pairs[..]
+        };
+        for p in pairs {
+            let (src, dst) = match direction {
+                Direction::Offload => (&p.device, &p.host),
+                Direction::Load => (&p.host, &p.device),
+            };
+            segments(src, dst, runs, out)?;
+        }
+        #[cfg(pinstage_seeded_bug = "blocks_skip_run")]
+        out.pop();
+        Ok(())
+    }
+
+    /// How a device move's segments are issued.
+    fn how(&self, direction: Direction, strided: bool) -> Issue {
+        match (strided, self.strides) {
+            (true, Some((device_pitch, host_pitch))) => {
+                let (src_pitch, dst_pitch) = match direction {
+                    Direction::Offload => (device_pitch, host_pitch),
+                    Direction::Load => (host_pitch, device_pitch),
+                };
+                Issue::Strided {
+                    src_pitch,
+                    dst_pitch,
+                    rows: self.pairs.len(),
+                    to_host: direction == Direction::Offload,
+                }
+            }
+            _ if self.batched => Issue::Batched,
+            _ => Issue::PerCopy,
+        }
     }
 
     /// Whether a move of `blocks` blocks in `runs` runs goes as [`Strategy::Strided`].
@@ -447,58 +502,24 @@ impl<'t> BlockMover<'t> {
         self.strides.is_some() && small_copies(direction, blocks, self.pairs[0].device.bytes, runs)
     }
 
-    /// Issues `scratch.segments` (the first pair's) as 2D copies of one row per pair on
-    /// `stream`.
+    /// Issues `scratch.segments` as `how` says on the calling thread, on `stream` (a batched
+    /// move on the legacy stream: on a side stream joined both ways), and records `event`
+    /// after them.
     ///
     /// # Safety
-    /// As [`BlockMover::offload`]; `self.strides` is set and the segments lie within the first
-    /// pair's tensors.
-    unsafe fn issue_strided(
-        &self,
-        direction: Direction,
-        scratch: &Scratch,
-        stream: StreamHandle,
-    ) -> Result<()> {
-        let (device_pitch, host_pitch) = self.strides.expect("strided moves have strides");
-        let (src_pitch, dst_pitch) = match direction {
-            Direction::Offload => (device_pitch, host_pitch),
-            Direction::Load => (host_pitch, device_pitch),
-        };
-        let to_host = direction == Direction::Offload;
-        for s in &scratch.segments {
-            let src = driver::mem::Pitched {
-                addr: s.src,
-                pitch: src_pitch,
-                host: !to_host,
-            };
-            let dst = driver::mem::Pitched {
-                addr: s.dst,
-                pitch: dst_pitch,
-                host: to_host,
-            };
-            // SAFETY: the caller's contract; rows of `s.len <= pitch` bytes (`strides()`).
-            unsafe {
-                driver::mem::memcpy_2d_async(dst, src, s.len, self.pairs.len(), stream.raw())
-            }?;
-        }
-        Ok(())
-    }
-
-    /// Issues `scratch.segments` on `stream` (the legacy stream: on a side stream joined both
-    /// ways) and records `event` after them.
-    ///
-    /// # Safety
-    /// As [`BlockMover::offload`]; every segment lies within the mover's tensors.
-    unsafe fn issue(
+    /// As [`BlockMover::offload`]; every segment lies within the mover's tensors and suits
+    /// `how`.
+    unsafe fn issue_here(
         &self,
         cur: &Current<'_>,
         direction: Direction,
+        how: Issue,
         scratch: &mut Scratch,
         stream: StreamHandle,
         event: &Event,
     ) -> Result<()> {
-        let batched = self.batched;
-        if batched && stream.as_raw() <= 1 {
+        let Scratch { segments, lists } = scratch;
+        if matches!(how, Issue::Batched) && stream.as_raw() <= 1 {
             // The batched call refuses the legacy stream: fork onto a side stream and join.
             let side = match self.side[direction as usize].get() {
                 Some(s) => s,
@@ -512,46 +533,12 @@ impl<'t> BlockMover<'t> {
             fork.record_in(cur, stream)?;
             fork.wait_on(side.handle())?;
             // SAFETY: as this function's; the side stream runs after the caller's work.
-            unsafe { self.issue_on(scratch, side.handle()) }?;
+            unsafe { issue(segments, how, side.handle(), lists) }?;
             event.record_in(cur, side.handle())?;
             return event.wait_on(stream);
         }
         // SAFETY: as this function's.
-        unsafe { self.issue_on(scratch, stream) }?;
+        unsafe { issue(segments, how, stream, lists) }?;
         event.record_in(cur, stream)
-    }
-
-    /// The copies of `scratch.segments` on `stream` (not the legacy one when batched).
-    ///
-    /// # Safety
-    /// As [`BlockMover::issue`].
-    unsafe fn issue_on(&self, scratch: &mut Scratch, stream: StreamHandle) -> Result<()> {
-        let Scratch {
-            segments,
-            dsts,
-            srcs,
-            sizes,
-        } = scratch;
-        if !self.batched {
-            for s in segments.iter() {
-                // SAFETY: the caller's contract, per segment.
-                unsafe { driver::mem::memcpy_async(s.dst, s.src, s.len, stream.raw()) }?;
-            }
-            return Ok(());
-        }
-        for chunk in segments.chunks(MAX_BATCH) {
-            dsts.clear();
-            srcs.clear();
-            sizes.clear();
-            for s in chunk {
-                dsts.push(s.dst);
-                srcs.push(s.src);
-                sizes.push(s.len);
-            }
-            // SAFETY: the caller's contract, per entry; three lists of one length; the driver
-            // has the call (`batched`) and `stream` is not the legacy stream (the caller).
-            unsafe { driver::mem::memcpy_batch_async(dsts, srcs, sizes, stream.raw()) }?;
-        }
-        Ok(())
     }
 }

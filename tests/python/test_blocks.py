@@ -183,7 +183,8 @@ def torch_side(torch, shape, n, t0, m, device):
 @pytest.mark.parametrize("stream_kind", ["current", "side", "int"])
 @pytest.mark.parametrize("host_kind", ["empty_pinned", "torch_pinned"])
 @pytest.mark.parametrize("pooled", [False, True], ids=["apart", "pooled"])
-def test_torch_every_block_of_every_move(gpu, layout, stream_kind, host_kind, pooled):
+@pytest.mark.parametrize("thread", [True, False], ids=["thread", "caller"])
+def test_torch_every_block_of_every_move(gpu, layout, stream_kind, host_kind, pooled, thread):
     """pooled: each side's tensors are slices of one allocation (as engines allocate a KV
     pool), so small moves go as 2D copies across all tensors ("strided")."""
     torch = pytest.importorskip("torch")
@@ -205,7 +206,7 @@ def test_torch_every_block_of_every_move(gpu, layout, stream_kind, host_kind, po
         else:
             host = [torch.empty(shape(NH), dtype=torch.int32).pin_memory() for _ in range(L)]
         host_np = [h.numpy() for h in host]
-    mover = pinstage.BlockMover(dev, host, block_dim=dim)
+    mover = pinstage.BlockMover(dev, host, block_dim=dim, thread=thread)
     side = torch.cuda.Stream()
     stream = {"current": None, "side": side, "int": side.cuda_stream}[stream_kind]
     rng = np.random.default_rng(7)
@@ -276,14 +277,15 @@ def test_torch_offload_and_load_at_once_on_two_streams_every_round_checked(gpu):
 
 
 @pytest.mark.gpu
-def test_torch_stream_order_and_event(gpu):
+@pytest.mark.parametrize("thread", [True, False], ids=["thread", "caller"])
+def test_torch_stream_order_and_event(gpu, thread):
     """A move on the current stream runs after the work queued before it and before the work
     queued after it; done() is False while a kernel ahead of it still runs."""
     torch = pytest.importorskip("torch")
     dev = [torch.zeros((1, 16, 1024), dtype=torch.int32, device="cuda")]
     host = [pinstage.empty_pinned((1, 16, 1024), "int32")]
     host[0][...] = POISON
-    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    mover = pinstage.BlockMover(dev, host, block_dim=1, thread=thread)
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the move
     dev[0][:, 3].fill_(1234)  # queued before the move: the move must see it
@@ -293,6 +295,37 @@ def test_torch_stream_order_and_event(gpu):
     p.wait()
     assert p.done()
     assert (host[0][:, 5] == 1234).all() and (host[0][:, 4] == POISON).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("thread", [True, False], ids=["thread", "caller"])
+def test_torch_stream_order_load_then_use_without_a_wait(gpu, thread):
+    """The engine's pattern: load blocks, then use them on the same stream at once (no wait):
+    every use sees the load, and an offload queued after a kernel that rewrites the blocks sees
+    the kernel's values; every round checked, the GPU kept busy ahead of each move."""
+    torch = pytest.importorskip("torch")
+    L, NB, shape = 4, 64, (2, 64, 32, 64)  # 8 KiB per block part (int32)
+    dev = [torch.full(shape, POISON, dtype=torch.int32, device="cuda") for _ in range(L)]
+    host = [pinstage.empty_pinned(shape, "int32") for _ in range(L)]
+    mover = pinstage.BlockMover(dev, host, block_dim=1, thread=thread)
+    rng = np.random.default_rng(11)
+    for r in range(10):
+        a, b = rng.permutation(NB)[:40], rng.permutation(NB)[:40]
+        for t in range(L):
+            host[t][...] = values(shape, 20 + t, r)
+            dev[t].fill_(POISON)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(20_000_000)  # GPU work ahead of the move
+        mover.load(a, b)  # the handle dropped: it lingers, nothing waits on the host
+        used = [d[:, torch.from_numpy(b).cuda()].clone() for d in dev]  # same stream, no wait
+        for d in dev:
+            d[:, torch.from_numpy(b).cuda()] += 1  # rewritten after the load
+        p = mover.offload(b, a)  # back into the host blocks it came from
+        p.wait()
+        for t in range(L):
+            want = values(shape, 20 + t, r)[:, a]
+            np.testing.assert_array_equal(used[t].cpu().numpy(), want, err_msg=f"round {r} tensor {t}")
+            np.testing.assert_array_equal(host[t][:, a], want + 1, err_msg=f"round {r} tensor {t}")
 
 
 @pytest.mark.gpu
