@@ -579,6 +579,11 @@ def main():
                    f"{h:8.1f} {h / M:6.3f} {cg:7.2f} {ch:10.1f}")
             print(row)
             summary.append(row)
+            row = (f"{B >> 10:>4} KiB {direction:8} host time {h:.1f} us per call for {M} ids: goal "
+                   f"<= 2 + 0.05 x {M} = {2 + 0.05 * M:.1f} us "
+                   f"{'MET' if h <= 2 + 0.05 * M else 'MISSED'} (on the calling thread: {ch:.1f} us)")
+            print(row)
+            summary.append(row)
         both = results[(B, "both")][0]
         alone = max(results[(B, "offload")]["pinstage"][0][0],
                     results[(B, "load")]["pinstage"][0][0])

@@ -352,19 +352,34 @@ def test_gpu_refusals_issue_nothing(gpu):
 
 
 @pytest.mark.gpu
-def test_dropped_pending_move_keeps_tensors_alive(gpu):
+@pytest.mark.parametrize("thread", [True, False], ids=["thread", "caller"])
+def test_dropped_pending_move_keeps_tensors_alive(gpu, thread):
+    """Every reference dropped while the move is queued: the pinned host tensor must stay
+    allocated until the move completed. torch's pinned cache hands a freed block to the next
+    allocation of its size at once, so were it freed, the new tensor would be the old block
+    and the queued move would write into it."""
     torch = pytest.importorskip("torch")
     import gc
 
-    dev = [torch.arange(2 * 32 * 4096, dtype=torch.int32, device="cuda").reshape(2, 32, 4096)]
-    host = [pinstage.empty_pinned((2, 32, 4096), "int32")]
-    host[0][...] = POISON
-    mover = pinstage.BlockMover(dev, host, block_dim=1)
-    want = dev[0].cpu().numpy()
-    keep = host[0]
-    torch.cuda._sleep(100_000_000)
-    mover.offload(list(range(32)), list(range(32)))  # dropped at once, the move still queued
-    del mover, dev, host
-    gc.collect()
+    shape = (2, 32, 4096)
+    dev = [torch.arange(2 * 32 * 4096, dtype=torch.int32, device="cuda").reshape(shape)]
+    host = [torch.empty(shape, dtype=torch.int32, pin_memory=True)]
+    host[0].fill_(POISON)
+    old = host[0].data_ptr()
+    mover = pinstage.BlockMover(dev, host, block_dim=1, thread=thread)
     torch.cuda.synchronize()
-    np.testing.assert_array_equal(keep, want)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work ahead of the move
+    mover.offload(list(range(32)), list(range(32)))  # the handle dropped at once
+    del mover, host
+    gc.collect()
+    fresh = torch.empty(shape, dtype=torch.int32, pin_memory=True)
+    fresh.fill_(POISON)
+    torch.cuda.synchronize()
+    assert fresh.data_ptr() != old, "the moved-into block was freed while its move was queued"
+    assert (fresh.numpy() == POISON).all()
+    # Control: with nothing in flight, the cache does hand a freed block back at once (this
+    # one, or the old block if it was let go meanwhile).
+    a = torch.empty(shape, dtype=torch.int32, pin_memory=True)
+    ptr = a.data_ptr()
+    del a
+    assert torch.empty(shape, dtype=torch.int32, pin_memory=True).data_ptr() in (ptr, old)
