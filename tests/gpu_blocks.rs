@@ -101,6 +101,17 @@ fn ids(n: usize, range: usize, seed: u64) -> Vec<usize> {
     v
 }
 
+/// A mover over the views that issues on its threads (`thread`) or on the caller's.
+fn mover<'t>(
+    dv: &[DeviceView<'t>],
+    hv: &[DeviceView<'t>],
+    dim: usize,
+    thread: bool,
+) -> BlockMover<'t> {
+    let m = BlockMover::new(dv, hv, dim).unwrap();
+    if thread { m } else { m.on_caller_thread() }
+}
+
 struct Sides {
     dev: Vec<DeviceBuffer>,
     host: Vec<PinnedBuffer>,
@@ -312,12 +323,7 @@ fn gpu_blocks_every_block_lands(
     let (tensors, dev_blocks, host_blocks) = (3, 48, 40);
     let mut s = Sides::with(&d, layout, tensors, bytes, dev_blocks, host_blocks, pooled);
     let (dv, hv, dim) = s.views();
-    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
-    let mover = if thread {
-        mover
-    } else {
-        mover.on_caller_thread()
-    };
+    let mover = mover(&dv, &hv, dim, thread);
     for m in 0..6u32 {
         let n = [1, 7, 16, 40, 3, 25][m as usize];
         // Ids with a run of adjacent pairs in every other move.
@@ -583,12 +589,7 @@ fn gpu_blocks_stream_order_holds_without_a_wait(
     let (tensors, bytes, blocks) = (4, 65536, 128);
     let mut s = Sides::with(&d, Layout::KvFirst, tensors, bytes, blocks, blocks, pooled);
     let (dv, hv, dim) = s.views();
-    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
-    let mover = if thread {
-        mover
-    } else {
-        mover.on_caller_thread()
-    };
+    let mover = mover(&dv, &hv, dim, thread);
     let own = Stream::new(&d).unwrap();
     // Warm-up moves of one block each way: the mover's threads start before the stall.
     // SAFETY: waited for at once; the buffers outlive them.

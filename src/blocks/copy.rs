@@ -4,8 +4,10 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::issuer::Outcome;
+use parking_lot::Mutex;
+
 use crate::cuda::Event;
+use crate::driver::DriverError;
 use crate::error::{Error, Result};
 
 /// Which way a move goes.
@@ -64,6 +66,25 @@ pub struct MovePlan {
     pub bytes: usize,
     /// Why this strategy.
     pub reason: &'static str,
+}
+
+/// Whether a move's issuing failed: set by the thread before it writes the move's number.
+#[derive(Debug, Default)]
+pub struct Outcome(Mutex<Option<DriverError>>);
+
+impl Outcome {
+    /// Issuing failed with `e`.
+    pub(super) fn fail(&self, e: DriverError) {
+        *self.0.lock() = Some(e);
+    }
+
+    /// The issuing's error, if it failed (every call says it again).
+    pub(crate) fn check(&self) -> Result<()> {
+        match *self.0.lock() {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
 }
 
 /// A move in flight: [`BlockCopy::wait`] for it, or let a stream wait on

@@ -18,11 +18,11 @@ use std::sync::mpsc;
 
 use parking_lot::Mutex;
 
-use super::copy::MAX_BATCH;
+use super::copy::{MAX_BATCH, Outcome};
 use super::plan::Segment;
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::driver::{self, CUdeviceptr, DriverError};
-use crate::error::{Error, Result, on_drop};
+use crate::error::{Error, Result};
 
 /// How a move's segments are issued.
 #[derive(Clone, Copy, Debug)]
@@ -39,20 +39,6 @@ pub(super) enum Issue {
     Batched,
     /// One `cuMemcpyAsync` per segment (drivers before CUDA 12.8).
     PerCopy,
-}
-
-/// Whether a move's issuing failed: set by the thread before it writes the move's number.
-#[derive(Debug, Default)]
-pub struct Outcome(Mutex<Option<DriverError>>);
-
-impl Outcome {
-    /// The issuing's error, if it failed (every call says it again).
-    pub(crate) fn check(&self) -> Result<()> {
-        match *self.0.lock() {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
-        }
-    }
 }
 
 struct Job {
@@ -195,16 +181,9 @@ struct Word {
 
 impl Drop for Word {
     fn drop(&mut self) {
-        let (ptr, device) = (self.ptr, self.device.clone());
-        crate::host::reaper::defer(move || {
-            crate::host::reaper::free_when_idle(&device, || match device.enter() {
-                // SAFETY: allocated in `Issuer::start`, freed once; every wait on it was met
-                // (the thread wrote every number sent before it ended).
-                Ok(_cur) => on_drop(unsafe { driver::mem::mem_free(ptr) }),
-                Err(Error::Driver(e)) => on_drop::<()>(Err(e)),
-                Err(_) => {}
-            })
-        });
+        // SAFETY: allocated in `Issuer::start`, freed once; every wait on it was met (the
+        // thread wrote every number sent before it ended).
+        unsafe { crate::host::reaper::free_device_memory(self.device.clone(), self.ptr) };
     }
 }
 
@@ -228,7 +207,7 @@ fn run(
             // What was issued before the failure cannot be followed: drained first, so nothing
             // runs any more when the waiters go on.
             let _ = stream.synchronize(cur);
-            *job.outcome.0.lock() = Some(e);
+            job.outcome.fail(e);
         }
         // SAFETY: our word and stream.
         if unsafe { driver::stream::stream_write_value32(stream.raw(), word.ptr, job.number) }

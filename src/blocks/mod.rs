@@ -11,9 +11,9 @@ mod strides;
 #[cfg(test)]
 mod tests;
 
-pub use copy::{BlockCopy, Direction, MAX_BATCH, MovePlan, Strategy};
 #[cfg(feature = "python")]
-pub(crate) use issuer::Outcome;
+pub(crate) use copy::Outcome;
+pub use copy::{BlockCopy, Direction, MAX_BATCH, MovePlan, Strategy};
 pub use mover::BlockMover;
 #[cfg(test)]
 pub(crate) use plan::{BlockLayout, Segment, plan};

@@ -113,6 +113,27 @@ pub(crate) fn free_when_idle<T>(device: &crate::cuda::Device, free: impl FnOnce(
     free()
 }
 
+/// Frees `ptr` (from `cuMemAlloc` in `device`'s context) on the reaper, once the device drained
+/// ([`free_when_idle`]): `cuMemFree` waits for all the device's work and holds up other
+/// threads' calls meanwhile.
+///
+/// # Safety
+/// 1. `ptr` came from `cuMemAlloc` in `device`'s primary context and is freed once: nothing
+///    uses it after this call except work already queued, which the free waits for.
+pub(crate) unsafe fn free_device_memory(
+    device: crate::cuda::Device,
+    ptr: crate::driver::CUdeviceptr,
+) {
+    defer(move || {
+        free_when_idle(&device, || match device.enter() {
+            // SAFETY: the caller's contract; the context is current.
+            Ok(_cur) => crate::error::on_drop(unsafe { crate::driver::mem::mem_free(ptr) }),
+            Err(Error::Driver(e)) => crate::error::on_drop::<()>(Err(e)),
+            Err(_) => {}
+        })
+    });
+}
+
 /// Waits for every event of `copies`; whether all completed. A failed wait is recorded
 /// ([`crate::cuda::drop_errors`]): the driver did not say that the copy stopped using its memory,
 /// which the caller then leaks instead of freeing.

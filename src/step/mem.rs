@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::cuda::{Current, Device, Event, StreamHandle};
 use crate::driver::{self, CUdeviceptr};
-use crate::error::{Error, Result, on_drop};
+use crate::error::{Error, Result};
 use crate::host::{PinnedBuffer, PinnedFlags};
 
 use super::layout::FIELD_ALIGN;
@@ -109,21 +109,13 @@ impl DeviceMem {
 }
 
 impl Drop for DeviceMem {
-    /// Freed on the reaper thread once the device drained (`cuMemFree` waits for all the
-    /// device's work and holds up other threads' calls meanwhile).
+    /// Freed on the reaper thread once the device drained.
     fn drop(&mut self) {
-        let (ptr, device) = (self.ptr, self.device.clone());
-        crate::host::reaper::defer(move || {
-            crate::host::reaper::free_when_idle(&device, || match device.enter() {
-                // SAFETY: allocated in `new`, freed once; the stager waited for its copies before
-                // dropping its reference, exports drop theirs when their consumer is done with
-                // the memory, the block pool drops a block only once its copy completed and
-                // nobody holds it, and `cuMemFree` waits for any work still queued.
-                Ok(_cur) => on_drop(unsafe { driver::mem::mem_free(ptr) }),
-                Err(Error::Driver(e)) => on_drop::<()>(Err(e)),
-                Err(_) => {}
-            })
-        });
+        // SAFETY: allocated in `new`, freed once; the stager waited for its copies before
+        // dropping its reference, exports drop theirs when their consumer is done with the
+        // memory, the block pool drops a block only once its copy completed and nobody holds
+        // it, and `cuMemFree` waits for any work still queued.
+        unsafe { crate::host::reaper::free_device_memory(self.device.clone(), self.ptr) };
     }
 }
 
