@@ -12,8 +12,6 @@ it took); tensors in separate allocations are moved batched, like the batch peer
 
 Variants, one torch stream `s`, a call = issue + `s.synchronize()` (wall time, perf_counter_ns):
   pinstage     mover.offload(dev_ids, host_ids, stream=s) / mover.load(host_ids, dev_ids, ...)
-               (the copies issued by the mover's thread; the call returns at once)
-  caller       the same with BlockMover(..., thread=False): issued on the calling thread
   batch-peer   vLLM's DMA idiom: the (tensor, block) pairs merged into runs with numpy and ONE
                cuMemcpyBatchAsync (ctypes, srcAccessOrder STREAM, arrays built per call)
   2d-peer      with each side one allocation (as here): one cuMemcpy2DAsync per run across all
@@ -189,7 +187,6 @@ class Case:
         self.devs = list(self.dev.unbind(0))
         self.hosts = list(self.host.unbind(0))
         self.mover = pinstage.BlockMover(self.devs, self.hosts, block_dim=0)
-        self.caller = pinstage.BlockMover(self.devs, self.hosts, block_dim=0, thread=False)
         self.dev_base = np.array([t.data_ptr() for t in self.devs], np.uint64)
         self.host_base = np.array([t.data_ptr() for t in self.hosts], np.uint64)
         self.bytes = L * self.M * B
@@ -282,12 +279,11 @@ def one_call(case, name, direction, s, peer, timings, host_us, peer2d=None):
     torch.cuda.synchronize()
     with torch.cuda.stream(s):
         t0 = time.perf_counter_ns()
-        if name in ("pinstage", "caller"):
-            mover = case.mover if name == "pinstage" else case.caller
+        if name == "pinstage":
             if direction == "offload":
-                p = mover.offload(d_ids, h_ids, stream=s)
+                p = case.mover.offload(d_ids, h_ids, stream=s)
             else:
-                p = mover.load(h_ids, d_ids, stream=s)
+                p = case.mover.load(h_ids, d_ids, stream=s)
             t1 = time.perf_counter_ns()
             s.synchronize()
             p.wait()
@@ -519,7 +515,7 @@ def main():
     peer = BatchPeer()
     peer2d = TwoDPeer()
     s, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    variants = ["pinstage", "caller", "batch-peer", "2d-peer", "copy-loop", "sm-gather", "contiguous"]
+    variants = ["pinstage", "batch-peer", "2d-peer", "copy-loop", "sm-gather", "contiguous"]
     results = {}
     for B in sizes:
         case = Case(pool, B)
@@ -561,8 +557,7 @@ def main():
     print("\n== summary (GB/s medians; ratio = pinstage / peer)")
     print(f"{'block':>7} {'dir':8} {'strategy':8} {'pinstage':>9} {'batch':>7} {'x batch':>8} "
           f"{'2d':>7} {'x 2d':>7} {'contig':>7} "
-          f"{'x contig':>9} {'loop':>6} {'sm':>6} {'host us':>8} {'us/id':>6} {'caller':>7} "
-          f"{'caller us':>10}")
+          f"{'x contig':>9} {'loop':>6} {'sm':>6} {'host us':>8} {'us/id':>6}")
     summary = []
     for B in sizes:
         for direction in ("offload", "load"):
@@ -570,18 +565,17 @@ def main():
             p, bp, c = r["pinstage"][0][0], r["batch-peer"][0][0], r["contiguous"][0][0]
             td = r["2d-peer"][0][0]
             h = r["pinstage"][1][0]
-            cg, ch = r["caller"][0][0], r["caller"][1][0]
             M = min(8192, CAP // (L * B)) // 4
             strategy = results[(B, direction, "strategy")]
             row = (f"{B >> 10:>4} KiB {direction:8} {strategy:8} {p:9.2f} {bp:7.2f} "
                    f"{p / bp:7.2f}x {td:7.2f} {p / td:6.2f}x {c:7.2f} "
                    f"{p / c:8.2f}x {r['copy-loop'][0][0]:6.2f} {r['sm-gather'][0][0]:6.2f} "
-                   f"{h:8.1f} {h / M:6.3f} {cg:7.2f} {ch:10.1f}")
+                   f"{h:8.1f} {h / M:6.3f}")
             print(row)
             summary.append(row)
             row = (f"{B >> 10:>4} KiB {direction:8} host time {h:.1f} us per call for {M} ids: goal "
                    f"<= 2 + 0.05 x {M} = {2 + 0.05 * M:.1f} us "
-                   f"{'MET' if h <= 2 + 0.05 * M else 'MISSED'} (on the calling thread: {ch:.1f} us)")
+                   f"{'MET' if h <= 2 + 0.05 * M else 'MISSED'}")
             print(row)
             summary.append(row)
         both = results[(B, "both")][0]

@@ -101,17 +101,6 @@ fn ids(n: usize, range: usize, seed: u64) -> Vec<usize> {
     v
 }
 
-/// A mover over the views that issues on its threads (`thread`) or on the caller's.
-fn mover<'t>(
-    dv: &[DeviceView<'t>],
-    hv: &[DeviceView<'t>],
-    dim: usize,
-    thread: bool,
-) -> BlockMover<'t> {
-    let m = BlockMover::new(dv, hv, dim).unwrap();
-    if thread { m } else { m.on_caller_thread() }
-}
-
 struct Sides {
     dev: Vec<DeviceBuffer>,
     host: Vec<PinnedBuffer>,
@@ -309,7 +298,6 @@ fn gpu_blocks_every_block_lands(
     #[values(64, 4100, 65536)] bytes: usize,
     #[values(0, 1, 2)] stream_kind: u8,
     #[values(false, true)] pooled: bool,
-    #[values(true, false)] thread: bool,
 ) {
     let Some(d) = gpu_or_skip("gpu_blocks_every_block_lands") else {
         return;
@@ -323,7 +311,7 @@ fn gpu_blocks_every_block_lands(
     let (tensors, dev_blocks, host_blocks) = (3, 48, 40);
     let mut s = Sides::with(&d, layout, tensors, bytes, dev_blocks, host_blocks, pooled);
     let (dv, hv, dim) = s.views();
-    let mover = mover(&dv, &hv, dim, thread);
+    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
     for m in 0..6u32 {
         let n = [1, 7, 16, 40, 3, 25][m as usize];
         // Ids with a run of adjacent pairs in every other move.
@@ -364,14 +352,9 @@ fn gpu_blocks_every_block_lands(
     } else {
         1
     };
-    // Strided: tensors at one stride (pooled, several of them) and small copies (3 blocks in 2
-    // runs: 1.5 blocks per copy); one 2D copy per run and part then crosses every tensor.
-    let part = if matches!(layout, Layout::KvFirst) {
-        bytes
-    } else {
-        2 * bytes
-    };
-    if pooled && layout.tensors(tensors) > 1 && 3 * part / 2 <= 64 << 10 {
+    // Strided: tensors at one stride (pooled, several of them); a load then always takes one
+    // 2D copy per run and part across every tensor.
+    if pooled && layout.tensors(tensors) > 1 {
         assert_eq!(plan.strategy, Strategy::Strided);
         assert_eq!(plan.copies, 2 * per_tensor_parts);
     } else {
@@ -575,23 +558,21 @@ fn gpu_blocks_moves_past_one_batch_take_several_calls_and_land() {
 
 #[rstest]
 #[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
-fn gpu_blocks_stream_order_holds_without_a_wait(
-    #[values(false, true)] pooled: bool,
-    #[values(true, false)] thread: bool,
-) {
+fn gpu_blocks_stream_order_holds_without_a_wait(#[values(false, true)] pooled: bool) {
     let Some(d) = gpu_or_skip("gpu_blocks_stream_order_holds_without_a_wait") else {
         return;
     };
     // A load, then an offload of the loaded blocks, then a load that overwrites them, all on
     // one stalled stream with no wait in between: each must see the one before and none the
-    // one after, whichever thread issues them. The offload reads in the reverse order of the
+    // one after. The offload reads in the reverse order of the
     // load's writes, so copies that overlapped would read poison.
     let (tensors, bytes, blocks) = (4, 65536, 128);
     let mut s = Sides::with(&d, Layout::KvFirst, tensors, bytes, blocks, blocks, pooled);
     let (dv, hv, dim) = s.views();
-    let mover = mover(&dv, &hv, dim, thread);
+    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
     let own = Stream::new(&d).unwrap();
-    // Warm-up moves of one block each way: the mover's threads start before the stall.
+    // Warm-up moves of one block each way (nothing the mover sets up on first use waits
+    // behind the stall).
     // SAFETY: waited for at once; the buffers outlive them.
     unsafe { mover.offload(&[0], &[0], own.handle()) }
         .unwrap()

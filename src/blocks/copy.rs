@@ -1,13 +1,9 @@
 //! What a move is and returns: [`Direction`], [`Strategy`], [`MovePlan`] and [`BlockCopy`].
 
 use std::marker::PhantomData;
-use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::Mutex;
-
 use crate::cuda::Event;
-use crate::driver::DriverError;
 use crate::error::{Error, Result};
 
 /// Which way a move goes.
@@ -68,25 +64,6 @@ pub struct MovePlan {
     pub reason: &'static str,
 }
 
-/// Whether a move's issuing failed: set by the thread before it writes the move's number.
-#[derive(Debug, Default)]
-pub struct Outcome(Mutex<Option<DriverError>>);
-
-impl Outcome {
-    /// Issuing failed with `e`.
-    pub(super) fn fail(&self, e: DriverError) {
-        *self.0.lock() = Some(e);
-    }
-
-    /// The issuing's error, if it failed (every call says it again).
-    pub(crate) fn check(&self) -> Result<()> {
-        match *self.0.lock() {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
-        }
-    }
-}
-
 /// A move in flight: [`BlockCopy::wait`] for it, or let a stream wait on
 /// [`BlockCopy::event`]. Dropped before the move completed, it waits for it (the tensors are
 /// borrowed until then).
@@ -94,8 +71,6 @@ impl Outcome {
 pub struct BlockCopy<'m> {
     pub(super) event: Option<Event>,
     pub(super) expected: Duration,
-    /// Set for a move issued on the mover's thread: whether issuing failed.
-    pub(super) outcome: Option<Arc<Outcome>>,
     pub(super) _mover: PhantomData<&'m ()>,
 }
 
@@ -113,7 +88,6 @@ impl BlockCopy<'_> {
         Self {
             event: None,
             expected: Duration::ZERO,
-            outcome: None,
             _mover: PhantomData,
         }
     }
@@ -135,17 +109,16 @@ impl BlockCopy<'_> {
     /// # Errors
     /// [`Error::Driver`]: the move or its stream failed.
     pub fn wait(mut self) -> Result<()> {
-        if let Some(ev) = self.event.take() {
-            ev.wait_expecting(self.expected)?;
+        match self.event.take() {
+            Some(ev) => ev.wait_expecting(self.expected),
+            None => Ok(()),
         }
-        self.outcome.as_ref().map_or(Ok(()), |o| o.check())
     }
 
-    /// The event and the issuing's outcome, for a caller that keeps the tensors alive itself
-    /// until the event completed (and checks the outcome then).
+    /// The event, for a caller that keeps the tensors alive itself until it completed.
     #[cfg(feature = "python")]
-    pub(crate) fn into_parts(mut self) -> (Option<Event>, Option<Arc<Outcome>>) {
-        (self.event.take(), self.outcome.take())
+    pub(crate) fn into_event(mut self) -> Option<Event> {
+        self.event.take()
     }
 }
 

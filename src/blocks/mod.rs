@@ -4,15 +4,13 @@
 //! it is pure and tested without a GPU.
 
 mod copy;
-mod issuer;
+mod issue;
 mod mover;
 mod plan;
 mod strides;
 #[cfg(test)]
 mod tests;
 
-#[cfg(feature = "python")]
-pub(crate) use copy::Outcome;
 pub use copy::{BlockCopy, Direction, MAX_BATCH, MovePlan, Strategy};
 pub use mover::BlockMover;
 #[cfg(test)]

@@ -7,9 +7,9 @@ use std::sync::OnceLock;
 use parking_lot::Mutex;
 
 use super::copy::{BlockCopy, Direction, MAX_BATCH, MovePlan, Strategy};
-use super::issuer::{Issue, Issuer, Lists, issue};
+use super::issue::{Issue, Lists, issue};
 use super::plan::{BlockLayout, Pair, Run, Segment, runs, segments};
-use super::strides::{one_allocation, small_copies, strides};
+use super::strides::{one_allocation, strides, two_d_wins};
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
@@ -35,8 +35,9 @@ fn memory_name(m: MemoryKind) -> &'static str {
 /// A move checks every id before it issues anything, merges runs of ids adjacent on both sides
 /// into one copy, and issues the copies on the caller's stream, copy engines only, no kernel:
 /// in one `cuMemcpyBatchAsync` (several beyond [`MAX_BATCH`] copies), or, when each side's
-/// tensors share one layout at one stride within one allocation and the copies are small, as
-/// one 2D copy per run and part across every tensor ([`Strategy::Strided`];
+/// tensors share one layout at one stride within one allocation and 2D copies beat a batch (every
+/// load; offloads unless the copies average 9-31 KiB), as one 2D copy per run and part across
+/// every tensor ([`Strategy::Strided`];
 /// [`BlockMover::plan`] says which and why).
 pub struct BlockMover<'t> {
     /// `None`: the "device" tensors are host memory too (moves are `memcpy`s; no driver needed).
@@ -49,15 +50,10 @@ pub struct BlockMover<'t> {
     /// tensors share one layout at one stride within one allocation (2D copies can then cross
     /// all tensors at once).
     strides: Option<(usize, usize)>,
-    /// Whether moves are issued on the mover's threads ([`BlockMover::on_caller_thread`]).
-    threaded: bool,
-    /// The issuing thread of each direction, started by its first move (`None`: it could not
-    /// start; moves are issued on the caller's thread).
-    issuers: [OnceLock<Option<Issuer>>; 2],
-    /// Where moves issued on the caller's thread go from the legacy default stream (the batched
-    /// call refuses that stream).
+    /// Where batched moves on the legacy default stream go (the batched call refuses that
+    /// stream).
     side: [OnceLock<Stream>; 2],
-    /// The copy lists of moves issued on the caller's thread, reused from move to move.
+    /// The copy lists, reused from move to move.
     scratch: Mutex<Scratch>,
     _tensors: PhantomData<&'t ()>,
 }
@@ -189,21 +185,10 @@ impl<'t> BlockMover<'t> {
             host_blocks: pairs.iter().map(|p| p.host.num_blocks).min().unwrap_or(0),
             pairs,
             batched,
-            threaded: true,
-            issuers: [OnceLock::new(), OnceLock::new()],
             side: [OnceLock::new(), OnceLock::new()],
             scratch: Mutex::new(Scratch::default()),
             _tensors: PhantomData,
         })
-    }
-
-    /// Issues moves on the calling thread: a move returns once the driver took every copy
-    /// (for thousands of copies, about as long as they take), as one issued on the mover's
-    /// threads returns at once. Either way the copies run in the calling stream's order.
-    #[must_use]
-    pub fn on_caller_thread(mut self) -> Self {
-        self.threaded = false;
-        self
     }
 
     /// The device of the device tensors (`None`: they are host memory).
@@ -297,8 +282,8 @@ impl<'t> BlockMover<'t> {
                 Strategy::Strided,
                 copies,
                 copies,
-                "the tensors sit at one stride and the copies are small: one 2D copy per run \
-                 and part crosses every tensor (small batched host-to-device copies are slow)",
+                "the tensors sit at one stride within one allocation: one 2D copy per run and \
+                 part crosses every tensor (faster than a batch at this direction and size)",
             )
         } else if self.device.is_none() {
             (
@@ -408,24 +393,6 @@ impl<'t> BlockMover<'t> {
         let cur = stream.enter_for_copy(device)?;
         let event = Event::new_in(&cur)?;
         let how = self.how(direction, strided);
-        let issuer = match self.threaded {
-            true => self.issuers[direction as usize].get_or_init(|| Issuer::start(device)),
-            false => &None,
-        };
-        if let Some(issuer) = issuer {
-            let mut segs = issuer.segments();
-            self.segments(direction, &runs, strided, &mut segs)?;
-            // SAFETY: caller's contracts 1-3 (the returned copy borrows the mover, so the
-            // tensors outlive it); the segments lie within the tensors (checked runs) and
-            // suit `how` (`strides()` for 2D copies).
-            let outcome = unsafe { issuer.send(&cur, segs, how, stream, &event) }?;
-            return Ok(BlockCopy {
-                event: Some(event),
-                expected,
-                outcome: Some(outcome),
-                _mover: PhantomData,
-            });
-        }
         let mut guard = self.scratch.try_lock();
         let mut own = Scratch::default();
         let scratch = guard.as_deref_mut().unwrap_or(&mut own);
@@ -446,7 +413,6 @@ impl<'t> BlockMover<'t> {
         Ok(BlockCopy {
             event: Some(event),
             expected,
-            outcome: None,
             _mover: PhantomData,
         })
     }
@@ -499,10 +465,10 @@ impl<'t> BlockMover<'t> {
 
     /// Whether a move of `blocks` blocks in `runs` runs goes as [`Strategy::Strided`].
     fn strided(&self, direction: Direction, blocks: usize, runs: usize) -> bool {
-        self.strides.is_some() && small_copies(direction, blocks, self.pairs[0].device.bytes, runs)
+        self.strides.is_some() && two_d_wins(direction, blocks, self.pairs[0].device.bytes, runs)
     }
 
-    /// Issues `scratch.segments` as `how` says on the calling thread, on `stream` (a batched
+    /// Issues `scratch.segments` as `how` says, on `stream` (a batched
     /// move on the legacy stream: on a side stream joined both ways), and records `event`
     /// after them.
     ///

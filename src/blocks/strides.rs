@@ -9,21 +9,26 @@ use crate::driver;
 /// The largest pitch a 2D copy takes (`CU_DEVICE_ATTRIBUTE_MAX_PITCH` of current GPUs).
 const MAX_PITCH: usize = i32::MAX as usize;
 
-/// Up to how many bytes per copy (on average over a move) [`Strategy::Strided`](super::Strategy::Strided)
-/// beats [`Strategy::Batched`](super::Strategy::Batched), per direction (offload, load), as
-/// measured on the H200 (benches/RESULTS.md): host-to-device, 2D copies win from 4 KiB (7-8x) to
-/// 64 KiB (1.3x); device-to-host, at 4 KiB (1.5x; 16 KiB already favours the batch).
-const STRIDED_UP_TO: [usize; 2] = [8 << 10, 64 << 10];
+/// Device-to-host copy sizes (bytes per copy, on average over a move) at which a batch beats 2D
+/// copies, as measured on the H200 (benches/RESULTS.md, the 2D peer against the batch peer):
+/// 2D copies win at 4 KiB (2.2x) and from 32 KiB on (1.0x at 32 KiB, 1.15x at 64, 1.05x at
+/// 256), the batch at 16 KiB (1.3x). Host-to-device, 2D copies win at every size measured
+/// (7x at 4 KiB, 5x at 16, 1.0x at 32, 1.2x at 64, 1.1x at 256 KiB).
+const OFFLOAD_BATCHED: std::ops::Range<usize> = (8 << 10) + 1..32 << 10;
 
-/// Whether a move of `blocks` blocks of `part_bytes` per part, merged into `runs` runs, makes
-/// copies small enough for 2D copies to beat a batch (`STRIDED_UP_TO`).
-pub(super) fn small_copies(
+/// Whether a move of `blocks` blocks of `part_bytes` per part, merged into `runs` runs, is
+/// faster as 2D copies across the tensors than as a batch ([`OFFLOAD_BATCHED`]).
+pub(super) fn two_d_wins(
     direction: Direction,
     blocks: usize,
     part_bytes: usize,
     runs: usize,
 ) -> bool {
-    runs > 0 && blocks * part_bytes / runs <= STRIDED_UP_TO[direction as usize]
+    runs > 0
+        && match direction {
+            Direction::Load => true,
+            Direction::Offload => !OFFLOAD_BATCHED.contains(&(blocks * part_bytes / runs)),
+        }
 }
 
 /// Whether each side's tensors lie in one driver allocation (a 2D copy may not cross from one

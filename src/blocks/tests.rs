@@ -241,18 +241,21 @@ fn two_d_copies_need_one_layout() {
 #[rstest]
 #[case::load_4k(Direction::Load, 2048, 4 << 10, 2048, true)]
 #[case::load_64k(Direction::Load, 2048, 64 << 10, 2048, true)]
-#[case::load_past_64k(Direction::Load, 2048, (64 << 10) + 4, 2048, false)]
-#[case::load_merged_past_64k(Direction::Load, 2048, 48 << 10, 1024, false)]
+#[case::load_merged_1m(Direction::Load, 2048, 64 << 10, 128, true)]
 #[case::offload_8k(Direction::Offload, 2048, 8 << 10, 2048, true)]
+#[case::offload_past_8k(Direction::Offload, 2048, (8 << 10) + 4, 2048, false)]
 #[case::offload_16k(Direction::Offload, 2048, 16 << 10, 2048, false)]
-#[case::offload_merged(Direction::Offload, 4, 4 << 10, 1, false)]
+#[case::offload_under_32k(Direction::Offload, 2048, (32 << 10) - 4, 2048, false)]
+#[case::offload_32k(Direction::Offload, 2048, 32 << 10, 2048, true)]
+#[case::offload_merged_to_16k(Direction::Offload, 4, 4 << 10, 1, false)]
+#[case::offload_merged_to_32k(Direction::Offload, 8, 4 << 10, 1, true)]
 #[case::nothing(Direction::Load, 0, 4 << 10, 0, false)]
-fn two_d_copies_for_small_copies_only(
+fn two_d_copies_where_they_beat_a_batch(
     #[case] direction: Direction,
     #[case] blocks: usize,
     #[case] part: usize,
     #[case] runs: usize,
     #[case] want: bool,
 ) {
-    assert_eq!(strides::small_copies(direction, blocks, part, runs), want);
+    assert_eq!(strides::two_d_wins(direction, blocks, part, runs), want);
 }

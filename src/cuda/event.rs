@@ -118,16 +118,6 @@ impl Event {
         Ok(())
     }
 
-    /// As [`Event::wait_on`], with the context current (`_cur`); the driver's error as is.
-    pub(crate) fn wait_on_in(
-        &self,
-        _cur: &Current<'_>,
-        stream: StreamHandle,
-    ) -> std::result::Result<(), driver::DriverError> {
-        // SAFETY: our live event; the stream as in `record_in`; context current (`_cur`).
-        unsafe { driver::stream::stream_wait_event(stream.raw(), self.raw) }
-    }
-
     /// The device.
     pub fn device(&self) -> &Device {
         &self.device

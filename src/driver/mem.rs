@@ -186,18 +186,6 @@ pub(crate) unsafe fn mem_free(ptr: CUdeviceptr) -> DResult<()> {
     super::capture_relaxed(|| check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) }))
 }
 
-/// [cuMemsetD32](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html):
-/// `count` 4-byte words from `dst` on set to `value`, synchronously.
-///
-/// # Safety
-/// 1. `dst..dst+4*count` is device memory of the current context's device, 4-byte aligned.
-pub(crate) unsafe fn memset_d32(dst: CUdeviceptr, value: u32, count: usize) -> DResult<()> {
-    // SAFETY: caller's contract.
-    check("cuMemsetD32", unsafe {
-        sys::cuMemsetD32_v2(dst, value, count)
-    })
-}
-
 /// [cuMemcpyHtoDAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
 ///
 /// # Safety

@@ -178,31 +178,6 @@ pub(crate) unsafe fn stream_write_value32(
     })
 }
 
-/// [cuStreamWaitValue32](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEMOP.html):
-/// later work on `stream` waits on the device until the 4 bytes at `addr` hold a value at or
-/// past `value` in cyclic order (`(int32_t)(*addr - value) >= 0`: a counter may wrap). No SM
-/// work, no host wait.
-///
-/// # Safety
-/// 1. `addr` is a device address of 4 bytes that stay allocated until the wait was met, and
-///    something will write a value that meets it (or the stream waits forever).
-/// 2. `stream` is live (or a special handle); a context is current.
-pub(crate) unsafe fn stream_wait_value32(
-    stream: CUstream,
-    addr: super::CUdeviceptr,
-    value: u32,
-) -> DResult<()> {
-    // SAFETY: caller's contract.
-    check("cuStreamWaitValue32", unsafe {
-        sys::cuStreamWaitValue32_v2(
-            stream,
-            addr,
-            value,
-            sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-        )
-    })
-}
-
 /// [cuStreamGetCtx](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html): the
 /// context a stream belongs to.
 ///

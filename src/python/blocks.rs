@@ -15,7 +15,8 @@ use crate::dlpack::{DType, DeviceView, MemoryKind};
 /// Moves lists of KV-cache blocks between device tensors and pinned host tensors with the copy
 /// engines (no kernel), on the caller's stream: runs of adjacent ids merged, a move's copies in
 /// one batched driver call, or, when each side's tensors are views of one allocation (one pool
-/// tensor split per layer) and the copies are small, one 2D copy per run across every tensor.
+/// tensor split per layer), one 2D copy per run across every tensor (every load, and offloads
+/// unless the copies average 9-31 KiB, where a batch is faster).
 ///
 /// Parameters:
 ///     device_tensors: a list of C-contiguous DLPack tensors on one CUDA device (torch, cupy;
@@ -28,10 +29,6 @@ use crate::dlpack::{DType, DeviceView, MemoryKind};
 ///         ``[2, num_blocks, ...]`` (K and V first), 0 for ``[num_blocks, ...]`` and a
 ///         cross-layer ``[num_blocks, layers, 2, ...]``. The dimensions before it are parts of
 ///         a block (each copied), those after it one part's bytes.
-///     thread (bool): issue moves on the mover's own threads (one per direction), so a move
-///         returns at once (default True); False: on the calling thread, which then returns
-///         once the driver took every copy (for thousands of copies, about as long as they
-///         take). Either way the copies run in the stream's order.
 ///
 /// Host arrays on both sides make a mover whose moves are plain memcpys (no driver needed).
 ///
@@ -61,14 +58,13 @@ pub(crate) struct BlockMover {
 impl BlockMover {
     #[new]
     #[pyo3(
-        signature = (device_tensors, host_tensors, *, block_dim=None, thread=true),
-        text_signature = "(device_tensors, host_tensors, *, block_dim=0, thread=True)"
+        signature = (device_tensors, host_tensors, *, block_dim=None),
+        text_signature = "(device_tensors, host_tensors, *, block_dim=0)"
     )]
     fn new(
         device_tensors: &Bound<'_, PyAny>,
         host_tensors: &Bound<'_, PyAny>,
         block_dim: Option<&Bound<'_, PyAny>>,
-        thread: bool,
     ) -> PyResult<Self> {
         // A dimension of a DLPack tensor: numpy's limit of 64 dimensions.
         let block_dim = match block_dim {
@@ -86,10 +82,7 @@ impl BlockMover {
         }
         let views: Vec<DeviceView<'static>> = imported.iter().map(|i| i.view.clone()).collect();
         let (dv, hv) = views.split_at(devs.len());
-        let mut mover = crate::blocks::BlockMover::new(dv, hv, block_dim)?;
-        if !thread {
-            mover = mover.on_caller_thread();
-        }
+        let mover = crate::blocks::BlockMover::new(dv, hv, block_dim)?;
         let device = dv.first().map_or((0, 0), |v| match v.memory() {
             MemoryKind::Cuda(id) => (v.device_type(), id),
             MemoryKind::Host => (v.device_type(), 0),
@@ -114,17 +107,14 @@ impl BlockMover {
     ///         stream. Give offload and load different streams to run them at once.
     ///
     /// Returns:
-    ///     PendingCopy: ``wait()`` (returns None), ``done()``, ``stream_wait(stream)``; it keeps
-    ///     the mover and its tensors alive until the move completed. Work queued on ``stream``
-    ///     after this call runs after the move.
+    ///     PendingCopy: ``wait()`` (returns None), ``done()``; it keeps the mover and its
+    ///     tensors alive until the move completed.
     ///
     /// Raises:
     ///     PinstageValueError: counts differ, an id out of range or negative, a destination id
     ///         twice, a read-only destination. PinstageTypeError: ids that are not integers.
     ///     StreamCaptureError: the stream is capturing a graph. CudaDriverError: the driver
-    ///     refused the move (issued on the mover's thread: raised by the ``PendingCopy``'s
-    ///     ``wait()`` and ``done()``, once what was issued completed). Nothing is issued when a
-    ///     call raises.
+    ///     refused the move. Nothing is issued when a call raises.
     #[pyo3(signature = (device_ids, host_ids, *, stream=None))]
     fn offload(
         slf: &Bound<'_, Self>,
@@ -349,14 +339,18 @@ fn start(
         (None, _, _) => StreamHandle::LEGACY,
     };
     let mover = &this.mover;
-    let (event, outcome) = py.detach(|| {
+    let event = py.detach(|| {
         // SAFETY: the tensors live as long as `this` (`_tensors`), which the PendingCopy keeps
         // until the event completed (lingering when dropped early); writes by others are the
         // caller's to order on `stream` (documented); the stream belongs to the caller.
-        unsafe { mover.start(direction, &src, &dst, stream) }.map(|c| c.into_parts())
+        unsafe { mover.start(direction, &src, &dst, stream) }.map(|c| c.into_event())
     })?;
     let bytes = src.len() * mover.block_bytes();
-    Ok(PendingCopy::holding(event, slf.clone().into_any().unbind(), bytes).with_outcome(outcome))
+    Ok(PendingCopy::holding(
+        event,
+        slf.clone().into_any().unbind(),
+        bytes,
+    ))
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -37,9 +37,6 @@ pub(crate) struct PendingCopy {
     deprecated: bool,
     /// `wait()` returns `array` (else None: `array` is only kept alive).
     hands_back: bool,
-    /// A block move issued on the mover's thread: whether issuing failed (known once the
-    /// event completed).
-    outcome: Option<Arc<crate::blocks::Outcome>>,
 }
 
 impl PendingCopy {
@@ -52,7 +49,6 @@ impl PendingCopy {
             src: Mutex::new(Some(src)),
             deprecated: false,
             hands_back: true,
-            outcome: None,
         }
     }
 
@@ -66,14 +62,7 @@ impl PendingCopy {
             src: Mutex::new(None),
             deprecated: false,
             hands_back: false,
-            outcome: None,
         }
-    }
-
-    /// With the outcome of a move issued on a block mover's thread, checked once it completed.
-    pub(crate) fn with_outcome(mut self, outcome: Option<Arc<crate::blocks::Outcome>>) -> Self {
-        self.outcome = outcome;
-        self
     }
 
     /// The handle `copy_h2d` returns (0.3): its `wait()` and `done()` still work, and warn.
@@ -118,9 +107,6 @@ impl PendingCopy {
             // Completed: every waiter may let the event go.
             *self.event.lock() = None;
         }
-        if let Some(o) = &self.outcome {
-            o.check()?;
-        }
         drop(self.src.lock().take());
         Ok(if self.hands_back {
             self.array.clone_ref(py)
@@ -131,14 +117,10 @@ impl PendingCopy {
 
     /// Whether the copy completed (never blocks).
     pub(crate) fn is_done(&self) -> crate::Result<bool> {
-        let done = match &*self.event.lock() {
-            Some(ev) => ev.query()?,
-            None => true,
-        };
-        if let (true, Some(o)) = (done, &self.outcome) {
-            o.check()?;
+        match &*self.event.lock() {
+            Some(ev) => ev.query(),
+            None => Ok(true),
         }
-        Ok(done)
     }
 }
 

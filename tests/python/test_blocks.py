@@ -183,8 +183,7 @@ def torch_side(torch, shape, n, t0, m, device):
 @pytest.mark.parametrize("stream_kind", ["current", "side", "int"])
 @pytest.mark.parametrize("host_kind", ["empty_pinned", "torch_pinned"])
 @pytest.mark.parametrize("pooled", [False, True], ids=["apart", "pooled"])
-@pytest.mark.parametrize("thread", [True, False], ids=["thread", "caller"])
-def test_torch_every_block_of_every_move(gpu, layout, stream_kind, host_kind, pooled, thread):
+def test_torch_every_block_of_every_move(gpu, layout, stream_kind, host_kind, pooled):
     """pooled: each side's tensors are slices of one allocation (as engines allocate a KV
     pool), so small moves go as 2D copies across all tensors ("strided")."""
     torch = pytest.importorskip("torch")
@@ -206,7 +205,7 @@ def test_torch_every_block_of_every_move(gpu, layout, stream_kind, host_kind, po
         else:
             host = [torch.empty(shape(NH), dtype=torch.int32).pin_memory() for _ in range(L)]
         host_np = [h.numpy() for h in host]
-    mover = pinstage.BlockMover(dev, host, block_dim=dim, thread=thread)
+    mover = pinstage.BlockMover(dev, host, block_dim=dim)
     side = torch.cuda.Stream()
     stream = {"current": None, "side": side, "int": side.cuda_stream}[stream_kind]
     rng = np.random.default_rng(7)
@@ -277,15 +276,14 @@ def test_torch_offload_and_load_at_once_on_two_streams_every_round_checked(gpu):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("thread", [True, False], ids=["thread", "caller"])
-def test_torch_stream_order_and_event(gpu, thread):
+def test_torch_stream_order_and_event(gpu):
     """A move on the current stream runs after the work queued before it and before the work
     queued after it; done() is False while a kernel ahead of it still runs."""
     torch = pytest.importorskip("torch")
     dev = [torch.zeros((1, 16, 1024), dtype=torch.int32, device="cuda")]
     host = [pinstage.empty_pinned((1, 16, 1024), "int32")]
     host[0][...] = POISON
-    mover = pinstage.BlockMover(dev, host, block_dim=1, thread=thread)
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the move
     dev[0][:, 3].fill_(1234)  # queued before the move: the move must see it
@@ -298,8 +296,7 @@ def test_torch_stream_order_and_event(gpu, thread):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("thread", [True, False], ids=["thread", "caller"])
-def test_torch_stream_order_load_then_use_without_a_wait(gpu, thread):
+def test_torch_stream_order_load_then_use_without_a_wait(gpu):
     """The engine's pattern: load blocks, then use them on the same stream at once (no wait):
     every use sees the load, and an offload queued after a kernel that rewrites the blocks sees
     the kernel's values; every round checked, the GPU kept busy ahead of each move."""
@@ -307,7 +304,7 @@ def test_torch_stream_order_load_then_use_without_a_wait(gpu, thread):
     L, NB, shape = 4, 64, (2, 64, 32, 64)  # 8 KiB per block part (int32)
     dev = [torch.full(shape, POISON, dtype=torch.int32, device="cuda") for _ in range(L)]
     host = [pinstage.empty_pinned(shape, "int32") for _ in range(L)]
-    mover = pinstage.BlockMover(dev, host, block_dim=1, thread=thread)
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
     rng = np.random.default_rng(11)
     for r in range(10):
         a, b = rng.permutation(NB)[:40], rng.permutation(NB)[:40]
@@ -352,8 +349,7 @@ def test_gpu_refusals_issue_nothing(gpu):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("thread", [True, False], ids=["thread", "caller"])
-def test_dropped_pending_move_keeps_tensors_alive(gpu, thread):
+def test_dropped_pending_move_keeps_tensors_alive(gpu):
     """Every reference dropped while the move is queued: the pinned host tensor must stay
     allocated until the move completed. torch's pinned cache hands a freed block to the next
     allocation of its size at once, so were it freed, the new tensor would be the old block
@@ -366,7 +362,7 @@ def test_dropped_pending_move_keeps_tensors_alive(gpu, thread):
     host = [torch.empty(shape, dtype=torch.int32, pin_memory=True)]
     host[0].fill_(POISON)
     old = host[0].data_ptr()
-    mover = pinstage.BlockMover(dev, host, block_dim=1, thread=thread)
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work ahead of the move
     mover.offload(list(range(32)), list(range(32)))  # the handle dropped at once
