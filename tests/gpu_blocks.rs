@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{POISON, gpu_or_skip, stall};
+use common::{POISON, gpu_or_skip, stall_handle};
 use pinstage::blocks::{BlockMover, Direction, Strategy};
 use pinstage::dlpack::{DL_CPU, DL_CUDA, TensorDesc, validate};
 use pinstage::host::PinnedFlags;
@@ -558,7 +558,10 @@ fn gpu_blocks_moves_past_one_batch_take_several_calls_and_land() {
 
 #[rstest]
 #[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
-fn gpu_blocks_stream_order_holds_without_a_wait(#[values(false, true)] pooled: bool) {
+fn gpu_blocks_stream_order_holds_without_a_wait(
+    #[values(false, true)] pooled: bool,
+    #[values(0, 2)] stream_kind: u8,
+) {
     let Some(d) = gpu_or_skip("gpu_blocks_stream_order_holds_without_a_wait") else {
         return;
     };
@@ -571,15 +574,21 @@ fn gpu_blocks_stream_order_holds_without_a_wait(#[values(false, true)] pooled: b
     let (dv, hv, dim) = s.views();
     let mover = BlockMover::new(&dv, &hv, dim).unwrap();
     let own = Stream::new(&d).unwrap();
+    // The legacy stream too: batched moves there fork onto a side stream and join back.
+    let stream = if stream_kind == 0 {
+        StreamHandle::LEGACY
+    } else {
+        own.handle()
+    };
     // Warm-up moves of one block each way (nothing the mover sets up on first use waits
     // behind the stall).
     // SAFETY: waited for at once; the buffers outlive them.
-    unsafe { mover.offload(&[0], &[0], own.handle()) }
+    unsafe { mover.offload(&[0], &[0], stream) }
         .unwrap()
         .wait()
         .unwrap();
     // SAFETY: as above.
-    unsafe { mover.load(&[0], &[0], own.handle()) }
+    unsafe { mover.load(&[0], &[0], stream) }
         .unwrap()
         .wait()
         .unwrap();
@@ -592,13 +601,13 @@ fn gpu_blocks_stream_order_holds_without_a_wait(#[values(false, true)] pooled: b
     for round in 0..3u32 {
         let host = s.fill(1, round);
         s.poison(0);
-        let stall = stall(&own);
+        let stall = stall_handle(&d, stream);
         // SAFETY: waited for below (the copies drop last); the buffers outlive them.
-        let c1 = unsafe { mover.load(&first, &dev_ids, own.handle()) }.unwrap();
+        let c1 = unsafe { mover.load(&first, &dev_ids, stream) }.unwrap();
         // SAFETY: as above.
-        let c2 = unsafe { mover.offload(&rev, &back_rev, own.handle()) }.unwrap();
+        let c2 = unsafe { mover.offload(&rev, &back_rev, stream) }.unwrap();
         // SAFETY: as above.
-        let c3 = unsafe { mover.load(&second, &dev_ids, own.handle()) }.unwrap();
+        let c3 = unsafe { mover.load(&second, &dev_ids, stream) }.unwrap();
         assert!(
             !c2.is_done(),
             "round {round}: the offload's event completed under a stall"

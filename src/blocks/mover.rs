@@ -445,6 +445,8 @@ impl<'t> BlockMover<'t> {
 
     /// How a device move's segments are issued.
     fn how(&self, direction: Direction, strided: bool) -> Issue {
+        // A strided move's segments are the first pair's alone: it must go as 2D copies.
+        debug_assert!(!strided || self.strides.is_some());
         match (strided, self.strides) {
             (true, Some((device_pitch, host_pitch))) => {
                 let (src_pitch, dst_pitch) = match direction {

@@ -311,12 +311,13 @@ def test_torch_stream_order_load_then_use_without_a_wait(gpu):
         for t in range(L):
             host[t][...] = values(shape, 20 + t, r)
             dev[t].fill_(POISON)
+        idx = torch.from_numpy(b).cuda()  # before the sleep: .cuda() synchronizes the stream
         torch.cuda.synchronize()
         torch.cuda._sleep(20_000_000)  # GPU work ahead of the move
         mover.load(a, b)  # the handle dropped: it lingers, nothing waits on the host
-        used = [d[:, torch.from_numpy(b).cuda()].clone() for d in dev]  # same stream, no wait
+        used = [d[:, idx].clone() for d in dev]  # same stream, no wait
         for d in dev:
-            d[:, torch.from_numpy(b).cuda()] += 1  # rewritten after the load
+            d[:, idx] += 1  # rewritten after the load
         p = mover.offload(b, a)  # back into the host blocks it came from
         p.wait()
         for t in range(L):
@@ -366,7 +367,7 @@ def test_dropped_pending_move_keeps_tensors_alive(gpu):
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work ahead of the move
     mover.offload(list(range(32)), list(range(32)))  # the handle dropped at once
-    del mover, host
+    del mover, dev, host
     gc.collect()
     fresh = torch.empty(shape, dtype=torch.int32, pin_memory=True)
     fresh.fill_(POISON)
