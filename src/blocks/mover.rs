@@ -273,7 +273,10 @@ impl<'t> BlockMover<'t> {
         let runs = self.check(direction, src_ids, dst_ids)?;
         let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
         let copies = runs.len() * parts;
-        let strided = self.strided(direction, src_ids.len(), runs.len());
+        let strided = matches!(
+            self.how(direction, src_ids.len(), runs.len()),
+            Issue::Strided { .. }
+        );
         let (strategy, copies, calls, reason) = if copies == 0 {
             (Strategy::Empty, 0, 0, "no block to move")
         } else if strided {
@@ -377,12 +380,14 @@ impl<'t> BlockMover<'t> {
         if runs.is_empty() {
             return Ok(BlockCopy::done());
         }
-        let strided = self.strided(direction, src_ids.len(), runs.len());
-        let expected = crate::cuda::wait::copy_time(bytes);
+        let how = self.how(direction, src_ids.len(), runs.len());
+        let mut guard = self.scratch.try_lock();
+        let mut own = Scratch::default();
+        let scratch = guard.as_deref_mut().unwrap_or(&mut own);
+        scratch.segments.clear();
+        self.segments(direction, &runs, how, &mut scratch.segments)?;
         let Some(device) = &self.device else {
-            let mut segs = Vec::new();
-            self.segments(direction, &runs, strided, &mut segs)?;
-            for s in &segs {
+            for s in &scratch.segments {
                 // SAFETY: host memory on both sides (`new`), within the tensors (checked runs),
                 // valid and not used elsewhere (the caller's contracts 1 and 2); `copy` allows
                 // a source and destination that overlap.
@@ -392,12 +397,6 @@ impl<'t> BlockMover<'t> {
         };
         let cur = stream.enter_for_copy(device)?;
         let event = Event::new_in(&cur)?;
-        let how = self.how(direction, strided);
-        let mut guard = self.scratch.try_lock();
-        let mut own = Scratch::default();
-        let scratch = guard.as_deref_mut().unwrap_or(&mut own);
-        scratch.segments.clear();
-        self.segments(direction, &runs, strided, &mut scratch.segments)?;
         // SAFETY: caller's contracts 1-3; the segments lie within the tensors (checked runs).
         let mut issued = unsafe { self.issue_here(&cur, direction, how, scratch, stream, &event) };
         if issued.is_err() {
@@ -412,7 +411,7 @@ impl<'t> BlockMover<'t> {
         issued?;
         Ok(BlockCopy {
             event: Some(event),
-            expected,
+            expected: crate::cuda::wait::copy_time(bytes),
             _mover: PhantomData,
         })
     }
@@ -423,10 +422,10 @@ impl<'t> BlockMover<'t> {
         &self,
         direction: Direction,
         runs: &[Run],
-        strided: bool,
+        how: Issue,
         out: &mut Vec<Segment>,
     ) -> Result<()> {
-        let pairs = if strided {
+        let pairs = if matches!(how, Issue::Strided { .. }) {
             &self.pairs[..1]
         } else {
             &self.pairs[..]
@@ -443,12 +442,13 @@ impl<'t> BlockMover<'t> {
         Ok(())
     }
 
-    /// How a device move's segments are issued.
-    fn how(&self, direction: Direction, strided: bool) -> Issue {
-        // A strided move's segments are the first pair's alone: it must go as 2D copies.
-        debug_assert!(!strided || self.strides.is_some());
-        match (strided, self.strides) {
-            (true, Some((device_pitch, host_pitch))) => {
+    /// How a move of `blocks` blocks in `runs` runs is issued: as 2D copies across the tensors
+    /// when they sit at one stride and 2D copies beat a batch there ([`two_d_wins`]).
+    fn how(&self, direction: Direction, blocks: usize, runs: usize) -> Issue {
+        match self.strides {
+            Some((device_pitch, host_pitch))
+                if two_d_wins(direction, blocks, self.pairs[0].device.bytes, runs) =>
+            {
                 let (src_pitch, dst_pitch) = match direction {
                     Direction::Offload => (device_pitch, host_pitch),
                     Direction::Load => (host_pitch, device_pitch),
@@ -465,14 +465,8 @@ impl<'t> BlockMover<'t> {
         }
     }
 
-    /// Whether a move of `blocks` blocks in `runs` runs goes as [`Strategy::Strided`].
-    fn strided(&self, direction: Direction, blocks: usize, runs: usize) -> bool {
-        self.strides.is_some() && two_d_wins(direction, blocks, self.pairs[0].device.bytes, runs)
-    }
-
-    /// Issues `scratch.segments` as `how` says, on `stream` (a batched
-    /// move on the legacy stream: on a side stream joined both ways), and records `event`
-    /// after them.
+    /// Issues `scratch.segments` as `how` says, on `stream` (a batched move on the legacy
+    /// stream: on a side stream joined both ways), and records `event` after them.
     ///
     /// # Safety
     /// As [`BlockMover::offload`]; every segment lies within the mover's tensors and suits

@@ -10,10 +10,8 @@ use crate::driver;
 const MAX_PITCH: usize = i32::MAX as usize;
 
 /// Device-to-host copy sizes (bytes per copy, on average over a move) at which a batch beats 2D
-/// copies, as measured on the H200 (benches/RESULTS.md, the 2D peer against the batch peer):
-/// 2D copies win at 4 KiB (2.2x) and from 32 KiB on (1.0x at 32 KiB, 1.15x at 64, 1.05x at
-/// 256), the batch at 16 KiB (1.3x). Host-to-device, 2D copies win at every size measured
-/// (7x at 4 KiB, 5x at 16, 1.0x at 32, 1.2x at 64, 1.1x at 256 KiB).
+/// copies, as measured on the H200 (benches/RESULTS.md, KV-cache blocks: the 2D peer against the
+/// batch peer); host-to-device, 2D copies won at every size measured.
 const OFFLOAD_BATCHED: std::ops::Range<usize> = (8 << 10) + 1..32 << 10;
 
 /// Whether a move of `blocks` blocks of `part_bytes` per part, merged into `runs` runs, is
