@@ -13,6 +13,12 @@
  *   2d         one cuMemcpy2DAsync per block: width B, height L, both pitches NB * B
  *   2d-x2      the 2D copies alternating over two streams (two engines?)
  *   contig     one copy of the same L * M * B bytes (the link's rate)
+ *   batch-t2/t4  the batch's copies split in 2 / 4 shares, each issued by its own thread on its
+ *              own stream (is the batch bound by the issuing thread?)
+ *   2d-t2/t4   the 2D copies split the same way
+ *   batch-held the batch issued onto a stream a host function holds for 1.5 s: the issue time is
+ *              the driver's own cost per copy while nothing runs (the control: if it is far below
+ *              the batch's wall time, the copy engines, not the issuing thread, set the rate)
  * Every timed call is checked: the destination poisoned (0xEE) before it; after it, the first
  * and last 8 bytes of every moved (tensor, block) and one unmoved block per tensor compared with
  * the source pattern (which changes per call). Median of 5 timed calls (1 warm-up), GB/s from
@@ -25,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <pthread.h>
+#include <unistd.h>
 
 #define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *s_; \
     cuGetErrorName(r_, &s_); fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_); \
@@ -61,8 +69,17 @@ static uint64_t pat(uint64_t salt, size_t t, size_t b, size_t w) {
     return (x & 0xFF) == 0xEE ? x ^ 1 : x;
 }
 
-enum { S_BATCH, S_SPLIT, S_2D, S_2DX2, S_CONTIG, NS };
-static const char *SNAME[NS] = {"batch", "split4k", "2d", "2d-x2", "contig"};
+enum { S_BATCH, S_SPLIT, S_2D, S_2DX2, S_CONTIG, S_BT2, S_BT4, S_2DT2, S_2DT4, S_HELD, NS };
+static const char *SNAME[NS] = {"batch", "split4k", "2d", "2d-x2", "contig",
+                                "batch-t2", "batch-t4", "2d-t2", "2d-t4", "batch-held"};
+static CUcontext g_ctx;
+static CUstream g_st[4];
+
+static void CUDA_CB holder(void *arg) {
+    (void)arg;
+    double t0 = now_ms();
+    while (now_ms() - t0 < 1500) usleep(200);
+}
 
 static CUdeviceptr *cd, *cs;
 static size_t *cz;
@@ -114,6 +131,68 @@ static void issue(int s, int dir, CUdeviceptr dev, char *host, size_t NB, size_t
     }
 }
 
+typedef struct {
+    int s, dir, share, shares;
+    CUdeviceptr dev; char *host; size_t NB, B, M; size_t *did, *hid;
+} job_t;
+
+/* One thread's share: blocks [M*share/shares, M*(share+1)/shares) of every tensor, on its own
+ * stream, its own range of the address lists. */
+static void *issue_share(void *arg) {
+    job_t *j = arg;
+    CHECK(cuCtxSetCurrent(g_ctx));
+    size_t a = j->M * j->share / j->shares, e = j->M * (j->share + 1) / j->shares;
+    size_t pitch = j->NB * j->B, B = j->B;
+    CUstream st = g_st[j->share];
+    if (j->s == S_BT2 || j->s == S_BT4) {
+        size_t base = L * a, n = 0;
+        for (size_t t = 0; t < L; t++)
+            for (size_t i = a; i < e; i++) {
+                CUdeviceptr d = j->dev + t * pitch + j->did[i] * B;
+                CUdeviceptr h = (CUdeviceptr)(j->host + t * pitch + j->hid[i] * B);
+                cd[base + n] = j->dir == 0 ? d : h;
+                cs[base + n] = j->dir == 0 ? h : d;
+                cz[base + n] = B;
+                n++;
+            }
+        CUmemcpyAttributes at;
+        memset(&at, 0, sizeof at);
+        at.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+        size_t idx = 0, fail = 0;
+        CHECK(batch_fn(cd + base, cs + base, cz + base, n, &at, &idx, 1, &fail, st));
+        return NULL;
+    }
+    for (size_t i = a; i < e; i++) {
+        CUDA_MEMCPY2D c;
+        memset(&c, 0, sizeof c);
+        CUdeviceptr d = j->dev + j->did[i] * B;
+        char *h = j->host + j->hid[i] * B;
+        if (j->dir == 0) {
+            c.srcMemoryType = CU_MEMORYTYPE_HOST; c.srcHost = h; c.srcPitch = pitch;
+            c.dstMemoryType = CU_MEMORYTYPE_DEVICE; c.dstDevice = d; c.dstPitch = pitch;
+        } else {
+            c.srcMemoryType = CU_MEMORYTYPE_DEVICE; c.srcDevice = d; c.srcPitch = pitch;
+            c.dstMemoryType = CU_MEMORYTYPE_HOST; c.dstHost = h; c.dstPitch = pitch;
+        }
+        c.WidthInBytes = B;
+        c.Height = L;
+        CHECK(cuMemcpy2DAsync(&c, st));
+    }
+    return NULL;
+}
+
+static void issue_threads(int s, int dir, CUdeviceptr dev, char *host, size_t NB, size_t B,
+                          size_t M, size_t *did, size_t *hid) {
+    int T = (s == S_BT2 || s == S_2DT2) ? 2 : 4;
+    pthread_t th[4];
+    job_t jobs[4];
+    for (int k = 0; k < T; k++) {
+        jobs[k] = (job_t){s, dir, k, T, dev, host, NB, B, M, did, hid};
+        if (pthread_create(&th[k], NULL, issue_share, &jobs[k])) { fprintf(stderr, "pthread\n"); exit(1); }
+    }
+    for (int k = 0; k < T; k++) pthread_join(th[k], NULL);
+}
+
 int main(int argc, char **argv) {
     CUdevice dev0;
     CUcontext ctx;
@@ -121,6 +200,7 @@ int main(int argc, char **argv) {
     CHECK(cuDeviceGet(&dev0, 0));
     CHECK(cuDevicePrimaryCtxRetain(&ctx, dev0));
     CHECK(cuCtxSetCurrent(ctx));
+    g_ctx = ctx;
     int maxpitch = 0;
     CHECK(cuDeviceGetAttribute(&maxpitch, CU_DEVICE_ATTRIBUTE_MAX_PITCH, dev0));
     CUdriverProcAddressQueryResult q;
@@ -138,6 +218,9 @@ int main(int argc, char **argv) {
     CUstream st, st2;
     CHECK(cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
     CHECK(cuStreamCreate(&st2, CU_STREAM_NON_BLOCKING));
+    g_st[0] = st; g_st[1] = st2;
+    CHECK(cuStreamCreate(&g_st[2], CU_STREAM_NON_BLOCKING));
+    CHECK(cuStreamCreate(&g_st[3], CU_STREAM_NON_BLOCKING));
     printf("blocks2d: L=%d, cap %zu GiB per side, max pitch %d\n", L, CAP >> 30, maxpitch);
     size_t sizes[8] = {4096, 16384, 32768, 65536, 262144};
     int nsizes = 5;
@@ -156,9 +239,11 @@ int main(int argc, char **argv) {
             for (int s = 0; s < NS; s++) {
                 double t[REPS], h[REPS];
                 int ok = 1;
-                if (s == S_2D || s == S_2DX2) ok = pitch <= (size_t)maxpitch;
+                if (s == S_2D || s == S_2DX2 || s == S_2DT2 || s == S_2DT4) ok = pitch <= (size_t)maxpitch;
+                if (getenv("SKIP_OLD") && (s == S_SPLIT || s == S_2DX2)) ok = 0;
+                int reps = s == S_HELD ? 1 : REPS;
                 if (!ok) { res[zi][dir][s] = -1; host_ms[zi][dir][s] = -1; continue; }
-                for (int r = -1; r < REPS; r++) {
+                for (int r = s == S_HELD ? 0 : -1; r < reps; r++) {
                     perm(pd, NB); perm(ph, NB);
                     salt++;
                     /* source pattern, destination poison */
@@ -187,11 +272,12 @@ int main(int argc, char **argv) {
                         }
                     }
                     CHECK(cuCtxSynchronize());
+                    if (s == S_HELD) CHECK(cuLaunchHostFunc(st, holder, NULL));
                     double t0 = now_ms();
-                    issue(s, dir, dev, host, NB, B, M, pd, ph, st, st2, gdev, stage);
+                    if (s >= S_BT2 && s <= S_2DT4) issue_threads(s, dir, dev, host, NB, B, M, pd, ph);
+                    else issue(s == S_HELD ? S_BATCH : s, dir, dev, host, NB, B, M, pd, ph, st, st2, gdev, stage);
                     double t1 = now_ms();
-                    CHECK(cuStreamSynchronize(st));
-                    CHECK(cuStreamSynchronize(st2));
+                    for (int k = 0; k < 4; k++) CHECK(cuStreamSynchronize(g_st[k]));
                     double t2 = now_ms();
                     if (r >= 0) { t[r] = L * M * B / ((t2 - t0) * 1e6); h[r] = t1 - t0; }
                     /* check */
@@ -217,14 +303,14 @@ int main(int argc, char **argv) {
                     }
                 }
                 /* medians */
-                for (int a = 0; a < REPS; a++) for (int b2 = a + 1; b2 < REPS; b2++) {
+                for (int a = 0; a < reps; a++) for (int b2 = a + 1; b2 < reps; b2++) {
                     if (t[b2] < t[a]) { double x = t[a]; t[a] = t[b2]; t[b2] = x; }
                     if (h[b2] < h[a]) { double x = h[a]; h[a] = h[b2]; h[b2] = x; }
                 }
-                res[zi][dir][s] = t[REPS / 2];
-                host_ms[zi][dir][s] = h[REPS / 2];
-                printf("B %6zu %s %-8s %6.1f GB/s (%.1f-%.1f)  issue %8.2f ms\n", B, dir ? "D2H" : "H2D",
-                       SNAME[s], t[REPS / 2], t[0], t[REPS - 1], h[REPS / 2]);
+                res[zi][dir][s] = t[reps / 2];
+                host_ms[zi][dir][s] = h[reps / 2];
+                printf("B %6zu %s %-10s %6.1f GB/s (%.1f-%.1f)  issue %8.2f ms (%.2f-%.2f)\n", B, dir ? "D2H" : "H2D",
+                       SNAME[s], t[reps / 2], t[0], t[reps - 1], h[reps / 2], h[0], h[reps - 1]);
                 fflush(stdout);
             }
     }
