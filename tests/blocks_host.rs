@@ -269,7 +269,7 @@ fn handles_and_names_say_what_they_hold() {
         ("offload", "load")
     );
     assert_eq!(pinstage::blocks::MAX_BATCH, 65536);
-    let mut d = vec![1u8; 64];
+    let mut d: Vec<u8> = (1..=64).collect();
     let mut h = vec![0u8; 64];
     let dv = [view(&mut d, &[2, 8, 4], 1, false)];
     let hv = [view(&mut h, &[2, 8, 4], 1, false)];
@@ -282,11 +282,24 @@ fn handles_and_names_say_what_they_hold() {
     );
     // SAFETY: host memory, alive while the mover is.
     let c = unsafe { mover.offload(&[1], &[2], StreamHandle::LEGACY) }.unwrap();
-    // A host move is a memcpy: done when the call returns, with no event to wait on.
-    assert!(c.is_done() && c.event().is_none());
+    // A host move is a memcpy: done when the call returns, with nothing for a stream to wait
+    // on (no driver is asked).
+    assert!(c.is_done() && c.stream_wait(StreamHandle::LEGACY).is_ok());
     assert!(format!("{c:?}").contains("pending: false"));
     c.wait().unwrap();
-    assert_eq!(&h[8..12], &[1, 1, 1, 1]);
+    assert_eq!(
+        (&h[8..12], &h[40..44]),
+        (&[5, 6, 7, 8][..], &[37, 38, 39, 40][..])
+    );
+    // In the background too: no thread to hand it to, moved by the call.
+    // SAFETY: as above.
+    let c = unsafe { mover.offload_in_background(&[3], &[5], StreamHandle::LEGACY) }.unwrap();
+    assert!(c.is_done() && format!("{c:?}").contains("pending: false"));
+    c.wait().unwrap();
+    assert_eq!(
+        (&h[20..24], &h[52..56]),
+        (&[13, 14, 15, 16][..], &[45, 46, 47, 48][..])
+    );
 }
 
 #[test]

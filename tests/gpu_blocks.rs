@@ -298,6 +298,7 @@ fn gpu_blocks_every_block_lands(
     #[values(64, 4100, 65536)] bytes: usize,
     #[values(0, 1, 2)] stream_kind: u8,
     #[values(false, true)] pooled: bool,
+    #[values(false, true)] background: bool,
 ) {
     let Some(d) = gpu_or_skip("gpu_blocks_every_block_lands") else {
         return;
@@ -334,14 +335,28 @@ fn gpu_blocks_every_block_lands(
         let src = s.fill(0, m);
         s.poison(1);
         // SAFETY: the buffers outlive the move (waited for below); nothing else touches them.
-        let c = unsafe { mover.offload(&dev_ids, &host_ids, stream) }.unwrap();
+        let c = unsafe {
+            if background {
+                mover.offload_in_background(&dev_ids, &host_ids, stream)
+            } else {
+                mover.offload(&dev_ids, &host_ids, stream)
+            }
+        }
+        .unwrap();
         c.wait().unwrap();
         s.check(1, &src, &dev_ids, &host_ids, &format!("offload {m}"));
         // Load into a poisoned device side, from new host values.
         let src = s.fill(1, m + 100);
         s.poison(0);
         // SAFETY: as above.
-        let c = unsafe { mover.load(&host_ids, &dev_ids, stream) }.unwrap();
+        let c = unsafe {
+            if background {
+                mover.load_in_background(&host_ids, &dev_ids, stream)
+            } else {
+                mover.load(&host_ids, &dev_ids, stream)
+            }
+        }
+        .unwrap();
         c.wait().unwrap();
         s.check(0, &src, &host_ids, &dev_ids, &format!("load {m}"));
     }
@@ -363,9 +378,9 @@ fn gpu_blocks_every_block_lands(
     }
 }
 
-#[test]
+#[rstest]
 #[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
-fn gpu_blocks_offload_and_load_at_once_every_move_checked() {
+fn gpu_blocks_offload_and_load_at_once_every_move_checked(#[values(false, true)] background: bool) {
     let Some(d) = gpu_or_skip("gpu_blocks_offload_and_load_at_once_every_move_checked") else {
         return;
     };
@@ -386,10 +401,28 @@ fn gpu_blocks_offload_and_load_at_once_every_move_checked() {
         let src_b = b.fill(1, m);
         b.poison(0);
         // SAFETY: waited for below; the buffers outlive it.
-        let ca = unsafe { ma.offload(&ids_a, &ids_b, a_s.handle()) }.unwrap();
-        // SAFETY: as above.
-        let cb = unsafe { mb.load(&ids_a, &ids_b, b_s.handle()) }.unwrap();
-        ca.wait().unwrap();
+        let (ca, cb) = unsafe {
+            if background {
+                // In the background, from one thread: the second call need not wait for the
+                // driver to take the first move's copies. The first move is dropped unwaited
+                // every third round: its drop waits.
+                (
+                    ma.offload_in_background(&ids_a, &ids_b, a_s.handle()),
+                    mb.load_in_background(&ids_a, &ids_b, b_s.handle()),
+                )
+            } else {
+                (
+                    ma.offload(&ids_a, &ids_b, a_s.handle()),
+                    mb.load(&ids_a, &ids_b, b_s.handle()),
+                )
+            }
+        };
+        let (ca, cb) = (ca.unwrap(), cb.unwrap());
+        if m % 3 == 0 {
+            drop(ca);
+        } else {
+            ca.wait().unwrap();
+        }
         cb.wait().unwrap();
         a.check(1, &src_a, &ids_a, &ids_b, &format!("offload round {m}"));
         b.check(0, &src_b, &ids_a, &ids_b, &format!("load round {m}"));
@@ -561,6 +594,7 @@ fn gpu_blocks_moves_past_one_batch_take_several_calls_and_land() {
 fn gpu_blocks_stream_order_holds_without_a_wait(
     #[values(false, true)] pooled: bool,
     #[values(0, 2)] stream_kind: u8,
+    #[values(false, true)] background: bool,
 ) {
     let Some(d) = gpu_or_skip("gpu_blocks_stream_order_holds_without_a_wait") else {
         return;
@@ -568,7 +602,9 @@ fn gpu_blocks_stream_order_holds_without_a_wait(
     // A load, then an offload of the loaded blocks, then a load that overwrites them, all on
     // one stalled stream with no wait in between: each must see the one before and none the
     // one after. The offload reads in the reverse order of the
-    // load's writes, so copies that overlapped would read poison.
+    // load's writes, so copies that overlapped would read poison. In the background the
+    // offload must still run after the load queued before it (its fork), and the last load
+    // after it once the stream joined it (`stream_wait`).
     let (tensors, bytes, blocks) = (4, 65536, 128);
     let mut s = Sides::with(&d, Layout::KvFirst, tensors, bytes, blocks, blocks, pooled);
     let (dv, hv, dim) = s.views();
@@ -604,8 +640,15 @@ fn gpu_blocks_stream_order_holds_without_a_wait(
         let stall = stall_handle(&d, stream);
         // SAFETY: waited for below (the copies drop last); the buffers outlive them.
         let c1 = unsafe { mover.load(&first, &dev_ids, stream) }.unwrap();
-        // SAFETY: as above.
-        let c2 = unsafe { mover.offload(&rev, &back_rev, stream) }.unwrap();
+        let c2 = if background {
+            // SAFETY: as above; joined on `stream` before the next move.
+            let c2 = unsafe { mover.offload_in_background(&rev, &back_rev, stream) }.unwrap();
+            c2.stream_wait(stream).unwrap();
+            c2
+        } else {
+            // SAFETY: as above.
+            unsafe { mover.offload(&rev, &back_rev, stream) }.unwrap()
+        };
         // SAFETY: as above.
         let c3 = unsafe { mover.load(&second, &dev_ids, stream) }.unwrap();
         assert!(

@@ -214,10 +214,20 @@ _BlockIds: TypeAlias = Any  # a list of ints, or a 1-D integer numpy array / CPU
 class BlockMover:
     def __new__(cls, device_tensors: Any, host_tensors: Any, *, block_dim: int = 0) -> BlockMover: ...
     def offload(
-        self, device_ids: _BlockIds, host_ids: _BlockIds, *, stream: _StreamLike = None
+        self,
+        device_ids: _BlockIds,
+        host_ids: _BlockIds,
+        *,
+        stream: _StreamLike = None,
+        background: bool = False,
     ) -> PendingCopy: ...
     def load(
-        self, host_ids: _BlockIds, device_ids: _BlockIds, *, stream: _StreamLike = None
+        self,
+        host_ids: _BlockIds,
+        device_ids: _BlockIds,
+        *,
+        stream: _StreamLike = None,
+        background: bool = False,
     ) -> PendingCopy: ...
     def plan(self, direction: str, src_ids: _BlockIds, dst_ids: _BlockIds) -> dict[str, Any]: ...
     @property

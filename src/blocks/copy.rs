@@ -1,9 +1,15 @@
 //! What a move is and returns: [`Direction`], [`Strategy`], [`MovePlan`] and [`BlockCopy`].
 
 use std::marker::PhantomData;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
-use crate::cuda::Event;
+use parking_lot::Mutex;
+
+use crate::cuda::wait::{Backoff, wait_until};
+use crate::cuda::{Event, StreamHandle};
+use crate::driver::DriverError;
 use crate::error::{Error, Result};
 
 /// Which way a move goes.
@@ -64,20 +70,37 @@ pub struct MovePlan {
     pub reason: &'static str,
 }
 
-/// A move in flight: [`BlockCopy::wait`] for it, or let a stream wait on
-/// [`BlockCopy::event`]. Dropped before the move completed, it waits for it (the tensors are
-/// borrowed until then).
+/// A move in flight: [`BlockCopy::wait`] for it, or let a stream wait for it
+/// ([`BlockCopy::stream_wait`]). Dropped before the move completed, it waits for it (the tensors
+/// are borrowed until then).
 #[must_use = "dropping a BlockCopy waits for the move"]
 pub struct BlockCopy<'m> {
-    pub(super) event: Option<Event>,
+    pub(super) inflight: Option<InFlight>,
     pub(super) expected: Duration,
     pub(super) _mover: PhantomData<&'m ()>,
+}
+
+/// What a move in flight completes with.
+pub(crate) enum InFlight {
+    /// Issued on the caller's thread: its event, recorded after the copies.
+    Event(Event),
+    /// Handed to a thread of the mover (a move in the background).
+    Background(Arc<Ticket>),
+}
+
+impl InFlight {
+    fn query(&self) -> Result<bool> {
+        match self {
+            InFlight::Event(e) => e.query(),
+            InFlight::Background(t) => t.query(),
+        }
+    }
 }
 
 impl std::fmt::Debug for BlockCopy<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BlockCopy")
-            .field("pending", &self.event.is_some())
+            .field("pending", &self.inflight.is_some())
             .finish()
     }
 }
@@ -86,7 +109,7 @@ impl BlockCopy<'_> {
     /// A move with nothing in flight (nothing to move, or moved already).
     pub(super) fn done() -> Self {
         Self {
-            event: None,
+            inflight: None,
             expected: Duration::ZERO,
             _mover: PhantomData,
         }
@@ -94,14 +117,26 @@ impl BlockCopy<'_> {
 
     /// Whether the move completed (never blocks; an error counts as done: `wait` reports it).
     pub fn is_done(&self) -> bool {
-        self.event
+        self.inflight
             .as_ref()
-            .is_none_or(|e| e.query().unwrap_or(true))
+            .is_none_or(|f| f.query().unwrap_or(true))
     }
 
-    /// The event recorded after the move (`None`: nothing was moved).
-    pub fn event(&self) -> Option<&Event> {
-        self.event.as_ref()
+    /// Makes work queued on `stream` from now on wait for the move, on the device. For a move
+    /// in the background the host first waits until the mover's thread issued it (no longer
+    /// than the driver takes to accept its copies).
+    ///
+    /// # Errors
+    /// [`Error::Driver`]: issuing the move failed, or the driver refused the wait.
+    pub fn stream_wait(&self, stream: StreamHandle) -> Result<()> {
+        match &self.inflight {
+            None => Ok(()),
+            Some(InFlight::Event(e)) => e.wait_on(stream),
+            Some(InFlight::Background(t)) => {
+                wait_until(&Backoff::new(self.expected), None, || t.issued())?;
+                t.event().wait_on(stream)
+            }
+        }
     }
 
     /// Waits for the move.
@@ -109,25 +144,98 @@ impl BlockCopy<'_> {
     /// # Errors
     /// [`Error::Driver`]: the move or its stream failed.
     pub fn wait(mut self) -> Result<()> {
-        match self.event.take() {
-            Some(ev) => ev.wait_expecting(self.expected),
+        match self.inflight.take() {
+            Some(f) => wait_until(&Backoff::new(self.expected), None, || f.query()).map(|_| ()),
             None => Ok(()),
         }
     }
 
-    /// The event, for a caller that keeps the tensors alive itself until it completed.
+    /// What the move completes with, for a caller that keeps the tensors alive itself until
+    /// it completed.
     #[cfg(feature = "python")]
-    pub(crate) fn into_event(mut self) -> Option<Event> {
-        self.event.take()
+    pub(crate) fn into_inflight(mut self) -> Option<InFlight> {
+        self.inflight.take()
     }
 }
 
 impl Drop for BlockCopy<'_> {
     fn drop(&mut self) {
-        if let Some(ev) = self.event.take()
-            && let Err(Error::Driver(e)) = ev.synchronize()
+        if let Some(f) = self.inflight.take()
+            && let Err(Error::Driver(e)) =
+                wait_until(&Backoff::new(Duration::ZERO), None, || f.query())
         {
             crate::error::on_drop::<()>(Err(e));
+        }
+    }
+}
+
+const PENDING: u8 = 0;
+const ISSUED: u8 = 1;
+const FAILED: u8 = 2;
+
+/// A move handed to a thread of the mover: pending until the thread issued it (or failed to,
+/// having drained what it issued), then complete once its event is.
+pub(crate) struct Ticket {
+    state: AtomicU8,
+    error: Mutex<Option<DriverError>>,
+    event: Arc<Event>,
+}
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket")
+            .field("state", &self.state.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl Ticket {
+    /// A move handed over, not yet issued, that completes with `event`.
+    pub(super) fn pending(event: Event) -> Self {
+        Self {
+            state: AtomicU8::new(PENDING),
+            error: Mutex::new(None),
+            event: Arc::new(event),
+        }
+    }
+
+    /// Whether the thread issued the move (its event is then recorded after the copies).
+    ///
+    /// # Errors
+    /// [`Error::Driver`]: issuing failed (nothing of the move is in flight any more).
+    pub(crate) fn issued(&self) -> Result<bool> {
+        match self.state.load(Ordering::Acquire) {
+            PENDING => Ok(false),
+            ISSUED => Ok(true),
+            _ => Err(Error::Driver(
+                self.error
+                    .lock()
+                    .expect("a failed move stores its error before its state"),
+            )),
+        }
+    }
+
+    /// Whether the move completed (issued, and its event complete).
+    ///
+    /// # Errors
+    /// [`Error::Driver`]: issuing or the copies failed.
+    pub(crate) fn query(&self) -> Result<bool> {
+        Ok(self.issued()? && self.event.query()?)
+    }
+
+    /// The event recorded after the copies once [`Ticket::issued`] says so (before that it
+    /// captures nothing: never wait on it then).
+    pub(crate) fn event(&self) -> &Arc<Event> {
+        &self.event
+    }
+
+    pub(super) fn settle(&self, outcome: std::result::Result<(), DriverError>) {
+        match outcome {
+            Ok(()) => self.state.store(ISSUED, Ordering::Release),
+            Err(e) => {
+                *self.error.lock() = Some(e);
+                self.state.store(FAILED, Ordering::Release);
+            }
         }
     }
 }

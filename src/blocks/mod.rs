@@ -3,6 +3,7 @@
 //! per move, or one 2D copy per run across tensors that sit at one stride); the planning behind
 //! it is pure and tested without a GPU.
 
+mod background;
 mod copy;
 mod issue;
 mod mover;
@@ -11,6 +12,10 @@ mod strides;
 #[cfg(test)]
 mod tests;
 
+#[cfg(feature = "python")]
+pub(crate) use copy::InFlight;
+#[cfg(feature = "python")]
+pub(crate) use copy::Ticket;
 pub use copy::{BlockCopy, Direction, MAX_BATCH, MovePlan, Strategy};
 pub use mover::BlockMover;
 #[cfg(test)]

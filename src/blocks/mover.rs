@@ -2,13 +2,14 @@
 //! copy engines: batched driver calls, or 2D copies across the tensors.
 
 use std::marker::PhantomData;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use super::copy::{BlockCopy, Direction, MAX_BATCH, MovePlan, Strategy};
+use super::background::Issuer;
+use super::copy::{BlockCopy, Direction, InFlight, MAX_BATCH, MovePlan, Strategy};
 use super::issue::{Issue, Lists, issue};
-use super::plan::{BlockLayout, Pair, Run, Segment, runs, segments};
+use super::plan::{BlockLayout, Pair, Run, Segment, runs, segments, segments_of};
 use super::strides::{one_allocation, strides, two_d_wins};
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
@@ -42,7 +43,7 @@ fn memory_name(m: MemoryKind) -> &'static str {
 pub struct BlockMover<'t> {
     /// `None`: the "device" tensors are host memory too (moves are `memcpy`s; no driver needed).
     device: Option<Device>,
-    pairs: Vec<Pair>,
+    pairs: Arc<[Pair]>,
     device_blocks: usize,
     host_blocks: usize,
     batched: bool,
@@ -53,6 +54,9 @@ pub struct BlockMover<'t> {
     /// Where batched moves on the legacy default stream go (the batched call refuses that
     /// stream).
     side: [OnceLock<Stream>; 2],
+    /// The threads that issue moves in the background, one per direction (started at the
+    /// first such move).
+    background: [OnceLock<Issuer>; 2],
     /// The copy lists, reused from move to move.
     scratch: Mutex<Scratch>,
     _tensors: PhantomData<&'t ()>,
@@ -183,9 +187,10 @@ impl<'t> BlockMover<'t> {
             strides,
             device_blocks: pairs.iter().map(|p| p.device.num_blocks).min().unwrap_or(0),
             host_blocks: pairs.iter().map(|p| p.host.num_blocks).min().unwrap_or(0),
-            pairs,
+            pairs: pairs.into(),
             batched,
             side: [OnceLock::new(), OnceLock::new()],
+            background: [OnceLock::new(), OnceLock::new()],
             scratch: Mutex::new(Scratch::default()),
             _tensors: PhantomData,
         })
@@ -343,7 +348,7 @@ impl<'t> BlockMover<'t> {
         stream: StreamHandle,
     ) -> Result<BlockCopy<'_>> {
         // SAFETY: caller's contract.
-        unsafe { self.start(Direction::Offload, device_ids, host_ids, stream) }
+        unsafe { self.start(Direction::Offload, device_ids, host_ids, stream, false) }
     }
 
     /// Starts copying host blocks `host_ids[i]` into device blocks `device_ids[i]` of every
@@ -361,19 +366,62 @@ impl<'t> BlockMover<'t> {
         stream: StreamHandle,
     ) -> Result<BlockCopy<'_>> {
         // SAFETY: caller's contract.
-        unsafe { self.start(Direction::Load, host_ids, device_ids, stream) }
+        unsafe { self.start(Direction::Load, host_ids, device_ids, stream, false) }
     }
 
-    /// A move from `src_ids` to `dst_ids`, checked whole, then issued.
+    /// As [`BlockMover::offload`], issued in the background: the call checks the move and
+    /// returns; a thread of the mover issues its copies on its own stream, after the work
+    /// queued on `stream` before the call. Work queued on `stream` after the call does NOT wait
+    /// for the move: join it with [`BlockCopy::stream_wait`] or [`BlockCopy::wait`]. Moves in
+    /// the background of one direction run in call order; an offload and a load are not
+    /// ordered against each other (join one before the other touches its blocks).
+    ///
+    /// # Errors
+    /// As [`BlockMover::offload`]; issuing failures are reported by the returned move's waits.
     ///
     /// # Safety
-    /// As [`BlockMover::offload`].
+    /// As [`BlockMover::offload`], with "work ordered on `stream`" meaning work queued there
+    /// before the call, or after a join.
+    pub unsafe fn offload_in_background(
+        &self,
+        device_ids: &[usize],
+        host_ids: &[usize],
+        stream: StreamHandle,
+    ) -> Result<BlockCopy<'_>> {
+        // SAFETY: caller's contract.
+        unsafe { self.start(Direction::Offload, device_ids, host_ids, stream, true) }
+    }
+
+    /// As [`BlockMover::load`], issued in the background as
+    /// [`BlockMover::offload_in_background`] says.
+    ///
+    /// # Errors
+    /// As [`BlockMover::load`].
+    ///
+    /// # Safety
+    /// As [`BlockMover::offload_in_background`].
+    pub unsafe fn load_in_background(
+        &self,
+        host_ids: &[usize],
+        device_ids: &[usize],
+        stream: StreamHandle,
+    ) -> Result<BlockCopy<'_>> {
+        // SAFETY: caller's contract.
+        unsafe { self.start(Direction::Load, host_ids, device_ids, stream, true) }
+    }
+
+    /// A move from `src_ids` to `dst_ids`, checked whole, then issued (`background`: by a
+    /// thread of the mover).
+    ///
+    /// # Safety
+    /// As [`BlockMover::offload`] (`background`: [`BlockMover::offload_in_background`]).
     pub(crate) unsafe fn start(
         &self,
         direction: Direction,
         src_ids: &[usize],
         dst_ids: &[usize],
         stream: StreamHandle,
+        background: bool,
     ) -> Result<BlockCopy<'_>> {
         let runs = self.check(direction, src_ids, dst_ids)?;
         let bytes = src_ids.len() * self.block_bytes();
@@ -381,6 +429,27 @@ impl<'t> BlockMover<'t> {
             return Ok(BlockCopy::done());
         }
         let how = self.how(direction, src_ids.len(), runs.len());
+        if let (true, Some(device)) = (background, &self.device) {
+            let cur = stream.enter_for_copy(device)?;
+            let issuer = match self.background[direction as usize].get() {
+                Some(i) => i,
+                None => {
+                    let i = Issuer::start(device, Arc::clone(&self.pairs))?;
+                    let _ = self.background[direction as usize].set(i);
+                    self.background[direction as usize]
+                        .get()
+                        .expect("set above")
+                }
+            };
+            // SAFETY: checked runs of this mover's pairs (`check`), issuable as `how`; the
+            // caller's contracts 1-3 (the BlockCopy borrows the mover and waits when dropped).
+            let ticket = unsafe { issuer.send(&cur, direction, runs, how, stream) }?;
+            return Ok(BlockCopy {
+                inflight: Some(InFlight::Background(ticket)),
+                expected: crate::cuda::wait::copy_time(bytes),
+                _mover: PhantomData,
+            });
+        }
         let mut guard = self.scratch.try_lock();
         let mut own = Scratch::default();
         let scratch = guard.as_deref_mut().unwrap_or(&mut own);
@@ -410,14 +479,12 @@ impl<'t> BlockMover<'t> {
         }
         issued?;
         Ok(BlockCopy {
-            event: Some(event),
+            inflight: Some(InFlight::Event(event)),
             expected: crate::cuda::wait::copy_time(bytes),
             _mover: PhantomData,
         })
     }
 
-    /// The copies of a move of `runs` in `direction` into `out`: for a strided move the first
-    /// pair's (each becomes one 2D copy across every pair), else every pair's.
     fn segments(
         &self,
         direction: Direction,
@@ -425,21 +492,13 @@ impl<'t> BlockMover<'t> {
         how: Issue,
         out: &mut Vec<Segment>,
     ) -> Result<()> {
-        let pairs = if matches!(how, Issue::Strided { .. }) {
-            &self.pairs[..1]
-        } else {
-            &self.pairs[..]
-        };
-        for p in pairs {
-            let (src, dst) = match direction {
-                Direction::Offload => (&p.device, &p.host),
-                Direction::Load => (&p.host, &p.device),
-            };
-            segments(src, dst, runs, out)?;
-        }
-        #[cfg(pinstage_seeded_bug = "blocks_skip_run")]
-        out.pop();
-        Ok(())
+        segments_of(
+            &self.pairs,
+            direction,
+            runs,
+            matches!(how, Issue::Strided { .. }),
+            out,
+        )
     }
 
     /// How a move of `blocks` blocks in `runs` runs is issued: as 2D copies across the tensors

@@ -1,6 +1,7 @@
 //! Planning a block move: which bytes go where, in as few copies as the block ids allow. Pure:
 //! numbers in, copy segments out; nothing is read or written behind the addresses.
 
+use super::copy::Direction;
 use crate::dlpack::TensorMeta;
 use crate::error::{Error, Result};
 
@@ -215,4 +216,27 @@ pub(crate) fn plan(
         dst.num_blocks,
     )?;
     segments(src, dst, &runs, out)
+}
+
+/// The copies of a move of `runs` in `direction` between the tensors of `pairs` into `out`: for
+/// a `strided` move the first pair's (each becomes one 2D copy across every pair), else every
+/// pair's.
+pub(crate) fn segments_of(
+    pairs: &[Pair],
+    direction: Direction,
+    runs: &[Run],
+    strided: bool,
+    out: &mut Vec<Segment>,
+) -> Result<()> {
+    let pairs = if strided { &pairs[..1] } else { pairs };
+    for p in pairs {
+        let (src, dst) = match direction {
+            Direction::Offload => (&p.device, &p.host),
+            Direction::Load => (&p.host, &p.device),
+        };
+        segments(src, dst, runs, out)?;
+    }
+    #[cfg(pinstage_seeded_bug = "blocks_skip_run")]
+    out.pop();
+    Ok(())
 }

@@ -107,6 +107,13 @@ impl Event {
         wait_until(backoff, until, || self.query())
     }
 
+    /// As [`Event::wait_on`], with the context current already (`_cur`).
+    pub(crate) fn wait_on_in(&self, _cur: &Current<'_>, stream: StreamHandle) -> Result<()> {
+        // SAFETY: our live event; the stream as in `record_in`; context current.
+        unsafe { driver::stream::stream_wait_event(stream.raw(), self.raw) }?;
+        Ok(())
+    }
+
     /// Makes later work on `stream` wait for this event on the device (no host wait).
     ///
     /// # Errors

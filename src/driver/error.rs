@@ -16,6 +16,11 @@ pub struct DriverError {
 }
 
 impl DriverError {
+    /// An error of `call` with `code`, for a failure pinstage reports as the driver's.
+    pub(crate) fn new(call: &'static str, code: sys::CUresult) -> Self {
+        Self { call, code }
+    }
+
     /// The driver function that failed.
     pub fn call(&self) -> &'static str {
         self.call

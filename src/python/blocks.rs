@@ -105,37 +105,63 @@ impl BlockMover {
     ///     stream: the stream the move is ordered on (after the work queued there); None: the
     ///         device tensors' producer's current stream (torch), else the legacy default
     ///         stream. Give offload and load different streams to run them at once.
+    ///     background: False (default): the copies are issued on this thread, on ``stream``,
+    ///         and work queued there later sees them. True: the call returns once the move is
+    ///         checked (microseconds); a thread of the mover issues the copies on its own
+    ///         stream after the work queued on ``stream`` before the call. Work queued on
+    ///         ``stream`` later does NOT wait for them: join with ``stream_wait(stream)`` or
+    ///         ``wait()`` before using (or reusing) the moved blocks. Background moves of one
+    ///         direction run in call order; an offload and a load are not ordered against
+    ///         each other.
     ///
     /// Returns:
-    ///     PendingCopy: ``wait()`` (returns None), ``done()``; it keeps the mover and its
-    ///     tensors alive until the move completed.
+    ///     PendingCopy: ``wait()`` (returns None), ``done()``, ``stream_wait(stream)``; it
+    ///     keeps the mover and its tensors alive until the move completed.
     ///
     /// Raises:
     ///     PinstageValueError: counts differ, an id out of range or negative, a destination id
     ///         twice, a read-only destination. PinstageTypeError: ids that are not integers.
     ///     StreamCaptureError: the stream is capturing a graph. CudaDriverError: the driver
-    ///     refused the move. Nothing is issued when a call raises.
-    #[pyo3(signature = (device_ids, host_ids, *, stream=None))]
+    ///     refused the move. Nothing is issued when a call raises. A move in the background
+    ///     that the driver refuses raises CudaDriverError from its ``wait()``,
+    ///     ``stream_wait()`` or ``done()``.
+    #[pyo3(signature = (device_ids, host_ids, *, stream=None, background=false))]
     fn offload(
         slf: &Bound<'_, Self>,
         device_ids: &Bound<'_, PyAny>,
         host_ids: &Bound<'_, PyAny>,
         stream: Option<&Bound<'_, PyAny>>,
+        background: bool,
     ) -> PyResult<PendingCopy> {
-        start(slf, Direction::Offload, device_ids, host_ids, stream)
+        start(
+            slf,
+            Direction::Offload,
+            device_ids,
+            host_ids,
+            stream,
+            background,
+        )
     }
 
     /// Starts copying host blocks ``host_ids[i]`` into device blocks ``device_ids[i]`` of every
     /// tensor pair, and returns at once. Parameters, result and errors as ``offload``. The
     /// host blocks must not change until the move completed.
-    #[pyo3(signature = (host_ids, device_ids, *, stream=None))]
+    #[pyo3(signature = (host_ids, device_ids, *, stream=None, background=false))]
     fn load(
         slf: &Bound<'_, Self>,
         host_ids: &Bound<'_, PyAny>,
         device_ids: &Bound<'_, PyAny>,
         stream: Option<&Bound<'_, PyAny>>,
+        background: bool,
     ) -> PyResult<PendingCopy> {
-        start(slf, Direction::Load, host_ids, device_ids, stream)
+        start(
+            slf,
+            Direction::Load,
+            host_ids,
+            device_ids,
+            stream,
+            background,
+        )
     }
 
     /// What a move would issue, checked as the move checks it; nothing is issued.
@@ -312,6 +338,7 @@ fn start(
     src_ids: &Bound<'_, PyAny>,
     dst_ids: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
+    background: bool,
 ) -> PyResult<PendingCopy> {
     let py = slf.py();
     super::linger::reap(py);
@@ -343,10 +370,10 @@ fn start(
         // SAFETY: the tensors live as long as `this` (`_tensors`), which the PendingCopy keeps
         // until the event completed (lingering when dropped early); writes by others are the
         // caller's to order on `stream` (documented); the stream belongs to the caller.
-        unsafe { mover.start(direction, &src, &dst, stream) }.map(|c| c.into_event())
+        unsafe { mover.start(direction, &src, &dst, stream, background) }.map(|c| c.into_inflight())
     })?;
     let bytes = src.len() * mover.block_bytes();
-    Ok(PendingCopy::holding(
+    Ok(PendingCopy::moving(
         event,
         slf.clone().into_any().unbind(),
         bytes,

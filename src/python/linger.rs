@@ -10,12 +10,15 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 
 use super::import::Imported;
+use crate::blocks::Ticket;
 use crate::cuda::Event;
 use crate::h2d::FreshMem;
 
 /// What says the copy completed.
 pub(crate) enum Until {
     Event(Arc<Event>),
+    /// A block move issued in the background: its thread has not issued it yet, or has.
+    Move(Arc<Ticket>),
     Fresh(Arc<FreshMem>),
     /// Nothing to wait for: only the GIL was missing when it was let go.
     Now,
@@ -26,6 +29,7 @@ impl Until {
         // A failed copy (an error) no longer reads or writes anything.
         match self {
             Until::Event(e) => e.query().unwrap_or(true),
+            Until::Move(t) => t.query().unwrap_or(true),
             Until::Fresh(m) => m.ready().query().unwrap_or(true),
             Until::Now => true,
         }

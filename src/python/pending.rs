@@ -8,7 +8,8 @@ use pyo3::prelude::*;
 
 use super::import::Imported;
 use super::wait::parse_timeout;
-use super::wait::wait_interruptibly;
+use super::wait::{wait_for, wait_interruptibly};
+use crate::blocks::{InFlight, Ticket};
 use crate::cuda::Event;
 
 /// A raw pointer that may cross `py.detach`: the memory behind it is kept alive by an object
@@ -33,6 +34,9 @@ pub(crate) struct PendingCopy {
     src: Mutex<Option<Imported>>,
     /// About how long the copy takes once it runs: how long a wait stays busy.
     expected: Duration,
+    /// A block move issued in the background: pending until the mover's thread issued it
+    /// (`event` is recorded then, and captures nothing before).
+    gate: Option<Arc<Ticket>>,
     /// Returned by `copy_h2d`, which completes: its `wait()` and `done()` warn (0.3 only).
     deprecated: bool,
     /// `wait()` returns `array` (else None: `array` is only kept alive).
@@ -47,21 +51,37 @@ impl PendingCopy {
             array,
             expected: crate::cuda::wait::copy_time(src.view.nbytes()),
             src: Mutex::new(Some(src)),
+            gate: None,
             deprecated: false,
             hands_back: true,
         }
     }
 
-    /// A copy of `bytes` that completes with `event` (`None`: completed) and needs `held`
-    /// alive until then; `wait()` returns None.
-    pub(crate) fn holding(event: Option<Event>, held: Py<PyAny>, bytes: usize) -> Self {
+    /// A block move of `bytes` that completes with `inflight` (`None`: completed) and needs
+    /// `held` alive until then; `wait()` returns None.
+    pub(crate) fn moving(inflight: Option<InFlight>, held: Py<PyAny>, bytes: usize) -> Self {
+        let (event, gate) = match inflight {
+            None => (None, None),
+            Some(InFlight::Event(e)) => (Some(Arc::new(e)), None),
+            Some(InFlight::Background(t)) => (Some(Arc::clone(t.event())), Some(t)),
+        };
         Self {
-            event: Mutex::new(event.map(Arc::new)),
+            event: Mutex::new(event),
             array: held,
             expected: crate::cuda::wait::copy_time(bytes),
             src: Mutex::new(None),
+            gate,
             deprecated: false,
             hands_back: false,
+        }
+    }
+
+    /// Waits (GIL released, Ctrl-C answered) until a move in the background was issued:
+    /// `Ok(false)` when `deadline` passed first.
+    fn wait_issued(&self, py: Python<'_>, deadline: Option<std::time::Instant>) -> PyResult<bool> {
+        match &self.gate {
+            Some(g) => wait_for(py, deadline, self.expected, || g.issued()),
+            None => Ok(true),
         }
     }
 
@@ -95,6 +115,12 @@ impl PendingCopy {
     ) -> PyResult<Py<PyAny>> {
         let (timeout, deadline) = parse_timeout(timeout)?;
         let ev = self.event.lock().clone();
+        if ev.is_some() && !self.wait_issued(py, deadline)? {
+            return Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
+                "the copy did not complete within {} s",
+                timeout.unwrap_or_default()
+            )));
+        }
         if let Some(ev) = ev {
             let done = wait_interruptibly(py, &ev, deadline, self.expected);
             if !matches!(done, Ok(true)) {
@@ -117,6 +143,11 @@ impl PendingCopy {
 
     /// Whether the copy completed (never blocks).
     pub(crate) fn is_done(&self) -> crate::Result<bool> {
+        if let Some(g) = &self.gate
+            && !g.issued()?
+        {
+            return Ok(false);
+        }
         match &*self.event.lock() {
             Some(ev) => ev.query(),
             None => Ok(true),
@@ -155,7 +186,8 @@ impl PendingCopy {
         self.wait_inner(py, timeout)
     }
 
-    /// Makes later work on ``stream`` wait for the copy on the device; the host does not wait.
+    /// Makes later work on ``stream`` wait for the copy on the device; the host does not wait
+    /// (for a ``BlockMover`` move in the background, only until the mover's thread issued it).
     /// A framework's stream can then use the copied data (and the copy's destination keeps
     /// being held by this handle until the copy completed).
     ///
@@ -165,14 +197,16 @@ impl PendingCopy {
     ///
     /// Raises:
     ///     PinstageTypeError: ``stream`` is not a stream. CudaDriverError: the driver refused it.
-    fn stream_wait(&self, stream: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn stream_wait(&self, py: Python<'_>, stream: &Bound<'_, PyAny>) -> PyResult<()> {
         let Some(handle) = super::stream::parse_stream(Some(stream))? else {
             return Err(super::errors::type_err(
                 "stream_wait(stream): stream must be a torch or cupy stream, a __cuda_stream__ \
                  object or an int, got None",
             ));
         };
-        if let Some(ev) = self.event.lock().clone() {
+        let ev = self.event.lock().clone();
+        if let Some(ev) = ev {
+            self.wait_issued(py, None)?;
             ev.wait_on(handle)?;
         }
         Ok(())
@@ -193,8 +227,12 @@ impl Drop for PendingCopy {
         if let Some(ev) = self.event.get_mut().take() {
             // A pyclass drops with the GIL held (attach only confirms it).
             let array = Python::attach(|py| std::mem::replace(&mut self.array, py.None()));
+            let until = match self.gate.take() {
+                Some(g) => super::linger::Until::Move(g),
+                None => super::linger::Until::Event(ev),
+            };
             super::linger::linger(super::linger::Lingering {
-                until: super::linger::Until::Event(ev),
+                until,
                 array: Some(array),
                 src: self.src.get_mut().take(),
             });

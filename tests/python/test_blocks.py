@@ -327,6 +327,82 @@ def test_torch_stream_order_load_then_use_without_a_wait(gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("pooled", [False, True], ids=["apart", "pooled"])
+def test_torch_background_moves_every_block(gpu, layout, pooled):
+    """Moves issued by the mover's threads (background=True): every block of every move lands,
+    nothing else is written; waited for with wait() (offload) and joined on the stream with
+    stream_wait() then read there (load)."""
+    torch = pytest.importorskip("torch")
+    shape, dim = LAYOUTS[layout]
+    L, NB, NH = 4, 40, 32
+    dev = torch_side(torch, shape(NB), L, 0, 0, "cuda")
+    if pooled:
+        dev = list(torch.stack(dev).unbind(0))
+        pool = pinstage.empty_pinned((L,) + shape(NH), "int32")
+        host = [pool[t] for t in range(L)]
+    else:
+        host = [pinstage.empty_pinned(shape(NH), "int32") for _ in range(L)]
+    mover = pinstage.BlockMover(dev, host, block_dim=dim)
+    rng = np.random.default_rng(17)
+    for m in range(6):
+        k = [1, 5, 32, 17, 9, 24][m]
+        src_ids, dst_ids = rng.permutation(NB)[:k], rng.permutation(NH)[:k]
+        for t in range(L):
+            dev[t].copy_(torch.from_numpy(values(shape(NB), t, m)))
+            host[t][...] = POISON
+        src = [d.cpu().numpy() for d in dev]
+        mover.offload(src_ids, dst_ids, background=True).wait()
+        for t in range(L):
+            want = expected(np.full(shape(NH), POISON, np.int32), src[t], src_ids, dst_ids, dim)
+            np.testing.assert_array_equal(host[t], want, err_msg=f"offload {m} tensor {t}")
+        for t in range(L):
+            host[t][...] = values(shape(NH), 10 + t, m)
+            dev[t].fill_(POISON)
+        p = mover.load(dst_ids, src_ids, background=True)
+        p.stream_wait(torch.cuda.current_stream())
+        got = [d.cpu().numpy() for d in dev]  # read on the stream that joined the load
+        for t in range(L):
+            want = expected(np.full(shape(NB), POISON, np.int32), host[t], dst_ids, src_ids, dim)
+            np.testing.assert_array_equal(got[t], want, err_msg=f"load {m} tensor {t}")
+        p.wait()
+
+
+@pytest.mark.gpu
+def test_torch_background_order_fork_and_join(gpu):
+    """A move in the background runs after the work queued on the stream before the call (a
+    fork: GPU work kept ahead, and the values it must see written behind it), and work queued
+    after stream_wait() runs after the move (it must not see that work); done() is False
+    while the work ahead still runs. Every round checked."""
+    torch = pytest.importorskip("torch")
+    L, NB, shape = 4, 64, (2, 64, 32, 64)  # 8 KiB per block part (int32)
+    dev = [torch.full(shape, POISON, dtype=torch.int32, device="cuda") for _ in range(L)]
+    host = [pinstage.empty_pinned(shape, "int32") for _ in range(L)]
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    rng = np.random.default_rng(23)
+    for r in range(8):
+        a, b = rng.permutation(NB)[:40], rng.permutation(NB)[:40]
+        for t in range(L):
+            host[t][...] = POISON
+        new = [torch.from_numpy(values(shape, 30 + t, r)).cuda() for t in range(L)]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)  # GPU work ahead of the move
+        for t in range(L):
+            dev[t].copy_(new[t])  # queued before the move: it must see these values
+        p = mover.offload(a, b, background=True)
+        assert not p.done(), f"round {r}: done while the work ahead of it still runs"
+        p.stream_wait(torch.cuda.current_stream())
+        for d in dev:
+            d.fill_(POISON)  # queued after the join: the move must not see it
+        p.wait()
+        for t in range(L):
+            want = values(shape, 30 + t, r)[:, a]
+            np.testing.assert_array_equal(host[t][:, b], want, err_msg=f"round {r} tensor {t}")
+        rest = np.setdiff1d(np.arange(NB), b)
+        assert (np.stack([h[:, rest] for h in host]) == POISON).all(), f"round {r}: written outside"
+
+
+@pytest.mark.gpu
 def test_gpu_refusals_issue_nothing(gpu):
     torch = pytest.importorskip("torch")
     dev = [torch.full((2, 8, 64), 7, dtype=torch.int32, device="cuda")]
@@ -350,7 +426,8 @@ def test_gpu_refusals_issue_nothing(gpu):
 
 
 @pytest.mark.gpu
-def test_dropped_pending_move_keeps_tensors_alive(gpu):
+@pytest.mark.parametrize("background", [False, True], ids=["caller", "background"])
+def test_dropped_pending_move_keeps_tensors_alive(gpu, background):
     """Every reference dropped while the move is queued: the pinned host tensor must stay
     allocated until the move completed. torch's pinned cache hands a freed block to the next
     allocation of its size at once, so were it freed, the new tensor would be the old block
@@ -366,7 +443,7 @@ def test_dropped_pending_move_keeps_tensors_alive(gpu):
     mover = pinstage.BlockMover(dev, host, block_dim=1)
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work ahead of the move
-    mover.offload(list(range(32)), list(range(32)))  # the handle dropped at once
+    mover.offload(list(range(32)), list(range(32)), background=background)  # dropped at once
     del mover, dev, host
     gc.collect()
     fresh = torch.empty(shape, dtype=torch.int32, pin_memory=True)

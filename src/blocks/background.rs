@@ -1,0 +1,152 @@
+//! Moves issued in the background: the caller's call checks the move, records a fork event on
+//! its stream and hands the move to a thread of the mover, which builds the copies and issues
+//! them on its own stream after the fork, then records the move's event. The caller returns in
+//! microseconds however long the driver holds the issuing thread.
+//!
+//! Order, all of it through events recorded before anything waits on them (no wait on a value
+//! the host writes later: streams share hardware queues, and such a wait can hold up the very
+//! copies it waits for):
+//! - the copies run after the work queued on the caller's stream before the call;
+//! - work queued on the caller's stream after the call does NOT wait for them: the caller joins
+//!   the move with [`Ticket::issued`] then the event (`BlockCopy::wait`, `stream_wait`);
+//! - one thread and one stream per direction: moves of one direction run in call order.
+
+use std::sync::{Arc, mpsc};
+
+use super::copy::{Direction, Ticket};
+use super::issue::{Issue, Lists, issue};
+use super::plan::{Pair, Run, Segment, segments_of};
+use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
+use crate::driver::DriverError;
+use crate::error::{Error, Result};
+use cudarc::driver::sys::CUresult::{
+    CUDA_ERROR_INVALID_CONTEXT as INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE as INVALID_VALUE,
+};
+
+struct Job {
+    direction: Direction,
+    runs: Vec<Run>,
+    how: Issue,
+    fork: Event,
+    ticket: Arc<Ticket>,
+}
+
+/// One direction's issuing thread and its stream. Dropped, the thread ends once it issued every
+/// move sent (their `BlockCopy`s borrow the mover, so none is left by then).
+pub(super) struct Issuer {
+    tx: mpsc::Sender<Job>,
+}
+
+impl std::fmt::Debug for Issuer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Issuer")
+    }
+}
+
+impl Issuer {
+    /// A thread for `device` that issues moves between the tensors of `pairs`.
+    ///
+    /// # Errors
+    /// [`Error::Driver`]: no stream; [`Error::CudaUnavailable`]: no thread.
+    pub(super) fn start(device: &Device, pairs: Arc<[Pair]>) -> Result<Self> {
+        let side = Stream::new(device)?;
+        let (tx, rx) = mpsc::channel::<Job>();
+        let device = device.clone();
+        std::thread::Builder::new()
+            .name("pinstage-blocks".into())
+            .spawn(move || {
+                let cur = device.enter();
+                for job in rx {
+                    let outcome = match &cur {
+                        // SAFETY: the sender's contract (`Issuer::send`).
+                        Ok(cur) => unsafe { run(cur, &side, &pairs, &job) },
+                        Err(Error::Driver(e)) => Err(*e),
+                        Err(_) => Err(DriverError::new("cuCtxSetCurrent", INVALID_CONTEXT)),
+                    };
+                    job.ticket.settle(outcome);
+                }
+            })
+            .map_err(|e| Error::unavailable(format!("no thread to issue moves: {e}")))?;
+        Ok(Self { tx })
+    }
+
+    /// Hands a move of `runs` in `direction` to the thread: its copies run after the work
+    /// queued on `stream` so far.
+    ///
+    /// # Errors
+    /// [`Error::Driver`]: the fork event refused; [`Error::CudaUnavailable`]: the thread is gone.
+    /// Either way nothing was handed over.
+    ///
+    /// # Safety
+    /// 1. `runs` are checked runs of the mover whose `pairs` the thread holds, issuable as
+    ///    `how`; the tensors' memory stays valid until the returned ticket completed.
+    /// 2. `stream` is a live stream of the thread's device, not capturing.
+    pub(super) unsafe fn send(
+        &self,
+        cur: &Current<'_>,
+        direction: Direction,
+        runs: Vec<Run>,
+        how: Issue,
+        stream: StreamHandle,
+    ) -> Result<Arc<Ticket>> {
+        let fork = Event::new_in(cur)?;
+        fork.record_in(cur, stream)?;
+        let ticket = Arc::new(Ticket::pending(Event::new_in(cur)?));
+        let job = Job {
+            direction,
+            runs,
+            how,
+            fork,
+            ticket: Arc::clone(&ticket),
+        };
+        self.tx
+            .send(job)
+            .map_err(|_| Error::unavailable("the block mover's issuing thread is gone"))?;
+        Ok(ticket)
+    }
+}
+
+thread_local! {
+    /// The thread's copy lists, reused from move to move.
+    static SCRATCH: std::cell::RefCell<(Vec<Segment>, Lists)> = Default::default();
+}
+
+/// Issues `job` on `side` after its fork and records its event; on a failure the stream is
+/// drained first, so nothing of the move runs when its waiters hear of it.
+///
+/// # Safety
+/// As [`Issuer::send`].
+unsafe fn run(
+    cur: &Current<'_>,
+    side: &Stream,
+    pairs: &[Pair],
+    job: &Job,
+) -> std::result::Result<(), DriverError> {
+    let stream = side.handle();
+    let issued = SCRATCH.with_borrow_mut(|(segments, lists)| {
+        segments.clear();
+        // Checked when the move was sent: a failure here is a bug, reported, not issued.
+        let strided = matches!(job.how, Issue::Strided { .. });
+        segments_of(pairs, job.direction, &job.runs, strided, segments)
+            .map_err(|_| DriverError::new("pinstage: block move", INVALID_VALUE))?;
+        #[cfg(not(pinstage_seeded_bug = "background_no_fork"))]
+        job.fork.wait_on_in(cur, stream).map_err(driver_error)?;
+        // SAFETY: the sender's contract 1; `stream` is our side stream (not the legacy one).
+        unsafe { issue(segments, job.how, stream, lists) }?;
+        job.ticket
+            .event()
+            .record_in(cur, stream)
+            .map_err(driver_error)
+    });
+    if issued.is_err() {
+        let _ = stream.synchronize(cur);
+    }
+    issued
+}
+
+fn driver_error(e: Error) -> DriverError {
+    match e {
+        Error::Driver(e) => e,
+        _ => DriverError::new("pinstage: block move", INVALID_VALUE),
+    }
+}
