@@ -419,12 +419,12 @@ fn gpu_blocks_offload_and_load_at_once_every_move_checked(#[values(false, true)]
         };
         let (ca, cb) = (ca.unwrap(), cb.unwrap());
         if m % 3 == 0 {
-            drop(ca);
+            drop(ca); // must wait: checked at once
         } else {
             ca.wait().unwrap();
         }
-        cb.wait().unwrap();
         a.check(1, &src_a, &ids_a, &ids_b, &format!("offload round {m}"));
+        cb.wait().unwrap();
         b.check(0, &src_b, &ids_a, &ids_b, &format!("load round {m}"));
     }
 }
@@ -628,6 +628,14 @@ fn gpu_blocks_stream_order_holds_without_a_wait(
         .unwrap()
         .wait()
         .unwrap();
+    if background {
+        // The issuing thread and its stream exist before the stall.
+        // SAFETY: as above.
+        unsafe { mover.offload_in_background(&[0], &[0], stream) }
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
     let first: Vec<usize> = (0..40).collect(); // host blocks loaded first
     let back: Vec<usize> = (40..80).collect(); // host blocks the offload writes
     let second: Vec<usize> = (80..120).collect(); // host blocks loaded last
@@ -643,6 +651,12 @@ fn gpu_blocks_stream_order_holds_without_a_wait(
         let c2 = if background {
             // SAFETY: as above; joined on `stream` before the next move.
             let c2 = unsafe { mover.offload_in_background(&rev, &back_rev, stream) }.unwrap();
+            // Not done: not yet issued, or issued behind the stall (a ticket's event queried
+            // before its thread recorded it would say done).
+            assert!(
+                !c2.is_done(),
+                "round {round}: a background move done under a stall"
+            );
             c2.stream_wait(stream).unwrap();
             c2
         } else {

@@ -21,6 +21,7 @@ use crate::driver::DriverError;
 use crate::error::{Error, Result};
 use cudarc::driver::sys::CUresult::{
     CUDA_ERROR_INVALID_CONTEXT as INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE as INVALID_VALUE,
+    CUDA_ERROR_UNKNOWN as UNKNOWN,
 };
 
 struct Job {
@@ -29,6 +30,13 @@ struct Job {
     how: Issue,
     fork: Event,
     ticket: Arc<Ticket>,
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        // A move never issued (its thread gone) must not leave its waiters waiting.
+        self.ticket.abandon();
+    }
 }
 
 /// One direction's issuing thread and its stream. Dropped, the thread ends once it issued every
@@ -58,8 +66,19 @@ impl Issuer {
                 let cur = device.enter();
                 for job in rx {
                     let outcome = match &cur {
-                        // SAFETY: the sender's contract (`Issuer::send`).
-                        Ok(cur) => unsafe { run(cur, &side, &pairs, &job) },
+                        // Relaxed capture mode: a graph captured on another thread in global
+                        // mode neither fails these calls nor is invalidated by them. A panic
+                        // (a bug) is caught: the stream drained, the move reported failed.
+                        Ok(cur) => crate::driver::capture_relaxed(|| {
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                // SAFETY: the sender's contract (`Issuer::send`).
+                                unsafe { run(cur, &side, &pairs, &job) }
+                            }))
+                            .unwrap_or_else(|_| {
+                                let _ = side.handle().synchronize(cur);
+                                Err(DriverError::new("pinstage: block move (a bug)", UNKNOWN))
+                            })
+                        }),
                         Err(Error::Driver(e)) => Err(*e),
                         Err(_) => Err(DriverError::new("cuCtxSetCurrent", INVALID_CONTEXT)),
                     };
@@ -123,6 +142,7 @@ unsafe fn run(
     job: &Job,
 ) -> std::result::Result<(), DriverError> {
     let stream = side.handle();
+    let mut forked = false;
     let issued = SCRATCH.with_borrow_mut(|(segments, lists)| {
         segments.clear();
         // Checked when the move was sent: a failure here is a bug, reported, not issued.
@@ -131,6 +151,7 @@ unsafe fn run(
             .map_err(|_| DriverError::new("pinstage: block move", INVALID_VALUE))?;
         #[cfg(not(pinstage_seeded_bug = "background_no_fork"))]
         job.fork.wait_on_in(cur, stream).map_err(driver_error)?;
+        forked = true;
         // SAFETY: the sender's contract 1; `stream` is our side stream (not the legacy one).
         unsafe { issue(segments, job.how, stream, lists) }?;
         job.ticket
@@ -138,7 +159,8 @@ unsafe fn run(
             .record_in(cur, stream)
             .map_err(driver_error)
     });
-    if issued.is_err() {
+    if issued.is_err() && forked {
+        // Copies may be queued behind the fork: drained before the waiters hear of it.
         let _ = stream.synchronize(cur);
     }
     issued

@@ -123,8 +123,9 @@ impl BlockCopy<'_> {
     }
 
     /// Makes work queued on `stream` from now on wait for the move, on the device. For a move
-    /// in the background the host first waits until the mover's thread issued it (no longer
-    /// than the driver takes to accept its copies).
+    /// in the background the host first waits until the mover's thread issued it (and the
+    /// moves of its direction sent before it): `stream` must not wait for anything the caller
+    /// does after this call returns.
     ///
     /// # Errors
     /// [`Error::Driver`]: issuing the move failed, or the driver refused the wait.
@@ -227,6 +228,16 @@ impl Ticket {
     /// captures nothing: never wait on it then).
     pub(crate) fn event(&self) -> &Arc<Event> {
         &self.event
+    }
+
+    /// Settles a move that was never issued as failed (no-op once settled).
+    pub(super) fn abandon(&self) {
+        if self.state.load(Ordering::Acquire) == PENDING {
+            self.settle(Err(DriverError::new(
+                "pinstage: block move (its issuing thread is gone)",
+                cudarc::driver::sys::CUresult::CUDA_ERROR_UNKNOWN,
+            )));
+        }
     }
 
     pub(super) fn settle(&self, outcome: std::result::Result<(), DriverError>) {

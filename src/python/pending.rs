@@ -187,7 +187,8 @@ impl PendingCopy {
     }
 
     /// Makes later work on ``stream`` wait for the copy on the device; the host does not wait
-    /// (for a ``BlockMover`` move in the background, only until the mover's thread issued it).
+    /// (for a ``BlockMover`` move in the background, until the mover's thread issued it; so
+    /// ``stream`` must not wait for anything the caller does after this call).
     /// A framework's stream can then use the copied data (and the copy's destination keeps
     /// being held by this handle until the copy completed).
     ///
