@@ -117,9 +117,15 @@ impl BlockCopy<'_> {
 
     /// Whether the move completed (never blocks; an error counts as done: `wait` reports it).
     pub fn is_done(&self) -> bool {
-        self.inflight
-            .as_ref()
-            .is_none_or(|f| f.query().unwrap_or(true))
+        self.query().unwrap_or(true)
+    }
+
+    /// Whether the move completed (never blocks).
+    ///
+    /// # Errors
+    /// [`Error::Driver`]: the move (or, as the driver reports it, earlier work) failed.
+    pub fn query(&self) -> Result<bool> {
+        self.inflight.as_ref().map_or(Ok(true), InFlight::query)
     }
 
     /// Makes work queued on `stream` from now on wait for the move, on the device. For a move
