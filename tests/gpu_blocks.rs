@@ -587,6 +587,88 @@ fn gpu_blocks_moves_past_one_batch_take_several_calls_and_land() {
         .wait()
         .unwrap();
     s.check(1, &src, &dev_ids, &host_ids, "offload of 80000 copies");
+    // Back: a load of as many copies is issued from 4 threads (20000 copies each, one call
+    // each), every block checked.
+    let plan = mover.plan(Direction::Load, &host_ids, &dev_ids).unwrap();
+    assert_eq!(
+        (plan.strategy, plan.copies, plan.calls, plan.threads),
+        (Strategy::Batched, 80_000, 4, 4)
+    );
+    let src = s.fill(1, 8);
+    s.poison(0);
+    // SAFETY: waited for at once; the buffers outlive it.
+    unsafe { mover.load(&host_ids, &dev_ids, own.handle()) }
+        .unwrap()
+        .wait()
+        .unwrap();
+    s.check(0, &src, &host_ids, &dev_ids, "load of 80000 copies");
+}
+
+#[rstest]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_blocks_batches_from_several_threads_land(
+    #[values(0, 2)] stream_kind: u8,
+    #[values(false, true)] background: bool,
+) {
+    let Some(d) = gpu_or_skip("gpu_blocks_batches_from_several_threads_land") else {
+        return;
+    };
+    // 8 tensors in separate allocations (batched), 16 KiB parts, 300 random ids: about 4800
+    // copies, issued from 2 threads (offload) and 4 (load), each on its own stream; on the
+    // legacy stream they fork from a side stream. Every block of every move checked.
+    let (tensors, bytes, blocks) = (8, 16384, 600);
+    let mut s = Sides::new(&d, Layout::KvFirst, tensors, bytes, blocks, blocks);
+    let (dv, hv, dim) = s.views();
+    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    let own = Stream::new(&d).unwrap();
+    let stream = if stream_kind == 0 {
+        StreamHandle::LEGACY
+    } else {
+        own.handle()
+    };
+    for m in 0..4u32 {
+        let dev_ids = ids(300, blocks, 41 + m as u64);
+        let host_ids = ids(300, blocks, 73 + m as u64);
+        let plan = mover.plan(Direction::Offload, &dev_ids, &host_ids).unwrap();
+        assert!(plan.copies >= 4096, "{plan:?}");
+        assert_eq!(
+            (plan.strategy, plan.threads),
+            (Strategy::Batched, 2),
+            "{plan:?}"
+        );
+        let src = s.fill(0, m);
+        s.poison(1);
+        // SAFETY: waited for at once; the buffers outlive it.
+        let c = unsafe {
+            if background {
+                mover.offload_in_background(&dev_ids, &host_ids, stream)
+            } else {
+                mover.offload(&dev_ids, &host_ids, stream)
+            }
+        }
+        .unwrap();
+        c.wait().unwrap();
+        s.check(1, &src, &dev_ids, &host_ids, &format!("offload {m}"));
+        let plan = mover.plan(Direction::Load, &host_ids, &dev_ids).unwrap();
+        assert_eq!(
+            (plan.strategy, plan.threads),
+            (Strategy::Batched, 4),
+            "{plan:?}"
+        );
+        let src = s.fill(1, m + 50);
+        s.poison(0);
+        // SAFETY: as above.
+        let c = unsafe {
+            if background {
+                mover.load_in_background(&host_ids, &dev_ids, stream)
+            } else {
+                mover.load(&host_ids, &dev_ids, stream)
+            }
+        }
+        .unwrap();
+        c.wait().unwrap();
+        s.check(0, &src, &host_ids, &dev_ids, &format!("load {m}"));
+    }
 }
 
 #[rstest]

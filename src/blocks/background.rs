@@ -11,10 +11,10 @@
 //!   the move with [`Ticket::issued`] then the event (`BlockCopy::wait`, `stream_wait`);
 //! - one thread and one stream per direction: moves of one direction run in call order.
 
-use std::sync::{Arc, mpsc};
+use std::sync::{Arc, OnceLock, mpsc};
 
 use super::copy::{Direction, Ticket};
-use super::issue::{Issue, Lists, issue};
+use super::issue::{Issue, Lists, issue_on};
 use super::plan::{Pair, Run, Segment, segments_of};
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::driver::DriverError;
@@ -64,6 +64,7 @@ impl Issuer {
             .name("pinstage-blocks".into())
             .spawn(move || {
                 let cur = device.enter();
+                let helpers = OnceLock::new();
                 for job in rx {
                     let outcome = match &cur {
                         // Relaxed capture mode: a graph captured on another thread in global
@@ -72,7 +73,7 @@ impl Issuer {
                         Ok(cur) => crate::driver::capture_relaxed(|| {
                             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                                 // SAFETY: the sender's contract (`Issuer::send`).
-                                unsafe { run(cur, &side, &pairs, &job) }
+                                unsafe { run(cur, &side, &helpers, &pairs, &job) }
                             }))
                             .unwrap_or_else(|_| {
                                 let _ = side.handle().synchronize(cur);
@@ -138,6 +139,7 @@ thread_local! {
 unsafe fn run(
     cur: &Current<'_>,
     side: &Stream,
+    helpers: &OnceLock<Vec<Stream>>,
     pairs: &[Pair],
     job: &Job,
 ) -> std::result::Result<(), DriverError> {
@@ -153,7 +155,8 @@ unsafe fn run(
         job.fork.wait_on_in(cur, stream).map_err(driver_error)?;
         forked = true;
         // SAFETY: the sender's contract 1; `stream` is our side stream (not the legacy one).
-        unsafe { issue(segments, job.how, stream, lists) }?;
+        unsafe { issue_on(cur, segments, job.how, stream, helpers, lists) }
+            .map_err(driver_error)?;
         job.ticket
             .event()
             .record_in(cur, stream)

@@ -64,6 +64,8 @@ pub struct MovePlan {
     pub copies: usize,
     /// Driver calls that carry them.
     pub calls: usize,
+    /// Threads (each with its own stream) the calls are issued from at once.
+    pub threads: usize,
     /// Bytes moved in all.
     pub bytes: usize,
     /// Why this strategy.

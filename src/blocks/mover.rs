@@ -8,9 +8,9 @@ use parking_lot::Mutex;
 
 use super::background::Issuer;
 use super::copy::{BlockCopy, Direction, InFlight, MAX_BATCH, MovePlan, Strategy};
-use super::issue::{Issue, Lists, issue};
+use super::issue::{Issue, Lists, MAX_THREADS, issue_on};
 use super::plan::{BlockLayout, Pair, Run, Segment, runs, segments, segments_of};
-use super::strides::{one_allocation, strides, two_d_wins};
+use super::strides::{batch_threads, one_allocation, strides, two_d_wins};
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
@@ -35,7 +35,8 @@ fn memory_name(m: MemoryKind) -> &'static str {
 ///
 /// A move checks every id before it issues anything, merges runs of ids adjacent on both sides
 /// into one copy, and issues the copies on the caller's stream, copy engines only, no kernel:
-/// in one `cuMemcpyBatchAsync` (several beyond [`MAX_BATCH`] copies), or, when each side's
+/// in one `cuMemcpyBatchAsync` (several beyond [`MAX_BATCH`] copies; a batch of thousands of
+/// copies from several threads at once, each on its own stream, joined back), or, when each side's
 /// tensors share one layout at one stride within one allocation and 2D copies beat a batch (every
 /// load; offloads unless the copies average 9-31 KiB), as one 2D copy per run and part across
 /// every tensor ([`Strategy::Strided`];
@@ -54,6 +55,8 @@ pub struct BlockMover<'t> {
     /// Where batched moves on the legacy default stream go (the batched call refuses that
     /// stream).
     side: [OnceLock<Stream>; 2],
+    /// The helper streams of batches issued from several threads, per direction.
+    helpers: [OnceLock<Vec<Stream>>; 2],
     /// The threads that issue moves in the background, one per direction (started at the
     /// first such move).
     background: [OnceLock<Issuer>; 2],
@@ -190,6 +193,7 @@ impl<'t> BlockMover<'t> {
             pairs: pairs.into(),
             batched,
             side: [OnceLock::new(), OnceLock::new()],
+            helpers: [OnceLock::new(), OnceLock::new()],
             background: [OnceLock::new(), OnceLock::new()],
             scratch: Mutex::new(Scratch::default()),
             _tensors: PhantomData,
@@ -278,13 +282,14 @@ impl<'t> BlockMover<'t> {
         let runs = self.check(direction, src_ids, dst_ids)?;
         let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
         let copies = runs.len() * parts;
-        let strided = matches!(
-            self.how(direction, src_ids.len(), runs.len()),
-            Issue::Strided { .. }
-        );
+        let how = self.how(direction, src_ids.len(), runs.len());
+        let threads = match how {
+            Issue::Batched { threads } => threads.clamp(1, MAX_THREADS),
+            _ => 1,
+        };
         let (strategy, copies, calls, reason) = if copies == 0 {
             (Strategy::Empty, 0, 0, "no block to move")
-        } else if strided {
+        } else if matches!(how, Issue::Strided { .. }) {
             let copies = runs.len() * self.pairs[0].device.outer;
             (
                 Strategy::Strided,
@@ -301,11 +306,23 @@ impl<'t> BlockMover<'t> {
                 "host memory on both sides: one memcpy per copy",
             )
         } else if self.batched {
+            // As `issue_split` shares them out: equal shares but the last.
+            let share = copies.div_ceil(threads);
+            let calls = (0..copies)
+                .step_by(share)
+                .map(|a| (copies - a).min(share).div_ceil(MAX_BATCH))
+                .sum();
             (
                 Strategy::Batched,
                 copies,
-                copies.div_ceil(MAX_BATCH),
-                "the copy engines move the merged runs in one batched call (CUDA 12.8+)",
+                calls,
+                if threads > 1 {
+                    "the copy engines move the merged runs in batched calls (CUDA 12.8+), issued \
+                     from several threads at once, each on its own stream (the driver takes a \
+                     batch of many small copies only as fast as one queue drains)"
+                } else {
+                    "the copy engines move the merged runs in one batched call (CUDA 12.8+)"
+                },
             )
         } else {
             (
@@ -322,6 +339,11 @@ impl<'t> BlockMover<'t> {
             runs: runs.len(),
             copies,
             calls,
+            threads: if strategy == Strategy::Batched {
+                threads
+            } else {
+                1
+            },
             bytes: src_ids.len() * self.block_bytes(),
             reason,
         })
@@ -519,7 +541,13 @@ impl<'t> BlockMover<'t> {
                     to_host: direction == Direction::Offload,
                 }
             }
-            _ if self.batched => Issue::Batched,
+            _ if self.batched => {
+                let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
+                let copy_bytes = blocks * self.pairs[0].device.bytes / runs.max(1);
+                Issue::Batched {
+                    threads: batch_threads(direction, runs * parts, copy_bytes),
+                }
+            }
             _ => Issue::PerCopy,
         }
     }
@@ -540,7 +568,8 @@ impl<'t> BlockMover<'t> {
         event: &Event,
     ) -> Result<()> {
         let Scratch { segments, lists } = scratch;
-        if matches!(how, Issue::Batched) && stream.as_raw() <= 1 {
+        let helpers = &self.helpers[direction as usize];
+        if matches!(how, Issue::Batched { .. }) && stream.as_raw() <= 1 {
             // The batched call refuses the legacy stream: fork onto a side stream and join.
             let side = match self.side[direction as usize].get() {
                 Some(s) => s,
@@ -554,12 +583,12 @@ impl<'t> BlockMover<'t> {
             fork.record_in(cur, stream)?;
             fork.wait_on(side.handle())?;
             // SAFETY: as this function's; the side stream runs after the caller's work.
-            unsafe { issue(segments, how, side.handle(), lists) }?;
+            unsafe { issue_on(cur, segments, how, side.handle(), helpers, lists) }?;
             event.record_in(cur, side.handle())?;
             return event.wait_on(stream);
         }
         // SAFETY: as this function's.
-        unsafe { issue(segments, how, stream, lists) }?;
+        unsafe { issue_on(cur, segments, how, stream, helpers, lists) }?;
         event.record_in(cur, stream)
     }
 }

@@ -259,3 +259,20 @@ fn two_d_copies_where_they_beat_a_batch(
 ) {
     assert_eq!(strides::two_d_wins(direction, blocks, part, runs), want);
 }
+
+#[rstest]
+#[case::few_copies(Direction::Load, 4095, 4 << 10, 1)]
+#[case::load(Direction::Load, 4096, 4 << 10, 4)]
+#[case::load_large(Direction::Load, 131_072, 64 << 10, 4)]
+#[case::offload_8k(Direction::Offload, 131_072, 8 << 10, 1)]
+#[case::offload_past_8k(Direction::Offload, 131_072, (8 << 10) + 1, 2)]
+#[case::offload_few(Direction::Offload, 4095, 16 << 10, 1)]
+#[case::offload_16k(Direction::Offload, 4096, 16 << 10, 2)]
+fn batches_of_many_copies_are_issued_from_several_threads(
+    #[case] direction: Direction,
+    #[case] copies: usize,
+    #[case] copy_bytes: usize,
+    #[case] want: usize,
+) {
+    assert_eq!(strides::batch_threads(direction, copies, copy_bytes), want);
+}

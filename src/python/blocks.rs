@@ -175,7 +175,7 @@ impl BlockMover {
     ///     dict: ``direction``, ``strategy`` (``"batched"``, ``"strided"``, ``"per_copy"`` or
     ///     ``"empty"``),
     ///     ``blocks``, ``runs`` (merged runs of adjacent ids), ``copies``, ``calls`` (driver
-    ///     calls), ``bytes``, ``reason``.
+    ///     calls), ``threads`` (issuing at once, each on its own stream), ``bytes``, ``reason``.
     fn plan<'py>(
         &self,
         py: Python<'py>,
@@ -210,6 +210,7 @@ impl BlockMover {
         d.set_item("runs", p.runs)?;
         d.set_item("copies", p.copies)?;
         d.set_item("calls", p.calls)?;
+        d.set_item("threads", p.threads)?;
         d.set_item("bytes", p.bytes)?;
         d.set_item("reason", p.reason)?;
         Ok(d)
