@@ -37,7 +37,7 @@ against the same replays alone and beside the sm-gather peer. Replays right afte
 faster (clocks), so the graph's figures compare replays of the same positions in their sequence:
 those that ran inside the moves, and the same positions of the sequence just before, alone.
 
-    python3 benches/bench_blocks.py [--rounds 5] [--sizes 4,16,32,64,256] [--out DIR]
+    python3 benches/bench_blocks.py [--rounds 5] [--sizes 4,16,32,64,256] [--graph-kib 32] [--out DIR]
 
 Exit status 1 when any check failed or a call raised; the summary table is printed last.
 """
@@ -519,6 +519,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sizes", default="4,16,32,64,256")
     ap.add_argument("--loop-rounds", type=int, default=3)
+    ap.add_argument("--graph-kib", type=int, default=32, help="block size of the graph test")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.cuda.init()
@@ -575,7 +576,7 @@ def main():
             results[(B, key)] = med(both)
             print(f"  {key:8s} at once {med(both)[0]:.2f} GB/s "
                   f"({med(both)[1]:.2f}-{med(both)[2]:.2f})", flush=True)
-        if B == 32 << 10:
+        if B == args.graph_kib << 10:
             results["graph"] = graph_beside(case, s, args.rounds)
         del case
         torch.cuda.synchronize()
