@@ -291,6 +291,49 @@ impl Sides {
     }
 }
 
+/// One move between `dev_ids` and `host_ids` in `direction` (in the background or not): the
+/// source side filled with values `m`, the destination poisoned; waited for, every block checked.
+#[allow(clippy::too_many_arguments)]
+fn move_checked(
+    s: &mut Sides,
+    mover: &BlockMover<'_>,
+    direction: Direction,
+    dev_ids: &[usize],
+    host_ids: &[usize],
+    stream: StreamHandle<'_>,
+    background: bool,
+    m: u32,
+) {
+    let (from, to) = match direction {
+        Direction::Offload => (0, 1),
+        Direction::Load => (1, 0),
+    };
+    let src = s.fill(from, m);
+    s.poison(to);
+    // SAFETY: waited for below; the buffers outlive the move; nothing else touches them.
+    let c = unsafe {
+        match (direction, background) {
+            (Direction::Offload, false) => mover.offload(dev_ids, host_ids, stream),
+            (Direction::Offload, true) => mover.offload_in_background(dev_ids, host_ids, stream),
+            (Direction::Load, false) => mover.load(host_ids, dev_ids, stream),
+            (Direction::Load, true) => mover.load_in_background(host_ids, dev_ids, stream),
+        }
+    }
+    .unwrap();
+    c.wait().unwrap();
+    let (src_ids, dst_ids) = match direction {
+        Direction::Offload => (dev_ids, host_ids),
+        Direction::Load => (host_ids, dev_ids),
+    };
+    s.check(
+        to,
+        &src,
+        src_ids,
+        dst_ids,
+        &format!("{} {m}", direction.name()),
+    );
+}
+
 #[rstest]
 #[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_blocks_every_block_lands(
@@ -331,34 +374,28 @@ fn gpu_blocks_every_block_lands(
             splice(&mut dev_ids, 30);
             splice(&mut host_ids, 2);
         }
-        // Offload into a poisoned host side.
-        let src = s.fill(0, m);
-        s.poison(1);
-        // SAFETY: the buffers outlive the move (waited for below); nothing else touches them.
-        let c = unsafe {
-            if background {
-                mover.offload_in_background(&dev_ids, &host_ids, stream)
-            } else {
-                mover.offload(&dev_ids, &host_ids, stream)
-            }
-        }
-        .unwrap();
-        c.wait().unwrap();
-        s.check(1, &src, &dev_ids, &host_ids, &format!("offload {m}"));
-        // Load into a poisoned device side, from new host values.
-        let src = s.fill(1, m + 100);
-        s.poison(0);
-        // SAFETY: as above.
-        let c = unsafe {
-            if background {
-                mover.load_in_background(&host_ids, &dev_ids, stream)
-            } else {
-                mover.load(&host_ids, &dev_ids, stream)
-            }
-        }
-        .unwrap();
-        c.wait().unwrap();
-        s.check(0, &src, &host_ids, &dev_ids, &format!("load {m}"));
+        // Offload into a poisoned host side, then new host values into a poisoned device side.
+        let (d, h) = (&dev_ids, &host_ids);
+        move_checked(
+            &mut s,
+            &mover,
+            Direction::Offload,
+            d,
+            h,
+            stream,
+            background,
+            m,
+        );
+        move_checked(
+            &mut s,
+            &mover,
+            Direction::Load,
+            d,
+            h,
+            stream,
+            background,
+            m + 100,
+        );
     }
     let plan = mover.plan(Direction::Load, &[1, 2, 3], &[5, 6, 9]).unwrap();
     assert_eq!(plan.runs, 2);
@@ -636,38 +673,33 @@ fn gpu_blocks_batches_from_several_threads_land(
             (Strategy::Batched, 2),
             "{plan:?}"
         );
-        let src = s.fill(0, m);
-        s.poison(1);
-        // SAFETY: waited for at once; the buffers outlive it.
-        let c = unsafe {
-            if background {
-                mover.offload_in_background(&dev_ids, &host_ids, stream)
-            } else {
-                mover.offload(&dev_ids, &host_ids, stream)
-            }
-        }
-        .unwrap();
-        c.wait().unwrap();
-        s.check(1, &src, &dev_ids, &host_ids, &format!("offload {m}"));
+        let (d, h) = (&dev_ids, &host_ids);
+        move_checked(
+            &mut s,
+            &mover,
+            Direction::Offload,
+            d,
+            h,
+            stream,
+            background,
+            m,
+        );
         let plan = mover.plan(Direction::Load, &host_ids, &dev_ids).unwrap();
         assert_eq!(
             (plan.strategy, plan.threads),
             (Strategy::Batched, 4),
             "{plan:?}"
         );
-        let src = s.fill(1, m + 50);
-        s.poison(0);
-        // SAFETY: as above.
-        let c = unsafe {
-            if background {
-                mover.load_in_background(&host_ids, &dev_ids, stream)
-            } else {
-                mover.load(&host_ids, &dev_ids, stream)
-            }
-        }
-        .unwrap();
-        c.wait().unwrap();
-        s.check(0, &src, &host_ids, &dev_ids, &format!("load {m}"));
+        move_checked(
+            &mut s,
+            &mover,
+            Direction::Load,
+            d,
+            h,
+            stream,
+            background,
+            m + 50,
+        );
     }
 }
 
