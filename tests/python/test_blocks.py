@@ -295,16 +295,22 @@ def test_torch_stream_order_and_event(gpu):
     assert (host[0][:, 5] == 1234).all() and (host[0][:, 4] == POISON).all()
 
 
+def poisoned_kv(torch):
+    """4 poisoned CUDA tensors [2, 64, 32, 64] int32 (8 KiB per block part), pinned host
+    tensors of that shape, and a mover over them (block_dim 1)."""
+    L, NB, shape = 4, 64, (2, 64, 32, 64)
+    dev = [torch.full(shape, POISON, dtype=torch.int32, device="cuda") for _ in range(L)]
+    host = [pinstage.empty_pinned(shape, "int32") for _ in range(L)]
+    return L, NB, shape, dev, host, pinstage.BlockMover(dev, host, block_dim=1)
+
+
 @pytest.mark.gpu
 def test_torch_stream_order_load_then_use_without_a_wait(gpu):
     """The engine's pattern: load blocks, then use them on the same stream at once (no wait):
     every use sees the load, and an offload queued after a kernel that rewrites the blocks sees
     the kernel's values; every round checked, the GPU kept busy ahead of each move."""
     torch = pytest.importorskip("torch")
-    L, NB, shape = 4, 64, (2, 64, 32, 64)  # 8 KiB per block part (int32)
-    dev = [torch.full(shape, POISON, dtype=torch.int32, device="cuda") for _ in range(L)]
-    host = [pinstage.empty_pinned(shape, "int32") for _ in range(L)]
-    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    L, NB, shape, dev, host, mover = poisoned_kv(torch)
     rng = np.random.default_rng(11)
     for r in range(10):
         a, b = rng.permutation(NB)[:40], rng.permutation(NB)[:40]
@@ -375,10 +381,7 @@ def test_torch_background_order_fork_and_join(gpu):
     after stream_wait() runs after the move (it must not see that work); done() is False
     while the work ahead still runs. Every round checked."""
     torch = pytest.importorskip("torch")
-    L, NB, shape = 4, 64, (2, 64, 32, 64)  # 8 KiB per block part (int32)
-    dev = [torch.full(shape, POISON, dtype=torch.int32, device="cuda") for _ in range(L)]
-    host = [pinstage.empty_pinned(shape, "int32") for _ in range(L)]
-    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    L, NB, shape, dev, host, mover = poisoned_kv(torch)
     rng = np.random.default_rng(23)
     for r in range(8):
         a, b = rng.permutation(NB)[:40], rng.permutation(NB)[:40]
