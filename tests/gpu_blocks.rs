@@ -5,6 +5,9 @@
 mod common;
 
 use common::{POISON, gpu_or_skip, stall_handle};
+
+/// Held by every test that stalls a stream (see the stream-order test).
+static STALLS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 use pinstage::blocks::{BlockMover, Direction, Strategy};
 use pinstage::dlpack::{DL_CPU, DL_CUDA, TensorDesc, validate};
 use pinstage::host::PinnedFlags;
@@ -713,6 +716,11 @@ fn gpu_blocks_stream_order_holds_without_a_wait(
     let Some(d) = gpu_or_skip("gpu_blocks_stream_order_holds_without_a_wait") else {
         return;
     };
+    // One stalling test at a time: two tests that each stall the legacy stream (process-wide)
+    // and then wait on it deadlock until a stall's 20 s bound lets go, after which a move
+    // under the other's "stall" completes (runs h-j: the apart/legacy case failed so with 4
+    // test threads; alone, every case passed).
+    let _serial = STALLS.lock().unwrap_or_else(|e| e.into_inner());
     // A load, then an offload of the loaded blocks, then a load that overwrites them, all on
     // one stalled stream with no wait in between: each must see the one before and none the
     // one after. The offload reads in the reverse order of the
