@@ -8,14 +8,11 @@ use crate::error::Result;
 use super::wait::{Backoff, wait_until};
 use super::{Current, Device, StreamHandle};
 
-/// A CUDA event with timing disabled. Events are recycled: a dropped event whose work completed
-/// goes back to its [`Device`]'s spare list (destroyed with the device's last clone); one still
-/// pending is destroyed.
+/// A CUDA event with timing disabled. Events are recycled: a dropped event goes back to its
+/// [`Device`]'s spare list, and is destroyed with the device's last clone.
 pub struct Event {
     device: Device,
     raw: CUevent,
-    /// A query saw the last record complete (no record since): dropped, recycled unasked.
-    seen_done: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: CUevent handles may be used from any thread.
@@ -51,15 +48,12 @@ impl Event {
         Ok(Self {
             device: device.clone(),
             raw,
-            seen_done: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
     /// Records the event after the work queued on `stream` (context current: `_cur`).
     #[inline]
     pub(crate) fn record_in(&self, _cur: &Current<'_>, stream: StreamHandle) -> Result<()> {
-        self.seen_done
-            .store(false, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: our live event; the stream is a special handle, ours, or vouched for by its
         // maker (`StreamHandle::from_raw`); the context is current.
         unsafe { driver::event::event_record(self.raw, stream.raw()) }?;
@@ -83,12 +77,7 @@ impl Event {
     #[inline]
     pub fn query(&self) -> Result<bool> {
         // SAFETY: our live event. cuEventQuery needs no current context.
-        let done = unsafe { driver::event::event_query(self.raw) }?;
-        if done {
-            self.seen_done
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-        }
-        Ok(done)
+        Ok(unsafe { driver::event::event_query(self.raw) }?)
     }
 
     /// Blocks until the work captured by the last record completed, as
@@ -200,27 +189,10 @@ impl<'a> SlotEvent<'a> {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        // Only a completed event is recycled. One whose record may still be pending (a fork a
-        // stream still waits on, a dropped copy's event) is destroyed, which the driver defers
-        // until it completed: a new record of an event whose earlier record is still queued on
-        // another stream can read as complete before its own work ran (run i: a move forked
-        // from the legacy stream behind a stall, its event a recycled fork, "completed").
-        if driver::forked() {
-            return; // no driver in a forked child: the handle is let go
-        }
-        let done = *self.seen_done.get_mut()
-            // SAFETY: our live event; cuEventQuery needs no current context.
-            || matches!(unsafe { driver::event::event_query(self.raw) }, Ok(true));
-        if done {
-            self.device
-                .inner
-                .spare_events
-                .lock()
-                .push(self.raw as usize);
-        } else if let Ok(_cur) = self.device.enter() {
-            // SAFETY: our live event, never used again, its context current; the driver
-            // releases it once complete.
-            crate::error::on_drop(unsafe { driver::event::event_destroy(self.raw) });
-        }
+        self.device
+            .inner
+            .spare_events
+            .lock()
+            .push(self.raw as usize);
     }
 }
