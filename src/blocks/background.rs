@@ -1,7 +1,7 @@
 //! Moves issued in the background: the caller's call checks the move, records a fork event on
 //! its stream and hands the move to a thread of the mover, which builds the copies and issues
-//! them on its own stream after the fork, then records the move's event. The caller returns in
-//! microseconds however long the driver holds the issuing thread.
+//! them on its own stream after the fork, then records the move's event. The caller returns once
+//! the move is handed over, however long the driver holds the issuing thread.
 //!
 //! Order, all of it through events recorded before anything waits on them (no wait on a value
 //! the host writes later: streams share hardware queues, and such a wait can hold up the very
