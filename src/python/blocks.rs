@@ -110,10 +110,10 @@ impl BlockMover {
     ///         checked, not once the driver took its copies; a thread of the mover issues them
     ///         on its own stream after the work queued on ``stream`` before the call. Work
     ///         queued on ``stream`` later does NOT wait for them: join with
-    ///         ``stream_wait(stream)`` or ``wait()`` before using (or reusing) the moved blocks. Background moves of one
-    ///         direction run in call order; an offload and a load are not ordered against
-    ///         each other. The first such call starts the thread; a mover over host memory
-    ///         copies in the call either way.
+    ///         ``stream_wait(stream)`` or ``wait()`` before using (or reusing) the moved
+    ///         blocks. Background moves of one direction run in call order; an offload and a
+    ///         load are not ordered against each other. The first such call starts the
+    ///         thread; a mover over host memory copies in the call either way.
     ///
     /// Returns:
     ///     PendingCopy: ``wait()`` (returns None), ``done()``, ``stream_wait(stream)``; it
