@@ -153,17 +153,23 @@ impl StepStager {
         unsafe { (&*self.core.data(s.claim.index)).used[id.0] }
     }
 
+    /// Refuses (a typed error) unless the stager is in zero-copy mode: device views of a slot.
+    fn zero_copy_only(&self) -> Result<()> {
+        if self.mode == StepMode::ZeroCopy {
+            return Ok(());
+        }
+        Err(Error::arg(
+            "mode",
+            format!("'{}'", self.mode),
+            "'zero_copy' for device views of a slot (make the stager with mode='zero_copy'; in \
+             arena mode export the arena's field with field(name))",
+        ))
+    }
+
     /// Zero-copy mode: the device address of field `id` in the step's slot; the step's fields
     /// can no longer be written from the host.
     pub(crate) fn device_ptr_raw(&self, s: &mut RawStep, id: FieldId) -> Result<u64> {
-        if self.mode != StepMode::ZeroCopy {
-            return Err(Error::arg(
-                "mode",
-                format!("'{}'", self.mode),
-                "'zero_copy' for device views of a slot (make the stager with \
-                 mode='zero_copy'; in arena mode export the arena's field with field(name))",
-            ));
-        }
+        self.zero_copy_only()?;
         if self.core.device().is_none() {
             return Err(self.core.unavailable());
         }
@@ -179,14 +185,7 @@ impl StepStager {
     /// [`Error::CudaUnavailable`], [`Error::UnknownField`].
     pub fn slot_device_ptr(&self, slot: usize, key: impl FieldKey) -> Result<u64> {
         let f = self.layout.field(key)?;
-        if self.mode != StepMode::ZeroCopy {
-            return Err(Error::arg(
-                "mode",
-                format!("'{}'", self.mode),
-                "'zero_copy' for device views of a slot (make the stager with \
-                 mode='zero_copy'; in arena mode export the arena's field with field(name))",
-            ));
-        }
+        self.zero_copy_only()?;
         if slot >= self.depth() {
             return Err(Error::arg("slot", slot, "a slot below the depth"));
         }

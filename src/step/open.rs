@@ -2,7 +2,7 @@
 
 use std::marker::PhantomData;
 
-use super::layout::FieldKey;
+use super::layout::{FieldId, FieldKey, StepLayout};
 use super::stager::{CommitOutcome, RawStep, StepStager};
 use crate::cuda::Event;
 use crate::cuda::StreamHandle;
@@ -44,14 +44,7 @@ impl<'s> Step<'s> {
     /// zero-copy device addresses were taken.
     pub fn field_mut<T: Element>(&mut self, key: impl FieldKey, rows: usize) -> Result<&mut [T]> {
         let st = self.stager;
-        let id = key.id_in(st.layout())?;
-        let f = &st.layout().fields()[id.0];
-        if f.dtype() != T::DTYPE {
-            return Err(Error::DtypeMismatch {
-                expected: f.dtype(),
-                got: T::DTYPE,
-            });
-        }
+        let id = typed_field::<T>(st.layout(), key)?;
         let (ptr, bytes) = st.field_raw(self.raw(), id, rows)?;
         // SAFETY: the slot is ours until commit or drop, which need `self` (the borrow ends
         // first); fields are aligned to 256 bytes; `bytes` is a whole number of elements.
@@ -98,14 +91,7 @@ impl<'s> Step<'s> {
         rows: Option<usize>,
     ) -> Result<()> {
         let st = self.stager;
-        let id = key.id_in(st.layout())?;
-        let f = &st.layout().fields()[id.0];
-        if f.dtype() != T::DTYPE {
-            return Err(Error::DtypeMismatch {
-                expected: f.dtype(),
-                got: T::DTYPE,
-            });
-        }
+        let id = typed_field::<T>(st.layout(), key)?;
         let pad = pad.as_ref().map(bytemuck::bytes_of);
         st.put_raw(
             self.raw(),
@@ -178,4 +164,17 @@ impl StepStager {
             _not_send: PhantomData,
         })
     }
+}
+
+/// The id of field `key` of `layout`, whose dtype must be `T`'s.
+fn typed_field<T: Element>(layout: &StepLayout, key: impl FieldKey) -> Result<FieldId> {
+    let id = key.id_in(layout)?;
+    let dtype = layout.fields()[id.0].dtype();
+    if dtype != T::DTYPE {
+        return Err(Error::DtypeMismatch {
+            expected: dtype,
+            got: T::DTYPE,
+        });
+    }
+    Ok(id)
 }
