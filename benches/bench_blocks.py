@@ -33,7 +33,9 @@ Also: offload and load at once (pinstage, two streams, disjoint ids; issued from
 in the background from one) against either alone; host time per pinstage call (issue only, on
 the calling thread and in the background); and a ~4 ms CUDA graph (matmuls) replayed while
 pinstage moves blocks on another stream (4 moves back to back, disjoint host ids, each checked),
-against the same replays alone and beside the sm-gather peer. Replays right after an idle GPU run
+against the same replays alone and beside the sm-gather peer (4 gathers into one packed staging
+buffer: only the last can be checked, the graph figure is not a copy figure). Replays right after
+an idle GPU run
 faster (clocks), so the graph's figures compare replays of the same positions in their sequence:
 those that ran inside the moves, and the same positions of the sequence just before, alone.
 

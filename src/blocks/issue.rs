@@ -120,9 +120,7 @@ pub(super) unsafe fn issue_split(
     helpers: &OnceLock<Vec<Stream>>,
     lists: &mut Lists,
 ) -> Result<()> {
-    let threads = threads.clamp(1, MAX_THREADS);
-    let share = segments.len().div_ceil(threads).max(1);
-    let mut parts = segments.chunks(share);
+    let mut parts = segments.chunks(share(segments.len(), threads));
     let first = parts.next().unwrap_or(&[]);
     let rest: Vec<&[Segment]> = parts.collect();
     if rest.is_empty() {
@@ -199,7 +197,13 @@ pub(super) unsafe fn issue_split(
 }
 
 /// The most threads (and streams) one batched move is issued from.
-pub(super) const MAX_THREADS: usize = 4;
+const MAX_THREADS: usize = 4;
+
+/// Copies per thread when `copies` are issued from `threads` threads ([`issue_split`]): equal
+/// shares but the last.
+pub(super) fn share(copies: usize, threads: usize) -> usize {
+    copies.div_ceil(threads.clamp(1, MAX_THREADS)).max(1)
+}
 
 /// Issues `segments` on `stream` as `how` says: a batch for several threads through
 /// [`issue_split`] (with `helpers`' streams), anything else on this thread.

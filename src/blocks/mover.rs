@@ -8,7 +8,7 @@ use parking_lot::Mutex;
 
 use super::background::Issuer;
 use super::copy::{BlockCopy, Direction, InFlight, MAX_BATCH, MovePlan, Strategy};
-use super::issue::{Issue, Lists, MAX_THREADS, issue_on};
+use super::issue::{Issue, Lists, issue_on, share};
 use super::plan::{BlockLayout, Pair, Run, Segment, runs, segments, segments_of};
 use super::strides::{batch_threads, one_allocation, strides, two_d_wins};
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
@@ -283,9 +283,10 @@ impl<'t> BlockMover<'t> {
         let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
         let copies = runs.len() * parts;
         let how = self.how(direction, src_ids.len(), runs.len());
-        let threads = match how {
-            Issue::Batched { threads } => threads.clamp(1, MAX_THREADS),
-            _ => 1,
+        // A batch's copies per thread, as `issue_split` shares them out.
+        let share = match how {
+            Issue::Batched { threads } => share(copies, threads),
+            _ => copies.max(1),
         };
         let (strategy, copies, calls, reason) = if copies == 0 {
             (Strategy::Empty, 0, 0, "no block to move")
@@ -305,9 +306,7 @@ impl<'t> BlockMover<'t> {
                 copies,
                 "host memory on both sides: one memcpy per copy",
             )
-        } else if self.batched {
-            // As `issue_split` shares them out: equal shares but the last.
-            let share = copies.div_ceil(threads);
+        } else if matches!(how, Issue::Batched { .. }) {
             let calls = (0..copies)
                 .step_by(share)
                 .map(|a| (copies - a).min(share).div_ceil(MAX_BATCH))
@@ -316,7 +315,7 @@ impl<'t> BlockMover<'t> {
                 Strategy::Batched,
                 copies,
                 calls,
-                if threads > 1 {
+                if share < copies {
                     "the copy engines move the merged runs in batched calls (CUDA 12.8+), issued \
                      from several threads at once, each on its own stream (the driver takes a \
                      batch of many small copies only as fast as one queue drains)"
@@ -340,7 +339,7 @@ impl<'t> BlockMover<'t> {
             copies,
             calls,
             threads: if strategy == Strategy::Batched {
-                threads
+                copies.div_ceil(share)
             } else {
                 1
             },

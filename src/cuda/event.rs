@@ -119,10 +119,8 @@ impl Event {
     /// # Errors
     /// [`Error::Driver`](crate::Error::Driver) if the driver refuses it.
     pub fn wait_on(&self, stream: StreamHandle) -> Result<()> {
-        let _cur = self.device.enter()?;
-        // SAFETY: our live event; the stream as in `record_in`; context current.
-        unsafe { driver::stream::stream_wait_event(stream.raw(), self.raw) }?;
-        Ok(())
+        let cur = self.device.enter()?;
+        self.wait_on_in(&cur, stream)
     }
 
     /// The device.

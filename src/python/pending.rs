@@ -114,21 +114,21 @@ impl PendingCopy {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         let (timeout, deadline) = parse_timeout(timeout)?;
-        let ev = self.event.lock().clone();
-        if ev.is_some() && !self.wait_issued(py, deadline)? {
-            return Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
+        let timed_out = || {
+            pyo3::exceptions::PyTimeoutError::new_err(format!(
                 "the copy did not complete within {} s",
                 timeout.unwrap_or_default()
-            )));
+            ))
+        };
+        let ev = self.event.lock().clone();
+        if ev.is_some() && !self.wait_issued(py, deadline)? {
+            return Err(timed_out());
         }
         if let Some(ev) = ev {
             let done = wait_interruptibly(py, &ev, deadline, self.expected);
             if !matches!(done, Ok(true)) {
                 done?;
-                return Err(pyo3::exceptions::PyTimeoutError::new_err(format!(
-                    "the copy did not complete within {} s",
-                    timeout.unwrap_or_default()
-                )));
+                return Err(timed_out());
             }
             // Completed: every waiter may let the event go.
             *self.event.lock() = None;
