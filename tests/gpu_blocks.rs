@@ -6,8 +6,18 @@ mod common;
 
 use common::{POISON, gpu_or_skip, stall_handle};
 
-/// Held by every test that stalls a stream (see the stream-order test).
-static STALLS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// Shared by every test, held alone by the one that stalls a stream: while the legacy stream is
+/// stalled, a test on another thread that frees pinned memory or synchronizes waits for the
+/// stall inside the driver, and the driver calls of the stalling test then wait for it in turn
+/// until the stall's 20 s bound lets go, after which the moves "under the stall" have completed
+/// (runs h-k: the legacy-stream case failed so with 4 test threads, a lock among the stalling
+/// tests alone did not help; alone, every case passed).
+static GPU: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// The test's share of the GPU (see [`GPU`]).
+fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    GPU.read().unwrap_or_else(|e| e.into_inner())
+}
 use pinstage::blocks::{BlockMover, Direction, Strategy};
 use pinstage::dlpack::{DL_CPU, DL_CUDA, TensorDesc, validate};
 use pinstage::host::PinnedFlags;
@@ -349,6 +359,7 @@ fn gpu_blocks_every_block_lands(
     let Some(d) = gpu_or_skip("gpu_blocks_every_block_lands") else {
         return;
     };
+    let _gpu = shared();
     let own = Stream::new(&d).unwrap();
     let stream = match stream_kind {
         0 => StreamHandle::LEGACY,
@@ -424,6 +435,7 @@ fn gpu_blocks_offload_and_load_at_once_every_move_checked(#[values(false, true)]
     let Some(d) = gpu_or_skip("gpu_blocks_offload_and_load_at_once_every_move_checked") else {
         return;
     };
+    let _gpu = shared();
     // Two movers over disjoint halves of one cache: one offloads while the other loads, on two
     // streams, 30 rounds, every block of both checked each round.
     let (a_s, b_s) = (Stream::new(&d).unwrap(), Stream::new(&d).unwrap());
@@ -475,6 +487,7 @@ fn gpu_blocks_refusals_issue_nothing() {
     let Some(d) = gpu_or_skip("gpu_blocks_refusals_issue_nothing") else {
         return;
     };
+    let _gpu = shared();
     let mut s = Sides::new(&d, Layout::KvFirst, 2, 256, 16, 8);
     let (dv, hv, dim) = s.views();
     let mover = BlockMover::new(&dv, &hv, dim).unwrap();
@@ -553,6 +566,7 @@ fn gpu_blocks_never_take_2d_copies_across_allocations() {
     let Some(d) = gpu_or_skip("gpu_blocks_never_take_2d_copies_across_allocations") else {
         return;
     };
+    let _gpu = shared();
     // Two device tensors in one allocation, two host tensors in two allocations: any two
     // addresses sit "at one stride", but a 2D copy may not cross from one allocation into the
     // other (the driver refuses it), so small moves must go batched, and land.
@@ -605,6 +619,7 @@ fn gpu_blocks_moves_past_one_batch_take_several_calls_and_land() {
     let Some(d) = gpu_or_skip("gpu_blocks_moves_past_one_batch_take_several_calls_and_land") else {
         return;
     };
+    let _gpu = shared();
     // 40000 blocks of 8 bytes, none adjacent to the next on both sides: 2 parts x 40000 runs =
     // 80000 copies, more than one cuMemcpyBatchAsync carries (MAX_BATCH = 65536).
     let (blocks, bytes) = (80_000usize, 8usize);
@@ -653,6 +668,7 @@ fn gpu_blocks_batches_from_several_threads_land(
     let Some(d) = gpu_or_skip("gpu_blocks_batches_from_several_threads_land") else {
         return;
     };
+    let _gpu = shared();
     // 8 tensors in separate allocations (batched), 16 KiB parts, 300 random ids: about 4800
     // copies, issued from 2 threads (offload) and 4 (load), each on its own stream; on the
     // legacy stream they fork from a side stream. Every block of every move checked.
@@ -716,11 +732,8 @@ fn gpu_blocks_stream_order_holds_without_a_wait(
     let Some(d) = gpu_or_skip("gpu_blocks_stream_order_holds_without_a_wait") else {
         return;
     };
-    // One stalling test at a time: two tests that each stall the legacy stream (process-wide)
-    // and then wait on it deadlock until a stall's 20 s bound lets go, after which a move
-    // under the other's "stall" completes (runs h-j: the apart/legacy case failed so with 4
-    // test threads; alone, every case passed).
-    let _serial = STALLS.lock().unwrap_or_else(|e| e.into_inner());
+    // Alone on the GPU (see [`GPU`]).
+    let _alone = GPU.write().unwrap_or_else(|e| e.into_inner());
     // A load, then an offload of the loaded blocks, then a load that overwrites them, all on
     // one stalled stream with no wait in between: each must see the one before and none the
     // one after. The offload reads in the reverse order of the
