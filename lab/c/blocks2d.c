@@ -13,12 +13,16 @@
  *   2d         one cuMemcpy2DAsync per block: width B, height L, both pitches NB * B
  *   2d-x2      the 2D copies alternating over two streams (two engines?)
  *   contig     one copy of the same L * M * B bytes (the link's rate)
+ *   contig-b   the control for block-sized copies: the same contiguous bytes as one batch of
+ *              L * M copies of B bytes at consecutive addresses (nothing scattered: if this
+ *              stops where the scattered strategies stop, the copy size sets the rate)
  *   batch-t2/t4  the batch's copies split in 2 / 4 shares, each issued by its own thread on its
  *              own stream (is the batch bound by the issuing thread?)
  *   2d-t2/t4   the 2D copies split the same way
  *   batch-held the batch issued onto a stream a host function holds for 1.5 s: the issue time is
  *              the driver's own cost per copy while nothing runs (the control: if it is far below
  *              the batch's wall time, the copy engines, not the issuing thread, set the rate)
+ * ONLY=name,name...: run only these strategies.
  * Every timed call is checked: the destination poisoned (0xEE) before it; after it, the first
  * and last 8 bytes of every moved (tensor, block) and one unmoved block per tensor compared with
  * the source pattern (which changes per call). Median of 5 timed calls (1 warm-up), GB/s from
@@ -69,9 +73,9 @@ static uint64_t pat(uint64_t salt, size_t t, size_t b, size_t w) {
     return (x & 0xFF) == 0xEE ? x ^ 1 : x;
 }
 
-enum { S_BATCH, S_SPLIT, S_2D, S_2DX2, S_CONTIG, S_BT2, S_BT4, S_2DT2, S_2DT4, S_HELD, NS };
+enum { S_BATCH, S_SPLIT, S_2D, S_2DX2, S_CONTIG, S_BT2, S_BT4, S_2DT2, S_2DT4, S_HELD, S_CHUNKS, NS };
 static const char *SNAME[NS] = {"batch", "split4k", "2d", "2d-x2", "contig",
-                                "batch-t2", "batch-t4", "2d-t2", "2d-t4", "batch-held"};
+                                "batch-t2", "batch-t4", "2d-t2", "2d-t4", "batch-held", "contig-b"};
 static CUcontext g_ctx;
 static CUstream g_st[4];
 
@@ -92,6 +96,21 @@ static void issue(int s, int dir, CUdeviceptr dev, char *host, size_t NB, size_t
     if (s == S_CONTIG) {
         if (dir == 0) CHECK(cuMemcpyHtoDAsync(gdev, stage, L * M * B, st));
         else CHECK(cuMemcpyDtoHAsync(stage, gdev, L * M * B, st));
+        return;
+    }
+    if (s == S_CHUNKS) {
+        size_t n = L * M;
+        for (size_t i = 0; i < n; i++) {
+            CUdeviceptr d = gdev + i * B, h = (CUdeviceptr)(stage + i * B);
+            cd[i] = dir == 0 ? d : h;
+            cs[i] = dir == 0 ? h : d;
+            cz[i] = B;
+        }
+        CUmemcpyAttributes a;
+        memset(&a, 0, sizeof a);
+        a.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+        size_t idx = 0, fail = 0;
+        CHECK(batch_fn(cd, cs, cz, n, &a, &idx, 1, &fail, st));
         return;
     }
     if (s == S_BATCH || s == S_SPLIT) {
@@ -241,6 +260,13 @@ int main(int argc, char **argv) {
                 int ok = 1;
                 if (s == S_2D || s == S_2DX2 || s == S_2DT2 || s == S_2DT4) ok = pitch <= (size_t)maxpitch;
                 if (getenv("SKIP_OLD") && (s == S_SPLIT || s == S_2DX2)) ok = 0;
+                if (getenv("ONLY")) {
+                    char list[256];
+                    snprintf(list, sizeof list, ",%s,", getenv("ONLY"));
+                    char key[32];
+                    snprintf(key, sizeof key, ",%s,", SNAME[s]);
+                    if (!strstr(list, key)) ok = 0;
+                }
                 int reps = s == S_HELD ? 1 : REPS;
                 if (!ok) { res[zi][dir][s] = -1; host_ms[zi][dir][s] = -1; continue; }
                 for (int r = s == S_HELD ? 0 : -1; r < reps; r++) {
@@ -248,7 +274,7 @@ int main(int argc, char **argv) {
                     salt++;
                     /* source pattern, destination poison */
                     char *src_host = dir == 0 ? host : mirror;  /* H2D: host is the source */
-                    if (s == S_CONTIG) {
+                    if (s == S_CONTIG || s == S_CHUNKS) {
                         uint64_t *sp = (uint64_t *)stage;
                         size_t n = L * M * B / 8;
                         if (dir == 0) { for (size_t i = 0; i < n; i += 4099) sp[i] = pat(salt, 0, 0, i); CHECK(cuMemsetD8(gdev, 0xEE, L * M * B)); }
@@ -281,7 +307,7 @@ int main(int argc, char **argv) {
                     double t2 = now_ms();
                     if (r >= 0) { t[r] = L * M * B / ((t2 - t0) * 1e6); h[r] = t1 - t0; }
                     /* check */
-                    if (s == S_CONTIG) {
+                    if (s == S_CONTIG || s == S_CHUNKS) {
                         if (dir == 0) CHECK(cuMemcpyDtoH(mirror, gdev, L * M * B));
                         char *got = dir == 0 ? mirror : stage;
                         for (size_t i = 0; i < L * M * B / 8; i += 4099)

@@ -1,0 +1,78 @@
+"""Where a background BlockMover call's host time goes, on a GPU (bench_blocks.py measured
+195-288 us for 2048 ids against a goal of 2 + 0.05 us per id = 104 us).
+
+Each row: median host us of the call alone (its move then waited for, untimed), 200 calls,
+64 tensors of 8192 blocks of 4 KiB on each side, random ids, one torch stream `s`:
+- plan(): reading and checking the ids, merging runs, building the copy list (no driver call);
+- a background move of n ids (n = 1, 128, 2048), ids as numpy int64, a list, a CPU torch tensor;
+- the same right after the GPU was idle for 1 ms (the bench's pattern: synchronize, then call);
+- control: torch's own fixed cost on the same stream (an event record), and a 1-block move on
+  the calling thread.
+
+    python3 lab/probes/blocks_bg_cost.py
+"""
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import pinstage
+
+L, NB, B = 64, 8192, 4096
+W = B // 4
+dev_all = torch.zeros((L, NB, W), dtype=torch.int32, device="cuda")
+host_all = pinstage.empty_host((L, NB, W), np.int32)
+devs = [dev_all[i] for i in range(L)]
+hosts = [host_all[i] for i in range(L)]
+mover = pinstage.BlockMover(devs, hosts, block_dim=0)
+s = torch.cuda.Stream()
+rng = np.random.default_rng(1)
+print(f"pinstage {pinstage.__version__}, torch {torch.__version__}: {L} tensors x {NB} blocks "
+      f"of {B} B; median host us per call of 200")
+
+
+def med(f, n=200, idle=False):
+    t = []
+    for _ in range(n):
+        if idle:
+            torch.cuda.synchronize()
+            time.sleep(0.001)
+        t0 = time.perf_counter_ns()
+        r = f()
+        t.append(time.perf_counter_ns() - t0)
+        if r is not None:
+            r.wait()
+    return statistics.median(t) / 1e3
+
+
+rows = []
+for n in (1, 128, 2048):
+    d = rng.permutation(NB)[:n].astype(np.int64)
+    h = rng.permutation(NB)[:n].astype(np.int64)
+    kinds = {"numpy": (d, h), "list": (d.tolist(), h.tolist()),
+             "torch": (torch.from_numpy(d), torch.from_numpy(h))}
+    for kind, (a, b) in kinds.items():
+        rows.append((f"plan() {n} ids {kind}", med(lambda: (mover.plan("offload", a, b), None)[1])))
+    a, b = kinds["numpy"]
+    for bg in (True, False):
+        if not bg and n > 128:
+            continue  # the calling thread's cost is the bench's (ms at 2048 ids)
+        with torch.cuda.stream(s):
+            rows.append((f"offload {n} ids numpy, background={bg}",
+                         med(lambda: mover.offload(a, b, stream=s, background=bg))))
+            rows.append((f"offload {n} ids numpy, background={bg}, after 1 ms idle",
+                         med(lambda: mover.offload(a, b, stream=s, background=bg), idle=True)))
+    with torch.cuda.stream(s):
+        rows.append((f"load {n} ids numpy, background=True",
+                     med(lambda: mover.load(b, a, stream=s, background=True))))
+        rows.append((f"offload {n} ids numpy, background=True, stream= omitted",
+                     med(lambda: mover.offload(a, b, background=True))))
+ev = torch.cuda.Event()
+with torch.cuda.stream(s):
+    rows.append(("control: torch Event.record(s)", med(lambda: (ev.record(s), None)[1])))
+    rows.append(("control: torch.cuda.current_stream()",
+                 med(lambda: (torch.cuda.current_stream(), None)[1])))
+for name, us in rows:
+    print(f"  {name:58s} {us:8.1f}")
