@@ -70,6 +70,17 @@ pub fn current_context() -> Result<usize> {
     Ok(driver::ctx::ctx_get_current()? as usize)
 }
 
+/// The device memory free on `device` (`cuMemGetInfo`): lets tests check that what pinstage
+/// allocated on the device is given back once dropped (after [`crate::host::wait_for_frees`]).
+///
+/// # Errors
+/// [`Error::Driver`] if the driver refuses.
+pub fn device_free_bytes(device: &Device) -> Result<usize> {
+    let _cur = device.enter()?;
+    // SAFETY: a context is current (`_cur`).
+    Ok(unsafe { driver::mem::mem_get_info() }?.0)
+}
+
 /// Starts capturing a CUDA graph on `stream` (relaxed mode).
 ///
 /// # Errors

@@ -347,3 +347,130 @@ fn bound_arena_on_the_gpu_is_checked() {
         "{r:?}"
     );
 }
+
+/// Stagers and fresh blocks give their device memory back once dropped (the reaper frees it):
+/// four arena stagers and four fresh-mode stagers of a 32 MiB layout, each committing three
+/// steps; a stager that kept its arena, or a pool that kept its blocks, leaves 128 MiB or more
+/// missing from the device's free memory.
+#[test]
+#[ignore = "needs a GPU"]
+fn dropped_stagers_and_blocks_give_their_device_memory_back() {
+    let Some(dev) = gpu_or_skip("dropped_stagers_and_blocks_give_their_device_memory_back") else {
+        return;
+    };
+    let l = StepLayout::builder()
+        .field("x", DType::U8, &[32 << 20])
+        .build()
+        .unwrap();
+    let stream = Stream::new(&dev).unwrap();
+    let free = || {
+        pinstage::host::wait_for_frees();
+        pinstage::testing::device_free_bytes(&dev).unwrap()
+    };
+    let before = free();
+    for mode in [StepMode::Arena, StepMode::Fresh] {
+        for round in 0..4u8 {
+            let st = StepStager::builder(&l).depth(2).mode(mode).build().unwrap();
+            let blocks: Vec<_> = (0..3u8)
+                .map(|k| {
+                    let mut s = st.step().unwrap();
+                    s.put("x", &[round * 16 + k + 1; 4096]).unwrap();
+                    s.commit(stream.handle()).unwrap().block
+                })
+                .collect();
+            stream.synchronize().unwrap();
+            assert_eq!(
+                blocks.iter().filter(|b| b.is_some()).count(),
+                if mode == StepMode::Fresh { 3 } else { 0 },
+                "{mode:?}"
+            );
+            drop(blocks);
+            drop(st);
+        }
+        let after = free();
+        assert!(
+            after + (64 << 20) >= before,
+            "{mode:?}: {} MiB free before, {} MiB after dropping every stager and block",
+            before >> 20,
+            after >> 20
+        );
+    }
+}
+
+/// What the Rust API says of a stager and of a fresh block, and the waits consumers order
+/// through (a block's `is_ready`, `synchronize` and `wait_on`; the stager's
+/// `commits_done` and `order_after_commits`), each checked while a stall holds the commits'
+/// copies and after it let go.
+#[test]
+#[ignore = "needs a GPU"]
+fn accessors_and_the_waits_consumers_order_through() {
+    use pinstage::cuda::Event;
+    use std::time::Duration;
+    let Some(dev) = gpu_or_skip("accessors_and_the_waits_consumers_order_through") else {
+        return;
+    };
+    let l = layout();
+    let arena = StepStager::builder(&l).depth(2).build().unwrap();
+    assert!(arena.has_cuda() && !arena.arena_is_host() && arena.arena_ptr().is_some());
+    assert_eq!(arena.ordinal(), dev.ordinal());
+    assert_eq!(arena.device().map(|d| d.ordinal()), Some(dev.ordinal()));
+    let fresh = StepStager::builder(&l)
+        .depth(2)
+        .mode(StepMode::Fresh)
+        .build()
+        .unwrap();
+    let [a, b, c] = [0; 3].map(|_| Stream::new(&dev).unwrap());
+    // One step each before the stall (first allocations may synchronize the device).
+    for st in [&arena, &fresh] {
+        let mut s = st.step().unwrap();
+        fill(&mut s, 1);
+        s.commit(a.handle()).unwrap();
+    }
+    a.synchronize().unwrap();
+    let (after_block, after_arena) = (Event::new(&dev).unwrap(), Event::new(&dev).unwrap());
+    let stall = stall(&a);
+    let mut s = fresh.step().unwrap();
+    fill(&mut s, 7);
+    let block = s.commit(a.handle()).unwrap().block.unwrap();
+    let mut s = arena.step().unwrap();
+    fill(&mut s, 8);
+    s.commit(a.handle()).unwrap();
+    assert!(!block.is_empty() && block.len() == l.nbytes());
+    assert_eq!(block.device().map(|d| d.ordinal()), Some(dev.ordinal()));
+    assert!(format!("{block:?}").contains(&format!("{:#x}", block.ptr())));
+    assert!(
+        !block.is_ready().unwrap(),
+        "a block whose copy waits behind a stall"
+    );
+    assert!(
+        !arena.commits_done().unwrap(),
+        "a commit waiting behind a stall"
+    );
+    block.wait_on(b.handle()).unwrap();
+    after_block.record(b.handle()).unwrap();
+    arena.order_after_commits(Some(c.handle())).unwrap();
+    after_arena.record(c.handle()).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(!after_block.query().unwrap(), "b ran past the block's copy");
+    assert!(
+        !after_arena.query().unwrap(),
+        "c ran past the arena's commit"
+    );
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            std::thread::sleep(Duration::from_millis(100));
+            stall.release();
+        });
+        block.synchronize().unwrap();
+        assert!(
+            block.is_ready().unwrap(),
+            "synchronize returned before the copy completed"
+        );
+    });
+    check(&l, &read_block(&dev, &block), 7);
+    for s in [&a, &b, &c] {
+        s.synchronize().unwrap();
+    }
+    assert!(arena.commits_done().unwrap());
+    assert!(after_block.query().unwrap() && after_arena.query().unwrap());
+}

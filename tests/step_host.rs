@@ -532,3 +532,33 @@ fn shape_errors_name_the_values_shape() {
         other => panic!("{other:?}"),
     }
 }
+
+/// The stager's and step's descriptions as a user reads them: mode names, Display, Debug, depth,
+/// the slots of steps open at once (distinct), and what a host-only stager says of its device.
+#[test]
+fn names_accessors_and_open_slots() {
+    assert_eq!(
+        [StepMode::Arena, StepMode::Fresh, StepMode::ZeroCopy].map(|m| m.to_string()),
+        ["arena", "fresh", "zero_copy"]
+    );
+    assert_eq!(StepMode::ZeroCopy.name(), "zero_copy");
+    let l = engine();
+    let b = StepStager::builder(&l).depth(3);
+    assert!(format!("{b:?}").starts_with("StepStagerBuilder"), "{b:?}");
+    let (st, _arena) = host_stager(&l, 3, 0);
+    assert_eq!(st.depth(), 3);
+    let dbg = format!("{st:?}");
+    assert!(
+        dbg.starts_with("StepStager") && dbg.contains("depth"),
+        "{dbg}"
+    );
+    if !pinstage::cuda::cuda_available() {
+        assert!(!st.has_cuda() && st.device().is_none() && st.arena_is_host());
+    }
+    // Three steps open at once own three different slots, each below the depth.
+    let steps = [st.step().unwrap(), st.step().unwrap(), st.step().unwrap()];
+    let mut slots: Vec<usize> = steps.iter().map(|s| s.slot()).collect();
+    slots.sort_unstable();
+    assert_eq!(slots, [0, 1, 2]);
+    assert!(format!("{:?}", steps[2]).contains(&format!("Some({})", steps[2].slot())));
+}

@@ -176,6 +176,21 @@ pub(crate) unsafe fn mem_alloc(bytes: usize) -> DResult<CUdeviceptr> {
     Ok(ptr)
 }
 
+/// [cuMemGetInfo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html): the free
+/// and total bytes of the current context's device (tests of frees).
+///
+/// # Safety
+/// 1. A context must be current on this thread.
+#[cfg(feature = "testing")]
+pub(crate) unsafe fn mem_get_info() -> DResult<(usize, usize)> {
+    let (mut free, mut total) = (0, 0);
+    // SAFETY: valid out-pointers; a context is current (caller).
+    check("cuMemGetInfo", unsafe {
+        sys::cuMemGetInfo_v2(&mut free, &mut total)
+    })?;
+    Ok((free, total))
+}
+
 /// [cuMemFree](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html)
 ///
 /// # Safety
