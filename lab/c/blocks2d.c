@@ -88,6 +88,15 @@ static void CUDA_CB holder(void *arg) {
 static CUdeviceptr *cd, *cs;
 static size_t *cz;
 
+/* One cuMemcpyBatchAsync (source order STREAM) of entries [base, base + n) of the lists. */
+static void batch_list(size_t base, size_t n, CUstream st) {
+    CUmemcpyAttributes a;
+    memset(&a, 0, sizeof a);
+    a.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+    size_t idx = 0, fail = 0;
+    CHECK(batch_fn(cd + base, cs + base, cz + base, n, &a, &idx, 1, &fail, st));
+}
+
 /* dir 0: H2D (host -> device), 1: D2H. */
 static void issue(int s, int dir, CUdeviceptr dev, char *host, size_t NB, size_t B, size_t M,
                   size_t *did, size_t *hid, CUstream st, CUstream st2, CUdeviceptr gdev,
@@ -106,11 +115,7 @@ static void issue(int s, int dir, CUdeviceptr dev, char *host, size_t NB, size_t
             cs[i] = dir == 0 ? h : d;
             cz[i] = B;
         }
-        CUmemcpyAttributes a;
-        memset(&a, 0, sizeof a);
-        a.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
-        size_t idx = 0, fail = 0;
-        CHECK(batch_fn(cd, cs, cz, n, &a, &idx, 1, &fail, st));
+        batch_list(0, n, st);
         return;
     }
     if (s == S_BATCH || s == S_SPLIT) {
@@ -125,11 +130,7 @@ static void issue(int s, int dir, CUdeviceptr dev, char *host, size_t NB, size_t
                     cz[n] = piece;
                     n++;
                 }
-        CUmemcpyAttributes a;
-        memset(&a, 0, sizeof a);
-        a.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
-        size_t idx = 0, fail = 0;
-        CHECK(batch_fn(cd, cs, cz, n, &a, &idx, 1, &fail, st));
+        batch_list(0, n, st);
         return;
     }
     for (size_t i = 0; i < M; i++) {
@@ -174,11 +175,7 @@ static void *issue_share(void *arg) {
                 cz[base + n] = B;
                 n++;
             }
-        CUmemcpyAttributes at;
-        memset(&at, 0, sizeof at);
-        at.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
-        size_t idx = 0, fail = 0;
-        CHECK(batch_fn(cd + base, cs + base, cz + base, n, &at, &idx, 1, &fail, st));
+        batch_list(base, n, st);
         return NULL;
     }
     for (size_t i = a; i < e; i++) {
