@@ -351,7 +351,8 @@ fn bound_arena_on_the_gpu_is_checked() {
 /// Stagers and fresh blocks give their device memory back once dropped (the reaper frees it):
 /// four arena stagers and four fresh-mode stagers of a 32 MiB layout, each committing three
 /// steps; a stager that kept its arena, or a pool that kept its blocks, leaves 128 MiB or more
-/// missing from the device's free memory.
+/// missing from the device's free memory. That memory is the whole device's: other processes on
+/// the GPU disturb it (scripts/gpu-run runs this binary alone, one test at a time).
 #[test]
 #[ignore = "needs a GPU"]
 fn dropped_stagers_and_blocks_give_their_device_memory_back() {
