@@ -97,6 +97,22 @@ static void batch_list(size_t base, size_t n, CUstream st) {
     CHECK(batch_fn(cd + base, cs + base, cz + base, n, &a, &idx, 1, &fail, st));
 }
 
+/* One block of every tensor as one 2D copy: width B, height L, both pitches `pitch`. */
+static void copy_2d(int dir, CUdeviceptr d, char *h, size_t pitch, size_t B, CUstream st) {
+    CUDA_MEMCPY2D c;
+    memset(&c, 0, sizeof c);
+    if (dir == 0) {
+        c.srcMemoryType = CU_MEMORYTYPE_HOST; c.srcHost = h; c.srcPitch = pitch;
+        c.dstMemoryType = CU_MEMORYTYPE_DEVICE; c.dstDevice = d; c.dstPitch = pitch;
+    } else {
+        c.srcMemoryType = CU_MEMORYTYPE_DEVICE; c.srcDevice = d; c.srcPitch = pitch;
+        c.dstMemoryType = CU_MEMORYTYPE_HOST; c.dstHost = h; c.dstPitch = pitch;
+    }
+    c.WidthInBytes = B;
+    c.Height = L;
+    CHECK(cuMemcpy2DAsync(&c, st));
+}
+
 /* dir 0: H2D (host -> device), 1: D2H. */
 static void issue(int s, int dir, CUdeviceptr dev, char *host, size_t NB, size_t B, size_t M,
                   size_t *did, size_t *hid, CUstream st, CUstream st2, CUdeviceptr gdev,
@@ -134,20 +150,8 @@ static void issue(int s, int dir, CUdeviceptr dev, char *host, size_t NB, size_t
         return;
     }
     for (size_t i = 0; i < M; i++) {
-        CUDA_MEMCPY2D c;
-        memset(&c, 0, sizeof c);
-        CUdeviceptr d = dev + did[i] * B;
-        char *h = host + hid[i] * B;
-        if (dir == 0) {
-            c.srcMemoryType = CU_MEMORYTYPE_HOST; c.srcHost = h; c.srcPitch = pitch;
-            c.dstMemoryType = CU_MEMORYTYPE_DEVICE; c.dstDevice = d; c.dstPitch = pitch;
-        } else {
-            c.srcMemoryType = CU_MEMORYTYPE_DEVICE; c.srcDevice = d; c.srcPitch = pitch;
-            c.dstMemoryType = CU_MEMORYTYPE_HOST; c.dstHost = h; c.dstPitch = pitch;
-        }
-        c.WidthInBytes = B;
-        c.Height = L;
-        CHECK(cuMemcpy2DAsync(&c, (s == S_2DX2 && (i & 1)) ? st2 : st));
+        copy_2d(dir, dev + did[i] * B, host + hid[i] * B, pitch, B,
+                (s == S_2DX2 && (i & 1)) ? st2 : st);
     }
 }
 
@@ -179,20 +183,7 @@ static void *issue_share(void *arg) {
         return NULL;
     }
     for (size_t i = a; i < e; i++) {
-        CUDA_MEMCPY2D c;
-        memset(&c, 0, sizeof c);
-        CUdeviceptr d = j->dev + j->did[i] * B;
-        char *h = j->host + j->hid[i] * B;
-        if (j->dir == 0) {
-            c.srcMemoryType = CU_MEMORYTYPE_HOST; c.srcHost = h; c.srcPitch = pitch;
-            c.dstMemoryType = CU_MEMORYTYPE_DEVICE; c.dstDevice = d; c.dstPitch = pitch;
-        } else {
-            c.srcMemoryType = CU_MEMORYTYPE_DEVICE; c.srcDevice = d; c.srcPitch = pitch;
-            c.dstMemoryType = CU_MEMORYTYPE_HOST; c.dstHost = h; c.dstPitch = pitch;
-        }
-        c.WidthInBytes = B;
-        c.Height = L;
-        CHECK(cuMemcpy2DAsync(&c, st));
+        copy_2d(j->dir, j->dev + j->did[i] * B, j->host + j->hid[i] * B, pitch, B, st);
     }
     return NULL;
 }
