@@ -3,11 +3,13 @@
 
 Each row: median host us of the call alone (its move then waited for, untimed), 200 calls,
 64 tensors of 8192 blocks of 4 KiB on each side, random ids, one torch stream `s`:
-- plan(): reading and checking the ids, merging runs, building the copy list (no driver call);
-- a background move of n ids (n = 1, 128, 2048), ids as numpy int64, a list, a CPU torch tensor;
-- the same right after the GPU was idle for 1 ms (the bench's pattern: synchronize, then call);
-- control: torch's own fixed cost on the same stream (an event record), and a 1-block move on
-  the calling thread.
+- plan() of n ids (n = 1, 128, 2048) as numpy int64, a list, a CPU torch tensor: reading and
+  checking the ids, merging runs, building the copy list (no driver call);
+- a move of the same numpy ids, in the background and (up to 128 ids) on the calling thread,
+  also right after the GPU was idle for 1 ms (the bench's pattern: synchronize, then call);
+- control: torch's own fixed cost on the same stream (an event record, `current_stream()`).
+Host time only: the moved bytes are not checked here (bench_blocks.py checks every block of
+the same calls).
 
     python3 lab/probes/blocks_bg_cost.py
 """
