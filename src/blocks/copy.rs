@@ -171,7 +171,7 @@ impl Drop for BlockCopy<'_> {
     fn drop(&mut self) {
         if let Some(f) = self.inflight.take()
             && let Err(Error::Driver(e)) =
-                wait_until(&Backoff::new(Duration::ZERO), None, || f.query())
+                wait_until(&Backoff::new(self.expected), None, || f.query())
         {
             crate::error::on_drop::<()>(Err(e));
         }

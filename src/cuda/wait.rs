@@ -14,7 +14,7 @@ const SPIN: Duration = Duration::from_micros(20);
 /// Busy (spinning, then yielding) for at least this long before the first sleep...
 const MIN_BUSY: Duration = Duration::from_millis(1);
 /// ...and at most this long, whatever the work's expected time.
-const MAX_BUSY: Duration = Duration::from_millis(20);
+const MAX_BUSY: Duration = Duration::from_millis(50);
 /// A sleep lasts at most this fraction of the time waited so far...
 const SLEEP_FRACTION: u32 = 16;
 /// ...and at most this long.

@@ -83,8 +83,8 @@ pub fn copy_d2h_async<B: HostRegion>(
 pub(crate) enum Completion<'s> {
     /// It has.
     Done,
-    /// When the event completed.
-    Event(Event),
+    /// When the event completed; the copy should take about the duration.
+    Event(Event, std::time::Duration),
     /// When its landing word was written (the caller waits at once; waits when dropped).
     Landing(landing::Waiter<'s>),
 }
@@ -97,7 +97,7 @@ impl Completion<'_> {
     pub(crate) fn wait(&self) -> Result<()> {
         match self {
             Completion::Done => Ok(()),
-            Completion::Event(ev) => ev.synchronize(),
+            Completion::Event(ev, expected) => ev.wait_expecting(*expected),
             Completion::Landing(w) => w.wait(),
         }
     }
@@ -109,7 +109,7 @@ impl Completion<'_> {
     pub(crate) fn spin(&self, within: std::time::Duration) -> bool {
         match self {
             Completion::Done => true,
-            Completion::Event(ev) => ev.query().unwrap_or(false),
+            Completion::Event(ev, _) => ev.query().unwrap_or(false),
             Completion::Landing(w) => w.spin(within),
         }
     }
@@ -122,7 +122,7 @@ impl Completion<'_> {
     pub(crate) fn into_event(self) -> Result<Option<Event>> {
         match self {
             Completion::Done => Ok(None),
-            Completion::Event(ev) => Ok(Some(ev)),
+            Completion::Event(ev, _) => Ok(Some(ev)),
             Completion::Landing(w) => w.wait().map(|()| None),
         }
     }
@@ -162,6 +162,8 @@ pub(crate) unsafe fn start_d2h<'s>(
     }
     let device = device.ok_or_else(|| Error::unavailable("no device was given"))?;
     let cur = stream.enter_for_copy(device)?;
+    // A wait looks flat out for about this long before it sleeps between looks.
+    let expected = crate::cuda::wait::copy_time(n);
     if pinned.unwrap_or_else(|| driver::mem::is_pinned_range(dst_ptr.cast(), n)) {
         if wait
             && LANDING.load(std::sync::atomic::Ordering::Relaxed)
@@ -174,13 +176,14 @@ pub(crate) unsafe fn start_d2h<'s>(
             let tracked = claim.signal(&cur, stream).and_then(|landed| {
                 if landed {
                     return Ok(Completion::Landing(landing::Waiter::new(
-                        claim, device, stream,
+                        claim, device, stream, expected,
                     )));
                 }
                 // Refused (once per device): an event recorded now follows the copy.
                 landing::count(1);
                 let ev = Event::new_in(&cur)?;
-                ev.record_in(&cur, stream).map(|()| Completion::Event(ev))
+                ev.record_in(&cur, stream)
+                    .map(|()| Completion::Event(ev, expected))
             });
             return stream
                 .drained_on_err(&cur, tracked)
@@ -194,7 +197,7 @@ pub(crate) unsafe fn start_d2h<'s>(
         // completed (caller); src is device memory of this device of n bytes (view contract,
         // device checked).
         unsafe { issue_d2h(&cur, &ev, src.ptr(), dst_ptr, n, stream) }?;
-        return Ok((CopyPath::Pinned, Completion::Event(ev)));
+        return Ok((CopyPath::Pinned, Completion::Event(ev, expected)));
     }
     // SAFETY: caller's contract: `len >= n` writable bytes, exclusively ours until return.
     let dst = unsafe { std::slice::from_raw_parts_mut(dst_ptr, n) };

@@ -153,15 +153,23 @@ pub(crate) struct Waiter<'s> {
     claim: Claim,
     device: Device,
     stream: StreamHandle<'s>,
+    /// About how long the copy takes: the wait's schedule ([`Backoff`]).
+    expected: Duration,
     landed: AtomicBool,
 }
 
 impl<'s> Waiter<'s> {
-    pub(crate) fn new(claim: Claim, device: &Device, stream: StreamHandle<'s>) -> Self {
+    pub(crate) fn new(
+        claim: Claim,
+        device: &Device,
+        stream: StreamHandle<'s>,
+        expected: Duration,
+    ) -> Self {
         Self {
             claim,
             device: device.clone(),
             stream,
+            expected,
             landed: AtomicBool::new(false),
         }
     }
@@ -192,8 +200,8 @@ impl<'s> Waiter<'s> {
     }
 
     /// Waits until the copy landed: flat out for up to 200 µs, then on the schedule of every
-    /// pinstage wait ([`Backoff`]: yielding the core, then sleeping at most a sixteenth of the
-    /// time waited between looks); the driver is asked about the stream every millisecond, so a failed context or copy reports
+    /// pinstage wait for a copy of its size ([`Backoff`]: yielding the core for about as long as
+    /// the copy should take, then sleeping at most a sixteenth of the time waited between looks); the driver is asked about the stream every millisecond, so a failed context or copy reports
     /// its error instead of waiting forever. A refusal because another thread captures a CUDA
     /// graph is no failure: the copy still runs, the wait goes on.
     ///
@@ -206,7 +214,7 @@ impl<'s> Waiter<'s> {
         if self.landed.load(Ordering::Relaxed) || self.spin(SPIN) {
             return Ok(());
         }
-        let backoff = Backoff::new(Duration::ZERO);
+        let backoff = Backoff::new(self.expected);
         let mut asked = Instant::now();
         loop {
             if self.claim.landed() {

@@ -14,7 +14,7 @@ use super::import::{Imported, import_destination};
 use super::mirror::PyMirror;
 use super::stream::parse_stream;
 use super::values::{check_shape, scalar_bytes, to_values};
-use super::wait::{slot_wait, take_interrupt};
+use super::wait::{slot_wait_detached, take_interrupt};
 use crate::cuda::{SlotEvent, StreamHandle};
 use crate::dlpack::DType;
 use crate::h2d::stager::RawStager as Stager;
@@ -82,9 +82,9 @@ impl PyStager {
             .ok_or_else(|| value_err("this PinnedStager is closed; create a new one"))
     }
 
-    /// Runs one copy holding the GIL (a copy costs a few microseconds of driver calls); the GIL
-    /// is released to wait for a slot's event (answering Ctrl-C), for a mirror another thread
-    /// holds, and for whole copies of [`PARALLEL_WRITE_MIN`] bytes or more.
+    /// Runs one copy with the GIL released (a wait for a slot's event takes it back to answer
+    /// Ctrl-C; large copies of [`PARALLEL_WRITE_MIN`] bytes or more write their slot from
+    /// several threads); a mirror another thread holds is waited for without the GIL too.
     fn run_copy(
         &self,
         py: Python<'_>,
@@ -110,15 +110,18 @@ impl PyStager {
             })
             .map_err(PyErr::from)
         } else {
+            // Without the GIL too, as torch's calls are: a thread copying at full rate must not
+            // hold up another thread's Python (a CUDA graph's launches) for a switch interval.
+            // A wait for a busy slot takes the GIL back only to answer Ctrl-C.
             let mut interrupt: Option<PyErr> = None;
-            let r = {
-                let mut wait = |ev: SlotEvent<'_>| slot_wait(py, ev.event(), &mut interrupt);
+            let r = py.detach(|| {
+                let mut wait = |ev: SlotEvent<'_>| slot_wait_detached(ev.event(), &mut interrupt);
                 let mut c = options(stager.to(view), stream, pad).wait_with(&mut wait);
                 if let Some(m) = guard.as_deref_mut() {
                     c = c.mirror(m);
                 }
                 c.copy(values)
-            };
+            });
             r.map_err(|e| take_interrupt(e, interrupt))
         }?;
         Ok(outcome.wrote())

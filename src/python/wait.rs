@@ -111,6 +111,16 @@ pub(crate) fn slot_wait(
     }
 }
 
+/// [`slot_wait`] for a caller that released the GIL: polls the event briefly, then waits as
+/// [`slot_wait`] does, taking the GIL back only to answer Ctrl-C.
+pub(crate) fn slot_wait_detached(ev: &Event, interrupt: &mut Option<PyErr>) -> crate::Result<()> {
+    let spin = Backoff::new(Duration::ZERO);
+    if ev.wait_until(&spin, Some(Instant::now() + SPIN_BEFORE_DETACH))? {
+        return Ok(());
+    }
+    Python::attach(|py| slot_wait(py, ev, interrupt))
+}
+
 /// The Python exception behind an [`crate::Error::Interrupted`] from [`slot_wait`], else the
 /// core error as it is.
 pub(crate) fn take_interrupt(e: crate::Error, interrupt: Option<PyErr>) -> PyErr {
