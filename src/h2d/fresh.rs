@@ -216,7 +216,8 @@ pub fn to_device(src: &[u8], device: &Device) -> Result<FreshMem> {
     // SAFETY: `src` is borrowed until we return; a pinned source's copy is waited for.
     let (mem, path) = unsafe { start_to_device(device, src.as_ptr(), src.len()) }?;
     if path == CopyPath::Pinned {
-        mem.ready.synchronize()?;
+        mem.ready
+            .wait_expecting(crate::cuda::wait::copy_time(src.len()))?;
     }
     Ok(mem)
 }
