@@ -72,15 +72,20 @@ impl Order {
         }
     }
 
-    /// Orders `stream` after the writes (the device waits); `None`: the host waits.
-    fn order(&self, stream: Option<StreamHandle<'_>>) -> crate::Result<()> {
+    /// Orders `stream` after the writes (the device waits); `None`: the host waits (for writes
+    /// expected to take about `expected`).
+    fn order(
+        &self,
+        stream: Option<StreamHandle<'_>>,
+        expected: std::time::Duration,
+    ) -> crate::Result<()> {
         match (self, stream) {
             (Order::None, _) => Ok(()),
             (Order::Commits(st), s) => st.order_after_commits(s),
             (Order::Block(b), Some(s)) => b.wait_on(s),
             (Order::Block(b), None) => b.synchronize(),
             (Order::Fresh(m), Some(s)) => m.ready().wait_on(s),
-            (Order::Fresh(m), None) => m.ready().synchronize(),
+            (Order::Fresh(m), None) => m.ready().wait_expecting(expected),
         }
     }
 }
@@ -237,7 +242,8 @@ impl DlpackExporter for DeviceArray {
             // The consumer asked for no synchronisation.
             return Ok(());
         }
-        py.detach(|| self.sync.order(stream))?;
+        let expected = crate::cuda::wait::copy_time(self.nbytes());
+        py.detach(|| self.sync.order(stream, expected))?;
         Ok(())
     }
 

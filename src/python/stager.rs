@@ -114,14 +114,20 @@ impl PyStager {
             // hold up another thread's Python (a CUDA graph's launches) for a switch interval.
             // A wait for a busy slot takes the GIL back only to answer Ctrl-C.
             let mut interrupt: Option<PyErr> = None;
-            let r = py.detach(|| {
-                let mut wait = |ev: SlotEvent<'_>| slot_wait_detached(ev.event(), &mut interrupt);
+            let mut copy = |interrupt: &mut Option<PyErr>| {
+                let mut wait = |ev: SlotEvent<'_>| slot_wait_detached(ev.event(), interrupt);
                 let mut c = options(stager.to(view), stream, pad).wait_with(&mut wait);
                 if let Some(m) = guard.as_deref_mut() {
                     c = c.mirror(m);
                 }
                 c.copy(values)
-            });
+            };
+            // The seeded-bug harness (`copy_gil_held`, scripts/seeded.tsv): the copy holding the
+            // GIL must fail the GPU tests (two threads on one slot deadlocked that way).
+            #[cfg(pinstage_seeded_bug = "copy_gil_held")]
+            let r = copy(&mut interrupt);
+            #[cfg(not(pinstage_seeded_bug = "copy_gil_held"))]
+            let r = py.detach(|| copy(&mut interrupt));
             r.map_err(|e| take_interrupt(e, interrupt))
         }?;
         Ok(outcome.wrote())

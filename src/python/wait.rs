@@ -111,14 +111,20 @@ pub(crate) fn slot_wait(
     }
 }
 
-/// [`slot_wait`] for a caller that released the GIL: polls the event briefly, then waits as
-/// [`slot_wait`] does, taking the GIL back only to answer Ctrl-C.
+/// [`slot_wait`] for a caller that released the GIL: waits without it on the schedule of every
+/// pinstage wait, taking it back only to run Python's signal handlers every [`SIGNAL_CHECK`]
+/// (a `KeyboardInterrupt` is kept in `interrupt`, as [`slot_wait`] keeps it).
 pub(crate) fn slot_wait_detached(ev: &Event, interrupt: &mut Option<PyErr>) -> crate::Result<()> {
-    let spin = Backoff::new(Duration::ZERO);
-    if ev.wait_until(&spin, Some(Instant::now() + SPIN_BEFORE_DETACH))? {
-        return Ok(());
+    let backoff = Backoff::new(Duration::ZERO);
+    loop {
+        if ev.wait_until(&backoff, Some(Instant::now() + SIGNAL_CHECK))? {
+            return Ok(());
+        }
+        if let Err(e) = Python::attach(|py| py.check_signals()) {
+            *interrupt = Some(e);
+            return Err(crate::Error::Interrupted);
+        }
     }
-    Python::attach(|py| slot_wait(py, ev, interrupt))
 }
 
 /// The Python exception behind an [`crate::Error::Interrupted`] from [`slot_wait`], else the

@@ -556,37 +556,43 @@ def test_a_mirror_keeps_its_destination_alive_so_its_address_is_not_reused():
 
 def test_a_thread_copying_at_full_rate_does_not_hold_up_other_python_threads():
     """copy_ runs without the GIL, as torch's calls do: while one thread copies small arrays in
-    a tight loop, another thread that sleeps 1 ms at a time gets the GIL back at once, not after
-    a switch interval (set to 200 ms here; holding the GIL would show as such gaps). Every copy
-    of the loop is checked."""
+    a tight loop, another thread that sleeps 1 ms at a time mostly gets the GIL back at once,
+    not after a switch interval (set to 500 ms here: holding the GIL makes EVERY sleep last
+    that long; a loaded machine may delay a few). Every copy of the loop is checked."""
+    import os
     import sys
     import time
 
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs: the sleeper must run while the copier copies")
     st = pinstage.PinnedStager(np.int32, 256, 4)
     dst = np.zeros(256, np.int32)
     stop = threading.Event()
-    wrong = []
+    wrong, errors = [], []
     done = [0]
-
     vals = np.arange(1, 201, dtype=np.int32)
 
     def copier():
         k = 0
-        while not stop.is_set():
-            k += 1
-            vals[0] = vals[199] = k  # in place: a fresh array per call would hide the bug
-            dst.fill(-9)
-            st.copy_(dst, vals, pad_value=-1)
-            if dst[0] != k or dst[1] != 2 or dst[199] != k or dst[200] != -1 or dst[255] != -1:
-                wrong.append(k)
-            done[0] = k
+        try:
+            while not stop.is_set():
+                k += 1
+                vals[0] = vals[199] = k  # in place: a fresh array per call would hide the bug
+                dst.fill(-9)
+                st.copy_(dst, vals, pad_value=-1)
+                if dst[0] != k or dst[1] != 2 or dst[199] != k or dst[200] != -1 or dst[255] != -1:
+                    wrong.append(k)
+                done[0] = k
+        except Exception as e:  # noqa: BLE001 (reported by the test below)
+            errors.append(e)
 
     old = sys.getswitchinterval()
-    sys.setswitchinterval(0.2)
+    sys.setswitchinterval(0.5)
     t = threading.Thread(target=copier)
     try:
         t.start()
-        while done[0] < 10:
+        deadline = time.monotonic() + 30
+        while done[0] < 10 and not errors and time.monotonic() < deadline:
             time.sleep(0.001)
         gaps = []
         last = time.perf_counter()
@@ -597,11 +603,16 @@ def test_a_thread_copying_at_full_rate_does_not_hold_up_other_python_threads():
             last = now
     finally:
         stop.set()
-        t.join(10)
+        t.join(30)
         sys.setswitchinterval(old)
+    assert not errors, f"copy_ raised in the copying thread: {errors[0]!r}"
     assert not wrong, f"copies {wrong[:5]} wrote the wrong values"
     assert done[0] > 20, "the copier did not run"
-    assert max(gaps) < 0.1, f"a 1 ms sleep took {max(gaps) * 1e3:.0f} ms: copy_ held the GIL"
+    quick = sum(g < 0.05 for g in gaps)
+    assert quick >= 15, (
+        f"only {quick} of 20 1-ms sleeps ended within 50 ms (longest {max(gaps) * 1e3:.0f} ms): "
+        "copy_ held the GIL"
+    )
 
 
 def test_mirror_invalidate_while_another_thread_copies_a_large_array_does_not_deadlock():

@@ -229,6 +229,55 @@ def test_pool_reuse_and_budget(gpu):
         pinstage.set_pool_budget(4 << 30)
 
 
+def test_two_threads_on_one_slot_behind_gpu_work_neither_deadlock_nor_lose_a_copy(gpu):
+    """Two Python threads copy through a stager of depth 1, each copy queued behind GPU work on
+    its thread's stream, so one thread waits for the slot's last copy while the other claims the
+    slot. A copy that holds the GIL deadlocks that (the waiter needs the GIL back; the claimer
+    spins for the slot holding it), so the threads run in a child process with a time limit.
+    Every copy of both threads is read back and checked (a poisoned destination, a pad)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    pytest.importorskip("torch")
+    code = textwrap.dedent(
+        """
+        import threading
+        import numpy as np, torch, pinstage
+        st = pinstage.PinnedStager(np.int32, 1024, 1)
+        errors, copies = [], [0, 0]
+        def work(k):
+            try:
+                s = torch.cuda.Stream()
+                dst = torch.empty(1024, dtype=torch.int32, device="cuda")
+                for i in range(200):
+                    v = k * 100000 + i
+                    with torch.cuda.stream(s):
+                        dst.fill_(-7)
+                        torch.cuda._sleep(200000)
+                        st.copy_(dst, np.full(1000, v, np.int32), -1, stream=s)
+                        got = dst.cpu().numpy()
+                    if not ((got[:1000] == v).all() and (got[1000:] == -1).all()):
+                        errors.append(f"thread {k} copy {i}: {got[:3]} ... {got[-3:]}")
+                    copies[k] += 1
+            except Exception as e:
+                errors.append(repr(e))
+        ts = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        print("copies", copies, "errors", errors[:5])
+        print("ok" if not errors and copies == [200, 200] else "FAILED")
+        """
+    )
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("two threads copying through one slot did not finish in 90 s (deadlock)")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
 def test_async_d2h_overlaps_and_releases_gil(gpu):
     """The copy is issued at once; while `wait()` blocks, another Python thread runs (the GIL
     is released): it ticks many times before `wait()` returns."""
