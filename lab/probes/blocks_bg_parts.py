@@ -22,14 +22,9 @@ import numpy as np
 import torch
 
 import pinstage
+from kvpool import B, L, NB, mover, stream
 
-L, NB, B = 64, 8192, 4096
-W = B // 4
-dev_all = torch.zeros((L, NB, W), dtype=torch.int32, device="cuda")
-host_all = pinstage.empty_host((L, NB, W), np.int32)
-mover = pinstage.BlockMover([dev_all[i] for i in range(L)],
-                            [host_all[i] for i in range(L)], block_dim=0)
-s = torch.cuda.Stream()
+s = stream
 rng = np.random.default_rng(3)
 N = 2048
 ids = {
