@@ -272,9 +272,9 @@ def test_two_threads_on_one_slot_behind_gpu_work_neither_deadlock_nor_lose_a_cop
         """
     )
     try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=45)
     except subprocess.TimeoutExpired:
-        pytest.fail("two threads copying through one slot did not finish in 90 s (deadlock)")
+        pytest.fail("two threads copying through one slot did not finish in 45 s (deadlock)")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
