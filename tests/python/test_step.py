@@ -299,11 +299,26 @@ def test_fresh_blocks_hold_their_step_and_unpack():
         assert f["ids"].tolist() == list(range(k * 100, k * 100 + 16))
         assert f["pos"].tolist() == [k] * 16 and f["t"].tolist() == [[k, 1, 2], [3, 4, 5]]
     blocks = st.stats()["blocks"]
+    assert blocks >= 10, f"stats() counts the fresh blocks made: {blocks} for 10 alive"
     del kept, b
     gc.collect()
     for k in range(10):
         st.stage({"ids": [k]})
     assert st.stats()["blocks"] == blocks, "released blocks are reused"
+
+
+def test_open_steps_own_distinct_slots_and_say_which():
+    """Each open step owns its own slot (0 to depth - 1), and `step.slot` says which: the steps
+    open at once hold every slot once; after they end, a new step's slot is again in range."""
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 4)}), depth=3)
+    steps = [st.step() for _ in range(3)]
+    assert sorted(s.slot for s in steps) == [0, 1, 2]
+    for k, s in enumerate(steps):
+        s.put("ids", [k + 1] * 4)
+        s.commit()
+    assert st.read_field("ids").view(np.int32).tolist() == [3, 3, 3, 3]
+    with st.step() as s:
+        assert 0 <= s.slot < 3
 
 
 def test_unpack_checks_its_input():
@@ -943,12 +958,14 @@ def test_a_step_waiting_for_another_threads_slot_gets_it():
         t = threading.Thread(target=other)
         t.start()
         time.sleep(0.2)
+        print("early" if got else "waited")  # the only slot is held: it must not have one yet
+        held.put("ids", [1, 1, 1, 1])
         held.commit()
         t.join(30)
         print("got" if got else "stuck", st.read_field("ids").view(np.int32).tolist())
         """
     )
-    assert "got [7, 7, 7, 7]" in out
+    assert "waited" in out and "got [7, 7, 7, 7]" in out
 
 
 def test_a_step_used_by_a_callback_of_its_own_call_is_refused():
