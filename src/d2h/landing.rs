@@ -158,6 +158,23 @@ pub(crate) struct Waiter<'s> {
     landed: AtomicBool,
 }
 
+/// Looks with `landed` flat out (a spin hint between looks) until it says so (`true`) or
+/// `within` has passed (`false`); the clock is read every 64 looks.
+fn spin_until(within: Duration, mut landed: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        if landed() {
+            return true;
+        }
+        std::hint::spin_loop();
+        spins = spins.wrapping_add(1);
+        if spins % 64 == 0 && start.elapsed() >= within {
+            return false;
+        }
+    }
+}
+
 impl<'s> Waiter<'s> {
     pub(crate) fn new(
         claim: Claim,
@@ -183,20 +200,12 @@ impl<'s> Waiter<'s> {
             self.landed.store(true, Ordering::Relaxed);
             return true;
         }
-        let start = Instant::now();
-        let mut spins = 0u32;
-        loop {
-            if self.claim.landed() {
-                self.landed.store(true, Ordering::Relaxed);
-                count(0);
-                return true;
-            }
-            std::hint::spin_loop();
-            spins = spins.wrapping_add(1);
-            if spins % 64 == 0 && start.elapsed() >= within {
-                return false;
-            }
+        if spin_until(within, || self.claim.landed()) {
+            self.landed.store(true, Ordering::Relaxed);
+            count(0);
+            return true;
         }
+        false
     }
 
     /// Waits until the copy landed: flat out for up to 200 µs, then on the schedule of every
@@ -265,5 +274,40 @@ impl Drop for Claim {
         self.landing
             .free
             .fetch_or(1u64 << self.slot, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spin_gives_up_once_its_time_has_passed() {
+        // A word that never lands: `false`, after `within` and not long after (a spin that
+        // stopped reading the clock is cut off by the look count and returns `true`).
+        let within = Duration::from_millis(5);
+        let mut looks = 0u64;
+        let t0 = Instant::now();
+        let landed = spin_until(within, || {
+            looks += 1;
+            looks > 50_000_000
+        });
+        let took = t0.elapsed();
+        assert!(!landed, "gave up only after {looks} looks");
+        assert!(took >= within && took < Duration::from_secs(2), "{took:?}");
+    }
+
+    #[test]
+    fn a_spin_sees_a_word_that_lands_within_its_time() {
+        let mut looks = 0u32;
+        assert!(spin_until(Duration::from_secs(5), || {
+            looks += 1;
+            looks == 1000
+        }));
+        assert_eq!(looks, 1000);
+        assert!(
+            spin_until(Duration::ZERO, || true),
+            "a landed word is seen at once"
+        );
     }
 }
