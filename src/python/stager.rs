@@ -18,7 +18,6 @@ use super::wait::{slot_wait_detached, take_interrupt};
 use crate::cuda::{SlotEvent, StreamHandle};
 use crate::dlpack::DType;
 use crate::h2d::stager::RawStager as Stager;
-use crate::ring::write::PARALLEL_WRITE_MIN;
 use crate::{Error, H2DMirror as CoreMirror};
 
 fn stats_dict<'py>(
@@ -82,9 +81,10 @@ impl PyStager {
             .ok_or_else(|| value_err("this PinnedStager is closed; create a new one"))
     }
 
-    /// Runs one copy with the GIL released (a wait for a slot's event takes it back to answer
-    /// Ctrl-C; large copies of [`PARALLEL_WRITE_MIN`] bytes or more write their slot from
-    /// several threads); a mirror another thread holds is waited for without the GIL too.
+    /// Runs one copy with the GIL released, as torch's calls do (a thread copying at full rate
+    /// must not hold up another thread's Python, e.g. a CUDA graph's launches, for a switch
+    /// interval); a wait for a busy slot takes it back only to answer Ctrl-C, and a mirror
+    /// another thread holds is waited for without it too.
     fn run_copy(
         &self,
         py: Python<'_>,
@@ -98,38 +98,22 @@ impl PyStager {
         // (which may be waiting for the GIL): lock it with the GIL released when contended.
         let mut guard = mirror.map(|m| m.try_lock().unwrap_or_else(|| py.detach(|| m.lock())));
         let stager = self.stager()?;
-        let large = values.len() >= PARALLEL_WRITE_MIN
-            || (pad.is_some() && view.nbytes() >= PARALLEL_WRITE_MIN);
-        let outcome = if large {
-            py.detach(|| {
-                let mut c = options(stager.to(view), stream, pad);
-                if let Some(m) = guard.as_deref_mut() {
-                    c = c.mirror(m);
-                }
-                c.copy(values)
-            })
-            .map_err(PyErr::from)
-        } else {
-            // Without the GIL too, as torch's calls are: a thread copying at full rate must not
-            // hold up another thread's Python (a CUDA graph's launches) for a switch interval.
-            // A wait for a busy slot takes the GIL back only to answer Ctrl-C.
-            let mut interrupt: Option<PyErr> = None;
-            let mut copy = |interrupt: &mut Option<PyErr>| {
-                let mut wait = |ev: SlotEvent<'_>| slot_wait_detached(ev.event(), interrupt);
-                let mut c = options(stager.to(view), stream, pad).wait_with(&mut wait);
-                if let Some(m) = guard.as_deref_mut() {
-                    c = c.mirror(m);
-                }
-                c.copy(values)
-            };
-            // The seeded-bug harness (`copy_gil_held`, scripts/seeded.tsv): the copy holding the
-            // GIL must fail the GPU tests (two threads on one slot deadlocked that way).
-            #[cfg(pinstage_seeded_bug = "copy_gil_held")]
-            let r = copy(&mut interrupt);
-            #[cfg(not(pinstage_seeded_bug = "copy_gil_held"))]
-            let r = py.detach(|| copy(&mut interrupt));
-            r.map_err(|e| take_interrupt(e, interrupt))
-        }?;
+        let mut interrupt: Option<PyErr> = None;
+        let mut copy = |interrupt: &mut Option<PyErr>| {
+            let mut wait = |ev: SlotEvent<'_>| slot_wait_detached(ev.event(), interrupt);
+            let mut c = options(stager.to(view), stream, pad).wait_with(&mut wait);
+            if let Some(m) = guard.as_deref_mut() {
+                c = c.mirror(m);
+            }
+            c.copy(values)
+        };
+        // The seeded-bug harness (`copy_gil_held`, scripts/seeded.tsv): the copy holding the GIL
+        // must fail the GPU tests (two threads on one slot deadlock that way).
+        #[cfg(pinstage_seeded_bug = "copy_gil_held")]
+        let r = copy(&mut interrupt);
+        #[cfg(not(pinstage_seeded_bug = "copy_gil_held"))]
+        let r = py.detach(|| copy(&mut interrupt));
+        let outcome = r.map_err(|e| take_interrupt(e, interrupt))?;
         Ok(outcome.wrote())
     }
 }
