@@ -14,10 +14,10 @@ use super::import::{Imported, import_destination};
 use super::mirror::PyMirror;
 use super::stream::parse_stream;
 use super::values::{check_shape, scalar_bytes, to_values};
-use super::wait::{slot_wait_detached, take_interrupt};
-use crate::cuda::{SlotEvent, StreamHandle};
+use super::wait::take_interrupt;
+use crate::cuda::StreamHandle;
 use crate::dlpack::DType;
-use crate::h2d::stager::RawStager as Stager;
+use crate::h2d::stager::{RawStager as Stager, WaitFn};
 use crate::{Error, H2DMirror as CoreMirror};
 
 fn stats_dict<'py>(
@@ -99,20 +99,21 @@ impl PyStager {
         let mut guard = mirror.map(|m| m.try_lock().unwrap_or_else(|| py.detach(|| m.lock())));
         let stager = self.stager()?;
         let mut interrupt: Option<PyErr> = None;
-        let mut copy = |interrupt: &mut Option<PyErr>| {
-            let mut wait = |ev: SlotEvent<'_>| slot_wait_detached(ev.event(), interrupt);
-            let mut c = options(stager.to(view), stream, pad).wait_with(&mut wait);
+        let mut copy = |wait: &mut WaitFn<'_>| {
+            let mut c = options(stager.to(view), stream, pad).wait_with(wait);
             if let Some(m) = guard.as_deref_mut() {
                 c = c.mirror(m);
             }
             c.copy(values)
         };
-        // The seeded-bug harness (`copy_gil_held`, scripts/seeded.tsv): the copy holding the GIL
-        // must fail the GPU tests (two threads on one slot deadlock that way).
-        #[cfg(pinstage_seeded_bug = "copy_gil_held")]
-        let r = copy(&mut interrupt);
         #[cfg(not(pinstage_seeded_bug = "copy_gil_held"))]
-        let r = py.detach(|| copy(&mut interrupt));
+        let r = py
+            .detach(|| copy(&mut |ev| super::wait::slot_wait_detached(ev.event(), &mut interrupt)));
+        // The seeded-bug harness (`copy_gil_held`, scripts/seeded.tsv): the copy as it was, the
+        // GIL held but for a busy slot's wait, must fail the GPU tests (a thread waiting for the
+        // only slot needs the GIL back, which the thread spinning for that slot holds).
+        #[cfg(pinstage_seeded_bug = "copy_gil_held")]
+        let r = copy(&mut |ev| super::wait::slot_wait(py, ev.event(), &mut interrupt));
         let outcome = r.map_err(|e| take_interrupt(e, interrupt))?;
         Ok(outcome.wrote())
     }
