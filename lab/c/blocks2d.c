@@ -22,6 +22,11 @@
  *   batch-held the batch issued onto a stream a host function holds for 1.5 s: the issue time is
  *              the driver's own cost per copy while nothing runs (the control: if it is far below
  *              the batch's wall time, the copy engines, not the issuing thread, set the rate)
+ *   2d-seq     the 2d strategy over blocks 0..M-1 on both sides (the control for scatter: each
+ *              2D copy the same shape, the blocks in address order)
+ *   2d-wide    those M blocks as ONE 2D copy of width M * B per side (the control for the count
+ *              of 2D copies: if 2d-seq stops below it, the per-copy cost sets the rate, not the
+ *              2D shape)
  * ONLY=name,name...: run only these strategies.
  * Every timed call is checked: the destination poisoned (0xEE) before it; after it, the first
  * and last 8 bytes of every moved (tensor, block) and one unmoved block per tensor compared with
@@ -73,9 +78,11 @@ static uint64_t pat(uint64_t salt, size_t t, size_t b, size_t w) {
     return (x & 0xFF) == 0xEE ? x ^ 1 : x;
 }
 
-enum { S_BATCH, S_SPLIT, S_2D, S_2DX2, S_CONTIG, S_BT2, S_BT4, S_2DT2, S_2DT4, S_HELD, S_CHUNKS, NS };
+enum { S_BATCH, S_SPLIT, S_2D, S_2DX2, S_CONTIG, S_BT2, S_BT4, S_2DT2, S_2DT4, S_HELD, S_CHUNKS,
+       S_2DSEQ, S_2DWIDE, NS };
 static const char *SNAME[NS] = {"batch", "split4k", "2d", "2d-x2", "contig",
-                                "batch-t2", "batch-t4", "2d-t2", "2d-t4", "batch-held", "contig-b"};
+                                "batch-t2", "batch-t4", "2d-t2", "2d-t4", "batch-held", "contig-b",
+                                "2d-seq", "2d-wide"};
 static CUcontext g_ctx;
 static CUstream g_st[4];
 
@@ -147,6 +154,10 @@ static void issue(int s, int dir, CUdeviceptr dev, char *host, size_t NB, size_t
                     n++;
                 }
         batch_list(0, n, st);
+        return;
+    }
+    if (s == S_2DWIDE) {  /* ids 0..M-1 on both sides (main): one run of M blocks per tensor */
+        copy_2d(dir, dev, host, pitch, M * B, st);
         return;
     }
     for (size_t i = 0; i < M; i++) {
@@ -246,7 +257,8 @@ int main(int argc, char **argv) {
             for (int s = 0; s < NS; s++) {
                 double t[REPS], h[REPS];
                 int ok = 1;
-                if (s == S_2D || s == S_2DX2 || s == S_2DT2 || s == S_2DT4) ok = pitch <= (size_t)maxpitch;
+                if (s == S_2D || s == S_2DX2 || s == S_2DT2 || s == S_2DT4 || s == S_2DSEQ || s == S_2DWIDE)
+                    ok = pitch <= (size_t)maxpitch;
                 if (getenv("SKIP_OLD") && (s == S_SPLIT || s == S_2DX2)) ok = 0;
                 if (getenv("ONLY")) {
                     char list[256];
@@ -259,6 +271,8 @@ int main(int argc, char **argv) {
                 if (!ok) { res[zi][dir][s] = -1; host_ms[zi][dir][s] = -1; continue; }
                 for (int r = s == S_HELD ? 0 : -1; r < reps; r++) {
                     perm(pd, NB); perm(ph, NB);
+                    if (s == S_2DSEQ || s == S_2DWIDE)  /* the controls: blocks in address order */
+                        for (size_t i = 0; i < NB; i++) pd[i] = ph[i] = i;
                     salt++;
                     /* source pattern, destination poison */
                     char *src_host = dir == 0 ? host : mirror;  /* H2D: host is the source */
@@ -289,7 +303,8 @@ int main(int argc, char **argv) {
                     if (s == S_HELD) CHECK(cuLaunchHostFunc(st, holder, NULL));
                     double t0 = now_ms();
                     if (s >= S_BT2 && s <= S_2DT4) issue_threads(s, dir, dev, host, NB, B, M, pd, ph);
-                    else issue(s == S_HELD ? S_BATCH : s, dir, dev, host, NB, B, M, pd, ph, st, st2, gdev, stage);
+                    else issue(s == S_HELD ? S_BATCH : s == S_2DSEQ ? S_2D : s, dir, dev, host, NB, B, M, pd, ph,
+                               st, st2, gdev, stage);
                     double t1 = now_ms();
                     for (int k = 0; k < 4; k++) CHECK(cuStreamSynchronize(g_st[k]));
                     double t2 = now_ms();
