@@ -89,8 +89,9 @@ pub(crate) fn parse_timeout(
 /// to get it back behind other threads) costs more than the wait itself.
 const SPIN_BEFORE_DETACH: Duration = Duration::from_micros(20);
 
-/// The wait of a claimer whose slot's last copy still runs (the stager's and the step stager's):
-/// polls the event briefly with the GIL held, then waits with it released, answering Ctrl-C.
+/// The wait of a claimer whose slot's last copy still runs, holding the GIL (the step stager's;
+/// the stager copies without it: [`slot_wait_detached`]): polls the event briefly with the GIL
+/// held, then waits with it released, answering Ctrl-C.
 /// A Python exception raised meanwhile (KeyboardInterrupt) is kept in `interrupt` and reported
 /// to the core as [`crate::Error::Interrupted`]; [`take_interrupt`] turns it back.
 pub(crate) fn slot_wait(
