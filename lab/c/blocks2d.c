@@ -27,6 +27,10 @@
  *   2d-wide    those M blocks as ONE 2D copy of width M * B per side (the control for the count
  *              of 2D copies: if 2d-seq stops below it, the per-copy cost sets the rate, not the
  *              2D shape)
+ *   2d-dseq    the 2d strategy with the device blocks 0..M-1 in order, the host blocks random
+ *   2d-hseq    the host blocks 0..M-1 in order, the device blocks random (which side's scatter
+ *              costs?)
+ *   2d-sorted  the random pairs issued in device address order (can the caller's order help?)
  * ONLY=name,name...: run only these strategies.
  * Every timed call is checked: the destination poisoned (0xEE) before it; after it, the first
  * and last 8 bytes of every moved (tensor, block) and one unmoved block per tensor compared with
@@ -79,10 +83,10 @@ static uint64_t pat(uint64_t salt, size_t t, size_t b, size_t w) {
 }
 
 enum { S_BATCH, S_SPLIT, S_2D, S_2DX2, S_CONTIG, S_BT2, S_BT4, S_2DT2, S_2DT4, S_HELD, S_CHUNKS,
-       S_2DSEQ, S_2DWIDE, NS };
+       S_2DSEQ, S_2DWIDE, S_2DDSEQ, S_2DHSEQ, S_2DSORT, NS };
 static const char *SNAME[NS] = {"batch", "split4k", "2d", "2d-x2", "contig",
                                 "batch-t2", "batch-t4", "2d-t2", "2d-t4", "batch-held", "contig-b",
-                                "2d-seq", "2d-wide"};
+                                "2d-seq", "2d-wide", "2d-dseq", "2d-hseq", "2d-sorted"};
 static CUcontext g_ctx;
 static CUstream g_st[4];
 
@@ -257,7 +261,8 @@ int main(int argc, char **argv) {
             for (int s = 0; s < NS; s++) {
                 double t[REPS], h[REPS];
                 int ok = 1;
-                if (s == S_2D || s == S_2DX2 || s == S_2DT2 || s == S_2DT4 || s == S_2DSEQ || s == S_2DWIDE)
+                if (s == S_2D || s == S_2DX2 || s == S_2DT2 || s == S_2DT4 || s == S_2DSEQ || s == S_2DWIDE
+                    || s == S_2DDSEQ || s == S_2DHSEQ || s == S_2DSORT)
                     ok = pitch <= (size_t)maxpitch;
                 if (getenv("SKIP_OLD") && (s == S_SPLIT || s == S_2DX2)) ok = 0;
                 if (getenv("ONLY")) {
@@ -273,6 +278,14 @@ int main(int argc, char **argv) {
                     perm(pd, NB); perm(ph, NB);
                     if (s == S_2DSEQ || s == S_2DWIDE)  /* the controls: blocks in address order */
                         for (size_t i = 0; i < NB; i++) pd[i] = ph[i] = i;
+                    if (s == S_2DDSEQ) for (size_t i = 0; i < NB; i++) pd[i] = i;
+                    if (s == S_2DHSEQ) for (size_t i = 0; i < NB; i++) ph[i] = i;
+                    if (s == S_2DSORT)  /* the M moved pairs in device address order */
+                        for (size_t i = 1; i < M; i++)
+                            for (size_t j = i; j > 0 && pd[j - 1] > pd[j]; j--) {
+                                size_t x = pd[j]; pd[j] = pd[j - 1]; pd[j - 1] = x;
+                                x = ph[j]; ph[j] = ph[j - 1]; ph[j - 1] = x;
+                            }
                     salt++;
                     /* source pattern, destination poison */
                     char *src_host = dir == 0 ? host : mirror;  /* H2D: host is the source */
@@ -303,7 +316,7 @@ int main(int argc, char **argv) {
                     if (s == S_HELD) CHECK(cuLaunchHostFunc(st, holder, NULL));
                     double t0 = now_ms();
                     if (s >= S_BT2 && s <= S_2DT4) issue_threads(s, dir, dev, host, NB, B, M, pd, ph);
-                    else issue(s == S_HELD ? S_BATCH : s == S_2DSEQ ? S_2D : s, dir, dev, host, NB, B, M, pd, ph,
+                    else issue(s == S_HELD ? S_BATCH : (s == S_2DSEQ || s >= S_2DDSEQ) ? S_2D : s, dir, dev, host, NB, B, M, pd, ph,
                                st, st2, gdev, stage);
                     double t1 = now_ms();
                     for (int k = 0; k < 4; k++) CHECK(cuStreamSynchronize(g_st[k]));

@@ -230,11 +230,13 @@ def test_pool_reuse_and_budget(gpu):
 
 
 def test_two_threads_on_one_slot_behind_gpu_work_neither_deadlock_nor_lose_a_copy(gpu):
-    """Two Python threads copy through a stager of depth 1, each copy queued behind GPU work on
-    its thread's stream, so one thread waits for the slot's last copy while the other claims the
-    slot. A copy that holds the GIL deadlocks that (the waiter needs the GIL back; the claimer
-    spins for the slot holding it), so the threads run in a child process with a time limit.
-    Every copy of both threads is read back and checked (a poisoned destination, a pad)."""
+    """Two Python threads copy through a stager of depth 1, each copy queued behind ~1 ms of GPU
+    work on its thread's stream and neither thread waiting for its own copies until the end. So
+    a thread that claims the slot waits ~1 ms for the OTHER thread's copy, and meanwhile that
+    thread comes back for the slot. A copy that holds the GIL deadlocks there: the waiter needs
+    the GIL back to return, the returning thread spins for the slot holding it. The threads run
+    in a child process with a time limit. Every copy of both threads lands in its own poisoned
+    row and is read back at the end (values distinct per copy and thread, a pad)."""
     import subprocess
     import sys
     import textwrap
@@ -244,22 +246,25 @@ def test_two_threads_on_one_slot_behind_gpu_work_neither_deadlock_nor_lose_a_cop
         """
         import threading
         import numpy as np, torch, pinstage
+        N = 100
         st = pinstage.PinnedStager(np.int32, 1024, 1)
         errors, copies = [], [0, 0]
         def work(k):
             try:
                 s = torch.cuda.Stream()
-                dst = torch.empty(1024, dtype=torch.int32, device="cuda")
-                for i in range(200):
+                with torch.cuda.stream(s):
+                    rows = torch.full((N, 1024), -7, dtype=torch.int32, device="cuda")
+                    views = [rows[i] for i in range(N)]
+                    s.synchronize()
+                    for i in range(N):
+                        torch.cuda._sleep(2_000_000)
+                        st.copy_(views[i], np.full(1000, k * 100000 + i, np.int32), -1, stream=s)
+                        copies[k] += 1
+                    got = rows.cpu().numpy()
+                for i in range(N):
                     v = k * 100000 + i
-                    with torch.cuda.stream(s):
-                        dst.fill_(-7)
-                        torch.cuda._sleep(200000)
-                        st.copy_(dst, np.full(1000, v, np.int32), -1, stream=s)
-                        got = dst.cpu().numpy()
-                    if not ((got[:1000] == v).all() and (got[1000:] == -1).all()):
-                        errors.append(f"thread {k} copy {i}: {got[:3]} ... {got[-3:]}")
-                    copies[k] += 1
+                    if not ((got[i, :1000] == v).all() and (got[i, 1000:] == -1).all()):
+                        errors.append(f"thread {k} copy {i}: {got[i, :3]} ... {got[i, -3:]}")
             except Exception as e:
                 errors.append(repr(e))
         ts = [threading.Thread(target=work, args=(k,)) for k in range(2)]
@@ -267,8 +272,8 @@ def test_two_threads_on_one_slot_behind_gpu_work_neither_deadlock_nor_lose_a_cop
             t.start()
         for t in ts:
             t.join()
-        print("copies", copies, "errors", errors[:5])
-        print("ok" if not errors and copies == [200, 200] else "FAILED")
+        print("copies", copies, "errors", len(errors), errors[:5])
+        print("ok" if not errors and copies == [N, N] else "FAILED")
         """
     )
     try:
