@@ -550,3 +550,57 @@ fn drive_releases_the_slot_on_every_error() {
         );
     }
 }
+
+/// `try_drive` (the Python layer's copy while it holds the GIL) takes only a slot free now: it
+/// never spins for a slot another thread writes, never waits for a slot's running copy (the
+/// owner's `wait` is never called), gives such a slot back as it was, and writes nothing.
+#[test]
+fn try_drive_takes_only_a_slot_free_now() {
+    let never_waits = |complete| Failing {
+        at: "wait",
+        settles: true,
+        complete,
+    };
+    // Every slot being written by another thread: nothing claimed, nothing filled.
+    let ring = Ring::new(2);
+    let (a, b) = (ring.claim(), ring.claim());
+    let fills = Failing {
+        at: "fill",
+        settles: true,
+        complete: true,
+    };
+    assert_eq!(ring.try_drive(&mut { fills }), Ok(None));
+    assert_eq!(
+        (ring.word(0).kind(), ring.word(1).kind()),
+        (WRITING, WRITING)
+    );
+    ring.release(a.index, Release::Idle);
+    ring.release(b.index, Release::Idle);
+    // A slot whose copy still runs: given back as it was, the wait never called.
+    let ring = Ring::new(1);
+    ring.drive(&mut never_waits(true)).unwrap();
+    let before = ring.word(0);
+    assert!(before.in_flight());
+    assert_eq!(ring.try_drive(&mut never_waits(false)), Ok(None));
+    assert_eq!(ring.word(0), before, "the running copy's word is back");
+    // A failed query: the error, the word back.
+    let e = ring.try_drive(&mut Failing {
+        at: "query",
+        settles: true,
+        complete: true,
+    });
+    assert_eq!(e, Err("query"));
+    assert_eq!(ring.word(0), before);
+    // Completed: taken and driven to the end; a failing step still gives the slot back.
+    assert_eq!(ring.try_drive(&mut never_waits(true)), Ok(Some(0)));
+    assert_eq!(
+        ring.try_drive(&mut Failing {
+            at: "send",
+            settles: true,
+            complete: true,
+        }),
+        Err("send")
+    );
+    assert_ne!(ring.word(0).kind(), WRITING, "the slot was given back");
+    assert_eq!(ring.try_drive(&mut never_waits(true)), Ok(Some(0)));
+}

@@ -1,17 +1,23 @@
-"""What does releasing the GIL around a small PinnedStager copy cost on the H200's host? (run 3
-of 2026-12-03, sixth session: bench_gpu's bound target 4.82 us, copy_ 5.60, against run p's 3.69 /
-4.38 before copy_ released the GIL; run-to-run noise of that row is ~0.7 us, so only an A/B in one
-run can say.)
+"""When should a small PinnedStager copy release the GIL? Three builds in one run, on the H200:
 
-A: the wheel as built (the copy runs with the GIL released). B: the seeded `copy_gil_held` wheel
-(the copy as before 26c584b: the GIL held but for a busy slot's wait). Each round runs one child
-process per wheel, alternating, 5 rounds; a child times 7 batches of 20,000 calls per row
-(bench_gpu's shape: 256 of 4096 int32 into a torch CUDA tensor, pad -1, depth 16) and reports the
-median batch's us per call (a cost probe, not a bench: every call's values differ, the call's
-index in the first element, and after each batch the destination is synchronized and the last
-call's first element, value tail and pad checked). Printed: the median of the round medians (min-max) per wheel and row, B - A.
+  hold-50us   the copy holds the GIL unless this thread last released it 50 us ago or more,
+              and only if no slot wait is needed (the build as of this probe)
+  release     the copy always releases the GIL (c73d108: bench_gpu run v had the bound target
+              at 4.82 us against run p's 3.69 before, and 4 threads on one stager at 85k
+              calls/s with 79k GIL hand-overs/s against run p's 252k and 187)
+  held        the copy always holds the GIL but for a slot wait (the seeded copy_gil_held
+              build: the code before 26c584b; run p's graph beside a copying thread +167%)
 
-    python3 lab/probes/stager_gil_ab.py SITE_A SITE_B     (PYTHONPATH directories)
+Rows, per build, one child process per build per round, 5 rounds alternating the order:
+  1 thread   us per call, median of 7 batches of 20,000 calls (bench_gpu's shape: 256 of 4096
+             int32 into a torch CUDA tensor, pad -1, depth 16), bound target and copy_
+  4 threads  calls/s of 4 threads, each with its own bound target on one stager, 20,000 calls
+  gap        the longest of 20 1-ms sleeps of another thread while one thread copies in a
+             loop (the default 5 ms switch interval): what a graph-launching thread waits
+A cost probe, not a bench: every call's values differ (the call's index in the first element);
+after each batch the destinations are synchronized and the last call's values and pad checked.
+
+    python3 lab/probes/stager_gil_ab.py NAME=SITE ...     (PYTHONPATH directories)
 """
 
 import json
@@ -21,59 +27,80 @@ import subprocess
 import sys
 
 CHILD = r"""
-import json, statistics, time
+import json, statistics, threading, time
 import numpy as np, torch, pinstage
 n, total, calls = 256, 4096, 20000
-dst = torch.full((total,), -9, dtype=torch.int32, device="cuda")
+out, bad = {}, []
 st = pinstage.PinnedStager(torch.int32, 256)
-target = st.target(dst, pad_value=-1)
-vals = np.arange(1, n + 1, dtype=np.int32)
-out, bad = {}, 0
-def check(k):
-    global bad
+def check(dst, k, what):
     torch.cuda.synchronize()
     h = dst.cpu().numpy()
     if h[0] != k or h[n - 1] != n or (h[n:] != -1).any():
-        bad += 1
-rows = {
-    "bound target": lambda: target.copy_(vals),
-    "copy_(dst, v, pad)": lambda: st.copy_(dst, vals, -1),
-    "copy_(numpy dst)": None,
-}
-host = np.zeros(total, np.int32)
-for name, fn in rows.items():
+        bad.append(what)
+dst = torch.full((total,), -9, dtype=torch.int32, device="cuda")
+target = st.target(dst, pad_value=-1)
+vals = np.arange(1, n + 1, dtype=np.int32)
+for name, fn in (("1 thread, bound target", lambda: target.copy_(vals)),
+                 ("1 thread, copy_", lambda: st.copy_(dst, vals, -1))):
     per = []
     for b in range(8):
-        dst.fill_(-9); host.fill(-9); torch.cuda.synchronize()
+        dst.fill_(-9); torch.cuda.synchronize()
         t = time.perf_counter()
         for i in range(calls):
             vals[0] = b * calls + i + 1
-            if fn is None:
-                st.copy_(host, vals, -1)
-            else:
-                fn()
-        dt = (time.perf_counter() - t) / calls * 1e6
+            fn()
         if b:
-            per.append(dt)
-        k = b * calls + calls
-        if fn is None:
-            if host[0] != k or host[n - 1] != n or (host[n:] != -1).any():
-                bad += 1
-        else:
-            check(k)
+            per.append((time.perf_counter() - t) / calls * 1e6)
+        check(dst, b * calls + calls, name)
     out[name] = statistics.median(per)
+# 4 threads, one stager, each its own destination and values
+dsts = [torch.full((total,), -9, dtype=torch.int32, device="cuda") for _ in range(4)]
+tgts = [st.target(d, pad_value=-1) for d in dsts]
+vs = [np.arange(1, n + 1, dtype=np.int32) for _ in range(4)]
+torch.cuda.synchronize()
+go = threading.Barrier(5)
+def work(k):
+    go.wait()
+    for i in range(calls):
+        vs[k][0] = i + 1
+        tgts[k].copy_(vs[k])
+ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+for t in ts: t.start()
+go.wait(); t0 = time.perf_counter()
+for t in ts: t.join()
+out["4 threads, calls/s (k)"] = 4 * calls / (time.perf_counter() - t0) / 1e3
+for k in range(4):
+    check(dsts[k], calls, "4 threads")
+# a sleeper beside a copying loop
+stop = threading.Event(); done = [0]
+def loop():
+    while not stop.is_set():
+        done[0] += 1
+        vals[0] = done[0]
+        target.copy_(vals)
+t = threading.Thread(target=loop); t.start()
+while done[0] < 100: time.sleep(0.001)
+gaps, last = [], time.perf_counter()
+for _ in range(20):
+    time.sleep(0.001); now = time.perf_counter(); gaps.append(now - last); last = now
+stop.set(); t.join()
+check(dst, done[0], "gap loop")
+out["gap beside a copy loop, ms (longest of 20 1-ms sleeps)"] = max(gaps) * 1e3
 out["bad"] = bad
 print(json.dumps(out))
 """
 
 
 def main():
-    sites = {"A (GIL released)": sys.argv[1], "B (GIL held, seeded copy_gil_held)": sys.argv[2]}
+    sites = dict(a.split("=", 1) for a in sys.argv[1:])
     res = {k: {} for k in sites}
     for rnd in range(5):
-        for label, site in (sites.items() if rnd % 2 == 0 else reversed(sites.items())):
+        order = list(sites.items())
+        if rnd % 2:
+            order.reverse()
+        for label, site in order:
             r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True,
-                               env=dict(os.environ, PYTHONPATH=site), timeout=120)
+                               env=dict(os.environ, PYTHONPATH=site), timeout=150)
             if r.returncode:
                 print(label, "failed:", r.stderr[-2000:])
                 sys.exit(1)
@@ -83,13 +110,15 @@ def main():
                 sys.exit(1)
             for k, v in d.items():
                 res[label].setdefault(k, []).append(v)
-            print(f"round {rnd} {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in d.items()), flush=True)
-    print("\nhost us per call, median of 5 round medians (min-max); every batch checked")
-    a, b = list(sites)
-    for k in res[a]:
-        ma, mb = statistics.median(res[a][k]), statistics.median(res[b][k])
-        print(f"  {k:22s} A {ma:5.2f} ({min(res[a][k]):.2f}-{max(res[a][k]):.2f})   "
-              f"B {mb:5.2f} ({min(res[b][k]):.2f}-{max(res[b][k]):.2f})   A - B {ma - mb:+.2f}")
+            print(f"round {rnd} {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in d.items()),
+                  flush=True)
+    print("\nmedian of 5 rounds (min-max); every batch's last call checked, all passed")
+    rows = list(next(iter(res.values())))
+    for k in rows:
+        print(f"  {k}")
+        for label in sites:
+            v = res[label][k]
+            print(f"    {label:12s} {statistics.median(v):8.2f} ({min(v):.2f}-{max(v):.2f})")
 
 
 main()
