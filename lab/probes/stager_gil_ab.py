@@ -8,7 +8,7 @@
   held        the copy always holds the GIL but for a slot wait (the seeded copy_gil_held
               build: the code before 26c584b; run p's graph beside a copying thread +167%)
 
-Rows, per build, one child process per build per round, 5 rounds alternating the order:
+Rows, per build, one child process per build per round, 5 rounds (AB_ROUNDS) alternating the order:
   1 thread   us per call, median of 7 batches of 20,000 calls (bench_gpu's shape: 256 of 4096
              int32 into a torch CUDA tensor, pad -1, depth 16), bound target and copy_
   4 threads  calls/s of 4 threads, each with its own bound target on one stager, 20,000 calls
@@ -94,7 +94,8 @@ print(json.dumps(out))
 def main():
     sites = dict(a.split("=", 1) for a in sys.argv[1:])
     res = {k: {} for k in sites}
-    for rnd in range(5):
+    rounds = int(os.environ.get("AB_ROUNDS", "5"))
+    for rnd in range(rounds):
         order = list(sites.items())
         if rnd % 2:
             order.reverse()
@@ -112,7 +113,7 @@ def main():
                 res[label].setdefault(k, []).append(v)
             print(f"round {rnd} {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in d.items()),
                   flush=True)
-    print("\nmedian of 5 rounds (min-max); every batch's last call checked, all passed")
+    print(f"\nmedian of {rounds} rounds (min-max); every batch's last call checked, all passed")
     rows = list(next(iter(res.values())))
     for k in rows:
         print(f"  {k}")
