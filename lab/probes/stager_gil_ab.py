@@ -1,7 +1,12 @@
-"""When should a small PinnedStager copy release the GIL? Three builds in one run, on the H200:
+"""When should a small PinnedStager copy release the GIL? Three builds in one run, on the H200.
+NOT RUN YET (2026-12-03, sixth session: no device time was left). The hold-50us build is commit
+1c6631b (reverted in the next commits): run x had it fail the GIL test on the H200 (12 of 20
+1-ms sleeps within 50 ms, longest 297 ms, under a 500 ms switch interval): a release of a few
+microseconds every 50 us is not taken by a thread waiting for the GIL, whose wake-up comes after
+the copier took it back (lab/NOTEBOOK.md). Build its wheel from 1c6631b to run this.
 
   hold-50us   the copy holds the GIL unless this thread last released it 50 us ago or more,
-              and only if no slot wait is needed (the build as of this probe)
+              and only if no slot wait is needed (1c6631b)
   release     the copy always releases the GIL (c73d108: bench_gpu run v had the bound target
               at 4.82 us against run p's 3.69 before, and 4 threads on one stager at 85k
               calls/s with 79k GIL hand-overs/s against run p's 252k and 187)

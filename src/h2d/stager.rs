@@ -89,8 +89,6 @@ pub struct RawCopy<'a> {
     pub(super) mirror: Option<&'a mut H2DMirror>,
     pub(super) stream: StreamHandle<'a>,
     pub(super) wait: Option<&'a mut WaitFn<'a>>,
-    /// Never wait for another thread: see [`RawCopy::no_block`].
-    pub(super) no_block: bool,
 }
 
 /// How a copy waits for a busy slot's event ([`crate::h2d::StagedCopy::wait_with`]): shown as a
@@ -123,15 +121,6 @@ impl<'a> RawCopy<'a> {
     /// briefly, then waits with the GIL released and answers Ctrl-C.
     pub fn wait_with(mut self, wait: &'a mut WaitFn<'a>) -> Self {
         self.wait = Some(wait);
-        self
-    }
-
-    /// Never wait (the Python layer's copy while it holds the GIL): when no slot is free now
-    /// (every slot being written by another thread, or the one claimed still copying), the
-    /// copy fails with [`Error::Interrupted`](crate::Error::Interrupted) and writes nothing.
-    #[cfg(feature = "python")]
-    pub(crate) fn no_block(mut self) -> Self {
-        self.no_block = true;
         self
     }
 
@@ -318,7 +307,6 @@ impl RawStager {
             mirror: None,
             stream: StreamHandle::LEGACY,
             wait: None,
-            no_block: false,
         }
     }
 
@@ -333,7 +321,6 @@ impl RawStager {
             mirror,
             stream,
             wait,
-            no_block,
             ..
         } = c;
         let device = self.check(dst, values, pad)?;
@@ -376,14 +363,14 @@ impl RawStager {
                 let slot = match wait {
                     // The caller's function decides how to wait, not whether the copy
                     // completed: the slot is rewritten next, so the event is asked again.
-                    Some(w) => self.issue(&cur, job, no_block, &mut |e: &Event| {
+                    Some(w) => self.issue(&cur, job, &mut |e: &Event| {
                         w(SlotEvent::new(e))?;
                         if !e.query()? {
                             e.synchronize()?;
                         }
                         Ok(())
                     }),
-                    None => self.issue(&cur, job, no_block, &mut |e: &Event| e.synchronize()),
+                    None => self.issue(&cur, job, &mut |e: &Event| e.synchronize()),
                 }?;
                 self.stats.copies.add(1);
                 CopyOutcome::Issued { slot }
@@ -453,13 +440,11 @@ impl RawStager {
     }
 
     /// Claims a slot, writes it and issues the one copy (the ring's `drive` with the CUDA calls
-    /// of [`CopyIo`]); the slot is released whatever happens. `no_block`: only a slot free now
-    /// ([`Error::Interrupted`] when there is none).
+    /// of [`CopyIo`]); the slot is released whatever happens.
     fn issue(
         &self,
         cur: &Current<'_>,
         job: Job<'_>,
-        no_block: bool,
         wait: &mut dyn FnMut(&Event) -> Result<()>,
     ) -> Result<usize> {
         let stream = job.stream;
@@ -473,18 +458,9 @@ impl RawStager {
             job: &job,
             src: std::ptr::null(),
         };
-        let mut owner = self.core.owner(cur, stream, wait, &mut io);
-        #[cfg(feature = "python")]
-        if no_block {
-            return self
-                .core
-                .ring()
-                .try_drive(&mut owner)?
-                .ok_or(Error::Interrupted);
-        }
-        #[cfg(not(feature = "python"))]
-        let _ = no_block;
-        self.core.ring().drive(&mut owner)
+        self.core
+            .ring()
+            .drive(&mut self.core.owner(cur, stream, wait, &mut io))
     }
 }
 

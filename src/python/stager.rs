@@ -81,15 +81,10 @@ impl PyStager {
             .ok_or_else(|| value_err("this PinnedStager is closed; create a new one"))
     }
 
-    /// Runs one copy. A thread copying at full rate must not hold up another thread's Python
-    /// (e.g. a CUDA graph's launches) for a switch interval, and releasing the GIL on every
-    /// call costs threads that share it a hand-over per call. So a small copy runs with the
-    /// GIL held unless this thread last released it [`HOLD_AT_MOST`] ago or longer, and then
-    /// only if it need not wait for anything: no slot free, or a slot whose last copy still
-    /// runs, sends it to the other way. Every other copy runs with the GIL released, as
-    /// torch's calls do; a wait for a busy slot takes it back only to answer Ctrl-C, and a
-    /// mirror another thread holds is waited for without it too. (A thread that holds the GIL
-    /// never waits for a slot: the slot's owner may need the GIL to finish.)
+    /// Runs one copy with the GIL released, as torch's calls do (a thread copying at full rate
+    /// must not hold up another thread's Python, e.g. a CUDA graph's launches, for a switch
+    /// interval); a wait for a busy slot takes it back only to answer Ctrl-C, and a mirror
+    /// another thread holds is waited for without it too.
     fn run_copy(
         &self,
         py: Python<'_>,
@@ -104,79 +99,24 @@ impl PyStager {
         let mut guard = mirror.map(|m| m.try_lock().unwrap_or_else(|| py.detach(|| m.lock())));
         let stager = self.stager()?;
         let mut interrupt: Option<PyErr> = None;
-        let mut copy = |wait: &mut WaitFn<'_>, no_block: bool| {
+        let mut copy = |wait: &mut WaitFn<'_>| {
             let mut c = options(stager.to(view), stream, pad).wait_with(wait);
-            if no_block {
-                c = c.no_block();
-            }
             if let Some(m) = guard.as_deref_mut() {
                 c = c.mirror(m);
             }
             c.copy(values)
         };
         #[cfg(not(pinstage_seeded_bug = "copy_gil_held"))]
-        let r = {
-            let written = if pad.is_some() {
-                view.nbytes()
-            } else {
-                values.len()
-            };
-            let held = if written <= HOLD_MAX_BYTES && !release_due() {
-                // Refused (Interrupted: no slot free now) before anything was written: then
-                // the other way. The wait function is never called without blocking allowed.
-                match copy(&mut |_| Err(Error::Interrupted), true) {
-                    Err(Error::Interrupted) => None,
-                    r => Some(r),
-                }
-            } else {
-                None
-            };
-            match held {
-                Some(r) => r,
-                None => {
-                    let r = py.detach(|| {
-                        copy(
-                            &mut |ev| super::wait::slot_wait_detached(ev.event(), &mut interrupt),
-                            false,
-                        )
-                    });
-                    LAST_RELEASE.set(Some(std::time::Instant::now()));
-                    r
-                }
-            }
-        };
+        let r = py
+            .detach(|| copy(&mut |ev| super::wait::slot_wait_detached(ev.event(), &mut interrupt)));
         // The seeded-bug harness (`copy_gil_held`, scripts/seeded.tsv): the copy as it was, the
         // GIL held but for a busy slot's wait, must fail the GPU tests (a thread waiting for the
         // only slot needs the GIL back, which the thread spinning for that slot holds).
         #[cfg(pinstage_seeded_bug = "copy_gil_held")]
-        let r = copy(
-            &mut |ev| super::wait::slot_wait(py, ev.event(), &mut interrupt),
-            false,
-        );
+        let r = copy(&mut |ev| super::wait::slot_wait(py, ev.event(), &mut interrupt));
         let outcome = r.map_err(|e| take_interrupt(e, interrupt))?;
         Ok(outcome.wrote())
     }
-}
-
-/// The longest a thread copying in a loop holds the GIL between two releases (about one switch
-/// of another thread waiting for it: a CUDA graph's launch waits at most this long).
-const HOLD_AT_MOST: std::time::Duration = std::time::Duration::from_micros(50);
-
-/// Copies that write more than this many bytes into their slot always release the GIL.
-const HOLD_MAX_BYTES: usize = 64 << 10;
-
-thread_local! {
-    /// When this thread last released the GIL for a copy (`None`: never).
-    static LAST_RELEASE: std::cell::Cell<Option<std::time::Instant>> =
-        const { std::cell::Cell::new(None) };
-}
-
-/// Whether this thread's next copy must release the GIL: [`HOLD_AT_MOST`] has passed since its
-/// last release (or it never released it).
-fn release_due() -> bool {
-    LAST_RELEASE
-        .get()
-        .is_none_or(|t| t.elapsed() >= HOLD_AT_MOST)
 }
 
 /// The stream and pad of a copy.

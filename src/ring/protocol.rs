@@ -467,31 +467,6 @@ impl Ring {
         Ok(claim.index)
     }
 
-    /// [`Ring::drive`] that never waits: `Ok(None)` when one full turn of the ring found every
-    /// slot owned, or when the slot claimed still has its last copy running (the slot is then
-    /// given back as it was). Nothing is written in either case.
-    #[cfg(any(feature = "python", feature = "testing"))]
-    pub fn try_drive<O: SlotOwner>(&self, owner: &mut O) -> Result<Option<usize>, O::Error> {
-        let Some(claim) = self.try_claim() else {
-            return Ok(None);
-        };
-        if claim.was_in_flight() {
-            let guard = RestoreOnUnwind {
-                ring: self,
-                index: claim.index,
-                prev: claim.prev,
-            };
-            let done = self.check(&claim, &mut |j| owner.query(j));
-            std::mem::forget(guard);
-            if !matches!(done, Ok(true)) {
-                self.release(claim.index, Release::Restore(claim.prev));
-                return done.map(|_| None);
-            }
-        }
-        self.finish(&claim, owner)?;
-        Ok(Some(claim.index))
-    }
-
     /// Claims the next free slot without spinning: `None` after one full turn of the ring found
     /// every slot owned (the caller may then block in [`Ring::claim`], e.g. without the GIL).
     #[cfg(any(feature = "python", feature = "testing"))]
