@@ -1,6 +1,5 @@
 """When should a small PinnedStager copy release the GIL? Three builds in one run, on the H200.
-NOT RUN YET (2026-12-03, sixth session: no device time was left). The hold-50us build is commit
-1c6631b (reverted in the next commits): run x had it fail the GIL test on the H200 (12 of 20
+The hold-50us build is commit 1c6631b (reverted in the next commits): run x had it fail the GIL test on the H200 (12 of 20
 1-ms sleeps within 50 ms, longest 297 ms, under a 500 ms switch interval): a release of a few
 microseconds every 50 us is not taken by a thread waiting for the GIL, whose wake-up comes after
 the copier took it back (lab/NOTEBOOK.md). Build its wheel from 1c6631b to run this.
@@ -76,6 +75,38 @@ for t in ts: t.join()
 out["4 threads, calls/s (k)"] = 4 * calls / (time.perf_counter() - t0) / 1e3
 for k in range(4):
     check(dsts[k], calls, "4 threads")
+# Controls (the same in every build): what four threads pay when each call releases the GIL,
+# with no pinstage in the call. torch `copy_` releases the GIL on every call (its bindings drop
+# it around the dispatch); `time.sleep(0)` is a bare release and re-acquire (a syscall between).
+def four(fn_of):
+    fns = [fn_of(k) for k in range(4)]
+    go4 = threading.Barrier(5)
+    def w(k):
+        go4.wait()
+        for i in range(calls):
+            fns[k](i)
+    th = [threading.Thread(target=w, args=(k,)) for k in range(4)]
+    for x in th: x.start()
+    go4.wait(); t1 = time.perf_counter()
+    for x in th: x.join()
+    return 4 * calls / (time.perf_counter() - t1) / 1e3
+srcs = [torch.arange(1, n + 1, dtype=torch.int32).pin_memory() for _ in range(4)]
+tdst = [torch.full((n,), -9, dtype=torch.int32, device="cuda") for _ in range(4)]
+def torch_copy(k):
+    def f(i):
+        tdst[k].copy_(srcs[k], non_blocking=True)
+    return f
+torch.cuda.synchronize()
+out["control: 4 threads torch copy_ 1 KiB pinned, calls/s (k)"] = four(torch_copy)
+torch.cuda.synchronize()
+for k in range(4):
+    if not torch.equal(tdst[k].cpu(), srcs[k]):
+        bad.append("torch control")
+out["control: 4 threads time.sleep(0), calls/s (k)"] = four(lambda k: (lambda i: time.sleep(0)))
+t = time.perf_counter()
+for i in range(calls):
+    time.sleep(0)
+out["control: 1 thread time.sleep(0), us"] = (time.perf_counter() - t) / calls * 1e6
 # a sleeper beside a copying loop
 stop = threading.Event(); done = [0]
 def loop():
