@@ -9,7 +9,8 @@ use crate::dlpack::{DType, DeviceView, TensorMeta};
 use crate::driver::{self, CUdeviceptr};
 use crate::error::{Error, Result, on_drop};
 
-pub use crate::d2h::landing_counts;
+pub use crate::d2h::{landing_after_spin, landing_counts, landing_free_words, landing_reset};
+pub use crate::driver::fault;
 pub use crate::h2d::mirror::CopyKey;
 pub use crate::h2d::slot::row_shape;
 pub use crate::h2d::upload::start_h2d;

@@ -554,6 +554,11 @@ fn gpu_copy_d2h_more_waits_than_landing_words() {
         assert!(dst.as_slice()[..n] == data[..], "thread {t}: wrong bytes");
         assert_eq!(dst.as_slice()[n], POISON, "thread {t}: past the end");
     }
+    assert_eq!(
+        pinstage::testing::landing_free_words(&dev),
+        Some(64),
+        "every wait gave its landing word back"
+    );
     let (landed, evented) = pinstage::testing::landing_counts();
     assert!(
         evented - evented_before >= (threads - 64) as u64,
@@ -563,5 +568,242 @@ fn gpu_copy_d2h_more_waits_than_landing_words() {
     assert!(
         landed > landed_before,
         "no wait learned of its copy from a landing word"
+    );
+}
+
+/// A pinned source and destination pair for the landing-word tests: `bytes` of distinct values
+/// on the device, a pinned destination one byte longer, poisoned.
+fn landing_pair(
+    dev: &Device,
+    bytes: usize,
+    seed: u64,
+) -> (DeviceBuffer, pinstage::PinnedBuffer, Vec<u8>) {
+    let data = common::values(DType::U8, bytes, seed);
+    let src = DeviceBuffer::new(dev, bytes).unwrap();
+    src.upload(0, &data).unwrap();
+    let mut dst =
+        pinstage::PinnedBuffer::new(dev, bytes + 1, pinstage::host::PinnedFlags::PORTABLE).unwrap();
+    dst.as_mut_slice().fill(POISON);
+    (src, dst, data)
+}
+
+/// Checks a landing-word test's destination: the bytes copied, the byte past them untouched.
+fn check_landed(dst: &pinstage::PinnedBuffer, data: &[u8], what: &str) {
+    assert!(
+        dst.as_slice()[..data.len()] == data[..],
+        "{what}: wrong bytes"
+    );
+    assert_eq!(dst.as_slice()[data.len()], POISON, "{what}: past the end");
+}
+
+/// `copy_d2h` behind a stalled stream, on its own thread with `faults` injected there first;
+/// the stall is released after 60 ms. Returns the copy's result and whether it returned before
+/// the release (it never may: its destination is written until the copy ran).
+fn copy_d2h_behind_a_stall(
+    stream: &Stream,
+    src: &DeviceBuffer,
+    dst: &mut pinstage::PinnedBuffer,
+    faults: &[(
+        pinstage::testing::fault::Call,
+        pinstage::testing::fault::Fault,
+        u32,
+    )],
+) -> (pinstage::Result<pinstage::host::CopyPath>, bool, u32) {
+    use pinstage::testing::fault;
+    let go = stall(stream);
+    let returned = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let copier = scope.spawn(|| {
+            for &(c, f, n) in faults {
+                fault::inject(c, f, n);
+            }
+            let r = pinstage::copy_d2h(&src.view(DType::U8), dst.as_mut_slice(), stream.handle());
+            returned.store(true, Ordering::Release);
+            (r, fault::clear())
+        });
+        std::thread::sleep(Duration::from_millis(60));
+        let early = returned.load(Ordering::Acquire);
+        go.release();
+        let (r, left) = copier.join().unwrap();
+        (r, early, left)
+    })
+}
+
+/// Where the driver refuses stream writes (`CUDA_ERROR_NOT_SUPPORTED`, injected), `copy_d2h`
+/// waits through an event instead, right away and for every later copy on the device; an
+/// injected failure of another kind is reported, not taken for a refusal.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_copy_d2h_takes_an_event_where_stream_writes_are_refused() {
+    use pinstage::testing::fault::{self, Call, Fault};
+    let Some(dev) = gpu_or_skip("gpu_copy_d2h_takes_an_event_where_stream_writes_are_refused")
+    else {
+        return;
+    };
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    warm_landing(&dev);
+    let stream = Stream::new(&dev).unwrap();
+    let copy = |seed: u64, what: &str| {
+        let (src, mut dst, data) = landing_pair(&dev, 64 << 10, seed);
+        let r = pinstage::copy_d2h(&src.view(DType::U8), dst.as_mut_slice(), stream.handle());
+        if r.is_ok() {
+            check_landed(&dst, &data, what);
+        }
+        r
+    };
+    // A failure that is no refusal: reported (after the stream drained), the words still used.
+    fault::inject(Call::StreamWriteValue32, Fault::Failed, 1);
+    let err = copy(11, "failed write").expect_err("an injected stream-write failure was lost");
+    assert_eq!(fault::clear(), 0);
+    match err {
+        pinstage::Error::Driver(e) => assert_eq!(e.call(), "cuStreamWriteValue32"),
+        other => panic!("expected the driver's error, got {other:?}"),
+    }
+    let (landed0, evented0) = pinstage::testing::landing_counts();
+    assert_eq!(
+        copy(12, "after a failed write").unwrap(),
+        pinstage::host::CopyPath::Pinned
+    );
+    let (landed1, evented1) = pinstage::testing::landing_counts();
+    assert_eq!(
+        (landed1 - landed0, evented1 - evented0),
+        (1, 0),
+        "a failure turned the words off"
+    );
+    // A refusal: this copy and the next take events.
+    fault::inject(Call::StreamWriteValue32, Fault::NotSupported, 1);
+    let refused = copy(13, "refused write");
+    assert_eq!(fault::clear(), 0, "the copy made no stream write");
+    assert_eq!(
+        refused.expect("a refused stream write failed the copy"),
+        pinstage::host::CopyPath::Pinned
+    );
+    assert_eq!(
+        copy(14, "after a refusal").unwrap(),
+        pinstage::host::CopyPath::Pinned
+    );
+    let (landed2, evented2) = pinstage::testing::landing_counts();
+    pinstage::testing::landing_reset(&dev);
+    assert_eq!(
+        (landed2 - landed1, evented2 - evented1),
+        (0, 2),
+        "landed, evented after a refusal"
+    );
+    assert_eq!(
+        copy(15, "after the reset").unwrap(),
+        pinstage::host::CopyPath::Pinned
+    );
+    assert_eq!(pinstage::testing::landing_counts().0 - landed2, 1);
+}
+
+/// A `copy_d2h` wait that asks its stream while another thread captures a graph in global mode
+/// is refused (injected here, three times); that is no failure: it waits on and returns once the
+/// copy ran. Another error while it waits is reported, but only once the copy completed (its
+/// destination is written until then).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_copy_d2h_waits_through_a_capture_refusal_and_reports_a_failing_stream() {
+    use pinstage::testing::fault::{Call, Fault};
+    let Some(dev) =
+        gpu_or_skip("gpu_copy_d2h_waits_through_a_capture_refusal_and_reports_a_failing_stream")
+    else {
+        return;
+    };
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    warm_landing(&dev);
+    let stream = Stream::new(&dev).unwrap();
+    let (src, mut dst, data) = landing_pair(&dev, 64 << 10, 21);
+    let (r, early, left) = copy_d2h_behind_a_stall(
+        &stream,
+        &src,
+        &mut dst,
+        &[(Call::StreamQuery, Fault::CaptureRefused, 3)],
+    );
+    assert!(!early, "returned before its copy ran");
+    assert_eq!(
+        left, 0,
+        "the wait asked its stream fewer than 3 times in 60 ms"
+    );
+    assert_eq!(
+        r.expect("a capture refusal failed the wait"),
+        pinstage::host::CopyPath::Pinned
+    );
+    check_landed(&dst, &data, "through a capture refusal");
+
+    let (src, mut dst, data) = landing_pair(&dev, 64 << 10, 22);
+    let (r, early, left) = copy_d2h_behind_a_stall(
+        &stream,
+        &src,
+        &mut dst,
+        &[(Call::StreamQuery, Fault::Failed, 1)],
+    );
+    assert_eq!(left, 0);
+    assert!(!early, "returned its error before its copy ran");
+    match r {
+        Err(pinstage::Error::Driver(e)) => assert_eq!(e.call(), "cuStreamQuery"),
+        other => panic!("a failing stream was not reported: {other:?}"),
+    }
+    check_landed(&dst, &data, "a failed wait's copy");
+}
+
+/// A landing word that never comes (its write skipped, injected): the wait learns from the
+/// stream that the copy completed, after its spin.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_copy_d2h_learns_from_its_stream_when_the_word_never_comes() {
+    use pinstage::testing::fault::{self, Call, Fault};
+    let Some(dev) = gpu_or_skip("gpu_copy_d2h_learns_from_its_stream_when_the_word_never_comes")
+    else {
+        return;
+    };
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    warm_landing(&dev);
+    let stream = Stream::new(&dev).unwrap();
+    let (src, mut dst, data) = landing_pair(&dev, 4 << 10, 31);
+    let (landed0, _) = pinstage::testing::landing_counts();
+    fault::inject(Call::StreamWriteValue32, Fault::Skipped, 1);
+    let path = pinstage::copy_d2h(&src.view(DType::U8), dst.as_mut_slice(), stream.handle());
+    assert_eq!(fault::clear(), 0);
+    assert_eq!(path.unwrap(), pinstage::host::CopyPath::Pinned);
+    check_landed(&dst, &data, "without its word");
+    assert_eq!(
+        pinstage::testing::landing_counts().0,
+        landed0,
+        "a word that was never written"
+    );
+}
+
+/// Small copies on an idle device land while their wait spins flat out (no driver call, no
+/// pause): of 200 copies of 4 KiB, at least half. The other half allows for a loaded machine.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_small_copy_d2h_waits_land_within_their_spin() {
+    let Some(dev) = gpu_or_skip("gpu_small_copy_d2h_waits_land_within_their_spin") else {
+        return;
+    };
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    warm_landing(&dev);
+    let stream = Stream::new(&dev).unwrap();
+    let (src, mut dst, _) = landing_pair(&dev, 4 << 10, 41);
+    let (landed0, _) = pinstage::testing::landing_counts();
+    let after0 = pinstage::testing::landing_after_spin();
+    for k in 0..200u64 {
+        let data = common::values(DType::U8, 4 << 10, 100 + k);
+        src.upload(0, &data).unwrap();
+        dst.as_mut_slice().fill(POISON);
+        pinstage::copy_d2h(
+            &src.view(DType::U8),
+            &mut dst.as_mut_slice()[..4 << 10],
+            stream.handle(),
+        )
+        .unwrap();
+        check_landed(&dst, &data, &format!("copy {k}"));
+    }
+    let landed = pinstage::testing::landing_counts().0 - landed0;
+    let after = pinstage::testing::landing_after_spin() - after0;
+    assert_eq!(landed, 200, "every wait took a landing word");
+    assert!(
+        after <= 100,
+        "{after} of 200 waits saw their word only after the spin"
     );
 }

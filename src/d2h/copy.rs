@@ -212,9 +212,32 @@ pub(crate) unsafe fn start_d2h<'s>(
 pub fn landing_counts() -> (u64, u64) {
     use std::sync::atomic::Ordering::Relaxed;
     (
-        landing::COUNTS[0].load(Relaxed),
+        landing::COUNTS[0].load(Relaxed) + landing::COUNTS[2].load(Relaxed),
         landing::COUNTS[1].load(Relaxed),
     )
+}
+
+/// Of the waits [`landing_counts`] counts as landed, those that saw their word only after their
+/// flat-out spin (the rest saw it while spinning, with no driver call). For tests.
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub fn landing_after_spin() -> u64 {
+    landing::COUNTS[2].load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// How many of the device's 64 landing words are free (`None`: it has none yet). For tests.
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub fn landing_free_words(device: &Device) -> Option<u32> {
+    landing::free_words(device)
+}
+
+/// Lets the device's waits use landing words again after an injected refusal
+/// ([`crate::testing::fault`]). For tests.
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub fn landing_reset(device: &Device) {
+    landing::reset(device);
 }
 
 /// Whether waiting callers use landing words (the laboratory compares; on by default).

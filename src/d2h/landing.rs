@@ -39,13 +39,15 @@ pub(crate) struct Landing {
 
 static LANDINGS: [OnceLock<Option<Landing>>; 64] = [const { OnceLock::new() }; 64];
 
-/// Waits that learned of their copy from a landing word, and waited copies that took an event
-/// instead (all words in use, stream writes refused): for tests (feature `testing`; no shared
-/// counter on the copies of a release build).
+/// Waits that learned of their copy from a landing word within their flat-out spin, waited
+/// copies that took an event instead (all words in use, stream writes refused), and waits that
+/// saw their word only after the spin: for tests (feature `testing`; no shared counter on the
+/// copies of a release build).
 #[cfg(feature = "testing")]
-pub(crate) static COUNTS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
+pub(crate) static COUNTS: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
 
-/// Counts a wait that landed (`0`) or a waited copy that took an event (`1`), for tests.
+/// Counts a wait that landed within its spin (`0`), a waited copy that took an event (`1`), or a
+/// wait that landed after its spin (`2`), for tests.
 #[inline]
 pub(crate) fn count(_which: usize) {
     #[cfg(feature = "testing")]
@@ -108,6 +110,31 @@ impl Landing {
         // STRIDE a multiple of 4); the GPU writes it with 4-byte writes, the host only reads it
         // atomically; the buffer lives as long as `self`.
         unsafe { &*self.words.as_ptr().add(slot * STRIDE).cast::<AtomicU32>() }
+    }
+}
+
+/// How many of the device's words are free (`None`: the device has none), for tests.
+#[cfg(feature = "testing")]
+pub(crate) fn free_words(device: &Device) -> Option<u32> {
+    let slot = LANDINGS.get(usize::try_from(device.ordinal()).ok()?)?;
+    Some(
+        slot.get()?
+            .as_ref()?
+            .free
+            .load(Ordering::Acquire)
+            .count_ones(),
+    )
+}
+
+/// Lets the device's waits use landing words again after a (test's injected) refusal.
+#[cfg(feature = "testing")]
+pub(crate) fn reset(device: &Device) {
+    if let Some(l) = LANDINGS
+        .get(usize::try_from(device.ordinal()).unwrap_or(usize::MAX))
+        .and_then(|s| s.get())
+        .and_then(Option::as_ref)
+    {
+        l.usable.store(true, Ordering::Relaxed);
     }
 }
 
@@ -210,8 +237,9 @@ impl<'s> Waiter<'s> {
 
     /// Waits until the copy landed: flat out for up to 200 µs, then on the schedule of every
     /// pinstage wait for a copy of its size ([`Backoff`]: yielding the core for about as long as
-    /// the copy should take, then sleeping at most a sixteenth of the time waited between looks); the driver is asked about the stream every millisecond, so a failed context or copy reports
-    /// its error instead of waiting forever. A refusal because another thread captures a CUDA
+    /// the copy should take, then sleeping at most a sixteenth of the time waited between
+    /// looks); the driver is asked about the stream every millisecond, so a failed context or
+    /// copy reports its error instead of waiting forever. A refusal because another thread captures a CUDA
     /// graph is no failure: the copy still runs, the wait goes on.
     ///
     /// On the per-thread default stream, the thread that issued the copy must wait (the handle
@@ -227,7 +255,7 @@ impl<'s> Waiter<'s> {
         let mut asked = Instant::now();
         loop {
             if self.claim.landed() {
-                count(0);
+                count(2);
                 break;
             }
             if asked.elapsed() > Duration::from_millis(1) {
@@ -245,17 +273,13 @@ impl<'s> Waiter<'s> {
         Ok(())
     }
 
-    /// Whether the stream went idle: then the copy completed, whatever the word says (its
-    /// write precedes the stream's completion; a synchronize settles any doubt).
+    /// Whether the stream went idle: then the copy completed, whatever the word says (the
+    /// stream's work, the copy included, is done and its writes visible to the host).
     fn ask(&self) -> Result<bool> {
-        let cur = self.device.enter()?;
+        let _cur = self.device.enter()?;
         // SAFETY: the stream is a special handle, ours, or vouched for by its maker; context
         // current.
-        let idle = unsafe { driver::stream::stream_query(self.stream.raw()) }?;
-        if idle && !self.claim.landed() {
-            self.stream.synchronize(&cur)?;
-        }
-        Ok(idle)
+        Ok(unsafe { driver::stream::stream_query(self.stream.raw()) }?)
     }
 }
 

@@ -10,10 +10,10 @@ mod issue;
 mod landing;
 
 pub use crate::host::{CopyPath, HostRegion, PendingCopy};
-#[cfg(feature = "testing")]
-pub use copy::landing_counts;
 #[cfg(all(feature = "lab", feature = "python"))]
 pub(crate) use copy::set_landing;
 #[cfg(feature = "python")]
 pub(crate) use copy::start_d2h;
 pub use copy::{copy_d2h, copy_d2h_async};
+#[cfg(feature = "testing")]
+pub use copy::{landing_after_spin, landing_counts, landing_free_words, landing_reset};

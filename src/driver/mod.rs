@@ -16,6 +16,8 @@ pub(crate) use sys::{CUcontext, CUdevice, CUdeviceptr, CUevent, CUstream};
 pub(crate) mod ctx;
 mod error;
 pub(crate) mod event;
+#[cfg(feature = "testing")]
+pub mod fault;
 pub(crate) mod mem;
 pub(crate) mod pool;
 mod probe;

@@ -47,6 +47,10 @@ pub(crate) unsafe fn stream_synchronize(s: CUstream) -> DResult<()> {
 /// # Safety
 /// 1. `s` is a live stream of the current context (or a special handle).
 pub(crate) unsafe fn stream_query(s: CUstream) -> DResult<bool> {
+    #[cfg(feature = "testing")]
+    if let Some(f) = super::fault::take(super::fault::Call::StreamQuery) {
+        return f.error("cuStreamQuery").map_or(Ok(false), Err);
+    }
     // SAFETY: caller's contract. Relaxed, as `event_query`.
     super::capture_relaxed(|| match unsafe { sys::cuStreamQuery(s) } {
         sys::CUresult::CUDA_SUCCESS => Ok(true),
@@ -167,6 +171,10 @@ pub(crate) unsafe fn stream_write_value32(
     addr: super::CUdeviceptr,
     value: u32,
 ) -> DResult<()> {
+    #[cfg(feature = "testing")]
+    if let Some(f) = super::fault::take(super::fault::Call::StreamWriteValue32) {
+        return f.error("cuStreamWriteValue32").map_or(Ok(()), Err);
+    }
     // SAFETY: caller's contract.
     check("cuStreamWriteValue32", unsafe {
         sys::cuStreamWriteValue32_v2(
