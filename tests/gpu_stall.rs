@@ -807,3 +807,77 @@ fn gpu_small_copy_d2h_waits_land_within_their_spin() {
         "{after} of 200 waits saw their word only after the spin"
     );
 }
+
+/// A `wait_with` function that returns before the slot's last copy completed costs time, not
+/// data: behind a stalled stream, a second copy through a one-slot ring waits for the first to
+/// run (the event is asked again and waited for) instead of rewriting the slot under it. Both
+/// destinations end with their own values; the stager's getters report what it was built with.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_an_early_returning_wait_function_costs_time_not_data() {
+    let Some(dev) = gpu_or_skip("gpu_an_early_returning_wait_function_costs_time_not_data") else {
+        return;
+    };
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let st = pinstage::h2d::RawStager::builder(DType::U8)
+        .device(0)
+        .numel(4096)
+        .depth(1)
+        .build()
+        .unwrap();
+    assert!(st.has_cuda(), "a stager on a GPU machine serves devices");
+    assert_eq!((st.ordinal(), st.depth()), (0, 1));
+    let stream = Stream::new(&dev).unwrap();
+    let (a, b) = (
+        poisoned(&dev, DType::U8, 4096),
+        poisoned(&dev, DType::U8, 4096),
+    );
+    let (va, vb) = (
+        common::values(DType::U8, 4096, 51),
+        common::values(DType::U8, 4096, 52),
+    );
+    let (calls_a, calls_b) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let go = stall(&stream);
+    let returned = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let copier = scope.spawn(|| {
+            let mut early_a = |_: pinstage::cuda::SlotEvent<'_>| {
+                calls_a.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            };
+            let da = view(&a, DType::U8, 4096);
+            st.to(&da)
+                .stream(stream.handle())
+                .wait_with(&mut early_a)
+                .copy(&va)
+                .unwrap();
+            let mut early_b = |_: pinstage::cuda::SlotEvent<'_>| {
+                calls_b.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            };
+            let db = view(&b, DType::U8, 4096);
+            st.to(&db)
+                .stream(stream.handle())
+                .wait_with(&mut early_b)
+                .copy(&vb)
+                .unwrap();
+            returned.store(true, Ordering::Release);
+        });
+        std::thread::sleep(Duration::from_millis(60));
+        let early = returned.load(Ordering::Acquire);
+        go.release();
+        copier.join().unwrap();
+        assert!(
+            !early,
+            "the second copy rewrote the only slot while its copy was stalled"
+        );
+    });
+    stream.synchronize().unwrap();
+    assert_eq!(
+        calls_b.load(Ordering::Relaxed),
+        1,
+        "the busy slot's wait was asked"
+    );
+    common::check_layout(&read(&a), &va, None, 4096);
+    common::check_layout(&read(&b), &vb, None, 4096);
+}

@@ -248,3 +248,30 @@ fn one_dimensional_metadata_up_to_isize_bytes_is_made() {
     let meta = TensorMeta::host_1d(4096, DType::I32, numel, true);
     assert_eq!(meta.nbytes(), numel * 4);
 }
+
+/// The getters and `Debug` report what the stager was built with; outcomes say whether they
+/// wrote. Without a driver a stager for any ordinal is made (host destinations only).
+#[test]
+fn getters_and_outcomes_report_what_was_built_and_done() {
+    match Stager::builder(DType::F32).device(3).depth(5).build() {
+        Ok(st) => {
+            assert_eq!((st.ordinal(), st.depth()), (3, 5));
+            let dbg = format!("{st:?}");
+            assert!(dbg.starts_with("RawStager"), "{dbg}");
+            assert!(
+                dbg.contains("device: 3") && dbg.contains("depth: 5"),
+                "{dbg}"
+            );
+            if pinstage::Device::get(3).is_err() {
+                assert!(!st.has_cuda(), "no device 3, yet devices are served");
+                assert!(dbg.contains("cuda: false"), "{dbg}");
+            }
+        }
+        // A driver without a fourth device refuses the ordinal.
+        Err(e) => assert!(matches!(e, Error::NoSuchDevice { .. }), "{e:?}"),
+    }
+    assert!(CopyOutcome::Issued { slot: 2 }.wrote());
+    assert!(CopyOutcome::Host.wrote());
+    assert!(!CopyOutcome::Skipped.wrote());
+    assert!(!CopyOutcome::Empty.wrote());
+}
