@@ -554,6 +554,9 @@ fn names_accessors_and_open_slots() {
     );
     if !pinstage::cuda::cuda_available() {
         assert!(!st.has_cuda() && st.device().is_none() && st.arena_is_host());
+        // Without a driver any ordinal is served from host memory, and reported as built.
+        let st3 = StepStager::builder(&l).device(3).build().unwrap();
+        assert_eq!(st3.ordinal(), 3);
     }
     // Three steps open at once own three different slots, each below the depth.
     let steps = [st.step().unwrap(), st.step().unwrap(), st.step().unwrap()];
