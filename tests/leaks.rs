@@ -31,7 +31,10 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        NET.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+        NET.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
         // SAFETY: the caller's contract.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
