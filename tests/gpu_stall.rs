@@ -881,3 +881,62 @@ fn gpu_an_early_returning_wait_function_costs_time_not_data() {
     common::check_layout(&read(&a), &va, None, 4096);
     common::check_layout(&read(&b), &vb, None, 4096);
 }
+
+/// A step whose second span the driver refuses (injected, after the first was let through):
+/// the commit reports the error, but only once the first span, already queued behind a stall,
+/// has run, since the slot it reads is released for the next step to rewrite.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_a_step_failing_after_issued_spans_waits_for_them() {
+    use pinstage::testing::fault::{self, Call, Fault};
+    let Some(dev) = gpu_or_skip("gpu_a_step_failing_after_issued_spans_waits_for_them") else {
+        return;
+    };
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let layout = pinstage::StepLayout::builder()
+        .field("a", DType::I32, &[1024])
+        .field("b", DType::I32, &[1024])
+        .build()
+        .unwrap();
+    // No merging, no batch: one cuMemcpyHtoDAsync per field.
+    let st = pinstage::StepStager::builder(&layout)
+        .depth(1)
+        .max_gap(0)
+        .batch(false)
+        .build()
+        .unwrap();
+    let stream = Stream::new(&dev).unwrap();
+    let va: Vec<i32> = (0..100).map(|i| 7 + 3 * i).collect();
+    let vb: Vec<i32> = (0..100).map(|i| -5 - 2 * i).collect();
+    let go = stall(&stream);
+    let returned = AtomicBool::new(false);
+    let (r, left, early) = std::thread::scope(|scope| {
+        let committer = scope.spawn(|| {
+            fault::inject(Call::MemcpyHtoDAsync, Fault::Through, 1);
+            fault::inject(Call::MemcpyHtoDAsync, Fault::Failed, 1);
+            let mut s = st.step().unwrap();
+            s.put("a", &va).unwrap();
+            s.put("b", &vb).unwrap();
+            let r = s.commit(stream.handle()).map(|c| c.calls);
+            returned.store(true, Ordering::Release);
+            (r, fault::clear())
+        });
+        std::thread::sleep(Duration::from_millis(60));
+        let early = returned.load(Ordering::Acquire);
+        go.release();
+        let (r, left) = committer.join().unwrap();
+        (r, left, early)
+    });
+    assert_eq!(left, 0, "the commit made fewer than two span copies");
+    match r {
+        Err(pinstage::Error::Driver(e)) => assert_eq!(e.call(), "cuMemcpyHtoDAsync"),
+        other => panic!("the refused span was not reported: {other:?}"),
+    }
+    assert!(
+        !early,
+        "the failed commit released its slot while its first span was still queued"
+    );
+    stream.synchronize().unwrap();
+    let a: Vec<i32> = bytemuck::cast_slice(&st.read_field("a").unwrap()).to_vec();
+    assert_eq!(a[..100], va[..], "the first span's copy");
+}

@@ -20,6 +20,8 @@ pub enum Call {
     StreamWriteValue32,
     /// `cuStreamQuery` (a wait asking whether its stream went idle).
     StreamQuery,
+    /// `cuMemcpyHtoDAsync` (a stager's copy, a step's span).
+    MemcpyHtoDAsync,
 }
 
 /// What an injected fault does to the call.
@@ -35,16 +37,18 @@ pub enum Fault {
     /// Success without calling the driver: the call's effect never happens (a stream query
     /// reports "not ready").
     Skipped,
+    /// The driver called as usual (to let earlier calls through before a later one fails).
+    Through,
 }
 
 impl Fault {
-    /// The error the call returns, or `None` for [`Fault::Skipped`].
+    /// The error the call returns, or `None` for [`Fault::Skipped`] and [`Fault::Through`].
     pub(crate) fn error(self, call: &'static str) -> Option<DriverError> {
         let code = match self {
             Fault::NotSupported => CUresult::CUDA_ERROR_NOT_SUPPORTED,
             Fault::CaptureRefused => CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
             Fault::Failed => CUresult::CUDA_ERROR_UNKNOWN,
-            Fault::Skipped => return None,
+            Fault::Skipped | Fault::Through => return None,
         };
         Some(DriverError::new(call, code))
     }
@@ -65,8 +69,13 @@ pub fn clear() -> u32 {
     FAULTS.with(|f| f.borrow_mut().drain(..).map(|(_, _, n)| n).sum())
 }
 
-/// The fault the next call of `call` on this thread meets, if any (used up by this call).
+/// The fault the next call of `call` on this thread meets, if any (used up by this call);
+/// [`Fault::Through`] is used up and reported as none.
 pub(crate) fn take(call: Call) -> Option<Fault> {
+    take_any(call).filter(|&f| f != Fault::Through)
+}
+
+fn take_any(call: Call) -> Option<Fault> {
     FAULTS.with(|f| {
         let mut f = f.borrow_mut();
         let i = f.iter().position(|&(c, _, n)| c == call && n > 0)?;
@@ -113,5 +122,11 @@ mod tests {
         assert!(!e.is_capture_error() && !e.is_not_supported());
         assert_eq!(e.call(), "x");
         assert_eq!(Fault::Skipped.error("x"), None);
+        assert_eq!(Fault::Through.error("x"), None);
+        inject(Call::MemcpyHtoDAsync, Fault::Through, 1);
+        inject(Call::MemcpyHtoDAsync, Fault::Failed, 1);
+        assert_eq!(take(Call::MemcpyHtoDAsync), None, "let through");
+        assert_eq!(take(Call::MemcpyHtoDAsync), Some(Fault::Failed));
+        assert_eq!(clear(), 0);
     }
 }

@@ -214,6 +214,10 @@ pub(crate) unsafe fn memcpy_htod_async(
     bytes: usize,
     stream: CUstream,
 ) -> DResult<()> {
+    #[cfg(feature = "testing")]
+    if let Some(f) = super::fault::take(super::fault::Call::MemcpyHtoDAsync) {
+        return f.error("cuMemcpyHtoDAsync").map_or(Ok(()), Err);
+    }
     // SAFETY: caller's contract.
     check("cuMemcpyHtoDAsync", unsafe {
         sys::cuMemcpyHtoDAsync_v2(dst, src, bytes, stream)
