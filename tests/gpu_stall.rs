@@ -596,9 +596,28 @@ fn check_landed(dst: &pinstage::PinnedBuffer, data: &[u8], what: &str) {
     assert_eq!(dst.as_slice()[data.len()], POISON, "{what}: past the end");
 }
 
-/// `copy_d2h` behind a stalled stream, on its own thread with `faults` injected there first;
-/// the stall is released after 60 ms. Returns the copy's result and whether it returned before
-/// the release (it never may: its destination is written until the copy ran).
+/// Runs `work` on its own thread while `stream` is stalled, releasing the stall after 60 ms.
+/// Returns what `work` returned and whether it had returned before the release (a call whose
+/// copies are queued behind the stall may not: its memory is used until they ran).
+fn behind_a_stall<R: Send>(stream: &Stream, work: impl FnOnce() -> R + Send) -> (R, bool) {
+    let go = stall(stream);
+    let returned = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let worker = scope.spawn(|| {
+            let r = work();
+            returned.store(true, Ordering::Release);
+            r
+        });
+        std::thread::sleep(Duration::from_millis(60));
+        let early = returned.load(Ordering::Acquire);
+        go.release();
+        (worker.join().unwrap(), early)
+    })
+}
+
+/// `copy_d2h` behind a stalled stream ([`behind_a_stall`]), with `faults` injected on its
+/// thread first. Returns the copy's result, whether it returned early, and the injected calls
+/// never made.
 fn copy_d2h_behind_a_stall(
     stream: &Stream,
     src: &DeviceBuffer,
@@ -610,23 +629,14 @@ fn copy_d2h_behind_a_stall(
     )],
 ) -> (pinstage::Result<pinstage::host::CopyPath>, bool, u32) {
     use pinstage::testing::fault;
-    let go = stall(stream);
-    let returned = AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        let copier = scope.spawn(|| {
-            for &(c, f, n) in faults {
-                fault::inject(c, f, n);
-            }
-            let r = pinstage::copy_d2h(&src.view(DType::U8), dst.as_mut_slice(), stream.handle());
-            returned.store(true, Ordering::Release);
-            (r, fault::clear())
-        });
-        std::thread::sleep(Duration::from_millis(60));
-        let early = returned.load(Ordering::Acquire);
-        go.release();
-        let (r, left) = copier.join().unwrap();
-        (r, early, left)
-    })
+    let ((r, left), early) = behind_a_stall(stream, || {
+        for &(c, f, n) in faults {
+            fault::inject(c, f, n);
+        }
+        let r = pinstage::copy_d2h(&src.view(DType::U8), dst.as_mut_slice(), stream.handle());
+        (r, fault::clear())
+    });
+    (r, early, left)
 }
 
 /// Where the driver refuses stream writes (`CUDA_ERROR_NOT_SUPPORTED`, injected), `copy_d2h`
@@ -837,41 +847,32 @@ fn gpu_an_early_returning_wait_function_costs_time_not_data() {
         common::values(DType::U8, 4096, 52),
     );
     let (calls_a, calls_b) = (AtomicUsize::new(0), AtomicUsize::new(0));
-    let go = stall(&stream);
-    let returned = AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        let copier = scope.spawn(|| {
-            let mut early_a = |_: pinstage::cuda::SlotEvent<'_>| {
-                calls_a.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            };
-            let da = view(&a, DType::U8, 4096);
-            st.to(&da)
-                .stream(stream.handle())
-                .wait_with(&mut early_a)
-                .copy(&va)
-                .unwrap();
-            let mut early_b = |_: pinstage::cuda::SlotEvent<'_>| {
-                calls_b.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            };
-            let db = view(&b, DType::U8, 4096);
-            st.to(&db)
-                .stream(stream.handle())
-                .wait_with(&mut early_b)
-                .copy(&vb)
-                .unwrap();
-            returned.store(true, Ordering::Release);
-        });
-        std::thread::sleep(Duration::from_millis(60));
-        let early = returned.load(Ordering::Acquire);
-        go.release();
-        copier.join().unwrap();
-        assert!(
-            !early,
-            "the second copy rewrote the only slot while its copy was stalled"
-        );
+    let ((), early) = behind_a_stall(&stream, || {
+        let mut early_a = |_: pinstage::cuda::SlotEvent<'_>| {
+            calls_a.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        };
+        let da = view(&a, DType::U8, 4096);
+        st.to(&da)
+            .stream(stream.handle())
+            .wait_with(&mut early_a)
+            .copy(&va)
+            .unwrap();
+        let mut early_b = |_: pinstage::cuda::SlotEvent<'_>| {
+            calls_b.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        };
+        let db = view(&b, DType::U8, 4096);
+        st.to(&db)
+            .stream(stream.handle())
+            .wait_with(&mut early_b)
+            .copy(&vb)
+            .unwrap();
     });
+    assert!(
+        !early,
+        "the second copy rewrote the only slot while its copy was stalled"
+    );
     stream.synchronize().unwrap();
     assert_eq!(
         calls_b.load(Ordering::Relaxed),
@@ -908,24 +909,14 @@ fn gpu_a_step_failing_after_issued_spans_waits_for_them() {
     let stream = Stream::new(&dev).unwrap();
     let va: Vec<i32> = (0..100).map(|i| 7 + 3 * i).collect();
     let vb: Vec<i32> = (0..100).map(|i| -5 - 2 * i).collect();
-    let go = stall(&stream);
-    let returned = AtomicBool::new(false);
-    let (r, left, early) = std::thread::scope(|scope| {
-        let committer = scope.spawn(|| {
-            fault::inject(Call::MemcpyHtoDAsync, Fault::Through, 1);
-            fault::inject(Call::MemcpyHtoDAsync, Fault::Failed, 1);
-            let mut s = st.step().unwrap();
-            s.put("a", &va).unwrap();
-            s.put("b", &vb).unwrap();
-            let r = s.commit(stream.handle()).map(|c| c.calls);
-            returned.store(true, Ordering::Release);
-            (r, fault::clear())
-        });
-        std::thread::sleep(Duration::from_millis(60));
-        let early = returned.load(Ordering::Acquire);
-        go.release();
-        let (r, left) = committer.join().unwrap();
-        (r, left, early)
+    let ((r, left), early) = behind_a_stall(&stream, || {
+        fault::inject(Call::MemcpyHtoDAsync, Fault::Through, 1);
+        fault::inject(Call::MemcpyHtoDAsync, Fault::Failed, 1);
+        let mut s = st.step().unwrap();
+        s.put("a", &va).unwrap();
+        s.put("b", &vb).unwrap();
+        let r = s.commit(stream.handle()).map(|c| c.calls);
+        (r, fault::clear())
     });
     assert_eq!(left, 0, "the commit made fewer than two span copies");
     match r {
