@@ -79,6 +79,7 @@ fn expected(src: &BlockLayout, s: &[u8], dst: &BlockLayout, ids: &[(usize, usize
 #[case::broken_on_the_destination(&[3, 4], &[7, 9], 2)]
 #[case::reversed(&[3, 4, 5], &[9, 8, 7], 3)]
 #[case::repeated_source(&[3, 3, 4], &[7, 1, 8], 2)]
+#[case::repeated_source_after_its_run(&[3, 3, 4], &[7, 9, 8], 2)]
 #[case::empty(&[], &[], 0)]
 fn adjacent_ids_merge_into_one_copy_per_part(
     #[case] src_ids: &[usize],
@@ -145,21 +146,61 @@ fn random_moves_write_every_block_and_nothing_else_in_the_fewest_copies() {
         apply(&segs, &src, &s, &dst, &mut d);
         let ids: Vec<_> = srcs.iter().copied().zip(dsts.iter().copied()).collect();
         assert!(d == expected(&src, &s, &dst, &ids), "seed {seed}");
-        // The fewest copies: one per part and per maximal run of the sorted pairs.
-        let mut sorted = ids.clone();
-        sorted.sort_unstable();
-        let runs = sorted
+        // The fewest copies: one per part and per pair that no pair can precede in a run
+        // (a destination names one source, so a pair's predecessor, if any, is unique).
+        let set: std::collections::HashSet<_> = ids.iter().copied().collect();
+        let runs = ids
             .iter()
-            .enumerate()
-            .filter(|&(i, &(a, b))| {
-                i == 0 || sorted[i - 1] != (a.wrapping_sub(1), b.wrapping_sub(1))
-            })
+            .filter(|&&(a, b)| a == 0 || b == 0 || !set.contains(&(a - 1, b - 1)))
             .count();
         assert_eq!(segs.len(), outer * runs, "seed {seed}");
         assert!(
             segs.iter().all(|g| g.len % bytes == 0 && g.len > 0),
             "seed {seed}"
         );
+    }
+}
+
+/// The three ways `runs` orders a move (a table by destination when the destination side holds
+/// few blocks for the ids, one sorted word per pair below 2^32 blocks, sorted pairs above)
+/// merge the same runs and name the same destination given twice.
+#[test]
+fn every_ordering_merges_the_same_runs_and_names_the_same_duplicate() {
+    let src: &[usize] = &[9, 3, 4, 3, 5, 0, 7];
+    let dst: &[usize] = &[1, 7, 8, 10, 9, 2, 0];
+    let want = vec![
+        plan::Run {
+            src: 7,
+            dst: 0,
+            len: 1,
+        },
+        plan::Run {
+            src: 9,
+            dst: 1,
+            len: 1,
+        },
+        plan::Run {
+            src: 0,
+            dst: 2,
+            len: 1,
+        },
+        plan::Run {
+            src: 3,
+            dst: 7,
+            len: 3,
+        },
+        plan::Run {
+            src: 3,
+            dst: 10,
+            len: 1,
+        },
+    ];
+    // Table (11 <= 8 * 7), sorted words (80 > 56), sorted pairs (past 2^32 blocks).
+    for (ns, nd) in [(10, 11), (10, 80), (10, 1 << 33), (1 << 33, 11)] {
+        let got = plan::runs((src, "s"), (dst, "d"), ns, nd).unwrap();
+        assert_eq!(got, want, "{ns} / {nd} blocks");
+        let e = plan::runs((src, "s"), (&[5, 4, 9, 5, 4, 1, 0], "d"), ns, nd).unwrap_err();
+        assert!(e.to_string().contains("4 twice"), "{ns} / {nd} blocks: {e}");
     }
 }
 

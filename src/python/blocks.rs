@@ -273,40 +273,63 @@ pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<usize
         let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
         for item in items {
             let item = item?;
-            let Some(i) = super::args::as_index(&item)? else {
-                return Err(type_err(format!(
-                    "{arg} must hold ints; got {}",
-                    describe(&item)
-                )));
+            // A plain int (most ids) needs no `__index__`; ids past i64 are past every
+            // tensor's blocks and are read wide only to name them.
+            let int = match item.cast_exact::<pyo3::types::PyInt>() {
+                Ok(i) => i.clone().into_any(),
+                Err(_) => match super::args::as_index(&item)? {
+                    Some(i) => i,
+                    None => {
+                        return Err(type_err(format!(
+                            "{arg} must hold ints; got {}",
+                            describe(&item)
+                        )));
+                    }
+                },
             };
-            let v: i128 = i.extract()?;
+            let v = match int.extract::<i64>() {
+                Ok(v) => i128::from(v),
+                Err(_) => int.extract::<i128>()?,
+            };
             out.push(id(v, arg)?);
         }
         return Ok(out);
     }
-    let imp = import(obj, None)?;
-    let v = &imp.view;
-    if v.memory() != MemoryKind::Host || v.shape().len() > 1 {
-        return Err(value_err(format!(
-            "{arg} must be a 1-D integer array in host memory; got {}",
-            describe(obj)
-        )));
-    }
-    let n = v.numel();
-    let p = v.ptr() as usize;
+    // numpy arrays are read in place, with their strides (slices too; no capsule); other
+    // producers through DLPack, C-contiguous.
+    let (p, n, stride, dtype, _imp) = match numpy_ids(obj)? {
+        Some((p, n, stride, dtype)) => (p, n, stride, dtype, None),
+        None => {
+            let imp = import(obj, None)?;
+            let v = &imp.view;
+            if v.memory() != MemoryKind::Host || v.shape().len() > 1 {
+                return Err(value_err(format!(
+                    "{arg} must be a 1-D integer array in host memory; got {}",
+                    describe(obj)
+                )));
+            }
+            let (p, n, d) = (v.ptr() as usize, v.numel(), v.dtype());
+            (p, n, d.itemsize() as isize, d, Some(imp))
+        }
+    };
     macro_rules! read {
         ($t:ty) => {{
             (0..n)
                 .map(|i| {
-                    // SAFETY: element `i < n` of `$t` in host memory kept alive by `imp`
-                    // (borrowed here); read unaligned (a producer may export any address).
-                    let x = unsafe { std::ptr::read_unaligned((p as *const $t).add(i)) };
-                    id(x as i128, arg)
+                    // SAFETY: element `i < n` of `$t`, `stride` bytes apart, in host memory
+                    // kept alive by `obj` (borrowed, the GIL held) or `_imp`; read unaligned (a
+                    // producer may export any address).
+                    let x = unsafe {
+                        std::ptr::read_unaligned(
+                            p.wrapping_add_signed(i as isize * stride) as *const $t
+                        )
+                    };
+                    usize::try_from(x).map_err(|_| id_err(x as i128, arg))
                 })
                 .collect()
         }};
     }
-    match v.dtype() {
+    match dtype {
         DType::I8 => read!(i8),
         DType::I16 => read!(i16),
         DType::I32 => read!(i32),
@@ -322,8 +345,37 @@ pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<usize
     }
 }
 
+/// A 0-d or 1-D numpy array of a native dtype, as (address of element 0, elements, stride in
+/// bytes, dtype); `None`: not one (the DLPack path reads it or says why not).
+fn numpy_ids(obj: &Bound<'_, PyAny>) -> PyResult<Option<(usize, usize, isize, DType)>> {
+    use numpy::{PyUntypedArray, PyUntypedArrayMethods};
+    let Ok(a) = obj.cast::<PyUntypedArray>() else {
+        return Ok(None);
+    };
+    if a.ndim() > 1 {
+        return Ok(None);
+    }
+    let Some(dtype) = super::dtype::dtype_of(obj.py(), &a.dtype())? else {
+        return Ok(None);
+    };
+    // SAFETY: reading fields of a live numpy array object; a 1-D array has one stride.
+    let (data, stride) = unsafe {
+        let f = &(*a.as_array_ptr()).fields;
+        (f.data as usize, if a.ndim() == 1 { *f.strides } else { 0 })
+    };
+    Ok(Some((data, a.len(), stride, dtype)))
+}
+
 fn id(v: i128, arg: &str) -> PyResult<usize> {
-    usize::try_from(v).map_err(|_| value_err(format!("{arg} holds {v}: block ids are >= 0")))
+    usize::try_from(v).map_err(|_| id_err(v, arg))
+}
+
+fn id_err(v: i128, arg: &str) -> PyErr {
+    if v < 0 {
+        value_err(format!("{arg} holds {v}: block ids are >= 0"))
+    } else {
+        value_err(format!("{arg} holds {v}: past any tensor's block count"))
+    }
 }
 
 /// The Python names of a move's source and destination ids.

@@ -136,6 +136,29 @@ def test_ids_from_every_integer_dtype_aligned_or_not(dtype, aligned):
     np.testing.assert_array_equal(host[0], want)
 
 
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda a: np.repeat(a, 2)[::2],  # every other element
+        lambda a: a[::-1].copy()[::-1],  # reversed twice: a negative stride
+        lambda a: np.stack([a, a + 100]).T[:, 0],  # a column: a stride of two elements
+        lambda a: np.frombuffer(a.astype(np.int16).tobytes(), np.int16),  # read-only
+    ],
+    ids=["every_other", "negative_stride", "column", "read_only"],
+)
+def test_ids_from_numpy_views_are_read_with_their_strides(view):
+    dev = [values((2, 24, 3), 0, 0)]
+    host = [np.full((2, 16, 3), POISON, np.int32)]
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    want_src, want_dst = [3, 4, 20, 9], [15, 0, 7, 8]
+    src, dst = (view(np.array(v, np.int64)) for v in (want_src, want_dst))
+    assert list(src) == want_src and list(dst) == want_dst
+    assert mover.plan("offload", src, dst)["runs"] == 4
+    mover.offload(src, dst).wait()
+    want = expected(np.full((2, 16, 3), POISON, np.int32), dev[0], want_src, want_dst, 1)
+    np.testing.assert_array_equal(host[0], want)
+
+
 def test_bad_tensors_are_refused():
     dev = [np.zeros((2, 8, 4), np.int32)]
     with pytest.raises(pinstage.PinstageValueError, match="one host tensor per device tensor"):
