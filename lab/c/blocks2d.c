@@ -34,6 +34,15 @@
  *   2d-hsorted the random pairs issued in host address order (run 2026-12-03 y: H2D 64 KiB lost
  *              its 9% to the host side's scatter, 2d-hseq 51.3 against 2d-dseq 46.8 GB/s; does
  *              ascending host order with gaps recover it, or only adjacent host blocks?)
+ *   2d-hgather (H2D only) a host-side gather: GATHER_T threads (default 8, the caller among them)
+ *              copy the moved host blocks of GATHER_C blocks at a time (default: 16 MiB per chunk)
+ *              into a ring of 8 chunks of pinned staging, tensor-major ([L][C] blocks), and each
+ *              gathered chunk goes as one 2D copy per block from staging (pitch C * B) to the
+ *              scattered device blocks while the next chunk is gathered (2d-hseq showed H2D 64
+ *              KiB at 51.5 GB/s with the host side in order against 46.8 scattered: does a gather
+ *              by the CPU buy that back, or does it cost the memory bandwidth the DMA needs?)
+ *   gather     the control for 2d-hgather: the same gather into the staging ring, no copy (the
+ *              CPU's gather rate alone; checked on the staging's last chunk)
  * ONLY=name,name...: run only these strategies.
  * Every timed call is checked: the destination poisoned (0xEE) before it; after it, the first
  * and last 8 bytes of every moved (tensor, block) and one unmoved block per tensor compared with
@@ -86,10 +95,11 @@ static uint64_t pat(uint64_t salt, size_t t, size_t b, size_t w) {
 }
 
 enum { S_BATCH, S_SPLIT, S_2D, S_2DX2, S_CONTIG, S_BT2, S_BT4, S_2DT2, S_2DT4, S_HELD, S_CHUNKS,
-       S_2DSEQ, S_2DWIDE, S_2DDSEQ, S_2DHSEQ, S_2DSORT, S_2DHSORT, NS };
+       S_2DSEQ, S_2DWIDE, S_2DDSEQ, S_2DHSEQ, S_2DSORT, S_2DHSORT, S_HGATHER, S_GATHER, NS };
 static const char *SNAME[NS] = {"batch", "split4k", "2d", "2d-x2", "contig",
                                 "batch-t2", "batch-t4", "2d-t2", "2d-t4", "batch-held", "contig-b",
-                                "2d-seq", "2d-wide", "2d-dseq", "2d-hseq", "2d-sorted", "2d-hsorted"};
+                                "2d-seq", "2d-wide", "2d-dseq", "2d-hseq", "2d-sorted", "2d-hsorted",
+                                "2d-hgather", "gather"};
 static CUcontext g_ctx;
 static CUstream g_st[4];
 
@@ -218,6 +228,66 @@ static void issue_threads(int s, int dir, CUdeviceptr dev, char *host, size_t NB
     for (int k = 0; k < T; k++) pthread_join(th[k], NULL);
 }
 
+/* The host-side gather (2d-hgather, gather): a pool of GATHER_T - 1 threads and the caller,
+ * each round copying its share of one chunk's (tensor, block) pieces into the staging ring. */
+#define RING 8
+static pthread_barrier_t g_bar;
+static struct {
+    char *host, *dst; size_t pitch, B, C, first, n, *hid; int T, quit;
+} g_gather;
+
+static void gather_share(int k) {
+    size_t pieces = L * g_gather.n, a = pieces * k / g_gather.T, e = pieces * (k + 1) / g_gather.T;
+    size_t B = g_gather.B;
+    for (size_t p = a; p < e; p++) {
+        size_t t = p / g_gather.n, j = p % g_gather.n;
+        memcpy(g_gather.dst + (t * g_gather.C + j) * B,
+               g_gather.host + t * g_gather.pitch + g_gather.hid[g_gather.first + j] * B, B);
+    }
+}
+
+static void *gather_worker(void *arg) {
+    int k = (int)(intptr_t)arg;
+    for (;;) {
+        pthread_barrier_wait(&g_bar);
+        if (g_gather.quit) return NULL;
+        gather_share(k);
+        pthread_barrier_wait(&g_bar);
+    }
+}
+
+static void gather_round(void) {
+    pthread_barrier_wait(&g_bar);
+    gather_share(0);
+    pthread_barrier_wait(&g_bar);
+}
+
+static void hgather(int copy, CUdeviceptr dev, char *host, size_t NB, size_t B, size_t M,
+                    size_t *did, size_t *hid, CUstream st, char *stage, size_t C, CUevent *ev) {
+    size_t pitch = NB * B, chunk = (size_t)L * C * B;
+    int used[RING] = {0};
+    for (size_t first = 0, k = 0; first < M; first += C, k++) {
+        size_t n = M - first < C ? M - first : C;
+        int r = (int)(k % RING);
+        if (used[r]) CHECK(cuEventSynchronize(ev[r]));
+        char *dst = stage + r * chunk;
+        g_gather.host = host; g_gather.dst = dst; g_gather.pitch = pitch; g_gather.B = B;
+        g_gather.C = C; g_gather.first = first; g_gather.n = n; g_gather.hid = hid;
+        gather_round();
+        if (!copy) continue;
+        for (size_t j = 0; j < n; j++) {
+            CUDA_MEMCPY2D c;
+            memset(&c, 0, sizeof c);
+            c.srcMemoryType = CU_MEMORYTYPE_HOST; c.srcHost = dst + j * B; c.srcPitch = C * B;
+            c.dstMemoryType = CU_MEMORYTYPE_DEVICE; c.dstDevice = dev + did[first + j] * B;
+            c.dstPitch = pitch; c.WidthInBytes = B; c.Height = L;
+            CHECK(cuMemcpy2DAsync(&c, st));
+        }
+        CHECK(cuEventRecord(ev[r], st));
+        used[r] = 1;
+    }
+}
+
 int main(int argc, char **argv) {
     CUdevice dev0;
     CUcontext ctx;
@@ -246,7 +316,17 @@ int main(int argc, char **argv) {
     g_st[0] = st; g_st[1] = st2;
     CHECK(cuStreamCreate(&g_st[2], CU_STREAM_NON_BLOCKING));
     CHECK(cuStreamCreate(&g_st[3], CU_STREAM_NON_BLOCKING));
-    printf("blocks2d: L=%d, cap %zu GiB per side, max pitch %d\n", L, CAP >> 30, maxpitch);
+    int GT = getenv("GATHER_T") ? atoi(getenv("GATHER_T")) : 8;
+    if (GT < 1) GT = 1;
+    g_gather.T = GT;
+    pthread_barrier_init(&g_bar, NULL, (unsigned)GT);
+    pthread_t gth[64];
+    for (int k = 1; k < GT && k < 64; k++)
+        if (pthread_create(&gth[k], NULL, gather_worker, (void *)(intptr_t)k)) { fprintf(stderr, "pthread\n"); exit(1); }
+    CUevent gev[RING];
+    for (int k = 0; k < RING; k++) CHECK(cuEventCreate(&gev[k], CU_EVENT_DISABLE_TIMING));
+    printf("blocks2d: L=%d, cap %zu GiB per side, max pitch %d, gather threads %d\n", L, CAP >> 30,
+           maxpitch, GT);
     size_t sizes[8] = {4096, 16384, 32768, 65536, 262144};
     int nsizes = 5;
     if (argc > 1) {  /* block sizes in KiB */
@@ -265,9 +345,14 @@ int main(int argc, char **argv) {
                 double t[REPS], h[REPS];
                 int ok = 1;
                 if (s == S_2D || s == S_2DX2 || s == S_2DT2 || s == S_2DT4 || s == S_2DSEQ || s == S_2DWIDE
-                    || s == S_2DDSEQ || s == S_2DHSEQ || s == S_2DSORT || s == S_2DHSORT)
+                    || s == S_2DDSEQ || s == S_2DHSEQ || s == S_2DSORT || s == S_2DHSORT || s == S_HGATHER)
                     ok = pitch <= (size_t)maxpitch;
                 if (getenv("SKIP_OLD") && (s == S_SPLIT || s == S_2DX2)) ok = 0;
+                if ((s == S_HGATHER || s == S_GATHER) && dir == 1) ok = 0;
+                size_t C = getenv("GATHER_C") ? (size_t)atoi(getenv("GATHER_C")) : (16u << 20) / (L * B);
+                if (C < 1) C = 1;
+                if (C > M) C = M;
+                if ((size_t)RING * L * C * B > CAP / 4) C = CAP / 4 / ((size_t)RING * L * B);
                 if (getenv("ONLY")) {
                     char list[256];
                     snprintf(list, sizeof list, ",%s,", getenv("ONLY"));
@@ -318,7 +403,9 @@ int main(int argc, char **argv) {
                     CHECK(cuCtxSynchronize());
                     if (s == S_HELD) CHECK(cuLaunchHostFunc(st, holder, NULL));
                     double t0 = now_ms();
-                    if (s >= S_BT2 && s <= S_2DT4) issue_threads(s, dir, dev, host, NB, B, M, pd, ph);
+                    if (s == S_HGATHER || s == S_GATHER)
+                        hgather(s == S_HGATHER, dev, host, NB, B, M, pd, ph, st, stage, C, gev);
+                    else if (s >= S_BT2 && s <= S_2DT4) issue_threads(s, dir, dev, host, NB, B, M, pd, ph);
                     else issue(s == S_HELD ? S_BATCH : (s == S_2DSEQ || s >= S_2DDSEQ) ? S_2D : s, dir, dev, host, NB, B, M, pd, ph,
                                st, st2, gdev, stage);
                     double t1 = now_ms();
@@ -331,6 +418,17 @@ int main(int argc, char **argv) {
                         char *got = dir == 0 ? mirror : stage;
                         for (size_t i = 0; i < L * M * B / 8; i += 4099)
                             if (((uint64_t *)got)[i] != pat(salt, 0, 0, i)) { wrong++; break; }
+                        continue;
+                    }
+                    if (s == S_GATHER) {  /* the last chunk's pieces, in the staging ring */
+                        size_t k = (M - 1) / C, first = k * C, n = M - first;
+                        char *g = stage + (k % RING) * (size_t)L * C * B;
+                        for (size_t tt = 0; tt < L; tt++)
+                            for (size_t j = 0; j < n; j++) {
+                                uint64_t *p = (uint64_t *)(g + (tt * C + j) * B);
+                                if (p[0] != pat(salt, tt, ph[first + j], 0) || p[W - 1] != pat(salt, tt, ph[first + j], W - 1))
+                                    if (wrong++ < 5) printf("WRONG gather B %zu t %zu j %zu\n", B, tt, j);
+                            }
                         continue;
                     }
                     char *dst = dir == 0 ? mirror : host;
