@@ -32,6 +32,8 @@ mod module;
 mod nvtx;
 pub(crate) mod pending;
 mod pool;
+#[cfg(test)]
+mod pytest;
 mod stager;
 mod step;
 pub(crate) mod stream;

@@ -75,6 +75,11 @@ fn driver_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
 /// The Python module `pinstage._native`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init(m)
+}
+
+/// Fills the module `m` with every name of `pinstage._native`.
+pub(crate) fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;

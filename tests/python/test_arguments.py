@@ -63,6 +63,7 @@ def test_device_beyond_the_driver_is_refused():
         pinstage.PinnedStager("int32", device=np.int64(n + 4))
 
 
+@pytest.mark.child_process
 def test_huge_depth_does_not_abort_the_interpreter():
     # Used to abort with "memory allocation of 128000000000 bytes failed": run it in a child.
     code = (

@@ -371,6 +371,7 @@ int nvtxRangePop(void) { note("pop", "-"); return --depth; }
 """
 
 
+@pytest.mark.child_process
 def test_nvtx_ranges_reach_the_nvtx_library(tmp_path):
     """With a recording stand-in for libnvToolsExt on the library path, every range is pushed
     with its message and popped, as a context manager, a decorator, and when the body raises."""

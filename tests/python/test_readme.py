@@ -23,6 +23,7 @@ def _run(code):
     assert r.returncode == 0, f"snippet failed:\n{code}\n--- stderr ---\n{r.stderr[-3000:]}"
 
 
+@pytest.mark.child_process
 @pytest.mark.parametrize("code", [c for k, c in BLOCKS if k == "cpu"])
 def test_cpu_snippet(code):
     _run(code)

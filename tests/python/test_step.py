@@ -889,6 +889,7 @@ def test_two_gpus_each_with_its_own_arena(gpu):
         assert torch.from_dlpack(here.field("input_ids")).device.index == 1
 
 
+@pytest.mark.child_process
 def test_an_int_stream_pointing_at_no_memory_is_refused():
     """The driver would dereference it (a segfault on a GPU machine): refused before any use."""
     st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16)}), depth=1)
@@ -920,6 +921,7 @@ def _child(code, timeout=60):
     return r.stdout
 
 
+@pytest.mark.child_process
 def test_a_step_beyond_the_depth_on_the_same_thread_is_refused_not_waited_for():
     out = _child(
         """
@@ -944,6 +946,7 @@ def test_a_step_beyond_the_depth_on_the_same_thread_is_refused_not_waited_for():
     assert "[4, 5, 0, 0, 0, 0, 0, 0]" in out
 
 
+@pytest.mark.child_process
 def test_a_step_waiting_for_another_threads_slot_gets_it():
     out = _child(
         """
@@ -968,6 +971,7 @@ def test_a_step_waiting_for_another_threads_slot_gets_it():
     assert "waited" in out and "got [7, 7, 7, 7]" in out
 
 
+@pytest.mark.child_process
 def test_a_step_used_by_a_callback_of_its_own_call_is_refused():
     out = _child(
         """
@@ -995,6 +999,7 @@ def test_a_step_used_by_a_callback_of_its_own_call_is_refused():
     assert "[True, True, True]" in out and "[1, 2, 3, 4]" in out
 
 
+@pytest.mark.child_process
 def test_another_thread_reading_a_busy_step_does_not_deadlock():
     out = _child(
         """
@@ -1021,6 +1026,7 @@ def test_another_thread_reading_a_busy_step_does_not_deadlock():
     assert "done [1, 2, 0, 0, 0, 0, 0, 0]" in out
 
 
+@pytest.mark.child_process
 def test_stage_with_a_dict_changed_by_a_value_raises_and_releases_the_slot():
     out = _child(
         """
