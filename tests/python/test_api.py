@@ -114,6 +114,22 @@ def test_positional_options_warn_and_mean_the_same():
     assert d.tolist() == [1, 8, 8, 8]
 
 
+def test_positional_options_fewer_too_many_or_twice():
+    st = _stager()
+    with st.step() as step, _warns("put(name, values, pad_value=pad, rows=rows)"):
+        step.put("ids", [4], 9)  # fewer than every option: the pad only
+    assert st.read_field("ids")[:2].tolist() == [4, P]
+    with st.step() as step, _warns("put(name, values, pad_value=pad, rows=rows)"):
+        step.put("ids", [5], 8, pad_value=None, rows=2)  # a keyword left None is not given
+    assert st.read_field("ids")[:3].tolist() == [5, 8, P]
+    with st.step() as step:
+        with pytest.raises(pinstage.PinstageTypeError, match="at most 2 argument"):
+            step.put("ids", [4], 9, 3, 1)
+        with pytest.raises(pinstage.PinstageTypeError, match="pad_value was given both"):
+            step.put("ids", [4], 9, pad_value=9)
+        step.put("ids", [1])
+
+
 def test_step_layout_positional_skip_unchanged_warns():
     with _warns("StepLayout(fields, skip_unchanged=names)"):
         a = pinstage.StepLayout({"ids": ("int32", 8)}, ["ids"])

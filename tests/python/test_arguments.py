@@ -63,6 +63,45 @@ def test_device_beyond_the_driver_is_refused():
         pinstage.PinnedStager("int32", device=np.int64(n + 4))
 
 
+class _Device:
+    """A stand-in for torch.device (type, index) or cupy.cuda.Device (id)."""
+
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+    def __repr__(self):
+        return f"_Device({self.__dict__})"
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cuda", "cuda:0", 0, np.int64(0), _Device(type="cuda", index=0), _Device(type="cuda", index=None),
+     _Device(id=0)],
+    ids=["cuda", "cuda:0", "int", "numpy", "torch-like", "torch-like-current", "cupy-like"],
+)
+def test_every_spelling_of_device_0_names_it(device):
+    # Without a driver only device 0 can be named; each spelling must reach it (a spelling
+    # misread as another device would need CUDA and raise).
+    if pinstage.device_count() > 1:
+        pytest.skip("with several devices the current one may not be 0")
+    assert pinstage.PinnedStager("int32", numel=4, depth=2, device=device).device == 0
+
+
+@pytest.mark.parametrize(
+    "device, exc, match",
+    [
+        (_Device(type="cpu", index=0), pinstage.PinstageTypeError, "got a cpu device"),
+        (_Device(type="cuda", index=True), pinstage.PinstageTypeError, "device must be"),
+        (_Device(id=False), pinstage.PinstageTypeError, "device must be"),
+        ("cuda:x", pinstage.PinstageValueError, "cuda:N"),
+    ],
+    ids=["cpu-device", "bool-index", "bool-id", "bad-suffix"],
+)
+def test_device_objects_that_are_no_cuda_device_are_refused(device, exc, match):
+    with pytest.raises(exc, match=match):
+        pinstage.PinnedStager("int32", numel=4, depth=2, device=device)
+
+
 @pytest.mark.child_process
 def test_huge_depth_does_not_abort_the_interpreter():
     # Used to abort with "memory allocation of 128000000000 bytes failed": run it in a child.
@@ -470,7 +509,9 @@ def test_structured_and_void_values_are_typed_errors_with_nothing_written(values
 
 
 def test_shapes_take_ints_and_numpy_integers_never_bools_or_bytes():
-    for bad in (True, (True, 3), b"\x04", "4", (2, 2.0), None, {3, 2}, {2: 0}, (d for d in (2, 3))):
+    bad_shapes = (True, (True, 3), b"\x04", bytearray(b"\x04"), "4", (2, 2.0), None, {3, 2}, {2: 0},
+                  (d for d in (2, 3)))
+    for bad in bad_shapes:
         with pytest.raises(pinstage.PinstageTypeError, match="shape must be"):
             pinstage.empty_host(bad, "int8")
         with pytest.raises(pinstage.PinstageTypeError, match="shape must be"):
