@@ -1073,6 +1073,29 @@ def test_stage_refuses_rows_and_pads_of_fields_it_does_not_write():
     assert st.read_field("ids").view(np.int32)[:4].tolist() == [1, 2, -1, -1]
 
 
+def test_stage_converts_values_of_another_dtype_and_refuses_another_width():
+    # The exact-array fast path must not take arrays of another dtype (their bytes are not the
+    # field's) or another row width.
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 8), "t": ("int64", (4, 2))}), depth=1)
+    st.stage({"ids": np.array([7, 7, 7, 7], np.int32), "t": np.full((4, 2), 9, np.int64)})
+    st.stage({"ids": np.array([1, -2, 3], np.int64), "t": np.array([[5, -6]], np.int32)})
+    assert st.read_field("ids")[:4].tolist() == [1, -2, 3, 7]
+    assert st.read_field("t")[:2].tolist() == [[5, -6], [9, 9]]
+    for bad, why in ((np.zeros((2, 3), np.int64), "shape"), (np.zeros((2, 1), np.int64), "pad")):
+        with pytest.raises(pinstage.PinstageValueError, match=why):
+            st.stage({"t": bad})
+    assert st.read_field("t")[:2].tolist() == [[5, -6], [9, 9]]
+    # One axis for two: refused, but for no rows at all (an empty list writes none).
+    for bad in ([1, 2], np.array([1, 2], np.int64)):
+        with pytest.raises(pinstage.PinstageValueError, match="shape"):
+            st.stage({"t": bad})
+        with pytest.raises(pinstage.PinstageValueError, match="shape"):
+            with st.step() as step:
+                step.put("t", bad)
+    st.stage({"t": []})
+    assert st.read_field("t")[:2].tolist() == [[5, -6], [9, 9]]
+
+
 def test_layouts_compare_hash_and_pickle():
     import copy
     import pickle
@@ -1084,6 +1107,13 @@ def test_layouts_compare_hash_and_pickle():
     assert a != pinstage.StepLayout({"ids": ("int32", 8), "t": ("int64", (4, 2))})  # skip differs
     assert a != pinstage.StepLayout({"t": ("int64", (4, 2)), "ids": ("int32", 8)}, skip_unchanged=["t"])
     assert a != "layout"
+    # Layouts that differ in one respect each hash apart (a constant hash would be legal but
+    # would pile every layout kept in a dict or set into one bucket).
+    others = [pinstage.StepLayout({"ids": ("int32", 8), "t": ("int64", (4, 2))}),
+              pinstage.StepLayout({"ids": ("int32", 9), "t": ("int64", (4, 2))}, skip_unchanged=["t"]),
+              pinstage.StepLayout({"ids": ("int64", 8), "t": ("int64", (4, 2))}, skip_unchanged=["t"]),
+              pinstage.StepLayout({"id": ("int32", 8), "t": ("int64", (4, 2))}, skip_unchanged=["t"])]
+    assert len({hash(x) for x in [a, *others]}) == 5
     st = pinstage.StepStager(b, depth=1)
     st.stage({"ids": [4, 5]})
     assert st.read_field("ids")[:2].tolist() == [4, 5]
