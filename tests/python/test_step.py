@@ -8,6 +8,7 @@ torch, cupy and JAX consumers, every field of every step checked against poisone
 import gc
 import sys
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -487,6 +488,31 @@ def test_a_step_left_open_by_an_exited_thread_frees_its_slot(how):
         with pytest.raises(pinstage.StepStateError, match="thread that opened it exited"):
             call()
     assert st.stats()["aborted"] >= 1
+
+
+def test_every_step_an_exited_thread_left_open_is_aborted():
+    """Two steps left open by one thread (the second opened while the first is open): the
+    thread's exit aborts both, so both slots are free again."""
+    st = pinstage.StepStager(pinstage.StepLayout({"a": ("int32", 8)}), depth=2)
+    kept = []
+
+    def work():
+        for v in (5, 6):
+            s = st.step()
+            s.put("a", [v])
+            kept.append(s)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()  # returns before the OS thread's exit, where its steps are aborted: poll
+    deadline = time.monotonic() + 10
+    while any(repr(s) == "Step(open)" for s in kept) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert [repr(s) for s in kept] == ["Step(aborted: its thread exited)"] * 2
+    with st.step() as a, st.step() as b:  # both slots, from this thread, at once
+        a.put("a", [1])
+        b.put("a", [2])
+    assert st.read_field("a")[:1].tolist() == [1]  # `a` commits last (contexts exit inner first)
 
 
 def test_many_threads_one_stager_every_step_checked():
