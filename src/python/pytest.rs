@@ -9,7 +9,8 @@
 //!
 //! `PINSTAGE_PYTEST_FILES`: the test files under tests/python (default: all of them). Tests
 //! marked `gpu`, `two_gpus` or `child_process` (a child interpreter cannot import this build)
-//! are deselected.
+//! are deselected; `PINSTAGE_PYTEST_IN_PROCESS=1` tells the step tests' `_child` to run its
+//! code on a thread of this process instead.
 
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -33,6 +34,10 @@ fn cpu_pytest_suite() {
         sys.getattr("modules")?
             .set_item("pinstage._native", &native)?;
         py.import("pinstage")?.setattr("_native", native)?;
+        // Tests that would run pinstage in a child interpreter run it here instead.
+        py.import("os")?
+            .getattr("environ")?
+            .set_item("PINSTAGE_PYTEST_IN_PROCESS", "1")?;
         let tests = root.join("tests/python");
         let mut args: Vec<String> = ["-q", "-x", "-p", "no:cacheprovider", "-m"]
             .map(String::from)
