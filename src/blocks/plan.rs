@@ -220,7 +220,6 @@ pub(crate) fn segments(
             "block ids below each tensor's block count",
         ));
     }
-    out.reserve(runs.len() * src.outer);
     for part in 0..src.outer {
         for r in runs {
             out.push(Segment {

@@ -204,6 +204,80 @@ fn every_ordering_merges_the_same_runs_and_names_the_same_duplicate() {
     }
 }
 
+/// Ids past 2^32 (tensors of more blocks) keep their high bits: no path that packs ids into
+/// 32-bit halves may take them.
+#[test]
+fn ids_past_u32_keep_their_high_bits() {
+    let big = 1usize << 32;
+    let run = |src, dst, len| plan::Run { src, dst, len };
+    let cases: [(&[usize], &[usize], usize, usize, Vec<plan::Run>); 3] = [
+        // Both sides past 2^32.
+        (
+            &[big + 3, big + 4, 5, big + 9],
+            &[big + 7, big + 8, 2, 0],
+            1 << 33,
+            1 << 33,
+            vec![run(big + 9, 0, 1), run(5, 2, 1), run(big + 3, big + 7, 2)],
+        ),
+        // Sources past 2^32, few destination blocks (where a table by destination would do).
+        (
+            &[big + 3, big + 4, 5],
+            &[1, 2, 0],
+            1 << 33,
+            3,
+            vec![run(5, 0, 1), run(big + 3, 1, 2)],
+        ),
+        // Destinations past 2^32.
+        (
+            &[3, 4],
+            &[big + 1, big + 2],
+            10,
+            1 << 33,
+            vec![run(3, big + 1, 2)],
+        ),
+    ];
+    for (src, dst, ns, nd, want) in cases {
+        assert_eq!(plan::runs((src, "s"), (dst, "d"), ns, nd).unwrap(), want);
+    }
+}
+
+/// `segments` checks runs against its own two tensors (a mover checks ids against the fewest
+/// blocks of any pair): a run past either side alone is refused, nothing appended.
+#[test]
+fn segments_refuse_a_run_past_either_tensor() {
+    let (src, dst) = (layout(0, 8, 64, 2), layout(0x1000, 6, 64, 2));
+    for r in [
+        plan::Run {
+            src: 7,
+            dst: 0,
+            len: 2,
+        },
+        plan::Run {
+            src: 0,
+            dst: 5,
+            len: 2,
+        },
+    ] {
+        let mut out = Vec::new();
+        let e = plan::segments(&src, &dst, &[r], &mut out).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+        assert!(out.is_empty());
+    }
+    let mut out = Vec::new();
+    plan::segments(
+        &src,
+        &dst,
+        &[plan::Run {
+            src: 6,
+            dst: 4,
+            len: 2,
+        }],
+        &mut out,
+    )
+    .unwrap();
+    assert_eq!(out.len(), 2);
+}
+
 #[rstest]
 #[case::block_sizes_differ(layout(0, 8, 64, 2), layout(0, 8, 32, 2), &[1], &[1])]
 #[case::parts_differ(layout(0, 8, 64, 2), layout(0, 8, 64, 1), &[1], &[1])]
