@@ -515,6 +515,37 @@ def test_every_step_an_exited_thread_left_open_is_aborted():
     assert st.read_field("a")[:1].tolist() == [1]  # `a` commits last (contexts exit inner first)
 
 
+def test_a_thread_that_ended_its_steps_waits_for_another_threads_slot():
+    """Only a thread's OPEN steps count against it: one that opened and ended a step before
+    waits for the slot another thread holds, instead of being told it holds every slot."""
+    st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 4)}), depth=1)
+    got, errors, go = [], [], threading.Event()
+
+    def other():
+        try:
+            st.stage({"ids": [1, 1, 1, 1]})  # a step opened and ended on this thread
+            go.wait(10)
+            st.stage({"ids": [7, 7, 7, 7]})  # waits for the main thread's slot
+            got.append(True)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=other, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while st.stats()["steps"] < 1 and not errors and time.monotonic() < deadline:
+        time.sleep(0.001)
+    held = st.step()
+    go.set()
+    time.sleep(0.2)
+    assert not got and not errors, errors  # waiting, not refused
+    held.put("ids", [2, 2, 2, 2])
+    held.commit()
+    t.join(10)
+    assert got == [True] and not errors, errors
+    assert st.read_field("ids").tolist() == [7, 7, 7, 7]
+
+
 def test_many_threads_one_stager_every_step_checked():
     layout = pinstage.StepLayout({"a": ("int64", 512), "b": ("int32", 64)})
     st = pinstage.StepStager(layout, mode="fresh", depth=4)
@@ -1124,6 +1155,9 @@ def test_stage_converts_values_of_another_dtype_and_refuses_another_width():
     st.stage({"ids": np.array([1, -2, 3], np.int64), "t": np.array([[5, -6]], np.int32)})
     assert st.read_field("ids")[:4].tolist() == [1, -2, 3, 7]
     assert st.read_field("t")[:2].tolist() == [[5, -6], [9, 9]]
+    with pytest.raises(pinstage.PinstageValueError, match="shape"):
+        st.stage({"ids": np.array([[4], [5]], np.int32)})  # two axes for one, of the exact dtype
+    assert st.read_field("ids")[:4].tolist() == [1, -2, 3, 7]
     for bad, why in ((np.zeros((2, 3), np.int64), "shape"), (np.zeros((2, 1), np.int64), "pad")):
         with pytest.raises(pinstage.PinstageValueError, match=why):
             st.stage({"t": bad})
