@@ -210,7 +210,9 @@ fn every_ordering_merges_the_same_runs_and_names_the_same_duplicate() {
 fn ids_past_u32_keep_their_high_bits() {
     let big = 1usize << 32;
     let run = |src, dst, len| plan::Run { src, dst, len };
-    let cases: [(&[usize], &[usize], usize, usize, Vec<plan::Run>); 3] = [
+    /// Source ids, destination ids, blocks on each side, the runs wanted.
+    type Case<'a> = (&'a [usize], &'a [usize], usize, usize, Vec<plan::Run>);
+    let cases: [Case<'_>; 3] = [
         // Both sides past 2^32.
         (
             &[big + 3, big + 4, 5, big + 9],
