@@ -77,6 +77,25 @@ fn overflowing_layout_is_refused() {
     assert!(matches!(r, Err(Error::InvalidArgument { .. })));
 }
 
+/// The largest layout: a last field ending `FIELD_ALIGN` below `isize::MAX` (so the arena's
+/// size rounds up without overflow) is taken, one byte more is refused. Nothing is allocated.
+#[test]
+fn layouts_up_to_the_largest_arena_are_taken() {
+    let top = isize::MAX as usize - pinstage::step::FIELD_ALIGN;
+    let l = StepLayout::builder()
+        .field("a", DType::U8, &[top])
+        .build()
+        .unwrap();
+    assert_eq!(
+        l.nbytes(),
+        top.next_multiple_of(pinstage::step::FIELD_ALIGN)
+    );
+    let r = StepLayout::builder()
+        .field("a", DType::U8, &[top + 1])
+        .build();
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+}
+
 #[test]
 fn unknown_field_names_the_known_ones() {
     let e = engine().id("input_id").unwrap_err();
