@@ -279,6 +279,34 @@ fn bare_names_read_as_numpy_torch_names_as_torch() {
     ] {
         assert_eq!(DType::from_name(name), Some(d), "{name}");
     }
+    // Every other spelling numpy (Linux) and torch give each dtype.
+    let spellings: [(&[&str], DType); 14] = [
+        (&["bool_", "b1", "?", "torch.bool"], DType::Bool),
+        (&["byte", "i1"], DType::I8),
+        (&["short", "i2", "h", "torch.short"], DType::I16),
+        (&["i4"], DType::I32),
+        (&["int_", "longlong", "intp", "i8", "q", "p"], DType::I64),
+        (&["ubyte", "u1"], DType::U8),
+        (&["ushort", "u2", "H"], DType::U16),
+        (&["uintc", "u4", "I"], DType::U32),
+        (
+            &["uint", "ulong", "ulonglong", "uintp", "u8", "L", "Q", "P"],
+            DType::U64,
+        ),
+        (&["f2", "e"], DType::F16),
+        (&["f4"], DType::F32),
+        (&["float_", "f8", "d"], DType::F64),
+        (&["csingle", "c8", "F"], DType::C64),
+        (
+            &["cdouble", "complex_", "c16", "D", "torch.cdouble"],
+            DType::C128,
+        ),
+    ];
+    for (names, d) in spellings {
+        for name in names {
+            assert_eq!(DType::from_name(name), Some(d), "{name}");
+        }
+    }
     assert_eq!(
         DType::from_name("torch.single"),
         None,
