@@ -133,7 +133,7 @@ impl DType {
         let n = name.trim();
         if let Some(t) = n.strip_prefix("torch.") {
             return Some(match t {
-                "bool" => DType::Bool,
+                // "bool", "int8", "bfloat16"...: canonical names, below.
                 "short" => DType::I16,
                 "int" => DType::I32,
                 "long" => DType::I64,
