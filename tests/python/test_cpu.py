@@ -61,7 +61,13 @@ def test_values_from_sequences_and_other_dtypes():
     "values,dtype,match",
     [
         ([300], np.int8, "does not fit int8"),
+        ([1, 40000], np.int16, "40000 at index 1 does not fit int16"),
+        ([2**31], np.int32, "does not fit int32"),
+        ([256], np.uint8, "256 at index 0 does not fit uint8"),
+        ([-1], np.uint16, "-1 at index 0 does not fit uint16"),
+        ([1, 70000], np.uint16, "does not fit uint16"),
         ([-1], np.uint32, "does not fit uint32"),
+        ([2**64], np.uint64, "does not fit uint64"),
         ([2**64], np.int64, "does not fit"),
         ([2], bool, "does not fit bool"),
         (np.array([1.5]), np.int32, "do not fit int32"),
