@@ -644,3 +644,47 @@ def test_mirror_invalidate_while_another_thread_copies_a_large_array_does_not_de
     t.join(10)
     assert not t.is_alive()
     assert d[0] == 50 and d[1] == 7
+
+
+class _ArrayInterfaceOnly:
+    def __init__(self, a):
+        self.a = a
+        self.__array_interface__ = a.__array_interface__
+
+
+class _ArrayOnly:
+    def __init__(self, a):
+        self.a = a
+
+    def __array__(self, dtype=None, copy=None):
+        return self.a
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda a: range(1, 4),
+        lambda a: memoryview(a),
+        lambda a: _ArrayInterfaceOnly(a),
+        lambda a: _ArrayOnly(a),
+    ],
+    ids=["range", "memoryview", "array_interface", "array"],
+)
+def test_every_kind_of_array_like_values_is_read(make):
+    st = pinstage.PinnedStager("int32", numel=8, depth=2)
+    d = np.full(4, -1, np.int32)
+    st.copy_(d, make(np.arange(1, 4, dtype=np.int32)), pad_value=0)
+    assert d.tolist() == [1, 2, 3, 0]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [b"\x01\x02", bytearray(b"\x01"), "12", {1: 2}, {1, 2}, iter([1, 2])],
+    ids=["bytes", "bytearray", "str", "dict", "set", "iterator"],
+)
+def test_values_that_are_no_array_of_numbers_are_refused_untouched(values):
+    st = pinstage.PinnedStager("int32", numel=8, depth=2)
+    d = np.full(4, -1, np.int32)
+    with pytest.raises(pinstage.PinstageTypeError, match="values must be a list, a tuple or an array"):
+        st.copy_(d, values, pad_value=0)
+    assert d.tolist() == [-1, -1, -1, -1]
