@@ -3,7 +3,7 @@
 
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::errors::type_name;
 use super::errors::{type_err, value_err};
@@ -244,18 +244,11 @@ fn borrowed_exact<'py>(
     })
 }
 
-/// Whether numpy can take `values` as an array of numbers: an array, a buffer, or an object with
-/// `__array__` or `__dlpack__`; not a str, bytes, dict, set or iterator.
+/// Whether numpy can take `values` as an array of numbers: an array (`__array__`,
+/// `__array_interface__`, `__dlpack__`), a memoryview or a range; not a str, bytes, dict, set or
+/// iterator (none of them has any of these).
 fn is_array_like(values: &Bound<'_, PyAny>) -> PyResult<bool> {
     let py = values.py();
-    if values.is_instance_of::<PyString>()
-        || values.is_instance_of::<PyBytes>()
-        || values.is_instance_of::<PyDict>()
-        || values.is_instance_of::<pyo3::types::PySet>()
-        || values.hasattr(pyo3::intern!(py, "__next__"))?
-    {
-        return Ok(false);
-    }
     Ok(values.hasattr(pyo3::intern!(py, "__array__"))?
         || values.hasattr(pyo3::intern!(py, "__array_interface__"))?
         || values.hasattr(pyo3::intern!(py, "__dlpack__"))?

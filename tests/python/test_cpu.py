@@ -688,3 +688,62 @@ def test_values_that_are_no_array_of_numbers_are_refused_untouched(values):
     with pytest.raises(pinstage.PinstageTypeError, match="values must be a list, a tuple or an array"):
         st.copy_(d, values, pad_value=0)
     assert d.tolist() == [-1, -1, -1, -1]
+
+
+_INTS = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"]
+
+
+@pytest.mark.parametrize("dst", _INTS)
+@pytest.mark.parametrize("src", _INTS)
+def test_integer_arrays_of_any_width_cast_exactly_or_name_the_value(src, dst):
+    # An integer array of another width or signedness is cast element by element: every value
+    # that fits arrives exact, and the first that does not is named with its index.
+    s, t = np.iinfo(src), np.iinfo(dst)
+    st = pinstage.PinnedStager(dst, numel=8, depth=2)
+    fits = [v for v in (5, -3, 100, 2000, 70000, 2**31 + 7, -(2**40) - 1) if s.min <= v <= s.max and t.min <= v <= t.max]
+    d = np.full(len(fits) + 1, 9, dst)
+    st.copy_(d, np.array(fits, dtype=src), pad_value=1)
+    assert d.tolist() == fits + [1]
+    worst = [v for v in (int(s.min), int(s.max)) if not t.min <= v <= t.max]
+    if worst:
+        d = np.full(4, 9, dst)
+        with pytest.raises(ValueError, match=rf"values do not fit {dst}: {worst[0]} at index 2 cannot"):
+            st.copy_(d, np.array([1, 2, worst[0]], dtype=src))
+        assert d.tolist() == [9] * 4
+
+
+@pytest.mark.parametrize("src", [">i4", ">u2", ">i8"])
+def test_integer_arrays_of_the_other_byte_order_are_read_in_theirs(src):
+    st = pinstage.PinnedStager("int64", numel=8, depth=2)
+    d = np.full(4, -9, np.int64)
+    st.copy_(d, np.array([1, 300, 40000], dtype=src), pad_value=7)
+    assert d.tolist() == [1, 300, 40000, 7]
+
+
+@pytest.mark.parametrize("scalar", [5, 2.5, 1j], ids=["int", "float", "complex"])
+def test_a_python_scalar_is_named_as_one(scalar):
+    st = pinstage.PinnedStager("complex64", numel=8, depth=2)
+    d = np.full(2, 3 + 4j, np.complex64)
+    with pytest.raises(pinstage.PinstageTypeError, match=f"got a scalar of type {type(scalar).__name__}"):
+        st.copy_(d, scalar)
+    assert d.tolist() == [3 + 4j, 3 + 4j]
+
+
+def test_zero_dimensional_values_are_refused_even_into_a_zero_dimensional_destination():
+    st = pinstage.PinnedStager("int32", numel=8, depth=2)
+    d = np.array(5, np.int32)
+    with pytest.raises(ValueError, match=r"got values of shape \(\) for a destination of shape \(\)"):
+        st.copy_(d, np.array(7, np.int32))
+    assert d == 5
+    st.copy_(d, [7])  # one value in a sequence is the way
+    assert d == 7
+
+
+def test_integer_arrays_of_zeros_and_ones_cast_to_bool_and_others_are_refused():
+    st = pinstage.PinnedStager(bool, numel=8, depth=2)
+    d = np.array([True, False, True, False])
+    st.copy_(d, np.array([0, 1, 1], dtype=np.int64), pad_value=True)
+    assert d.tolist() == [False, True, True, True]
+    with pytest.raises(ValueError, match="do not fit bool"):
+        st.copy_(d, np.array([1, 2], dtype=np.uint8))
+    assert d.tolist() == [False, True, True, True]
