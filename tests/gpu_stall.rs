@@ -194,11 +194,12 @@ fn gpu_freed_pinned_memory_never_stalls_a_call() {
     let took = t0.elapsed();
     let held = !marker.query().unwrap();
     release.join().unwrap();
-    assert!(held, "the stall did not hold: the test proves nothing");
     assert!(
         took < Duration::from_millis(1),
-        "the frees stalled the call: {took:?}"
+        "the frees stalled the call: {took:?} (the stall still held after it: {held})"
     );
+    // The control of a pass: the call was quick while the stall held, not after it ended.
+    assert!(held, "the stall did not hold: the test proves nothing");
     other.synchronize().unwrap();
     let out = read(&buf);
     assert_eq!(bytemuck::cast_slice::<u8, u32>(&out[..4096]), &w[..]);

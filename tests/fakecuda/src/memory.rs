@@ -1,0 +1,184 @@
+//! Device memory, page-locked host memory and pointer attributes.
+
+use super::*;
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAlloc_v2(out: *mut u64, bytes: usize) -> CUresult {
+    let dev = tri!(with_ctx());
+    tri!(capture_guard());
+    let p = tri!(alloc_device(&mut state(), bytes, dev, None));
+    unsafe { *out = p };
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemFree_v2(ptr: u64) -> CUresult {
+    tri!(with_ctx());
+    tri!(capture_guard());
+    sync_all();
+    tri!(free_at(&mut state(), ptr, Kind::Device));
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
+    tri!(with_ctx());
+    let used = state().device_bytes;
+    unsafe {
+        *free = drv().total - used;
+        *total = drv().total;
+    }
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemHostAlloc(out: *mut Ptr, bytes: usize, _flags: c_uint) -> CUresult {
+    let dev = tri!(with_ctx());
+    tri!(capture_guard());
+    if bytes == 0 {
+        return INVALID_VALUE;
+    }
+    let Ok(layout) = Layout::from_size_align(bytes, 4096) else {
+        return OUT_OF_MEMORY;
+    };
+    // SAFETY: a non-zero size.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    if p.is_null() {
+        return OUT_OF_MEMORY;
+    }
+    pattern(p, bytes);
+    state().allocs.insert(
+        p as u64,
+        Alloc {
+            len: bytes,
+            kind: Kind::Host,
+            layout: Some(layout),
+            read_only: false,
+            device: dev,
+            pool: None,
+        },
+    );
+    unsafe { *out = p.cast() };
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemFreeHost(p: Ptr) -> CUresult {
+    tri!(with_ctx());
+    tri!(capture_guard());
+    // Freeing page-locked memory waits for the device's queued work, as the driver does.
+    sync_all();
+    tri!(free_at(&mut state(), p as u64, Kind::Host));
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemHostRegister_v2(p: Ptr, bytes: usize, flags: c_uint) -> CUresult {
+    let dev = tri!(with_ctx());
+    tri!(capture_guard());
+    if p.is_null() || bytes == 0 {
+        return INVALID_VALUE;
+    }
+    let (a, b) = (p as u64, p as u64 + bytes as u64);
+    let mut st = state();
+    let overlaps = st
+        .allocs
+        .range(..b)
+        .next_back()
+        .is_some_and(|(&s, al)| s + al.len as u64 > a);
+    if overlaps {
+        return ALREADY_REGISTERED;
+    }
+    st.allocs.insert(
+        a,
+        Alloc {
+            len: bytes,
+            kind: Kind::Host,
+            layout: None,
+            read_only: flags & HOSTREGISTER_READ_ONLY != 0,
+            device: dev,
+            pool: None,
+        },
+    );
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemHostUnregister(p: Ptr) -> CUresult {
+    tri!(with_ctx());
+    tri!(capture_guard());
+    sync_all();
+    let mut st = state();
+    match st.allocs.get(&(p as u64)) {
+        Some(a) if a.kind == Kind::Host && a.layout.is_none() => {
+            st.allocs.remove(&(p as u64));
+            SUCCESS
+        }
+        _ => NOT_REGISTERED,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(
+    out: *mut u64,
+    p: Ptr,
+    flags: c_uint,
+) -> CUresult {
+    tri!(with_ctx());
+    if flags != 0 {
+        return INVALID_VALUE;
+    }
+    match state().find(p as u64, 1) {
+        Some((_, a)) if a.kind == Kind::Host => {
+            unsafe { *out = p as u64 };
+            SUCCESS
+        }
+        _ => INVALID_VALUE,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuPointerGetAttributes(
+    n: c_uint,
+    attrs: *const c_uint,
+    data: *mut *mut c_void,
+    ptr: u64,
+) -> CUresult {
+    tri!(ready());
+    let st = state();
+    let found = st.find(ptr, 1);
+    for i in 0..n as usize {
+        let (attr, out) = unsafe { (*attrs.add(i), *data.add(i)) };
+        unsafe {
+            match attr {
+                // CONTEXT
+                1 => {
+                    *out.cast::<Ptr>() =
+                        found.map_or(std::ptr::null_mut(), |(_, a)| ctx_handle(a.device))
+                }
+                // MEMORY_TYPE
+                2 => {
+                    *out.cast::<u32>() = found.map_or(0, |(_, a)| match a.kind {
+                        Kind::Device => MEMORYTYPE_DEVICE,
+                        Kind::Host => MEMORYTYPE_HOST,
+                    })
+                }
+                // DEVICE_POINTER, HOST_POINTER
+                3 => *out.cast::<u64>() = found.map_or(0, |_| ptr),
+                4 => {
+                    *out.cast::<u64>() =
+                        found.map_or(0, |(_, a)| if a.kind == Kind::Host { ptr } else { 0 })
+                }
+                // IS_MANAGED
+                8 => *out.cast::<u32>() = 0,
+                // DEVICE_ORDINAL
+                9 => *out.cast::<i32>() = found.map_or(-2, |(_, a)| a.device),
+                // RANGE_START_ADDR, RANGE_SIZE
+                11 => *out.cast::<u64>() = found.map_or(0, |(s, _)| s),
+                12 => *out.cast::<usize>() = found.map_or(0, |(_, a)| a.len),
+                _ => return NOT_SUPPORTED,
+            }
+        }
+    }
+    SUCCESS
+}

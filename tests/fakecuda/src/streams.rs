@@ -1,0 +1,241 @@
+//! Streams, events, host functions and captures.
+
+use super::*;
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamCreate(out: *mut Ptr, _flags: c_uint) -> CUresult {
+    let dev = tri!(with_ctx());
+    let mut st = state();
+    let h = st.handle();
+    let s = new_stream(&mut st, dev);
+    st.streams.insert(h, s);
+    unsafe { *out = h as Ptr };
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamDestroy_v2(h: Ptr) -> CUresult {
+    tri!(ready());
+    let Some(s) = state().streams.remove(&(h as usize)) else {
+        return INVALID_HANDLE;
+    };
+    // The work queued runs to its end; the thread then leaves.
+    s.q.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
+    s.work.notify_all();
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamSynchronize(h: Ptr) -> CUresult {
+    tri!(ready());
+    let s = tri!(stream(h));
+    if s.capture.load(Ordering::Acquire) != CAP_NONE {
+        s.capture.store(CAP_INVALIDATED, Ordering::Release);
+        return CAPTURE_UNSUPPORTED;
+    }
+    s.drain();
+    tri!(ready());
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamQuery(h: Ptr) -> CUresult {
+    tri!(ready());
+    let s = tri!(stream(h));
+    if s.capture.load(Ordering::Acquire) != CAP_NONE {
+        s.capture.store(CAP_INVALIDATED, Ordering::Release);
+        return CAPTURE_UNSUPPORTED;
+    }
+    let q = s.q.lock().unwrap_or_else(|e| e.into_inner());
+    if q.completed >= q.submitted {
+        SUCCESS
+    } else {
+        NOT_READY
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamIsCapturing(h: Ptr, status: *mut c_uint) -> CUresult {
+    tri!(ready());
+    let s = tri!(stream(h));
+    unsafe { *status = s.capture.load(Ordering::Acquire) };
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamBeginCapture_v2(h: Ptr, mode: c_int) -> CUresult {
+    tri!(ready());
+    if (h as usize) <= 2 {
+        return CAPTURE_UNSUPPORTED;
+    }
+    let s = tri!(stream(h));
+    if s.capture.load(Ordering::Acquire) != CAP_NONE {
+        return ILLEGAL_STATE;
+    }
+    s.capture_mode.store(mode as u32, Ordering::Release);
+    s.capture.store(CAP_ACTIVE, Ordering::Release);
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamEndCapture(h: Ptr, graph: *mut Ptr) -> CUresult {
+    tri!(ready());
+    let s = tri!(stream(h));
+    unsafe { *graph = std::ptr::null_mut() };
+    match s.capture.swap(CAP_NONE, Ordering::AcqRel) {
+        CAP_NONE => ILLEGAL_STATE,
+        CAP_INVALIDATED => CAPTURE_INVALIDATED,
+        _ => {
+            let mut st = state();
+            let g = st.handle();
+            st.graphs.insert(g, ());
+            unsafe { *graph = g as Ptr };
+            SUCCESS
+        }
+    }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphDestroy(g: Ptr) -> CUresult {
+    tri!(ready());
+    match state().graphs.remove(&(g as usize)) {
+        Some(()) => SUCCESS,
+        None => INVALID_HANDLE,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetId(h: Ptr, id: *mut u64) -> CUresult {
+    tri!(ready());
+    let s = tri!(stream(h));
+    unsafe { *id = s.id };
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetCtx(h: Ptr, ctx: *mut Ptr) -> CUresult {
+    tri!(ready());
+    let s = tri!(stream(h));
+    unsafe { *ctx = ctx_handle(s.device) };
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamWaitEvent(h: Ptr, ev: Ptr, _flags: c_uint) -> CUresult {
+    tri!(ready());
+    let s = tri!(stream(h));
+    let rec = match state().events.get(&(ev as usize)) {
+        Some(e) => e.rec.clone(),
+        None => return INVALID_HANDLE,
+    };
+    if let Some((es, n)) = rec {
+        s.push(Box::new(move || es.wait_for(n)));
+    }
+    SUCCESS
+}
+
+struct HostFn(unsafe extern "C" fn(*mut c_void), SendPtr);
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuLaunchHostFunc(
+    h: Ptr,
+    f: Option<unsafe extern "C" fn(*mut c_void)>,
+    data: *mut c_void,
+) -> CUresult {
+    tri!(ready());
+    let s = tri!(stream(h));
+    let Some(f) = f else {
+        return INVALID_VALUE;
+    };
+    let call = HostFn(f, SendPtr(data.cast()));
+    s.push(Box::new(move || {
+        let call = call;
+        // SAFETY: the caller's host function with its own data, as the driver calls it.
+        unsafe { (call.0)(call.1.0.cast()) }
+    }));
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamWriteValue32_v2(
+    h: Ptr,
+    addr: u64,
+    value: c_uint,
+    _flags: c_uint,
+) -> CUresult {
+    tri!(ready());
+    let s = tri!(stream(h));
+    {
+        let st = state();
+        if st.find(addr, 4).is_none() || !addr.is_multiple_of(4) {
+            return INVALID_VALUE;
+        }
+    }
+    let p = SendPtr(addr as *mut u8);
+    s.push(Box::new(move || {
+        let p = p;
+        // SAFETY: a 4-byte aligned word inside a live allocation (checked at the call).
+        unsafe { AtomicU32::from_ptr(p.0.cast()) }.store(value, Ordering::SeqCst);
+    }));
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventCreate(out: *mut Ptr, _flags: c_uint) -> CUresult {
+    tri!(with_ctx());
+    let mut st = state();
+    let h = st.handle();
+    st.events.insert(h, Event { rec: None });
+    unsafe { *out = h as Ptr };
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventDestroy_v2(ev: Ptr) -> CUresult {
+    tri!(ready());
+    match state().events.remove(&(ev as usize)) {
+        Some(_) => SUCCESS,
+        None => INVALID_HANDLE,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventRecord(ev: Ptr, h: Ptr) -> CUresult {
+    tri!(ready());
+    let s = tri!(stream(h));
+    let mut st = state();
+    let Some(e) = st.events.get_mut(&(ev as usize)) else {
+        return INVALID_HANDLE;
+    };
+    if s.capture.load(Ordering::Acquire) == CAP_NONE {
+        let n = s.submitted();
+        e.rec = Some((s, n));
+    }
+    SUCCESS
+}
+
+fn event_rec(ev: Ptr) -> Result<Option<(Arc<Stream>, u64)>, CUresult> {
+    match state().events.get(&(ev as usize)) {
+        Some(e) => Ok(e.rec.clone()),
+        None => Err(INVALID_HANDLE),
+    }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventQuery(ev: Ptr) -> CUresult {
+    tri!(ready());
+    match tri!(event_rec(ev)) {
+        Some((s, n)) if !s.reached(n) => NOT_READY,
+        _ => SUCCESS,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventSynchronize(ev: Ptr) -> CUresult {
+    tri!(ready());
+    if let Some((s, n)) = tri!(event_rec(ev)) {
+        s.wait_for(n);
+    }
+    tri!(ready());
+    SUCCESS
+}
