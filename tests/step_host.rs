@@ -235,6 +235,39 @@ fn skip_unchanged_fields_send_nothing() {
     assert_eq!(read_i32(&st, "table")[..8], table[..]);
 }
 
+/// A step that leaves a skip-unchanged field unwritten sends nothing of it and forgets nothing:
+/// the destination still holds the values last sent, so the same values in a later step are
+/// skipped again; a field that does not skip is sent every time it is written.
+#[test]
+fn an_unwritten_field_keeps_what_was_last_sent() {
+    let l = StepLayout::builder()
+        .field("ids", DType::I32, &[64])
+        .field_skip_unchanged("table", DType::I32, &[8, 4])
+        .build()
+        .unwrap();
+    let (st, _arena) = host_stager(&l, 2, 0);
+    let table: Vec<i32> = (1..=8).map(|i| i * 5 - 2).collect();
+    let step = |ids: &[i32], table: Option<&[i32]>| {
+        let mut s = st.step().unwrap();
+        s.put("ids", ids).unwrap();
+        if let Some(t) = table {
+            s.put("table", t).unwrap();
+        }
+        s.commit(StreamHandle::LEGACY).unwrap()
+    };
+    assert_eq!(step(&[1, 2], Some(&table)).skipped, 0);
+    assert_eq!(
+        step(&[3, 4], None).skipped,
+        0,
+        "nothing of the table written"
+    );
+    let c = step(&[3, 4], Some(&table));
+    assert_eq!(c.skipped, 1, "the table's values were the last sent");
+    assert_eq!(c.bytes, 8, "the ids alone are sent (they never skip)");
+    assert_eq!(read_i32(&st, "table")[..8], table[..]);
+    assert_eq!(read_i32(&st, "ids")[..2], [3, 4]);
+}
+
 #[rstest]
 #[case::too_many_values(|s: &mut pinstage::step::Step<'_>| s.put("seq_lens", &[1i32; 257]))]
 #[case::wrong_dtype(|s: &mut pinstage::step::Step<'_>| s.put("seq_lens", &[1i64; 2]))]

@@ -154,7 +154,10 @@ impl BlockCopy<'_> {
     /// [`Error::Driver`]: the move or its stream failed.
     pub fn wait(mut self) -> Result<()> {
         match self.inflight.take() {
-            Some(f) => wait_until(&Backoff::new(self.expected), None, || f.query()).map(|_| ()),
+            Some(f) => crate::driver::relaxed(|| {
+                wait_until(&Backoff::new(self.expected), None, || f.query())
+            })
+            .map(|_| ()),
             None => Ok(()),
         }
     }
@@ -170,8 +173,9 @@ impl BlockCopy<'_> {
 impl Drop for BlockCopy<'_> {
     fn drop(&mut self) {
         if let Some(f) = self.inflight.take()
-            && let Err(Error::Driver(e)) =
+            && let Err(Error::Driver(e)) = crate::driver::relaxed(|| {
                 wait_until(&Backoff::new(self.expected), None, || f.query())
+            })
         {
             crate::error::on_drop::<()>(Err(e));
         }

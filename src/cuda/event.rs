@@ -104,7 +104,8 @@ impl Event {
     /// Waits as `backoff` says until the event completed (`Ok(true)`) or `until` passed
     /// (`Ok(false)`).
     pub(crate) fn wait_until(&self, backoff: &Backoff, until: Option<Instant>) -> Result<bool> {
-        wait_until(backoff, until, || self.query())
+        // One capture-mode swap for the whole wait, not one per query.
+        driver::relaxed(|| wait_until(backoff, until, || self.query()))
     }
 
     /// As [`Event::wait_on`], with the context current already (`_cur`).

@@ -12,6 +12,11 @@ pub(super) fn bounce(
     dst: &mut [u8],
     stream: StreamHandle,
 ) -> Result<()> {
+    // Its many waits (one or more per chunk) swap the capture mode once.
+    crate::driver::relaxed(|| bounce_relaxed(cur, src, dst, stream))
+}
+
+fn bounce_relaxed(cur: &Current<'_>, src: u64, dst: &mut [u8], stream: StreamHandle) -> Result<()> {
     // Given back to the cache however this returns, a panic included (each slot's event guards
     // its copy in flight).
     let mut lent = Lent::take(cur, BOUNCE_DEPTH, BOUNCE_CHUNK)?;

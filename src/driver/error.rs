@@ -132,17 +132,43 @@ pub(crate) fn check(call: &'static str, code: sys::CUresult) -> DResult<()> {
 /// (two thread-local mode swaps around it). pinstage never waits on a capturing stream (its
 /// copies refuse them).
 pub(crate) fn capture_relaxed<T>(f: impl FnOnce() -> DResult<T>) -> DResult<T> {
+    relaxed(f)
+}
+
+thread_local! {
+    /// How many [`relaxed`] scopes this thread is in: inner ones swap nothing.
+    static RELAXED_DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Runs `f` with this thread's capture mode relaxed (see [`capture_relaxed`]): two mode swaps
+/// around the outermost scope, none inside it, so a wait that asks the driver many times swaps
+/// once.
+pub(crate) fn relaxed<T>(f: impl FnOnce() -> T) -> T {
     // The seeded bug (`capture_strict`, scripts/seeded.tsv): the thread's mode left as it is.
-    if cfg!(pinstage_seeded_bug = "capture_strict") {
+    if cfg!(pinstage_seeded_bug = "capture_strict") || RELAXED_DEPTH.with(|d| d.get()) > 0 {
         return f();
     }
     let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
     // SAFETY: a valid in/out pointer; the call only swaps this thread's mode.
     let swapped = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
-    let r = f();
-    if swapped == sys::CUresult::CUDA_SUCCESS {
-        // SAFETY: as above; `mode` holds the thread's previous mode.
-        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    /// Leaves the scope (mode and depth) also when `f` unwinds.
+    struct Restore {
+        swapped: bool,
+        mode: sys::CUstreamCaptureMode,
     }
-    r
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            RELAXED_DEPTH.with(|d| d.set(d.get() - 1));
+            if self.swapped {
+                // SAFETY: as above; `mode` holds the thread's previous mode.
+                unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut self.mode) };
+            }
+        }
+    }
+    RELAXED_DEPTH.with(|d| d.set(d.get() + 1));
+    let _restore = Restore {
+        swapped: swapped == sys::CUresult::CUDA_SUCCESS,
+        mode,
+    };
+    f()
 }

@@ -24,6 +24,6 @@ mod probe;
 pub(crate) mod stream;
 
 pub use error::DriverError;
-pub(crate) use error::{DResult, capture_relaxed, check};
+pub(crate) use error::{DResult, capture_relaxed, check, relaxed};
 pub(crate) use probe::forked;
 pub use probe::{DISABLE_ENV, Probe, probe};

@@ -40,7 +40,10 @@ pub(crate) fn wait_for(
     loop {
         let until = Instant::now() + SIGNAL_CHECK;
         let until = deadline.map_or(until, |d| d.min(until));
-        if py.detach(|| crate::cuda::wait::wait_until(&backoff, Some(until), &done))? {
+        if py.detach(|| {
+            // One capture-mode swap per turn, not one per query.
+            crate::driver::relaxed(|| crate::cuda::wait::wait_until(&backoff, Some(until), &done))
+        })? {
             return Ok(true);
         }
         py.check_signals()?;

@@ -9,6 +9,7 @@ pub extern "C" fn cuMemcpyHtoDAsync_v2(
     bytes: usize,
     s: Ptr,
 ) -> CUresult {
+    called(c"cuMemcpyHtoDAsync_v2");
     copy_call(dst, src as u64, bytes, s, true, false)
 }
 
@@ -19,16 +20,19 @@ pub extern "C" fn cuMemcpyDtoHAsync_v2(
     bytes: usize,
     s: Ptr,
 ) -> CUresult {
+    called(c"cuMemcpyDtoHAsync_v2");
     copy_call(dst as u64, src, bytes, s, false, true)
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemcpyAsync(dst: u64, src: u64, bytes: usize, s: Ptr) -> CUresult {
+    called(c"cuMemcpyAsync");
     copy_call(dst, src, bytes, s, false, false)
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, bytes: usize) -> CUresult {
+    called(c"cuMemcpyDtoH_v2");
     tri!(with_ctx());
     let s = tri!(stream(std::ptr::null_mut()));
     if let Err((_, e)) = enqueue_copies(
@@ -70,6 +74,7 @@ pub struct Memcpy2D {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemcpy2DAsync_v2(c: *const Memcpy2D, s: Ptr) -> CUresult {
+    called(c"cuMemcpy2DAsync_v2");
     tri!(with_ctx());
     let s = tri!(stream(s));
     let c = unsafe { &*c };
@@ -126,6 +131,7 @@ pub unsafe extern "C" fn cuMemcpyBatchAsync(
     fail_idx: *mut usize,
     s: Ptr,
 ) -> CUresult {
+    called(c"cuMemcpyBatchAsync");
     tri!(with_ctx());
     if drv().version < 12080 {
         return NOT_SUPPORTED;

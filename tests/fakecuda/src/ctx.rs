@@ -4,12 +4,14 @@ use super::*;
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuInit(_flags: c_uint) -> CUresult {
+    called(c"cuInit");
     drv().initialized.store(1, Ordering::Release);
     SUCCESS
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDriverGetVersion(v: *mut c_int) -> CUresult {
+    called(c"cuDriverGetVersion");
     if v.is_null() {
         return INVALID_VALUE;
     }
@@ -19,6 +21,7 @@ pub unsafe extern "C" fn cuDriverGetVersion(v: *mut c_int) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDeviceGetCount(n: *mut c_int) -> CUresult {
+    called(c"cuDeviceGetCount");
     tri!(ready());
     unsafe { *n = drv().devices };
     SUCCESS
@@ -26,6 +29,7 @@ pub unsafe extern "C" fn cuDeviceGetCount(n: *mut c_int) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDeviceGet(dev: *mut c_int, ordinal: c_int) -> CUresult {
+    called(c"cuDeviceGet");
     tri!(ready());
     if ordinal < 0 || ordinal >= drv().devices {
         return INVALID_DEVICE;
@@ -36,6 +40,7 @@ pub unsafe extern "C" fn cuDeviceGet(dev: *mut c_int, ordinal: c_int) -> CUresul
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDeviceGetPCIBusId(buf: *mut c_char, len: c_int, dev: c_int) -> CUresult {
+    called(c"cuDeviceGetPCIBusId");
     tri!(ready());
     if dev < 0 || dev >= drv().devices {
         return INVALID_DEVICE;
@@ -54,6 +59,7 @@ pub unsafe extern "C" fn cuDeviceCanAccessPeer(
     dev: c_int,
     peer: c_int,
 ) -> CUresult {
+    called(c"cuDeviceCanAccessPeer");
     tri!(ready());
     let n = drv().devices;
     if dev < 0 || dev >= n || peer < 0 || peer >= n {
@@ -65,6 +71,7 @@ pub unsafe extern "C" fn cuDeviceCanAccessPeer(
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut Ptr, dev: c_int) -> CUresult {
+    called(c"cuDevicePrimaryCtxRetain");
     tri!(ready());
     if dev < 0 || dev >= drv().devices {
         return INVALID_DEVICE;
@@ -75,6 +82,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut Ptr, dev: c_int) -> 
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CUresult {
+    called(c"cuDevicePrimaryCtxRelease_v2");
     tri!(ready());
     if dev < 0 || dev >= drv().devices {
         return INVALID_DEVICE;
@@ -84,6 +92,7 @@ pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxGetCurrent(ctx: *mut Ptr) -> CUresult {
+    called(c"cuCtxGetCurrent");
     tri!(ready());
     unsafe { *ctx = current().map_or(std::ptr::null_mut(), ctx_handle) };
     SUCCESS
@@ -91,6 +100,7 @@ pub unsafe extern "C" fn cuCtxGetCurrent(ctx: *mut Ptr) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxGetDevice(dev: *mut c_int) -> CUresult {
+    called(c"cuCtxGetDevice");
     let d = tri!(with_ctx());
     unsafe { *dev = d };
     SUCCESS
@@ -98,6 +108,7 @@ pub unsafe extern "C" fn cuCtxGetDevice(dev: *mut c_int) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuCtxPushCurrent_v2(ctx: Ptr) -> CUresult {
+    called(c"cuCtxPushCurrent_v2");
     tri!(ready());
     let Some(d) = ctx_device(ctx) else {
         return INVALID_CONTEXT;
@@ -108,6 +119,7 @@ pub extern "C" fn cuCtxPushCurrent_v2(ctx: Ptr) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxPopCurrent_v2(ctx: *mut Ptr) -> CUresult {
+    called(c"cuCtxPopCurrent_v2");
     tri!(ready());
     match CTX.with(|c| c.borrow_mut().pop()) {
         Some(d) => {
@@ -122,6 +134,7 @@ pub unsafe extern "C" fn cuCtxPopCurrent_v2(ctx: *mut Ptr) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuCtxSetCurrent(ctx: Ptr) -> CUresult {
+    called(c"cuCtxSetCurrent");
     tri!(ready());
     if ctx.is_null() {
         CTX.with(|c| {
@@ -142,6 +155,7 @@ pub extern "C" fn cuCtxSetCurrent(ctx: Ptr) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
+    called(c"cuCtxSynchronize");
     tri!(with_ctx());
     tri!(capture_guard());
     sync_all();
@@ -151,6 +165,7 @@ pub extern "C" fn cuCtxSynchronize() -> CUresult {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut c_int) -> CUresult {
+    called(c"cuThreadExchangeStreamCaptureMode");
     if mode.is_null() {
         return INVALID_VALUE;
     }
@@ -208,6 +223,7 @@ fn error_texts(code: CUresult) -> Option<(&'static CStr, &'static CStr)> {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGetErrorName(code: CUresult, out: *mut *const c_char) -> CUresult {
+    called(c"cuGetErrorName");
     match error_texts(code) {
         Some((n, _)) => {
             unsafe { *out = n.as_ptr() };
@@ -219,6 +235,7 @@ pub unsafe extern "C" fn cuGetErrorName(code: CUresult, out: *mut *const c_char)
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGetErrorString(code: CUresult, out: *mut *const c_char) -> CUresult {
+    called(c"cuGetErrorString");
     match error_texts(code) {
         Some((_, s)) => {
             unsafe { *out = s.as_ptr() };

@@ -279,6 +279,59 @@ fn capture_guard() -> Result<(), CUresult> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Call counts (`fakecuda_calls`) and the trace (`FAKECUDA_TRACE=1`: one stderr line a call)
+
+fn counts() -> &'static Mutex<HashMap<&'static CStr, u64>> {
+    static C: OnceLock<Mutex<HashMap<&'static CStr, u64>>> = OnceLock::new();
+    C.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+thread_local! {
+    static THREAD_COUNTS: RefCell<HashMap<&'static CStr, u64>> = RefCell::new(HashMap::new());
+}
+
+fn called(name: &'static CStr) {
+    THREAD_COUNTS.with(|c| *c.borrow_mut().entry(name).or_default() += 1);
+    *counts()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(name)
+        .or_default() += 1;
+    static TRACE: OnceLock<bool> = OnceLock::new();
+    if *TRACE.get_or_init(|| std::env::var("FAKECUDA_TRACE").is_ok_and(|v| v == "1")) {
+        eprintln!("fakecuda call {}", name.to_string_lossy());
+    }
+}
+
+/// As [`fakecuda_calls`], for the calls made on the calling thread only.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fakecuda_thread_calls(name: *const c_char) -> u64 {
+    THREAD_COUNTS.with(|c| {
+        let c = c.borrow();
+        if name.is_null() {
+            return c.values().sum();
+        }
+        // SAFETY: the caller's NUL-terminated name.
+        let name = unsafe { CStr::from_ptr(name) };
+        c.get(name).copied().unwrap_or(0)
+    })
+}
+
+/// How many times the entry point `name` was called in this process (0 for a name never
+/// called); `name` null: the calls to every entry point. Not a driver function: tests find it
+/// with `dlsym` to tell the simulated driver from a real one and to count a path's calls.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fakecuda_calls(name: *const c_char) -> u64 {
+    let c = counts().lock().unwrap_or_else(|e| e.into_inner());
+    if name.is_null() {
+        return c.values().sum();
+    }
+    // SAFETY: the caller's NUL-terminated name.
+    let name = unsafe { CStr::from_ptr(name) };
+    c.get(name).copied().unwrap_or(0)
+}
+
+// ---------------------------------------------------------------------------------------------
 // Streams
 
 fn new_stream(st: &mut State, device: i32) -> Arc<Stream> {

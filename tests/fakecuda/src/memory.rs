@@ -4,6 +4,7 @@ use super::*;
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc_v2(out: *mut u64, bytes: usize) -> CUresult {
+    called(c"cuMemAlloc_v2");
     let dev = tri!(with_ctx());
     tri!(capture_guard());
     let p = tri!(alloc_device(&mut state(), bytes, dev, None));
@@ -13,6 +14,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(out: *mut u64, bytes: usize) -> CUresult 
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemFree_v2(ptr: u64) -> CUresult {
+    called(c"cuMemFree_v2");
     tri!(with_ctx());
     tri!(capture_guard());
     sync_all();
@@ -22,6 +24,7 @@ pub extern "C" fn cuMemFree_v2(ptr: u64) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
+    called(c"cuMemGetInfo_v2");
     tri!(with_ctx());
     let used = state().device_bytes;
     unsafe {
@@ -33,6 +36,7 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemHostAlloc(out: *mut Ptr, bytes: usize, _flags: c_uint) -> CUresult {
+    called(c"cuMemHostAlloc");
     let dev = tri!(with_ctx());
     tri!(capture_guard());
     if bytes == 0 {
@@ -64,6 +68,7 @@ pub unsafe extern "C" fn cuMemHostAlloc(out: *mut Ptr, bytes: usize, _flags: c_u
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemFreeHost(p: Ptr) -> CUresult {
+    called(c"cuMemFreeHost");
     tri!(with_ctx());
     tri!(capture_guard());
     // Freeing page-locked memory waits for the device's queued work, as the driver does.
@@ -74,6 +79,7 @@ pub extern "C" fn cuMemFreeHost(p: Ptr) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemHostRegister_v2(p: Ptr, bytes: usize, flags: c_uint) -> CUresult {
+    called(c"cuMemHostRegister_v2");
     let dev = tri!(with_ctx());
     tri!(capture_guard());
     if p.is_null() || bytes == 0 {
@@ -105,6 +111,7 @@ pub extern "C" fn cuMemHostRegister_v2(p: Ptr, bytes: usize, flags: c_uint) -> C
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemHostUnregister(p: Ptr) -> CUresult {
+    called(c"cuMemHostUnregister");
     tri!(with_ctx());
     tri!(capture_guard());
     sync_all();
@@ -124,6 +131,7 @@ pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(
     p: Ptr,
     flags: c_uint,
 ) -> CUresult {
+    called(c"cuMemHostGetDevicePointer_v2");
     tri!(with_ctx());
     if flags != 0 {
         return INVALID_VALUE;
@@ -144,6 +152,7 @@ pub unsafe extern "C" fn cuPointerGetAttributes(
     data: *mut *mut c_void,
     ptr: u64,
 ) -> CUresult {
+    called(c"cuPointerGetAttributes");
     tri!(ready());
     let st = state();
     let found = st.find(ptr, 1);

@@ -4,6 +4,7 @@ use super::*;
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemPoolCreate(out: *mut Ptr, _props: *const c_void) -> CUresult {
+    called(c"cuMemPoolCreate");
     tri!(ready());
     let mut st = state();
     let h = st.handle();
@@ -14,6 +15,7 @@ pub unsafe extern "C" fn cuMemPoolCreate(out: *mut Ptr, _props: *const c_void) -
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemPoolDestroy(p: Ptr) -> CUresult {
+    called(c"cuMemPoolDestroy");
     tri!(ready());
     match state().pools.remove(&(p as usize)) {
         Some(_) => SUCCESS,
@@ -23,6 +25,7 @@ pub extern "C" fn cuMemPoolDestroy(p: Ptr) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemPoolSetAttribute(p: Ptr, _attr: c_uint, _value: *mut c_void) -> CUresult {
+    called(c"cuMemPoolSetAttribute");
     tri!(ready());
     if state().pools.contains_key(&(p as usize)) {
         SUCCESS
@@ -37,6 +40,7 @@ pub unsafe extern "C" fn cuMemPoolGetAttribute(
     attr: c_uint,
     value: *mut c_void,
 ) -> CUresult {
+    called(c"cuMemPoolGetAttribute");
     tri!(ready());
     let st = state();
     let Some(pool) = st.pools.get(&(p as usize)) else {
@@ -54,6 +58,7 @@ pub unsafe extern "C" fn cuMemPoolGetAttribute(
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemPoolSetAccess(p: Ptr, _descs: *const c_void, _count: usize) -> CUresult {
+    called(c"cuMemPoolSetAccess");
     tri!(ready());
     if state().pools.contains_key(&(p as usize)) {
         SUCCESS
@@ -64,6 +69,7 @@ pub extern "C" fn cuMemPoolSetAccess(p: Ptr, _descs: *const c_void, _count: usiz
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemPoolTrimTo(p: Ptr, keep: usize) -> CUresult {
+    called(c"cuMemPoolTrimTo");
     tri!(ready());
     let mut st = state();
     let Some(pool) = st.pools.get_mut(&(p as usize)) else {
@@ -92,6 +98,7 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
     p: Ptr,
     s: Ptr,
 ) -> CUresult {
+    called(c"cuMemAllocFromPoolAsync");
     let dev = tri!(with_ctx());
     let s = tri!(stream(s));
     let mut st = state();
@@ -136,6 +143,7 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemFreeAsync(ptr: u64, s: Ptr) -> CUresult {
+    called(c"cuMemFreeAsync");
     tri!(with_ctx());
     let s = tri!(stream(s));
     let mut st = state();

@@ -4,6 +4,7 @@ use super::*;
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuStreamCreate(out: *mut Ptr, _flags: c_uint) -> CUresult {
+    called(c"cuStreamCreate");
     let dev = tri!(with_ctx());
     let mut st = state();
     let h = st.handle();
@@ -15,6 +16,7 @@ pub unsafe extern "C" fn cuStreamCreate(out: *mut Ptr, _flags: c_uint) -> CUresu
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuStreamDestroy_v2(h: Ptr) -> CUresult {
+    called(c"cuStreamDestroy_v2");
     tri!(ready());
     let Some(s) = state().streams.remove(&(h as usize)) else {
         return INVALID_HANDLE;
@@ -27,6 +29,7 @@ pub extern "C" fn cuStreamDestroy_v2(h: Ptr) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuStreamSynchronize(h: Ptr) -> CUresult {
+    called(c"cuStreamSynchronize");
     tri!(ready());
     let s = tri!(stream(h));
     if s.capture.load(Ordering::Acquire) != CAP_NONE {
@@ -40,6 +43,7 @@ pub extern "C" fn cuStreamSynchronize(h: Ptr) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuStreamQuery(h: Ptr) -> CUresult {
+    called(c"cuStreamQuery");
     tri!(ready());
     let s = tri!(stream(h));
     if s.capture.load(Ordering::Acquire) != CAP_NONE {
@@ -56,6 +60,7 @@ pub extern "C" fn cuStreamQuery(h: Ptr) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuStreamIsCapturing(h: Ptr, status: *mut c_uint) -> CUresult {
+    called(c"cuStreamIsCapturing");
     tri!(ready());
     let s = tri!(stream(h));
     unsafe { *status = s.capture.load(Ordering::Acquire) };
@@ -64,6 +69,7 @@ pub unsafe extern "C" fn cuStreamIsCapturing(h: Ptr, status: *mut c_uint) -> CUr
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuStreamBeginCapture_v2(h: Ptr, mode: c_int) -> CUresult {
+    called(c"cuStreamBeginCapture_v2");
     tri!(ready());
     if (h as usize) <= 2 {
         return CAPTURE_UNSUPPORTED;
@@ -79,6 +85,7 @@ pub extern "C" fn cuStreamBeginCapture_v2(h: Ptr, mode: c_int) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuStreamEndCapture(h: Ptr, graph: *mut Ptr) -> CUresult {
+    called(c"cuStreamEndCapture");
     tri!(ready());
     let s = tri!(stream(h));
     unsafe { *graph = std::ptr::null_mut() };
@@ -97,6 +104,7 @@ pub unsafe extern "C" fn cuStreamEndCapture(h: Ptr, graph: *mut Ptr) -> CUresult
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuGraphDestroy(g: Ptr) -> CUresult {
+    called(c"cuGraphDestroy");
     tri!(ready());
     match state().graphs.remove(&(g as usize)) {
         Some(()) => SUCCESS,
@@ -106,6 +114,7 @@ pub extern "C" fn cuGraphDestroy(g: Ptr) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuStreamGetId(h: Ptr, id: *mut u64) -> CUresult {
+    called(c"cuStreamGetId");
     tri!(ready());
     let s = tri!(stream(h));
     unsafe { *id = s.id };
@@ -114,6 +123,7 @@ pub unsafe extern "C" fn cuStreamGetId(h: Ptr, id: *mut u64) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuStreamGetCtx(h: Ptr, ctx: *mut Ptr) -> CUresult {
+    called(c"cuStreamGetCtx");
     tri!(ready());
     let s = tri!(stream(h));
     unsafe { *ctx = ctx_handle(s.device) };
@@ -122,6 +132,7 @@ pub unsafe extern "C" fn cuStreamGetCtx(h: Ptr, ctx: *mut Ptr) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuStreamWaitEvent(h: Ptr, ev: Ptr, _flags: c_uint) -> CUresult {
+    called(c"cuStreamWaitEvent");
     tri!(ready());
     let s = tri!(stream(h));
     let rec = match state().events.get(&(ev as usize)) {
@@ -142,6 +153,7 @@ pub extern "C" fn cuLaunchHostFunc(
     f: Option<unsafe extern "C" fn(*mut c_void)>,
     data: *mut c_void,
 ) -> CUresult {
+    called(c"cuLaunchHostFunc");
     tri!(ready());
     let s = tri!(stream(h));
     let Some(f) = f else {
@@ -163,6 +175,7 @@ pub extern "C" fn cuStreamWriteValue32_v2(
     value: c_uint,
     _flags: c_uint,
 ) -> CUresult {
+    called(c"cuStreamWriteValue32_v2");
     tri!(ready());
     let s = tri!(stream(h));
     {
@@ -182,6 +195,7 @@ pub extern "C" fn cuStreamWriteValue32_v2(
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuEventCreate(out: *mut Ptr, _flags: c_uint) -> CUresult {
+    called(c"cuEventCreate");
     tri!(with_ctx());
     let mut st = state();
     let h = st.handle();
@@ -192,6 +206,7 @@ pub unsafe extern "C" fn cuEventCreate(out: *mut Ptr, _flags: c_uint) -> CUresul
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuEventDestroy_v2(ev: Ptr) -> CUresult {
+    called(c"cuEventDestroy_v2");
     tri!(ready());
     match state().events.remove(&(ev as usize)) {
         Some(_) => SUCCESS,
@@ -201,6 +216,7 @@ pub extern "C" fn cuEventDestroy_v2(ev: Ptr) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuEventRecord(ev: Ptr, h: Ptr) -> CUresult {
+    called(c"cuEventRecord");
     tri!(ready());
     let s = tri!(stream(h));
     let mut st = state();
@@ -223,6 +239,7 @@ fn event_rec(ev: Ptr) -> Result<Option<(Arc<Stream>, u64)>, CUresult> {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuEventQuery(ev: Ptr) -> CUresult {
+    called(c"cuEventQuery");
     tri!(ready());
     match tri!(event_rec(ev)) {
         Some((s, n)) if !s.reached(n) => NOT_READY,
@@ -232,6 +249,7 @@ pub extern "C" fn cuEventQuery(ev: Ptr) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuEventSynchronize(ev: Ptr) -> CUresult {
+    called(c"cuEventSynchronize");
     tri!(ready());
     if let Some((s, n)) = tri!(event_rec(ev)) {
         s.wait_for(n);

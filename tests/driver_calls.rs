@@ -1,0 +1,296 @@
+//! The driver calls of the hot paths, counted by the simulated driver (`tests/fakecuda`,
+//! `scripts/fake-gpu`): a step's commit, a stager's copy, a small D2H copy and their waits make
+//! the calls the work needs and no others (no context, capture-state or stream-identity queries
+//! per call once warm). Against a real driver there is nothing to count: each test says so and
+//! returns.
+
+mod common;
+
+use std::ffi::{CStr, c_char};
+
+use common::Put;
+use pinstage::testing::DeviceBuffer;
+use pinstage::{DType, Device, StepLayout, StepStager, Stream};
+
+type Calls = unsafe extern "C" fn(*const c_char) -> u64;
+
+/// Every entry point the simulated driver counts.
+const NAMES: &[&CStr] = &[
+    c"cuInit",
+    c"cuDriverGetVersion",
+    c"cuDeviceGetCount",
+    c"cuDeviceGet",
+    c"cuDeviceGetPCIBusId",
+    c"cuDeviceCanAccessPeer",
+    c"cuDevicePrimaryCtxRetain",
+    c"cuDevicePrimaryCtxRelease_v2",
+    c"cuCtxGetCurrent",
+    c"cuCtxGetDevice",
+    c"cuCtxPushCurrent_v2",
+    c"cuCtxPopCurrent_v2",
+    c"cuCtxSetCurrent",
+    c"cuCtxSynchronize",
+    c"cuThreadExchangeStreamCaptureMode",
+    c"cuGetErrorName",
+    c"cuGetErrorString",
+    c"cuStreamCreate",
+    c"cuStreamDestroy_v2",
+    c"cuStreamSynchronize",
+    c"cuStreamQuery",
+    c"cuStreamIsCapturing",
+    c"cuStreamBeginCapture_v2",
+    c"cuStreamEndCapture",
+    c"cuGraphDestroy",
+    c"cuStreamGetId",
+    c"cuStreamGetCtx",
+    c"cuStreamWaitEvent",
+    c"cuLaunchHostFunc",
+    c"cuStreamWriteValue32_v2",
+    c"cuEventCreate",
+    c"cuEventDestroy_v2",
+    c"cuEventRecord",
+    c"cuEventQuery",
+    c"cuEventSynchronize",
+    c"cuMemAlloc_v2",
+    c"cuMemFree_v2",
+    c"cuMemGetInfo_v2",
+    c"cuMemHostAlloc",
+    c"cuMemFreeHost",
+    c"cuMemHostRegister_v2",
+    c"cuMemHostUnregister",
+    c"cuMemHostGetDevicePointer_v2",
+    c"cuPointerGetAttributes",
+    c"cuMemcpyHtoDAsync_v2",
+    c"cuMemcpyDtoHAsync_v2",
+    c"cuMemcpyAsync",
+    c"cuMemcpyDtoH_v2",
+    c"cuMemcpy2DAsync_v2",
+    c"cuMemcpyBatchAsync",
+    c"cuMemPoolCreate",
+    c"cuMemPoolDestroy",
+    c"cuMemPoolSetAttribute",
+    c"cuMemPoolGetAttribute",
+    c"cuMemPoolSetAccess",
+    c"cuMemPoolTrimTo",
+    c"cuMemAllocFromPoolAsync",
+    c"cuMemFreeAsync",
+];
+
+/// The simulated driver's counter, once the driver is loaded (`None`: a real driver, or none).
+fn fake(test: &str) -> Option<(Device, Calls)> {
+    let dev = Device::new(0).ok().or_else(|| {
+        eprintln!("SKIP {test}: no driver");
+        None
+    })?;
+    // SAFETY: looking up a library the process already loaded (RTLD_NOLOAD), then a symbol in it.
+    let f = unsafe {
+        let h = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_NOW);
+        if h.is_null() {
+            std::ptr::null_mut()
+        } else {
+            libc::dlsym(h, c"fakecuda_thread_calls".as_ptr())
+        }
+    };
+    if f.is_null() {
+        eprintln!("SKIP {test}: a real driver counts nothing (run under scripts/fake-gpu)");
+        return None;
+    }
+    // SAFETY: the simulated driver's `fakecuda_thread_calls`, of this signature.
+    Some((dev, unsafe {
+        std::mem::transmute::<*mut libc::c_void, Calls>(f)
+    }))
+}
+
+/// The calls `work` makes on this thread, by entry point (pinstage's own threads, the reaper's
+/// say, are not counted; the tests run one at a time, `SERIAL`, for the stream threads' sake).
+fn calls_of(calls: Calls, work: impl FnOnce()) -> Vec<(&'static str, u64)> {
+    // SAFETY: the counter reads a NUL-terminated name.
+    let snap = || -> Vec<u64> { NAMES.iter().map(|n| unsafe { calls(n.as_ptr()) }).collect() };
+    let before = snap();
+    work();
+    let after = snap();
+    NAMES
+        .iter()
+        .zip(before.iter().zip(&after))
+        .filter(|(_, (b, a))| a > b)
+        .map(|(n, (b, a))| (n.to_str().unwrap(), a - b))
+        .collect()
+}
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The calls of `c` named `name` (0 if none).
+fn n(c: &[(&str, u64)], name: &str) -> u64 {
+    c.iter().find(|(k, _)| *k == name).map_or(0, |(_, v)| *v)
+}
+
+/// Every call of `c` is one of `allowed`.
+fn only(c: &[(&str, u64)], allowed: &[&str]) {
+    let other: Vec<_> = c.iter().filter(|(k, _)| !allowed.contains(k)).collect();
+    assert!(
+        other.is_empty(),
+        "calls beyond {allowed:?}: {other:?} (all: {c:?})"
+    );
+}
+
+/// A warm step on a thread whose context is current (as under torch): one copy and one record,
+/// plus the three questions no cache can answer (the thread's current context and the stream's
+/// capture state may change between calls, and a destroyed stream's handle may come back as
+/// another stream); the claim enters the context because its slot's last copy must be known
+/// complete, which the watermark usually knows without asking the event.
+#[test]
+fn a_warm_step_is_one_copy_and_one_record() {
+    let Some((dev, calls)) = fake("a_warm_step_is_one_copy_and_one_record") else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _cur = dev.enter().unwrap();
+    let layout = StepLayout::builder()
+        .field("ids", DType::I32, &[1024])
+        .field("pos", DType::I64, &[1024])
+        .build()
+        .unwrap();
+    let arena = DeviceBuffer::new(&dev, layout.nbytes()).unwrap();
+    let view = arena.view(DType::U8);
+    let stream = Stream::new(&dev).unwrap();
+    // SAFETY: `arena` outlives the stager; nothing else writes it.
+    let st = unsafe { StepStager::builder(&layout).depth(4).bind(&view) }
+        .build()
+        .unwrap();
+    let step = |k: i32| {
+        let mut s = st.step().unwrap();
+        s.put("ids", &[k, k + 1, k + 2]).unwrap();
+        s.put("pos", &[i64::from(k); 3]).unwrap();
+        s.commit(stream.handle()).unwrap();
+    };
+    for k in 0..8 {
+        step(k);
+    }
+    stream.synchronize().unwrap();
+    let mut s = None;
+    let claim = calls_of(calls, || s = Some(st.step().unwrap()));
+    let mut s = s.unwrap();
+    let puts = calls_of(calls, || s.put("ids", &[1, 2, 3]).unwrap());
+    let commit = calls_of(calls, || {
+        s.commit(stream.handle()).unwrap();
+    });
+    // The claim: the context, and at most one look at an event (the watermark's evidence).
+    only(
+        &claim,
+        &[
+            "cuCtxGetCurrent",
+            "cuEventQuery",
+            "cuThreadExchangeStreamCaptureMode",
+        ],
+    );
+    assert_eq!(n(&claim, "cuCtxGetCurrent"), 1, "{claim:?}");
+    assert!(n(&claim, "cuEventQuery") <= 1, "{claim:?}");
+    assert!(
+        n(&claim, "cuThreadExchangeStreamCaptureMode") <= 2,
+        "{claim:?}"
+    );
+    assert_eq!(puts, []);
+    assert_eq!(
+        commit,
+        [
+            ("cuCtxGetCurrent", 1),
+            ("cuStreamIsCapturing", 1),
+            ("cuStreamGetId", 1),
+            ("cuEventRecord", 1),
+            ("cuMemcpyHtoDAsync_v2", 1)
+        ]
+    );
+}
+
+/// A stager's copy into idle slots: one copy and one record, the same three questions, and now
+/// and then one query of a slot's event (the watermark's evidence) inside one capture-mode swap.
+#[test]
+fn a_warm_stager_copy_is_one_copy_and_one_record() {
+    let Some((dev, calls)) = fake("a_warm_stager_copy_is_one_copy_and_one_record") else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _cur = dev.enter().unwrap();
+    let stream = Stream::new(&dev).unwrap();
+    let buf = DeviceBuffer::new(&dev, 4096).unwrap();
+    let dst = buf.view(DType::U32);
+    let st = common::stager::<u32>(0, 1024, 4).unwrap();
+    let v: Vec<u32> = (0..1024).map(|i| i * 3 + 1).collect();
+    for _ in 0..8 {
+        st.put(&dst, &v, None, None, stream.handle()).unwrap();
+    }
+    for _ in 0..16 {
+        // Every slot idle: the claim waits for nothing (a claim that waits is the next test's).
+        stream.synchronize().unwrap();
+        let c = calls_of(calls, || {
+            st.put(&dst, &v, None, None, stream.handle()).unwrap();
+        });
+        only(
+            &c,
+            &[
+                "cuCtxGetCurrent",
+                "cuStreamIsCapturing",
+                "cuStreamGetId",
+                "cuEventRecord",
+                "cuMemcpy2DAsync_v2",
+                "cuEventQuery",
+                "cuThreadExchangeStreamCaptureMode",
+            ],
+        );
+        assert_eq!(n(&c, "cuMemcpy2DAsync_v2"), 1, "{c:?}");
+        assert_eq!(n(&c, "cuEventRecord"), 1, "{c:?}");
+        assert_eq!(n(&c, "cuCtxGetCurrent"), 1, "{c:?}");
+        assert!(n(&c, "cuThreadExchangeStreamCaptureMode") <= 2, "{c:?}");
+    }
+}
+
+/// Waiting for a copy asks its event as often as it must, inside ONE capture-mode swap (two
+/// calls), not one swap per question: an `copy_h2d` from pinned memory, a small `copy_d2h`
+/// into pageable memory through the bounce buffers (one wait per buffer), with a stream held
+/// for 5 ms so that every wait asks many times.
+#[test]
+fn a_wait_swaps_the_capture_mode_once_however_often_it_asks() {
+    let Some((dev, calls)) = fake("a_wait_swaps_the_capture_mode_once_however_often_it_asks")
+    else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _cur = dev.enter().unwrap();
+    let stream = Stream::new(&dev).unwrap();
+    let buf = DeviceBuffer::new(&dev, 4096).unwrap();
+    let pinned =
+        pinstage::PinnedBuffer::new(&dev, 4096, pinstage::host::PinnedFlags::PORTABLE).unwrap();
+    // SAFETY: 4096 bytes of our pinned buffer, not written meanwhile.
+    let src: &[u8] = unsafe { std::slice::from_raw_parts(pinned.as_ptr(), 4096) };
+    let mut out = vec![0u8; 4096];
+    for _ in 0..4 {
+        pinstage::copy_h2d(&buf.view(DType::U8), src, stream.handle()).unwrap();
+        pinstage::copy_d2h(&buf.view(DType::U8), &mut out, stream.handle()).unwrap();
+    }
+    let held = |work: &mut dyn FnMut()| {
+        let go = common::stall(&stream);
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            drop(go);
+        });
+        let c = calls_of(calls, work);
+        release.join().unwrap();
+        c
+    };
+    let up = held(&mut || {
+        pinstage::copy_h2d(&buf.view(DType::U8), src, stream.handle()).unwrap();
+    });
+    assert!(n(&up, "cuEventQuery") > 2, "the wait asked {up:?}");
+    assert_eq!(n(&up, "cuThreadExchangeStreamCaptureMode"), 2, "{up:?}");
+    let down = held(&mut || {
+        pinstage::copy_d2h(&buf.view(DType::U8), &mut out, stream.handle()).unwrap();
+    });
+    assert!(
+        n(&down, "cuEventQuery") + n(&down, "cuStreamQuery") > 2,
+        "the wait asked {down:?}"
+    );
+    assert!(
+        n(&down, "cuThreadExchangeStreamCaptureMode") <= 2,
+        "{down:?}"
+    );
+}
