@@ -127,14 +127,21 @@ fn legacy_stream_splits_go_as_separate_copies() {
     let st = unsafe { StepStager::builder(&l).max_gap(0).bind(&view) }
         .build()
         .unwrap();
-    let mut s = st.step().unwrap();
-    fill(&mut s, 3);
-    let c = s.commit(StreamHandle::LEGACY).unwrap();
-    assert_eq!((c.calls, c.batched), (4, false));
-    let mut got = vec![0u8; l.nbytes()];
-    st.order_after_commits(None).unwrap();
-    arena.download(0, &mut got).unwrap();
-    check(&l, &got, 3);
+    // Both spellings of the legacy stream: 0 and CU_STREAM_LEGACY (1); the batched call refuses
+    // either.
+    // SAFETY: a special handle.
+    let explicit = unsafe { StreamHandle::from_raw(1) }.unwrap();
+    for (k, stream) in [(3, StreamHandle::LEGACY), (4, explicit)] {
+        arena.upload(0, &vec![0xEE; l.nbytes()]).unwrap();
+        let mut s = st.step().unwrap();
+        fill(&mut s, k);
+        let c = s.commit(stream).unwrap();
+        assert_eq!((c.calls, c.batched), (4, false), "handle {}", stream.as_raw());
+        let mut got = vec![0u8; l.nbytes()];
+        st.order_after_commits(None).unwrap();
+        arena.download(0, &mut got).unwrap();
+        check(&l, &got, k);
+    }
 }
 
 /// Fresh mode with the stream stalled: every step's block must hold that step's values, so no

@@ -1241,6 +1241,17 @@ def test_zero_copy_steps_count_as_empty_only_when_nothing_was_written():
     assert s["steps"] == 2 and s["empty_steps"] == 1, s
 
 
+def test_zero_copy_steps_count_as_empty_step_by_step():
+    # Every field written, some, none: only the last is empty (counted after each step).
+    layout = pinstage.StepLayout({"ids": ("int32", 8), "pos": ("int64", 8)})
+    st = pinstage.StepStager(layout, mode="zero_copy", depth=2)
+    for written, empty in [({"ids": [1], "pos": [2]}, 0), ({"ids": [3]}, 0), ({}, 1)]:
+        with st.step() as step:
+            for name, values in written.items():
+                step.put(name, values)
+        assert st.stats()["empty_steps"] == empty, (written, st.stats())
+
+
 @pytest.mark.parametrize("src_dtype", ["int8", "uint8", "int16", "uint16", "int64", "uint64", "uint32"])
 @pytest.mark.parametrize("dst_dtype", ["int32", "uint8", "int64", "uint16"])
 def test_integer_values_of_another_width_are_cast_exactly_or_refused(src_dtype, dst_dtype):
