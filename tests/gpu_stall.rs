@@ -435,6 +435,7 @@ fn gpu_copy_d2h_waits_for_its_copy_behind_a_stalled_stream() {
     let stream = Stream::new(&dev).unwrap();
     warm_landing(&dev);
     let (landed_before, _) = pinstage::testing::landing_counts();
+    let after_spin_before = pinstage::testing::landing_after_spin();
     for bytes in [1024usize, 64 << 10] {
         let data = common::values(DType::U8, bytes, bytes as u64 + 7);
         let src = DeviceBuffer::new(&dev, bytes).unwrap();
@@ -472,6 +473,11 @@ fn gpu_copy_d2h_waits_for_its_copy_behind_a_stalled_stream() {
     assert!(
         landed > landed_before,
         "no wait learned of its copy from a landing word"
+    );
+    // Behind a 30 ms stall, a landed wait saw its word only after its spin.
+    assert!(
+        pinstage::testing::landing_after_spin() > after_spin_before,
+        "no wait behind the stall counted as landing after its spin"
     );
 }
 

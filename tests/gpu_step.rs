@@ -136,7 +136,12 @@ fn legacy_stream_splits_go_as_separate_copies() {
         let mut s = st.step().unwrap();
         fill(&mut s, k);
         let c = s.commit(stream).unwrap();
-        assert_eq!((c.calls, c.batched), (4, false), "handle {}", stream.as_raw());
+        assert_eq!(
+            (c.calls, c.batched),
+            (4, false),
+            "handle {}",
+            stream.as_raw()
+        );
         let mut got = vec![0u8; l.nbytes()];
         st.order_after_commits(None).unwrap();
         arena.download(0, &mut got).unwrap();

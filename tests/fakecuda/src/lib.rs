@@ -16,7 +16,10 @@
 //!   returned by every later call, as a real context is lost;
 //! - a context must be current for the calls that need one (`CUDA_ERROR_INVALID_CONTEXT`);
 //! - a capturing stream queues nothing (its work goes to the graph); querying or synchronizing
-//!   it invalidates the capture; freeing or page-locking memory waits for every stream.
+//!   it invalidates the capture; freeing or page-locking memory waits for every stream;
+//! - a stream handle points at a record laid out as the driver's (its first word the stream
+//!   object, which holds the handle back 40 bytes in; both cleared when it is destroyed), which
+//!   pinstage's handle check reads.
 //!
 //! Settings: `FAKECUDA_DEVICES` (default 1), `FAKECUDA_DRIVER_VERSION` (12080),
 //! `FAKECUDA_MEM_MB` (8192), `FAKECUDA_DELAY_US` (0).

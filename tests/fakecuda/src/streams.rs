@@ -7,7 +7,15 @@ pub unsafe extern "C" fn cuStreamCreate(out: *mut Ptr, _flags: c_uint) -> CUresu
     called(c"cuStreamCreate");
     let dev = tri!(with_ctx());
     let mut st = state();
-    let h = st.handle();
+    // Laid out as the driver's: the handle points at a record whose first word is the stream
+    // object's address, and the object holds the handle back 40 bytes in (pinstage's handle
+    // check learns that offset by reading them). Never freed: a destroyed stream's words are
+    // cleared (as the allocator overwrites a freed record's first word).
+    let obj: &'static mut [usize; 16] = Box::leak(Box::new([0x5a5a_5a5a_5a5a_5a50; 16]));
+    let rec: &'static mut [usize; 3] = Box::leak(Box::new([0; 3]));
+    rec[0] = obj.as_ptr() as usize;
+    let h = rec.as_ptr() as usize;
+    obj[5] = h;
     let s = new_stream(&mut st, dev);
     st.streams.insert(h, s);
     unsafe { *out = h as Ptr };
@@ -21,6 +29,13 @@ pub extern "C" fn cuStreamDestroy_v2(h: Ptr) -> CUresult {
     let Some(s) = state().streams.remove(&(h as usize)) else {
         return INVALID_HANDLE;
     };
+    // SAFETY: a live stream's record (above), never freed; its object's back-reference too.
+    unsafe {
+        let rec = h as *mut usize;
+        let obj = *rec as *mut usize;
+        *obj.add(5) = 0;
+        *rec = 0;
+    }
     // The work queued runs to its end; the thread then leaves.
     s.q.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
     s.work.notify_all();
