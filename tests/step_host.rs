@@ -206,13 +206,18 @@ fn unwritten_fields_keep_their_values() {
     }
 }
 
-#[test]
-fn skip_unchanged_fields_send_nothing() {
-    let l = StepLayout::builder()
+/// 64 ids, and an 8 x 4 table that skips unchanged values.
+fn ids_and_a_table_that_skips() -> StepLayout {
+    StepLayout::builder()
         .field("ids", DType::I32, &[64])
         .field_skip_unchanged("table", DType::I32, &[8, 4])
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn skip_unchanged_fields_send_nothing() {
+    let l = ids_and_a_table_that_skips();
     let (st, _arena) = host_stager(&l, 2, 0);
     let table: Vec<i32> = (1..=8).collect();
     for k in 0..5 {
@@ -240,11 +245,7 @@ fn skip_unchanged_fields_send_nothing() {
 /// skipped again; a field that does not skip is sent every time it is written.
 #[test]
 fn an_unwritten_field_keeps_what_was_last_sent() {
-    let l = StepLayout::builder()
-        .field("ids", DType::I32, &[64])
-        .field_skip_unchanged("table", DType::I32, &[8, 4])
-        .build()
-        .unwrap();
+    let l = ids_and_a_table_that_skips();
     let (st, _arena) = host_stager(&l, 2, 0);
     let table: Vec<i32> = (1..=8).map(|i| i * 5 - 2).collect();
     let step = |ids: &[i32], table: Option<&[i32]>| {

@@ -27,11 +27,7 @@ pub extern "C" fn cuMemPoolDestroy(p: Ptr) -> CUresult {
 pub extern "C" fn cuMemPoolSetAttribute(p: Ptr, _attr: c_uint, _value: *mut c_void) -> CUresult {
     called(c"cuMemPoolSetAttribute");
     tri!(ready());
-    if state().pools.contains_key(&(p as usize)) {
-        SUCCESS
-    } else {
-        INVALID_HANDLE
-    }
+    known(p)
 }
 
 #[unsafe(no_mangle)]
@@ -60,6 +56,11 @@ pub unsafe extern "C" fn cuMemPoolGetAttribute(
 pub extern "C" fn cuMemPoolSetAccess(p: Ptr, _descs: *const c_void, _count: usize) -> CUresult {
     called(c"cuMemPoolSetAccess");
     tri!(ready());
+    known(p)
+}
+
+/// Success for a live pool's handle (a setting the model does not keep).
+fn known(p: Ptr) -> CUresult {
     if state().pools.contains_key(&(p as usize)) {
         SUCCESS
     } else {
