@@ -128,9 +128,9 @@ pub(crate) fn check(call: &'static str, code: sys::CUresult) -> DResult<()> {
 /// thread (codes 900-908) and invalidates that capture; the work queued before still runs. A
 /// wait that guards memory must not fail then (its caller would free or reuse memory a copy
 /// still reads or writes), and must not break a capture it has nothing to do with: waiting for
-/// work queued outside the capture is safe. So every query and wait of pinstage's runs relaxed
-/// (two thread-local mode swaps around it). pinstage never waits on a capturing stream (its
-/// copies refuse them).
+/// work queued outside the capture is safe. So every query and wait of pinstage's runs relaxed:
+/// two thread-local mode swaps around the outermost [`relaxed`] scope, so a wait that asks many
+/// times swaps once. pinstage never waits on a capturing stream (its copies refuse them).
 pub(crate) fn capture_relaxed<T>(f: impl FnOnce() -> DResult<T>) -> DResult<T> {
     relaxed(f)
 }
