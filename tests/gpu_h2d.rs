@@ -250,6 +250,11 @@ fn gpu_to_device_fills_fresh_memory_and_releases_it() {
         let mem = pinstage::h2d::to_device(&data, &dev).unwrap();
         assert_eq!(mem.ptr(), poisoned_at, "the released memory is reused");
         assert_eq!(mem.len(), bytes);
+        assert_eq!(mem.is_empty(), bytes == 0);
+        assert!(
+            format!("{mem:?}").contains(&format!("len: {bytes}")),
+            "{mem:?} names its length"
+        );
         assert_eq!(mem.ptr() % 256, 0, "pool memory is 256-byte aligned");
         assert!(read_fresh(&dev, &mem) == data, "pageable: values differ");
         let s = pinstage::h2d::device_pool_stats(&dev).unwrap();
@@ -261,6 +266,8 @@ fn gpu_to_device_fills_fresh_memory_and_releases_it() {
         let mut pinned = PinnedBuffer::new(&dev, bytes.max(1), PinnedFlags::PORTABLE).unwrap();
         pinned.as_mut_slice()[..bytes].copy_from_slice(&other);
         let mem2 = pinstage::h2d::to_device(&pinned.as_slice()[..bytes], &dev).unwrap();
+        // A pinned source is the caller's again once `to_device` returned: its copy completed.
+        pinned.as_mut_slice().fill(POISON);
         assert!(read_fresh(&dev, &mem2) == other, "pinned: values differ");
         drop((mem, mem2));
     }
