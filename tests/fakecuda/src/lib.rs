@@ -492,10 +492,8 @@ enum Side {
 }
 
 fn side(st: &State, addr: u64, len: usize, device_only: bool) -> Result<Side, CUresult> {
+    // Device memory and page-locked host memory are both device-accessible (unified addresses).
     match st.find(addr, len) {
-        Some((_, a)) if device_only && a.kind != Kind::Device && a.kind != Kind::Host => {
-            Err(INVALID_VALUE)
-        }
         Some(_) => Ok(Side::Async),
         None if device_only => Err(INVALID_VALUE),
         None if addr == 0 => Err(INVALID_VALUE),
@@ -517,8 +515,8 @@ struct Copy {
     len: usize,
 }
 
-/// Queues `copies` on `s` (checked first, nothing queued on a bad one: its index in `Err`).
-/// `sync`: wait for them (a copy into pageable memory, a synchronous copy).
+/// Queues `copies` on `s` (checked first, nothing queued on a bad one: its index in `Err`); a
+/// copy into pageable memory returns once done, as the driver's does.
 fn enqueue_copies(
     s: &Stream,
     copies: Vec<Copy>,
