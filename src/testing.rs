@@ -9,7 +9,9 @@ use crate::dlpack::{DType, DeviceView, TensorMeta};
 use crate::driver::{self, CUdeviceptr};
 use crate::error::{Error, Result, on_drop};
 
-pub use crate::d2h::{landing_after_spin, landing_counts, landing_free_words, landing_reset};
+pub use crate::d2h::{
+    landing_after_spin, landing_counts, landing_free_words, landing_from_stream, landing_reset,
+};
 pub use crate::driver::fault;
 pub use crate::h2d::mirror::CopyKey;
 pub use crate::h2d::slot::row_shape;

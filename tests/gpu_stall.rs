@@ -525,6 +525,7 @@ fn gpu_copy_d2h_more_waits_than_landing_words() {
         })
         .collect();
     let (landed_before, evented_before) = pinstage::testing::landing_counts();
+    let from_stream_before = pinstage::testing::landing_from_stream();
     let stalls: Vec<_> = jobs.iter().map(|(s, ..)| stall(s)).collect();
     let returned = AtomicUsize::new(0);
     std::thread::scope(|scope| {
@@ -575,6 +576,19 @@ fn gpu_copy_d2h_more_waits_than_landing_words() {
     assert!(
         landed > landed_before,
         "no wait learned of its copy from a landing word"
+    );
+    // Up to 64 words in use at once, each written by its own stream: a wait that read another
+    // word than its own would never see its value there (or see it early, above) and learn of
+    // its copy from the idle stream instead.
+    assert_eq!(
+        (landed - landed_before) + (evented - evented_before),
+        threads as u64,
+        "every wait saw its own word or took an event"
+    );
+    assert_eq!(
+        pinstage::testing::landing_from_stream(),
+        from_stream_before,
+        "waits learned of their copies from their streams, their words never seen"
     );
 }
 
@@ -778,6 +792,7 @@ fn gpu_copy_d2h_learns_from_its_stream_when_the_word_never_comes() {
     let stream = Stream::new(&dev).unwrap();
     let (src, mut dst, data) = landing_pair(&dev, 4 << 10, 31);
     let (landed0, _) = pinstage::testing::landing_counts();
+    let from_stream0 = pinstage::testing::landing_from_stream();
     fault::inject(Call::StreamWriteValue32, Fault::Skipped, 1);
     let path = pinstage::copy_d2h(&src.view(DType::U8), dst.as_mut_slice(), stream.handle());
     assert_eq!(fault::clear(), 0);
@@ -787,6 +802,11 @@ fn gpu_copy_d2h_learns_from_its_stream_when_the_word_never_comes() {
         pinstage::testing::landing_counts().0,
         landed0,
         "a word that was never written"
+    );
+    assert_eq!(
+        pinstage::testing::landing_from_stream(),
+        from_stream0 + 1,
+        "the wait learned of its copy from its stream"
     );
 }
 

@@ -225,6 +225,14 @@ pub fn landing_after_spin() -> u64 {
     landing::COUNTS[2].load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// Waits on a landing word that learned from their idle stream that the copy was done, their
+/// word still not written (its write skipped or refused, or read at the wrong place). For tests.
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub fn landing_from_stream() -> u64 {
+    landing::COUNTS[3].load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// How many of the device's 64 landing words are free (`None`: it has none yet). For tests.
 #[cfg(feature = "testing")]
 #[doc(hidden)]

@@ -40,14 +40,16 @@ pub(crate) struct Landing {
 static LANDINGS: [OnceLock<Option<Landing>>; 64] = [const { OnceLock::new() }; 64];
 
 /// Waits that learned of their copy from a landing word within their flat-out spin, waited
-/// copies that took an event instead (all words in use, stream writes refused), and waits that
-/// saw their word only after the spin: for tests (feature `testing`; no shared counter on the
-/// copies of a release build).
+/// copies that took an event instead (all words in use, stream writes refused), waits that saw
+/// their word only after the spin, and waits that learned it from their idle stream with their
+/// word still not there: for tests (feature `testing`; no shared counter on the copies of a
+/// release build).
 #[cfg(feature = "testing")]
-pub(crate) static COUNTS: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
+pub(crate) static COUNTS: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
 
-/// Counts a wait that landed within its spin (`0`), a waited copy that took an event (`1`), or a
-/// wait that landed after its spin (`2`), for tests.
+/// Counts a wait that landed within its spin (`0`), a waited copy that took an event (`1`), a
+/// wait that landed after its spin (`2`), or one whose stream went idle without its word (`3`),
+/// for tests.
 #[inline]
 pub(crate) fn count(_which: usize) {
     #[cfg(feature = "testing")]
@@ -261,7 +263,12 @@ impl<'s> Waiter<'s> {
             if asked.elapsed() > Duration::from_millis(1) {
                 asked = Instant::now();
                 match self.ask() {
-                    Ok(true) => break,
+                    Ok(true) => {
+                        // The stream is idle, so its write of the word is done: a word that
+                        // still differs was never written (or is read at the wrong place).
+                        count(if self.claim.landed() { 2 } else { 3 });
+                        break;
+                    }
                     Ok(false) => {}
                     Err(crate::Error::Driver(e)) if e.is_capture_error() => {}
                     Err(e) => return Err(e),

@@ -16,4 +16,6 @@ pub(crate) use copy::set_landing;
 pub(crate) use copy::start_d2h;
 pub use copy::{copy_d2h, copy_d2h_async};
 #[cfg(feature = "testing")]
-pub use copy::{landing_after_spin, landing_counts, landing_free_words, landing_reset};
+pub use copy::{
+    landing_after_spin, landing_counts, landing_free_words, landing_from_stream, landing_reset,
+};
