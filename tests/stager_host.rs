@@ -270,6 +270,17 @@ fn getters_and_outcomes_report_what_was_built_and_done() {
         // A driver without a fourth device refuses the ordinal.
         Err(e) => assert!(matches!(e, Error::NoSuchDevice { .. }), "{e:?}"),
     }
+    // With a driver (a GPU, or the simulated one), device 0's stager serves devices.
+    if pinstage::Device::get(0).is_ok() {
+        let st = Stager::builder(DType::F32).device(0).depth(5).build().unwrap();
+        assert_eq!((st.ordinal(), st.depth()), (0, 5));
+        assert!(st.has_cuda(), "device 0 exists, yet no device is served");
+        let dbg = format!("{st:?}");
+        assert!(
+            dbg.contains("device: 0") && dbg.contains("depth: 5") && dbg.contains("cuda: true"),
+            "{dbg}"
+        );
+    }
     assert!(CopyOutcome::Issued { slot: 2 }.wrote());
     assert!(CopyOutcome::Host.wrote());
     assert!(!CopyOutcome::Skipped.wrote());

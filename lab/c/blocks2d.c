@@ -43,7 +43,8 @@
  *              by the CPU buy that back, or does it cost the memory bandwidth the DMA needs?)
  *   gather     the control for 2d-hgather: the same gather into the staging ring, no copy (the
  *              CPU's gather rate alone; checked on the staging's last chunk)
- * ONLY=name,name...: run only these strategies.
+ * ONLY=name,name...: run only these strategies. HOST_MEM=alloc|reg4k|reghuge: how the host
+ * blocks are allocated (below, where they are).
  * Every timed call is checked: the destination poisoned (0xEE) before it; after it, the first
  * and last 8 bytes of every moved (tensor, block) and one unmoved block per tensor compared with
  * the source pattern (which changes per call). Median of 5 timed calls (1 warm-up), GB/s from
@@ -58,6 +59,7 @@
 #include <time.h>
 #include <pthread.h>
 #include <unistd.h>
+#include <sys/mman.h>
 
 #define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *s_; \
     cuGetErrorName(r_, &s_); fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_); \
@@ -305,7 +307,31 @@ int main(int argc, char **argv) {
     char *host, *stage, *mirror;
     CHECK(cuMemAlloc(&dev, CAP));
     CHECK(cuMemAlloc(&gdev, CAP / 4));
-    CHECK(cuMemHostAlloc((void **)&host, CAP, 0));
+    /* HOST_MEM=alloc (default): the host blocks from cuMemHostAlloc; reg4k / reghuge: an
+     * anonymous mapping registered with cuMemHostRegister, its pages kept 4 KiB
+     * (MADV_NOHUGEPAGE) or made 2 MiB transparent huge pages (MADV_HUGEPAGE) before it is
+     * touched. Is the host side's scatter loss the GPU's translation of 4 KiB host pages? */
+    const char *hm = getenv("HOST_MEM") ? getenv("HOST_MEM") : "alloc";
+    if (strcmp(hm, "alloc") == 0) {
+        CHECK(cuMemHostAlloc((void **)&host, CAP, 0));
+    } else {
+        size_t A = 2u << 20;
+        char *raw = mmap(NULL, CAP + A, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (raw == MAP_FAILED) { perror("mmap"); return 1; }
+        host = (char *)(((uintptr_t)raw + A - 1) & ~(uintptr_t)(A - 1));
+        int huge = strcmp(hm, "reghuge") == 0;
+        if (madvise(host, CAP, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE)) perror("madvise");
+        memset(host, 1, CAP);
+        CHECK(cuMemHostRegister(host, CAP, 0));
+        FILE *mi = fopen("/proc/meminfo", "r");
+        char line[256];
+        while (mi && fgets(line, sizeof line, mi))
+            if (strncmp(line, "AnonHugePages", 13) == 0) printf("HOST_MEM=%s: %s", hm, line);
+        if (mi) fclose(mi);
+        FILE *th = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+        if (th && fgets(line, sizeof line, th)) printf("THP enabled: %s", line);
+        if (th) fclose(th);
+    }
     CHECK(cuMemHostAlloc((void **)&stage, CAP / 4, 0));
     mirror = malloc(CAP);
     size_t maxn = (CAP / 4) / 4096 + 16;
