@@ -272,7 +272,11 @@ fn getters_and_outcomes_report_what_was_built_and_done() {
     }
     // With a driver (a GPU, or the simulated one), device 0's stager serves devices.
     if pinstage::Device::get(0).is_ok() {
-        let st = Stager::builder(DType::F32).device(0).depth(5).build().unwrap();
+        let st = Stager::builder(DType::F32)
+            .device(0)
+            .depth(5)
+            .build()
+            .unwrap();
         assert_eq!((st.ordinal(), st.depth()), (0, 5));
         assert!(st.has_cuda(), "device 0 exists, yet no device is served");
         let dbg = format!("{st:?}");

@@ -247,7 +247,7 @@ impl Drop for UnitDone<'_, '_, '_, '_> {
             return;
         }
         let n = job.slots.len();
-        let (s, round) = (self.p % n, self.p / n);
+        let (s, round) = slot_and_round(self.p, n);
         // Marks the use issued however this ends (a panic in `send` included), so no unit
         // waits for it forever.
         let _mark = MarkIssued(&job.issued[s], round + 1, &job.failed);
@@ -261,6 +261,26 @@ impl Drop for UnitDone<'_, '_, '_, '_> {
         #[cfg(feature = "lab")]
         super::trace::piece(job.t0, self.p, job.pieces[self.p].1, filled);
     }
+}
+
+/// Piece `p`'s bounce slot among `n` and how many uses of that slot come before it (the
+/// pieces take the slots in turn).
+fn slot_and_round(p: usize, n: usize) -> (usize, usize) {
+    (p % n, p / n)
+}
+
+/// Waits until a slot's `issued` mark reaches `round` (every earlier use of the slot was
+/// issued); `false` once the upload failed (the caller gives up).
+fn wait_issued(issued: &AtomicUsize, round: usize, failed: &AtomicBool) -> bool {
+    let backoff = crossbeam_utils::Backoff::new();
+    // Acquire: pairs with the Release in `MarkIssued`; the earlier use's record happened before.
+    while issued.load(Ordering::Acquire) < round {
+        if failed.load(Ordering::Relaxed) {
+            return false;
+        }
+        backoff.snooze();
+    }
+    !failed.load(Ordering::Relaxed)
 }
 
 /// Raises a slot's issued mark to `.1` when dropped; by a panic, it marks the upload failed
@@ -298,7 +318,7 @@ impl Upload<'_, '_> {
                 break;
             };
             let _done = UnitDone { job: self, cur, p };
-            let (s, round) = (p % n, p / n);
+            let (s, round) = slot_and_round(p, n);
             if let Err(e) = self.fill(s, round, off - self.pieces[p].0, off, len) {
                 self.fail(e);
             }
@@ -309,15 +329,7 @@ impl Upload<'_, '_> {
     /// before `round` was issued and its copy completed. Gives up (Ok) once the upload failed.
     fn fill(&self, s: usize, round: usize, at: usize, off: usize, len: usize) -> Result<()> {
         let slot = &self.slots[s];
-        let backoff = crossbeam_utils::Backoff::new();
-        // Acquire: pairs with the Release in `UnitDone`; the earlier use's record happened before.
-        while self.issued[s].load(Ordering::Acquire) < round {
-            if self.failed.load(Ordering::Relaxed) {
-                return Ok(());
-            }
-            backoff.snooze();
-        }
-        if self.failed.load(Ordering::Relaxed) {
+        if !wait_issued(&self.issued[s], round, &self.failed) {
             return Ok(());
         }
         // Acquire: a worker saw that use's copy complete before storing this. (The seeded-bug
@@ -399,4 +411,59 @@ pub fn copy_h2d_async<B: HostRegion>(
     // and nothing else writes it meanwhile (we own it).
     let (path, event) = unsafe { start_h2d(device.as_ref(), dst, ptr, len, stream) }?;
     Ok(PendingCopy::new(src, event, path, len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn pieces_take_the_slots_in_turn() {
+        assert_eq!(slot_and_round(0, 12), (0, 0));
+        assert_eq!(slot_and_round(11, 12), (11, 0));
+        assert_eq!(slot_and_round(13, 12), (1, 1));
+        assert_eq!(slot_and_round(37, 12), (1, 3));
+        assert_eq!(slot_and_round(5, 1), (0, 5));
+    }
+
+    /// A fill of a slot's third use waits until the slot's two earlier uses were issued; a
+    /// failed upload stops the wait.
+    #[test]
+    fn a_fill_waits_until_the_slots_earlier_uses_were_issued() {
+        let (issued, failed) = (AtomicUsize::new(1), AtomicBool::new(false));
+        assert!(wait_issued(&issued, 0, &failed));
+        assert!(wait_issued(&issued, 1, &failed));
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(30));
+                issued.store(2, Ordering::Release);
+            });
+            assert!(wait_issued(&issued, 2, &failed));
+        });
+        assert!(
+            t0.elapsed() >= Duration::from_millis(30),
+            "{:?}",
+            t0.elapsed()
+        );
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(30));
+                failed.store(true, Ordering::Relaxed);
+            });
+            assert!(
+                !wait_issued(&issued, 5, &failed),
+                "a failed upload still filled"
+            );
+        });
+        assert!(
+            t0.elapsed() >= Duration::from_millis(30),
+            "{:?}",
+            t0.elapsed()
+        );
+        // Failed before: nothing is filled even where the slot is free.
+        assert!(!wait_issued(&issued, 0, &failed));
+    }
 }
