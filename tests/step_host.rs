@@ -342,9 +342,10 @@ fn threads_commit_concurrently_into_their_own_slots() {
         }
     });
     assert_eq!(st.stats().steps, 4000);
+    // At least one block was made (the counter counts them), and they are reused.
     assert!(
-        st.stats().blocks <= 16,
-        "blocks are reused: {}",
+        (1..=16).contains(&st.stats().blocks),
+        "blocks made: {}",
         st.stats().blocks
     );
 }
