@@ -337,6 +337,13 @@ def test_arena_exports_need_arena_mode():
             bad()
 
 
+def test_a_stager_reports_what_it_was_built_with():
+    layout = pinstage.StepLayout({"ids": ("int32", 16)})
+    st = pinstage.StepStager(layout, depth=3)
+    assert (st.depth, st.device, st.cuda) == (3, 0, pinstage.cuda_available())
+    assert f"depth=3, device=0, cuda={st.cuda})" in repr(st)
+
+
 def test_device_exports_need_a_driver():
     st = pinstage.StepStager(pinstage.StepLayout({"ids": ("int32", 16), "t": ("int64", (2, 2))}))
     st.stage({"ids": [1, 2, 3], "t": [[5, 6], [7, 8]]})
