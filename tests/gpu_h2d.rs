@@ -97,9 +97,11 @@ fn gpu_h2d_threads_share_the_bounce_slots() {
     });
 }
 
-/// Many more pieces than bounce slots into a stalled stream: every slot must wait for its last
-/// copy (released by another thread after 50 ms) before it is filled again; a slot refilled
-/// early shows as a wrong byte.
+/// More pieces than bounce slots into a stalled stream: every slot must wait for its last copy
+/// before it is filled again; a slot refilled early shows as a wrong byte. The stall is released
+/// once the call returned (a pageable `copy_h2d_async` returns once it read its whole source:
+/// early only if a slot was refilled under a queued copy) or after 500 ms (a correct call waits
+/// for that), so a fill that does not wait always overwrites a queued copy's slot.
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_h2d_slots_wait_for_their_copies() {
@@ -116,13 +118,23 @@ fn gpu_h2d_slots_wait_for_their_copies() {
     copy_h2d(&dst, &values(DType::U8, bytes, 92), stream.handle()).unwrap();
     buf.upload(0, &vec![POISON; bytes + 1]).unwrap();
     let gate = common::stall(&stream);
+    let (returned, seen) = std::sync::mpsc::channel::<()>();
     let release = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(50));
+        let early = seen
+            .recv_timeout(std::time::Duration::from_millis(500))
+            .is_ok();
         gate.release();
+        early
     });
-    copy_h2d(&dst, &data, stream.handle()).unwrap();
-    release.join().unwrap();
+    let pending = pinstage::h2d::copy_h2d_async(&dst, data.clone(), stream.handle()).unwrap();
+    let _ = returned.send(());
+    let early = release.join().unwrap();
+    pending.wait().unwrap();
     check(&buf, &data);
+    assert!(
+        !early,
+        "the call returned while its slots' copies were held: a slot was refilled early"
+    );
 }
 
 /// A pageable copy on this thread's per-thread default stream (the copy threads' own per-thread
