@@ -958,3 +958,65 @@ fn gpu_a_step_failing_after_issued_spans_waits_for_them() {
     let a: Vec<i32> = bytemuck::cast_slice(&st.read_field("a").unwrap()).to_vec();
     assert_eq!(a[..100], va[..], "the first span's copy");
 }
+
+/// A stager copy whose event record fails (injected) behind a stalled stream: the call reports
+/// the record's error only once the stream was waited for (its copy ran), so the slot it frees
+/// is not rewritten under that copy: the next copy through the one slot lands, and so did the
+/// first.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_a_failed_event_record_frees_its_slot_only_after_the_copy() {
+    use pinstage::testing::fault::{self, Call, Fault};
+    let Some(dev) = gpu_or_skip("gpu_a_failed_event_record_frees_its_slot_only_after_the_copy")
+    else {
+        return;
+    };
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let stream = Stream::new(&dev).unwrap();
+    let st = common::stager::<u32>(0, 1024, 1).unwrap();
+    let (a, b) = (
+        poisoned(&dev, DType::U32, 1024),
+        poisoned(&dev, DType::U32, 1024),
+    );
+    let va: Vec<u32> = (0..1024).map(|i| i * 7 + 3).collect();
+    let vb: Vec<u32> = (0..1024).map(|i| i * 5 + 100_001).collect();
+    pinstage::host::wait_for_frees();
+    let go = stall(&stream);
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        drop(go);
+    });
+    fault::inject(Call::EventRecord, Fault::Failed, 1);
+    let failed = st.put(
+        &view(&a, DType::U32, 1024),
+        &va,
+        None,
+        None,
+        stream.handle(),
+    );
+    assert_eq!(fault::clear(), 0, "the record was made");
+    match failed {
+        Err(pinstage::Error::Driver(e)) => assert_eq!(e.call(), "cuEventRecord"),
+        other => panic!("the failed record was not reported: {other:?}"),
+    }
+    st.put(
+        &view(&b, DType::U32, 1024),
+        &vb,
+        None,
+        None,
+        stream.handle(),
+    )
+    .unwrap();
+    release.join().unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(
+        bytemuck::cast_slice::<u8, u32>(&read(&a)[..4096]),
+        &va[..],
+        "first copy"
+    );
+    assert_eq!(
+        bytemuck::cast_slice::<u8, u32>(&read(&b)[..4096]),
+        &vb[..],
+        "second copy"
+    );
+}

@@ -32,6 +32,10 @@ pub(crate) unsafe fn event_destroy(ev: CUevent) -> DResult<()> {
 /// # Safety
 /// 1. `ev` is live; `stream` is a live stream of the event's context (or null).
 pub(crate) unsafe fn event_record(ev: CUevent, stream: CUstream) -> DResult<()> {
+    #[cfg(feature = "testing")]
+    if let Some(f) = super::fault::take(super::fault::Call::EventRecord) {
+        return f.error("cuEventRecord").map_or(Ok(()), Err);
+    }
     // SAFETY: caller's contract.
     check("cuEventRecord", unsafe { sys::cuEventRecord(ev, stream) })
 }

@@ -22,6 +22,8 @@ pub enum Call {
     StreamQuery,
     /// `cuMemcpyHtoDAsync` (a stager's copy, a step's span).
     MemcpyHtoDAsync,
+    /// `cuEventRecord` (a slot's event after its copy).
+    EventRecord,
 }
 
 /// What an injected fault does to the call.
