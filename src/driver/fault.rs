@@ -2,7 +2,8 @@
 //! thread's next calls of one driver function fail with a chosen error, or do nothing and
 //! report success. They reach the error paths a healthy GPU never takes: a stream write the
 //! driver refuses, a wait refused because another thread captures a CUDA graph, a stream that
-//! fails while a copy is waited for, a landing word that never comes.
+//! fails while a copy is waited for, a landing word that never comes, a slot's event record
+//! that fails.
 //!
 //! Faults are per thread: a test injects them on the thread that will make the call (pinstage
 //! waits for a `copy_d2h` on the calling thread), so tests running beside it are not touched.
