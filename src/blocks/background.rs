@@ -1,7 +1,9 @@
-//! Moves issued in the background: the caller's call checks the move, records a fork event on
-//! its stream and hands the move to a thread of the mover, which builds the copies and issues
-//! them on its own stream after the fork, then records the move's event. The caller returns once
-//! the move is handed over, however long the driver holds the issuing thread.
+//! Moves issued in the background: the caller's call checks the move's ids, records a fork event
+//! on its stream and hands the ids to a thread of the mover, which merges them into runs, builds
+//! the copies and issues them on its own stream after the fork, then records the move's event.
+//! The caller returns once the move is handed over, however long the driver holds the issuing
+//! thread; what it spends grows with the ids only as reading them and marking one bit per
+//! destination does.
 //!
 //! Order, all of it through events recorded before anything waits on them (no wait on a value
 //! the host writes later: streams share hardware queues, and such a wait can hold up the very
@@ -13,9 +15,12 @@
 
 use std::sync::{Arc, OnceLock, mpsc};
 
+use parking_lot::Mutex;
+
 use super::copy::{Direction, Ticket};
 use super::issue::{Issue, Lists, issue_on};
-use super::plan::{Pair, Run, Segment, segments_of};
+use super::mover::Tensors;
+use super::plan::{Segment, segments_of};
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::driver::DriverError;
 use crate::error::{Error, Result};
@@ -26,11 +31,15 @@ use cudarc::driver::sys::CUresult::{
 
 struct Job {
     direction: Direction,
-    runs: Vec<Run>,
-    how: Issue,
-    fork: Event,
+    src_ids: Vec<usize>,
+    dst_ids: Vec<usize>,
+    /// Taken back into the spare forks once the issuing stream waits on it.
+    fork: Option<Event>,
     ticket: Arc<Ticket>,
 }
+
+/// Fork events kept for reuse: at most this many.
+const SPARE_FORKS: usize = 8;
 
 impl Drop for Job {
     fn drop(&mut self) {
@@ -43,6 +52,9 @@ impl Drop for Job {
 /// move sent (their `BlockCopy`s borrow the mover, so none is left by then).
 pub(super) struct Issuer {
     tx: mpsc::Sender<Job>,
+    /// Fork events the thread no longer needs (a stream's wait on an event holds the record it
+    /// saw when the wait was issued: recording the event again later changes nothing for it).
+    spare: Arc<Mutex<Vec<Event>>>,
 }
 
 impl std::fmt::Debug for Issuer {
@@ -52,20 +64,22 @@ impl std::fmt::Debug for Issuer {
 }
 
 impl Issuer {
-    /// A thread for `device` that issues moves between the tensors of `pairs`.
+    /// A thread for `device` that issues moves between `tensors`.
     ///
     /// # Errors
     /// [`Error::Driver`]: no stream; [`Error::CudaUnavailable`]: no thread.
-    pub(super) fn start(device: &Device, pairs: Arc<[Pair]>) -> Result<Self> {
+    pub(super) fn start(device: &Device, tensors: Arc<Tensors>) -> Result<Self> {
         let side = Stream::new(device)?;
         let (tx, rx) = mpsc::channel::<Job>();
         let device = device.clone();
+        let spare = Arc::new(Mutex::new(Vec::new()));
+        let spares = Arc::clone(&spare);
         std::thread::Builder::new()
             .name("pinstage-blocks".into())
             .spawn(move || {
                 let cur = device.enter();
                 let helpers = OnceLock::new();
-                for job in rx {
+                for mut job in rx {
                     let outcome = match &cur {
                         // Relaxed capture mode: a graph captured on another thread in global
                         // mode neither fails these calls nor is invalidated by them. A panic
@@ -73,7 +87,7 @@ impl Issuer {
                         Ok(cur) => crate::driver::capture_relaxed(|| {
                             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                                 // SAFETY: the sender's contract (`Issuer::send`).
-                                unsafe { run(cur, &side, &helpers, &pairs, &job) }
+                                unsafe { run(cur, &side, &helpers, &tensors, &spares, &mut job) }
                             }))
                             .unwrap_or_else(|_| {
                                 let _ = side.handle().synchronize(cur);
@@ -87,36 +101,40 @@ impl Issuer {
                 }
             })
             .map_err(|e| Error::unavailable(format!("no thread to issue moves: {e}")))?;
-        Ok(Self { tx })
+        Ok(Self { tx, spare })
     }
 
-    /// Hands a move of `runs` in `direction` to the thread: its copies run after the work
-    /// queued on `stream` so far.
+    /// Hands a move of `src_ids[i]` into `dst_ids[i]` in `direction` to the thread: its copies
+    /// run after the work queued on `stream` so far.
     ///
     /// # Errors
     /// [`Error::Driver`]: the fork event refused; [`Error::CudaUnavailable`]: the thread is gone.
     /// Either way nothing was handed over.
     ///
     /// # Safety
-    /// 1. `runs` are checked runs of the mover whose `pairs` the thread holds, issuable as
-    ///    `how`; the tensors' memory stays valid until the returned ticket completed.
+    /// 1. The ids are a checked, non-empty move (`check_ids`) between the thread's tensors; the
+    ///    tensors' memory stays valid until the returned ticket completed.
     /// 2. `stream` is a live stream of the thread's device, not capturing.
     pub(super) unsafe fn send(
         &self,
         cur: &Current<'_>,
         direction: Direction,
-        runs: Vec<Run>,
-        how: Issue,
+        src_ids: Vec<usize>,
+        dst_ids: Vec<usize>,
         stream: StreamHandle,
     ) -> Result<Arc<Ticket>> {
-        let fork = Event::new_in(cur)?;
+        let spare = self.spare.lock().pop();
+        let fork = match spare {
+            Some(e) => e,
+            None => Event::new_in(cur)?,
+        };
         fork.record_in(cur, stream)?;
         let ticket = Arc::new(Ticket::pending(Event::new_in(cur)?));
         let job = Job {
             direction,
-            runs,
-            how,
-            fork,
+            src_ids,
+            dst_ids,
+            fork: Some(fork),
             ticket: Arc::clone(&ticket),
         };
         self.tx
@@ -131,8 +149,9 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<(Vec<Segment>, Lists)> = Default::default();
 }
 
-/// Issues `job` on `side` after its fork and records its event; on a failure the stream is
-/// drained first, so nothing of the move runs when its waiters hear of it.
+/// Merges `job`'s ids into runs, issues them on `side` after its fork (the fork then goes back
+/// to `spare`) and records its event; on a failure the stream is drained first, so nothing of
+/// the move runs when its waiters hear of it.
 ///
 /// # Safety
 /// As [`Issuer::send`].
@@ -140,23 +159,33 @@ unsafe fn run(
     cur: &Current<'_>,
     side: &Stream,
     helpers: &OnceLock<Vec<Stream>>,
-    pairs: &[Pair],
-    job: &Job,
+    tensors: &Tensors,
+    spare: &Mutex<Vec<Event>>,
+    job: &mut Job,
 ) -> std::result::Result<(), DriverError> {
     let stream = side.handle();
     let mut forked = false;
     let issued = SCRATCH.with_borrow_mut(|(segments, lists)| {
         segments.clear();
         // Checked when the move was sent: a failure here is a bug, reported, not issued.
-        let strided = matches!(job.how, Issue::Strided { .. });
-        segments_of(pairs, job.direction, &job.runs, strided, segments)
-            .map_err(|_| DriverError::new("pinstage: block move", INVALID_VALUE))?;
+        let bug = |_| DriverError::new("pinstage: block move", INVALID_VALUE);
+        let runs = tensors
+            .runs(job.direction, &job.src_ids, &job.dst_ids)
+            .map_err(bug)?;
+        let how = tensors.how(job.direction, job.src_ids.len(), runs.len());
+        let strided = matches!(how, Issue::Strided { .. });
+        segments_of(&tensors.pairs, job.direction, &runs, strided, segments).map_err(bug)?;
+        let fork = job.fork.take().expect("a job's fork is taken once");
         #[cfg(not(pinstage_seeded_bug = "background_no_fork"))]
-        job.fork.wait_on_in(cur, stream).map_err(driver_error)?;
+        fork.wait_on_in(cur, stream).map_err(driver_error)?;
         forked = true;
+        let mut spare = spare.lock();
+        if spare.len() < SPARE_FORKS {
+            spare.push(fork);
+        }
+        drop(spare);
         // SAFETY: the sender's contract 1; `stream` is our side stream (not the legacy one).
-        unsafe { issue_on(cur, segments, job.how, stream, helpers, lists) }
-            .map_err(driver_error)?;
+        unsafe { issue_on(cur, segments, how, stream, helpers, lists) }.map_err(driver_error)?;
         job.ticket
             .event()
             .record_in(cur, stream)

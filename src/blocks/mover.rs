@@ -1,6 +1,7 @@
 //! [`BlockMover`]: moves lists of blocks between device tensors and pinned host tensors with the
 //! copy engines: batched driver calls, or 2D copies across the tensors.
 
+use std::borrow::Cow;
 use std::marker::PhantomData;
 use std::sync::{Arc, OnceLock};
 
@@ -9,7 +10,7 @@ use parking_lot::Mutex;
 use super::background::Issuer;
 use super::copy::{BlockCopy, Direction, InFlight, MAX_BATCH, MovePlan, Strategy};
 use super::issue::{Issue, Lists, issue_on, share};
-use super::plan::{BlockLayout, Pair, Run, Segment, runs, segments, segments_of};
+use super::plan::{BlockLayout, Pair, Run, Segment, check_ids, runs, segments, segments_of};
 use super::strides::{batch_threads, one_allocation, strides, two_d_wins};
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
@@ -44,14 +45,8 @@ fn memory_name(m: MemoryKind) -> &'static str {
 pub struct BlockMover<'t> {
     /// `None`: the "device" tensors are host memory too (moves are `memcpy`s; no driver needed).
     device: Option<Device>,
-    pairs: Arc<[Pair]>,
-    device_blocks: usize,
-    host_blocks: usize,
-    batched: bool,
-    /// The address strides (device, host) between consecutive tensors when every side's
-    /// tensors share one layout at one stride within one allocation (2D copies can then cross
-    /// all tensors at once).
-    strides: Option<(usize, usize)>,
+    /// The tensors and how moves between them are issued (shared with the issuing threads).
+    tensors: Arc<Tensors>,
     /// Where batched moves on the legacy default stream go (the batched call refuses that
     /// stream).
     side: [OnceLock<Stream>; 2],
@@ -62,6 +57,9 @@ pub struct BlockMover<'t> {
     background: [OnceLock<Issuer>; 2],
     /// The copy lists, reused from move to move.
     scratch: Mutex<Scratch>,
+    /// One bit per destination block, for a move in the background's check (all zeros between
+    /// checks).
+    seen: Mutex<Vec<u64>>,
     _tensors: PhantomData<&'t ()>,
 }
 
@@ -71,13 +69,86 @@ struct Scratch {
     lists: Lists,
 }
 
+/// A mover's tensors and how moves between them are issued: what planning a move needs, on the
+/// caller's thread or on an issuing thread.
+#[derive(Debug)]
+pub(super) struct Tensors {
+    pub(super) pairs: Box<[Pair]>,
+    device_blocks: usize,
+    host_blocks: usize,
+    batched: bool,
+    /// The address strides (device, host) between consecutive tensors when every side's
+    /// tensors share one layout at one stride within one allocation (2D copies can then cross
+    /// all tensors at once).
+    strides: Option<(usize, usize)>,
+}
+
+impl Tensors {
+    /// The (block count, id list name) of a move's source and destination sides.
+    fn sides(&self, direction: Direction) -> ((usize, &'static str), (usize, &'static str)) {
+        match direction {
+            Direction::Offload => (
+                (self.device_blocks, "device_ids"),
+                (self.host_blocks, "host_ids"),
+            ),
+            Direction::Load => (
+                (self.host_blocks, "host_ids"),
+                (self.device_blocks, "device_ids"),
+            ),
+        }
+    }
+
+    /// The runs of a move of `src_ids[i]` into `dst_ids[i]` in `direction`.
+    ///
+    /// # Errors
+    /// As [`runs`].
+    pub(super) fn runs(
+        &self,
+        direction: Direction,
+        src_ids: &[usize],
+        dst_ids: &[usize],
+    ) -> Result<Vec<Run>> {
+        let (src, dst) = self.sides(direction);
+        runs((src_ids, src.1), (dst_ids, dst.1), src.0, dst.0)
+    }
+
+    /// How a move of `blocks` blocks in `runs` runs is issued: as 2D copies across the tensors
+    /// when they sit at one stride and 2D copies beat a batch there ([`two_d_wins`]).
+    pub(super) fn how(&self, direction: Direction, blocks: usize, runs: usize) -> Issue {
+        match self.strides {
+            Some((device_pitch, host_pitch))
+                if two_d_wins(direction, blocks, self.pairs[0].device.bytes, runs) =>
+            {
+                let (src_pitch, dst_pitch) = match direction {
+                    Direction::Offload => (device_pitch, host_pitch),
+                    Direction::Load => (host_pitch, device_pitch),
+                };
+                Issue::Strided {
+                    src_pitch,
+                    dst_pitch,
+                    rows: self.pairs.len(),
+                    to_host: direction == Direction::Offload,
+                }
+            }
+            _ if self.batched => {
+                let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
+                let copy_bytes = blocks * self.pairs[0].device.bytes / runs.max(1);
+                Issue::Batched {
+                    threads: batch_threads(direction, runs * parts, copy_bytes),
+                }
+            }
+            _ => Issue::PerCopy,
+        }
+    }
+}
+
 impl std::fmt::Debug for BlockMover<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BlockMover")
             .field("device", &self.device)
-            .field("tensors", &self.pairs.len())
-            .field("device_blocks", &self.device_blocks)
-            .field("host_blocks", &self.host_blocks)
+            .field("tensors", &self.tensors.pairs.len())
+            .field("device_blocks", &self.tensors.device_blocks)
+            .field("host_blocks", &self.tensors.host_blocks)
             .finish()
     }
 }
@@ -187,15 +258,18 @@ impl<'t> BlockMover<'t> {
         };
         Ok(Self {
             device,
-            strides,
-            device_blocks: pairs.iter().map(|p| p.device.num_blocks).min().unwrap_or(0),
-            host_blocks: pairs.iter().map(|p| p.host.num_blocks).min().unwrap_or(0),
-            pairs: pairs.into(),
-            batched,
+            tensors: Arc::new(Tensors {
+                strides,
+                device_blocks: pairs.iter().map(|p| p.device.num_blocks).min().unwrap_or(0),
+                host_blocks: pairs.iter().map(|p| p.host.num_blocks).min().unwrap_or(0),
+                pairs: pairs.into(),
+                batched,
+            }),
             side: [OnceLock::new(), OnceLock::new()],
             helpers: [OnceLock::new(), OnceLock::new()],
             background: [OnceLock::new(), OnceLock::new()],
             scratch: Mutex::new(Scratch::default()),
+            seen: Mutex::new(Vec::new()),
             _tensors: PhantomData,
         })
     }
@@ -207,17 +281,18 @@ impl<'t> BlockMover<'t> {
 
     /// Blocks every device tensor holds (the fewest of any).
     pub fn device_blocks(&self) -> usize {
-        self.device_blocks
+        self.tensors.device_blocks
     }
 
     /// Blocks every host tensor holds (the fewest of any).
     pub fn host_blocks(&self) -> usize {
-        self.host_blocks
+        self.tensors.host_blocks
     }
 
     /// Bytes of one block summed over all tensors (every part).
     pub fn block_bytes(&self) -> usize {
-        self.pairs
+        self.tensors
+            .pairs
             .iter()
             .map(|p| p.device.bytes * p.device.outer)
             .sum()
@@ -225,12 +300,12 @@ impl<'t> BlockMover<'t> {
 
     /// The tensor pairs.
     pub fn len(&self) -> usize {
-        self.pairs.len()
+        self.tensors.pairs.len()
     }
 
     /// Never: a mover has at least one pair.
     pub fn is_empty(&self) -> bool {
-        self.pairs.is_empty()
+        self.tensors.pairs.is_empty()
     }
 
     /// Checks a move of `src_ids[i]` into `dst_ids[i]` in `direction`: its runs.
@@ -240,32 +315,45 @@ impl<'t> BlockMover<'t> {
         src_ids: &[usize],
         dst_ids: &[usize],
     ) -> Result<Vec<Run>> {
-        let (src, dst) = match direction {
-            Direction::Offload => (
-                (self.device_blocks, "device_ids"),
-                (self.host_blocks, "host_ids"),
-            ),
-            Direction::Load => (
-                (self.host_blocks, "host_ids"),
-                (self.device_blocks, "device_ids"),
-            ),
-        };
-        let runs = runs((src_ids, src.1), (dst_ids, dst.1), src.0, dst.0)?;
-        let read_only = self.pairs.iter().position(|p| match direction {
+        let runs = self.tensors.runs(direction, src_ids, dst_ids)?;
+        self.writable(direction, src_ids.len())?;
+        Ok(runs)
+    }
+
+    /// Checks a move as [`BlockMover::check`] does (the same errors in the same order) without
+    /// merging its runs, for a move the issuing thread merges: the caller's thread only reads
+    /// the ids and marks one bit per destination.
+    fn check_unmerged(
+        &self,
+        direction: Direction,
+        src_ids: &[usize],
+        dst_ids: &[usize],
+    ) -> Result<()> {
+        let (src, dst) = self.tensors.sides(direction);
+        let mut guard = self.seen.try_lock();
+        let mut own = Vec::new();
+        let seen = guard.as_deref_mut().unwrap_or(&mut own);
+        check_ids((src_ids, src.1), (dst_ids, dst.1), src.0, dst.0, seen)?;
+        self.writable(direction, src_ids.len())
+    }
+
+    /// Refuses a move of `blocks` blocks (none: nothing to refuse) into a read-only tensor.
+    fn writable(&self, direction: Direction, blocks: usize) -> Result<()> {
+        let read_only = self.tensors.pairs.iter().position(|p| match direction {
             Direction::Offload => p.host_read_only,
             Direction::Load => p.device_read_only,
         });
-        if let (Some(i), false) = (read_only, runs.is_empty()) {
-            return Err(Error::arg(
+        match (read_only, blocks) {
+            (Some(i), 1..) => Err(Error::arg(
                 match direction {
                     Direction::Offload => "host_tensors",
                     Direction::Load => "device_tensors",
                 },
                 format!("tensor {i}, read-only"),
                 "writable destinations",
-            ));
+            )),
+            _ => Ok(()),
         }
-        Ok(runs)
     }
 
     /// What a move of `src_ids[i]` into `dst_ids[i]` in `direction` would issue, checked as the
@@ -280,9 +368,9 @@ impl<'t> BlockMover<'t> {
         dst_ids: &[usize],
     ) -> Result<MovePlan> {
         let runs = self.check(direction, src_ids, dst_ids)?;
-        let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
+        let parts: usize = self.tensors.pairs.iter().map(|p| p.device.outer).sum();
         let copies = runs.len() * parts;
-        let how = self.how(direction, src_ids.len(), runs.len());
+        let how = self.tensors.how(direction, src_ids.len(), runs.len());
         // A batch's copies per thread, as `issue_split` shares them out.
         let share = match how {
             Issue::Batched { threads } => share(copies, threads),
@@ -291,7 +379,7 @@ impl<'t> BlockMover<'t> {
         let (strategy, copies, calls, reason) = if copies == 0 {
             (Strategy::Empty, 0, 0, "no block to move")
         } else if matches!(how, Issue::Strided { .. }) {
-            let copies = runs.len() * self.pairs[0].device.outer;
+            let copies = runs.len() * self.tensors.pairs[0].device.outer;
             (
                 Strategy::Strided,
                 copies,
@@ -369,7 +457,15 @@ impl<'t> BlockMover<'t> {
         stream: StreamHandle,
     ) -> Result<BlockCopy<'_>> {
         // SAFETY: caller's contract.
-        unsafe { self.start(Direction::Offload, device_ids, host_ids, stream, false) }
+        unsafe {
+            self.start(
+                Direction::Offload,
+                Cow::Borrowed(device_ids),
+                Cow::Borrowed(host_ids),
+                stream,
+                false,
+            )
+        }
     }
 
     /// Starts copying host blocks `host_ids[i]` into device blocks `device_ids[i]` of every
@@ -387,7 +483,15 @@ impl<'t> BlockMover<'t> {
         stream: StreamHandle,
     ) -> Result<BlockCopy<'_>> {
         // SAFETY: caller's contract.
-        unsafe { self.start(Direction::Load, host_ids, device_ids, stream, false) }
+        unsafe {
+            self.start(
+                Direction::Load,
+                Cow::Borrowed(host_ids),
+                Cow::Borrowed(device_ids),
+                stream,
+                false,
+            )
+        }
     }
 
     /// As [`BlockMover::offload`], issued in the background: the call checks the move and
@@ -410,7 +514,15 @@ impl<'t> BlockMover<'t> {
         stream: StreamHandle,
     ) -> Result<BlockCopy<'_>> {
         // SAFETY: caller's contract.
-        unsafe { self.start(Direction::Offload, device_ids, host_ids, stream, true) }
+        unsafe {
+            self.start(
+                Direction::Offload,
+                Cow::Borrowed(device_ids),
+                Cow::Borrowed(host_ids),
+                stream,
+                true,
+            )
+        }
     }
 
     /// As [`BlockMover::load`], issued in the background as
@@ -428,7 +540,15 @@ impl<'t> BlockMover<'t> {
         stream: StreamHandle,
     ) -> Result<BlockCopy<'_>> {
         // SAFETY: caller's contract.
-        unsafe { self.start(Direction::Load, host_ids, device_ids, stream, true) }
+        unsafe {
+            self.start(
+                Direction::Load,
+                Cow::Borrowed(host_ids),
+                Cow::Borrowed(device_ids),
+                stream,
+                true,
+            )
+        }
     }
 
     /// A move from `src_ids` to `dst_ids`, checked whole, then issued (`background`: by a
@@ -439,38 +559,44 @@ impl<'t> BlockMover<'t> {
     pub(crate) unsafe fn start(
         &self,
         direction: Direction,
-        src_ids: &[usize],
-        dst_ids: &[usize],
+        src_ids: Cow<'_, [usize]>,
+        dst_ids: Cow<'_, [usize]>,
         stream: StreamHandle,
         background: bool,
     ) -> Result<BlockCopy<'_>> {
-        let runs = self.check(direction, src_ids, dst_ids)?;
         let bytes = src_ids.len() * self.block_bytes();
-        if runs.is_empty() {
-            return Ok(BlockCopy::done());
-        }
-        let how = self.how(direction, src_ids.len(), runs.len());
         if let (true, Some(device)) = (background, &self.device) {
+            // The ids are checked here, merged into runs on the issuing thread.
+            self.check_unmerged(direction, &src_ids, &dst_ids)?;
+            if src_ids.is_empty() {
+                return Ok(BlockCopy::done());
+            }
             let cur = stream.enter_for_copy(device)?;
             let issuer = match self.background[direction as usize].get() {
                 Some(i) => i,
                 None => {
-                    let i = Issuer::start(device, Arc::clone(&self.pairs))?;
+                    let i = Issuer::start(device, Arc::clone(&self.tensors))?;
                     let _ = self.background[direction as usize].set(i);
                     self.background[direction as usize]
                         .get()
                         .expect("set above")
                 }
             };
-            // SAFETY: checked runs of this mover's pairs (`check`), issuable as `how`; the
-            // caller's contracts 1-3 (the BlockCopy borrows the mover and waits when dropped).
-            let ticket = unsafe { issuer.send(&cur, direction, runs, how, stream) }?;
+            let (src_ids, dst_ids) = (src_ids.into_owned(), dst_ids.into_owned());
+            // SAFETY: checked ids of this mover's tensors (`check_unmerged`); the caller's
+            // contracts 1-3 (the BlockCopy borrows the mover and waits when dropped).
+            let ticket = unsafe { issuer.send(&cur, direction, src_ids, dst_ids, stream) }?;
             return Ok(BlockCopy {
                 inflight: Some(InFlight::Background(ticket)),
                 expected: crate::cuda::wait::copy_time(bytes),
                 _mover: PhantomData,
             });
         }
+        let runs = self.check(direction, &src_ids, &dst_ids)?;
+        if runs.is_empty() {
+            return Ok(BlockCopy::done());
+        }
+        let how = self.tensors.how(direction, src_ids.len(), runs.len());
         let mut guard = self.scratch.try_lock();
         let mut own = Scratch::default();
         let scratch = guard.as_deref_mut().unwrap_or(&mut own);
@@ -514,41 +640,12 @@ impl<'t> BlockMover<'t> {
         out: &mut Vec<Segment>,
     ) -> Result<()> {
         segments_of(
-            &self.pairs,
+            &self.tensors.pairs,
             direction,
             runs,
             matches!(how, Issue::Strided { .. }),
             out,
         )
-    }
-
-    /// How a move of `blocks` blocks in `runs` runs is issued: as 2D copies across the tensors
-    /// when they sit at one stride and 2D copies beat a batch there ([`two_d_wins`]).
-    fn how(&self, direction: Direction, blocks: usize, runs: usize) -> Issue {
-        match self.strides {
-            Some((device_pitch, host_pitch))
-                if two_d_wins(direction, blocks, self.pairs[0].device.bytes, runs) =>
-            {
-                let (src_pitch, dst_pitch) = match direction {
-                    Direction::Offload => (device_pitch, host_pitch),
-                    Direction::Load => (host_pitch, device_pitch),
-                };
-                Issue::Strided {
-                    src_pitch,
-                    dst_pitch,
-                    rows: self.pairs.len(),
-                    to_host: direction == Direction::Offload,
-                }
-            }
-            _ if self.batched => {
-                let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
-                let copy_bytes = blocks * self.pairs[0].device.bytes / runs.max(1);
-                Issue::Batched {
-                    threads: batch_threads(direction, runs * parts, copy_bytes),
-                }
-            }
-            _ => Issue::PerCopy,
-        }
     }
 
     /// Issues `scratch.segments` as `how` says, on `stream` (a batched move on the legacy

@@ -82,22 +82,15 @@ pub(crate) struct Run {
     pub(crate) len: usize,
 }
 
-/// Checks a move of blocks `src_ids[i]` (of a side holding `src_blocks`) into blocks
-/// `dst_ids[i]` (of a side holding `dst_blocks`; errors name the lists `src_name` and
-/// `dst_name`) and merges it into runs of ids consecutive on both sides, in destination order
-/// (sources may repeat, destinations may not). As a destination names at most one source, each
-/// pair has at most one pair it can follow in a run: the runs are the fewest possible.
-///
-/// # Errors
-/// [`Error::InvalidArgument`] when the id lists differ in length, an id is out of range, or a
-/// destination id appears twice (two blocks would be written to one place; the smallest such
-/// id is named).
-pub(crate) fn runs(
+/// Checks that a move of blocks `src_ids[i]` (of a side holding `src_blocks`) into blocks
+/// `dst_ids[i]` (of a side holding `dst_blocks`) names one destination per source and only blocks
+/// in range (errors name the lists `src_name` and `dst_name`).
+fn check_lengths_and_ranges(
     (src_ids, src_name): (&[usize], &'static str),
     (dst_ids, dst_name): (&[usize], &'static str),
     src_blocks: usize,
     dst_blocks: usize,
-) -> Result<Vec<Run>> {
+) -> Result<()> {
     if src_ids.len() != dst_ids.len() {
         return Err(Error::arg(
             "block ids",
@@ -120,18 +113,94 @@ pub(crate) fn runs(
         }
     };
     in_range(src_ids, src_blocks, src_name)?;
-    in_range(dst_ids, dst_blocks, dst_name)?;
-    let twice = |b: usize| {
-        Error::arg(
-            dst_name,
-            format!("{b} twice"),
-            "each destination block once (two blocks would be written to one place)",
-        )
-    };
+    in_range(dst_ids, dst_blocks, dst_name)
+}
+
+/// The error for a destination named twice: the smallest such id of `dst_ids` (`found` if none,
+/// which cannot happen when one was found).
+fn named_twice(dst_ids: &[usize], dst_name: &'static str, found: usize) -> Error {
+    let mut sorted = dst_ids.to_vec();
+    sorted.sort_unstable();
+    let b = sorted
+        .windows(2)
+        .find(|w| w[0] == w[1])
+        .map_or(found, |w| w[0]);
+    twice(dst_name, b)
+}
+
+fn twice(dst_name: &'static str, b: usize) -> Error {
+    Error::arg(
+        dst_name,
+        format!("{b} twice"),
+        "each destination block once (two blocks would be written to one place)",
+    )
+}
+
+/// Checks a move as [`runs`] does, without merging it: the errors of [`runs`] in the same order,
+/// for a caller that merges later (a move in the background, merged on the mover's thread).
+/// `seen` is scratch, all zeros on entry (an empty vector is) and left so.
+///
+/// # Errors
+/// As [`runs`].
+pub(crate) fn check_ids(
+    src: (&[usize], &'static str),
+    dst: (&[usize], &'static str),
+    src_blocks: usize,
+    dst_blocks: usize,
+    seen: &mut Vec<u64>,
+) -> Result<()> {
+    check_lengths_and_ranges(src, dst, src_blocks, dst_blocks)?;
+    let (dst_ids, dst_name) = dst;
+    // One bit per destination block: 1 KiB for 8192 blocks, where a table of sources is 32.
+    let words = dst_blocks.div_ceil(64);
+    if seen.len() < words {
+        seen.resize(words, 0);
+    }
+    for &d in dst_ids {
+        let (w, bit) = (d / 64, 1u64 << (d % 64));
+        if seen[w] & bit != 0 {
+            seen.fill(0);
+            return Err(named_twice(dst_ids, dst_name, d));
+        }
+        seen[w] |= bit;
+    }
+    if dst_ids.len() < words {
+        for &d in dst_ids {
+            seen[d / 64] = 0;
+        }
+    } else {
+        seen[..words].fill(0);
+    }
+    Ok(())
+}
+
+/// Checks a move of blocks `src_ids[i]` (of a side holding `src_blocks`) into blocks
+/// `dst_ids[i]` (of a side holding `dst_blocks`; errors name the lists `src_name` and
+/// `dst_name`) and merges it into runs of ids consecutive on both sides, in destination order
+/// (sources may repeat, destinations may not). As a destination names at most one source, each
+/// pair has at most one pair it can follow in a run: the runs are the fewest possible.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when the id lists differ in length, an id is out of range, or a
+/// destination id appears twice (two blocks would be written to one place; the smallest such
+/// id is named).
+pub(crate) fn runs(
+    (src_ids, src_name): (&[usize], &'static str),
+    (dst_ids, dst_name): (&[usize], &'static str),
+    src_blocks: usize,
+    dst_blocks: usize,
+) -> Result<Vec<Run>> {
+    check_lengths_and_ranges(
+        (src_ids, src_name),
+        (dst_ids, dst_name),
+        src_blocks,
+        dst_blocks,
+    )?;
+    let twice = |b: usize| twice(dst_name, b);
     // Sorting by destination puts a destination named twice beside itself and lines up the
     // pairs a run can merge. Ids below 2^32 (every real tensor's) sort as one word each, the
     // destination in the high half: a third of the time of sorting pairs.
-    let mut runs: Vec<Run> = Vec::new();
+    let mut runs: Vec<Run> = Vec::with_capacity(src_ids.len().min(1024));
     let mut push = |s: usize, d: usize| -> Result<()> {
         match runs.last_mut() {
             Some(r) if r.dst + r.len - 1 == d => return Err(twice(d)),
@@ -151,10 +220,7 @@ pub(crate) fn runs(
         for (&s, &d) in src_ids.iter().zip(dst_ids) {
             if std::mem::replace(&mut table[d], s as u32 + 1) != 0 {
                 // Named as the sorting paths name it: the smallest id given twice.
-                let mut sorted = dst_ids.to_vec();
-                sorted.sort_unstable();
-                let b = sorted.windows(2).find(|w| w[0] == w[1]).map_or(d, |w| w[0]);
-                return Err(twice(b));
+                return Err(named_twice(dst_ids, dst_name, d));
             }
         }
         for (d, &s) in table.iter().enumerate() {

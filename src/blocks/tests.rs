@@ -204,6 +204,60 @@ fn every_ordering_merges_the_same_runs_and_names_the_same_duplicate() {
     }
 }
 
+/// A move in the background is checked on the caller's thread by `check_ids` and merged later
+/// by `runs`: for every move, valid or not, both give the same verdict and the same error, and
+/// `check_ids` leaves its scratch all zeros (the next check starts clean), also after refusing.
+#[test]
+fn the_unmerged_check_refuses_exactly_what_runs_refuses() {
+    let mut seen = Vec::new();
+    let mut refused = [0usize; 4];
+    for seed in 1..3000u64 {
+        let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let (ns, nd) = (1 + r.below(300), 1 + r.below(300));
+        let n = r.below(40);
+        // Mostly valid ids; now and then one out of range, a destination twice, or a length off.
+        let mut src: Vec<usize> = (0..n).map(|_| r.below(ns)).collect();
+        let mut dst: Vec<usize> = (0..nd).collect();
+        for i in (1..nd).rev() {
+            dst.swap(i, r.below(i + 1));
+        }
+        dst.truncate(n.min(nd));
+        src.truncate(dst.len());
+        match r.below(8) {
+            0 if !src.is_empty() => {
+                let i = r.below(src.len());
+                src[i] = ns + r.below(3);
+            }
+            1 if !dst.is_empty() => {
+                let i = r.below(dst.len());
+                dst[i] = nd + r.below(3);
+            }
+            2 if dst.len() > 1 => {
+                let (a, b) = (r.below(dst.len()), r.below(dst.len()));
+                dst[a] = dst[b];
+            }
+            3 => src.push(0),
+            _ => {}
+        }
+        let merged = plan::runs((&src, "s"), (&dst, "d"), ns, nd);
+        let checked = plan::check_ids((&src, "s"), (&dst, "d"), ns, nd, &mut seen);
+        match (&merged, &checked) {
+            (Ok(_), Ok(())) => refused[0] += 1,
+            (Err(a), Err(b)) => {
+                assert_eq!(a.to_string(), b.to_string(), "seed {seed}");
+                let twice = a.to_string().contains("twice");
+                refused[if twice { 1 } else { 2 }] += 1;
+            }
+            _ => panic!("seed {seed}: runs {merged:?}, check_ids {checked:?}"),
+        }
+        assert!(seen.iter().all(|&w| w == 0), "seed {seed}: scratch left dirty");
+        refused[3] = refused[3].max(seen.len());
+    }
+    // Every kind of verdict was seen, and the scratch grew to the largest side's bits.
+    assert!(refused[..3].iter().all(|&c| c > 100), "{refused:?}");
+    assert_eq!(refused[3], 300usize.div_ceil(64), "{refused:?}");
+}
+
 /// Ids past 2^32 (tensors of more blocks) keep their high bits: no path that packs ids into
 /// 32-bit halves may take them.
 #[test]

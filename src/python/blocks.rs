@@ -420,13 +420,14 @@ fn start(
         (None, _, _) => StreamHandle::LEGACY,
     };
     let mover = &this.mover;
+    let bytes = src.len() * mover.block_bytes();
     let event = py.detach(|| {
         // SAFETY: the tensors live as long as `this` (`_tensors`), which the PendingCopy keeps
         // until the event completed (lingering when dropped early); writes by others are the
         // caller's to order on `stream` (documented); the stream belongs to the caller.
-        unsafe { mover.start(direction, &src, &dst, stream, background) }.map(|c| c.into_inflight())
+        unsafe { mover.start(direction, src.into(), dst.into(), stream, background) }
+            .map(|c| c.into_inflight())
     })?;
-    let bytes = src.len() * mover.block_bytes();
     Ok(PendingCopy::moving(
         event,
         slf.clone().into_any().unbind(),

@@ -1,0 +1,156 @@
+//! The host time of one block move's call, in Rust (no Python): `plan()`, a background offload
+//! and a background load of `n` random ids between 64 device tensors and 64 pinned host tensors
+//! of 8192 blocks (one allocation per side, per-tensor views, as engines allocate a pool), each
+//! move then waited for untimed. Rows: median ns of 400 calls, hot (back to back) and cold (64 MiB
+//! of other memory written between calls, as a bench's wait for a large move leaves the core).
+//!
+//! Runs against any driver: the H200's (`scripts/gpu-run`), or the simulated one on a machine
+//! without a GPU (`eval "export $(scripts/fake-gpu env)"`; host figures only, the driver calls
+//! then cost what the simulation costs).
+//!
+//!     cargo bench --features lab --bench blocks_call [-- BLOCK_BYTES]
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use pinstage::blocks::{BlockMover, Direction};
+use pinstage::dlpack::{DL_CPU, DL_CUDA, TensorDesc, validate};
+use pinstage::host::PinnedFlags;
+use pinstage::testing::DeviceBuffer;
+use pinstage::{Device, DeviceView, PinnedBuffer, Stream};
+
+const L: usize = 64;
+const NB: usize = 8192;
+
+fn view(ptr: u64, cuda: bool, shape: &[i64]) -> DeviceView<'static> {
+    let meta = validate(&TensorDesc {
+        device_type: if cuda { DL_CUDA } else { DL_CPU },
+        device_id: 0,
+        data: ptr,
+        byte_offset: 0,
+        code: 1,
+        bits: 8,
+        lanes: 1,
+        shape,
+        strides: None,
+        read_only: false,
+    })
+    .expect("a valid tensor");
+    // SAFETY: the buffers outlive every view (main holds them to the end).
+    unsafe { DeviceView::from_meta(meta) }
+}
+
+fn ids(n: usize, seed: u64) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..NB).collect();
+    let mut x = seed | 1;
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    v.truncate(n);
+    v
+}
+
+fn median(mut v: Vec<u64>) -> f64 {
+    v.sort_unstable();
+    v[v.len() / 2] as f64
+}
+
+fn main() {
+    let bytes: usize = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(64);
+    let device = match Device::get(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("blocks_call: skipped, no GPU ({e})");
+            return;
+        }
+    };
+    let per = NB * bytes;
+    let dev = DeviceBuffer::new(&device, L * per).expect("device memory");
+    let host = PinnedBuffer::alloc(&device, L * per, PinnedFlags::PORTABLE).expect("pinned");
+    let shape = [NB as i64, bytes as i64];
+    let devs: Vec<_> = (0..L)
+        .map(|t| view(dev.ptr() + (t * per) as u64, true, &shape))
+        .collect();
+    let hosts: Vec<_> = (0..L)
+        .map(|t| view(host.as_ptr() as u64 + (t * per) as u64, false, &shape))
+        .collect();
+    let mover = BlockMover::new(&devs, &hosts, 0).expect("a mover");
+    let stream = Stream::new(&device).expect("a stream");
+    if let Ok(n) = std::env::var("BLOCKS_CALL_PLAN_ONLY") {
+        // For a profiler: plan() of n ids, hot, 20,000 times.
+        let n: usize = n.parse().expect("a count");
+        let (d, h) = (ids(n, 7), ids(n, 11));
+        let t = Instant::now();
+        for _ in 0..20_000 {
+            black_box(mover.plan(Direction::Offload, &d, &h).expect("a plan"));
+        }
+        println!(
+            "plan() of {n} ids: {:.0} ns",
+            t.elapsed().as_nanos() as f64 / 2e4
+        );
+        return;
+    }
+    let mut other = vec![1u8; 64 << 20];
+    println!(
+        "blocks_call: {L} tensors x {NB} blocks of {bytes} B; median ns per call of 400 \
+         (hot: back to back; cold: 64 MiB written between calls)"
+    );
+    for n in [1usize, 128, 2048] {
+        let (d, h) = (ids(n, 7), ids(n, 11));
+        let p = mover.plan(Direction::Offload, &d, &h).expect("a plan");
+        println!(
+            "  {n} ids: {:?}, {} runs, {} calls",
+            p.strategy, p.runs, p.calls
+        );
+        for cold in [false, true] {
+            let mut plan = Vec::new();
+            let mut off = Vec::new();
+            let mut load = Vec::new();
+            for i in 0..400 {
+                if cold {
+                    for b in other.iter_mut().step_by(64) {
+                        *b = b.wrapping_add(i as u8);
+                    }
+                }
+                let t = Instant::now();
+                black_box(mover.plan(Direction::Offload, &d, &h).expect("a plan"));
+                plan.push(t.elapsed().as_nanos() as u64);
+                if cold {
+                    for b in other.iter_mut().step_by(64) {
+                        *b = b.wrapping_add(1);
+                    }
+                }
+                let t = Instant::now();
+                // SAFETY: the buffers outlive the move (waited for below); nothing else
+                // touches them; the stream is the mover's device's.
+                let m = unsafe { mover.offload_in_background(&d, &h, stream.handle()) };
+                off.push(t.elapsed().as_nanos() as u64);
+                m.expect("an offload").wait().expect("offload completed");
+                if cold {
+                    for b in other.iter_mut().step_by(64) {
+                        *b = b.wrapping_add(1);
+                    }
+                }
+                let t = Instant::now();
+                // SAFETY: as above.
+                let m = unsafe { mover.load_in_background(&h, &d, stream.handle()) };
+                load.push(t.elapsed().as_nanos() as u64);
+                m.expect("a load").wait().expect("load completed");
+            }
+            println!(
+                "    {}: plan {:8.0}  offload bg {:8.0}  load bg {:8.0}",
+                if cold { "cold" } else { "hot " },
+                median(plan),
+                median(off),
+                median(load)
+            );
+        }
+    }
+    black_box(&other);
+}
