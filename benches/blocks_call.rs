@@ -1,8 +1,8 @@
 //! The host time of one block move's call, in Rust (no Python): `plan()`, a background offload
 //! and a background load of `n` random ids between 64 device tensors and 64 pinned host tensors
 //! of 8192 blocks (one allocation per side, per-tensor views, as engines allocate a pool), each
-//! move then waited for untimed. Rows: median ns of 400 calls, hot (back to back) and cold (64 MiB
-//! of other memory written between calls, as a bench's wait for a large move leaves the core).
+//! move then waited for untimed. Rows: median ns of 200 calls: "hot", each call right after the
+//! wait for the move before; "cold", 64 MiB of other memory written before each call as well.
 //!
 //! Runs against any driver: the H200's (`scripts/gpu-run`), or the simulated one on a machine
 //! without a GPU (`eval "export $(scripts/fake-gpu env)"`; host figures only, the driver calls
@@ -98,8 +98,8 @@ fn main() {
     }
     let mut other = vec![1u8; 64 << 20];
     println!(
-        "blocks_call: {L} tensors x {NB} blocks of {bytes} B; median ns per call of 400 \
-         (hot: back to back; cold: 64 MiB written between calls)"
+        "blocks_call: {L} tensors x {NB} blocks of {bytes} B; median ns per call of 200 \
+         (hot: after the wait for the move before; cold: 64 MiB written before each call too)"
     );
     for n in [1usize, 128, 2048] {
         let (d, h) = (ids(n, 7), ids(n, 11));
@@ -112,7 +112,7 @@ fn main() {
             let mut plan = Vec::new();
             let mut off = Vec::new();
             let mut load = Vec::new();
-            for i in 0..400 {
+            for i in 0..200 {
                 if cold {
                     for b in other.iter_mut().step_by(64) {
                         *b = b.wrapping_add(i as u8);

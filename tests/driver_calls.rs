@@ -294,3 +294,103 @@ fn a_wait_swaps_the_capture_mode_once_however_often_it_asks() {
         "{down:?}"
     );
 }
+
+/// A warm move in the background costs its caller one record (the fork) on the caller's stream
+/// and the questions any copy asks (the thread's context, the stream's capture state): no event
+/// made or destroyed (the device's spare events serve) and no copy on the caller's thread; its
+/// wait makes or destroys no event either. Every block checked after every move.
+#[test]
+fn a_warm_background_move_makes_no_event() {
+    let Some((dev, calls)) = fake("a_warm_background_move_makes_no_event") else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _cur = dev.enter().unwrap();
+    let stream = Stream::new(&dev).unwrap();
+    const T: usize = 4;
+    const NB: usize = 64;
+    let device = DeviceBuffer::new(&dev, T * NB * 4).unwrap();
+    let host = pinstage::PinnedBuffer::new(&dev, T * NB * 4, pinstage::host::PinnedFlags::PORTABLE)
+        .unwrap();
+    let view = |ptr: u64, cuda: bool| {
+        let meta = pinstage::dlpack::validate(&pinstage::dlpack::TensorDesc {
+            device_type: if cuda {
+                pinstage::dlpack::DL_CUDA
+            } else {
+                pinstage::dlpack::DL_CPU
+            },
+            device_id: 0,
+            data: ptr,
+            byte_offset: 0,
+            code: 1,
+            bits: 32,
+            lanes: 1,
+            shape: &[NB as i64],
+            strides: None,
+            read_only: false,
+        })
+        .unwrap();
+        // SAFETY: the buffers outlive the mover and every view.
+        unsafe { pinstage::DeviceView::from_meta(meta) }
+    };
+    let devs: Vec<_> = (0..T)
+        .map(|t| view(device.ptr() + (t * NB * 4) as u64, true))
+        .collect();
+    let hosts: Vec<_> = (0..T)
+        .map(|t| view(host.as_ptr() as u64 + (t * NB * 4) as u64, false))
+        .collect();
+    let mover = pinstage::blocks::BlockMover::new(&devs, &hosts, 0).unwrap();
+    // Device block b of tensor t holds 7 * (t * NB + b) + 1; the host side is poisoned before
+    // every move and checked after it.
+    let values: Vec<u32> = (0..(T * NB) as u32).map(|i| 7 * i + 1).collect();
+    pinstage::copy_h2d(
+        &device.view(DType::U8),
+        bytemuck::cast_slice(&values),
+        stream.handle(),
+    )
+    .unwrap();
+    // SAFETY: the pinned buffer is ours; no copy touches it between moves.
+    let host_words =
+        || unsafe { std::slice::from_raw_parts_mut(host.as_ptr() as *mut u32, T * NB) };
+    for round in 0..6usize {
+        host_words().fill(0xDEAD_BEEF);
+        let d: Vec<usize> = (0..8).map(|i| (i * 5 + round) % NB).collect();
+        let h: Vec<usize> = (0..8).map(|i| (i * 3 + 2 * round) % NB).collect();
+        let mut m = None;
+        // SAFETY: the buffers outlive the move (waited for below); nothing else touches them;
+        // the stream is the mover's device's.
+        let call = calls_of(calls, || {
+            m = Some(unsafe { mover.offload_in_background(&d, &h, stream.handle()) }.unwrap())
+        });
+        let wait = calls_of(calls, || m.take().unwrap().wait().unwrap());
+        for t in 0..T {
+            for b in 0..NB {
+                let want = match h.iter().position(|&x| x == b) {
+                    Some(i) => values[t * NB + d[i]],
+                    None => 0xDEAD_BEEF,
+                };
+                assert_eq!(
+                    host_words()[t * NB + b],
+                    want,
+                    "round {round}, tensor {t}, block {b}"
+                );
+            }
+        }
+        if round < 2 {
+            continue; // the first moves make the events later ones reuse
+        }
+        only(
+            &call,
+            &[
+                "cuCtxGetCurrent",
+                "cuStreamIsCapturing",
+                "cuStreamGetCtx",
+                "cuEventRecord",
+                "cuThreadExchangeStreamCaptureMode",
+            ],
+        );
+        assert_eq!(n(&call, "cuEventRecord"), 1, "round {round}: {call:?}");
+        assert_eq!(n(&wait, "cuEventCreate"), 0, "round {round}: {wait:?}");
+        assert_eq!(n(&wait, "cuEventDestroy_v2"), 0, "round {round}: {wait:?}");
+    }
+}

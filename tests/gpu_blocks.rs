@@ -508,6 +508,15 @@ fn gpu_blocks_refusals_issue_nothing() {
             matches!(&e, Error::InvalidArgument { param: p, .. } if *p == param),
             "{src:?} -> {dst:?}: {e}"
         );
+        // A move in the background is checked on the caller's thread (its runs merged later on
+        // the mover's): the same error, before anything is handed over.
+        // SAFETY: as above.
+        let b = unsafe { mover.offload_in_background(src, dst, stream) }.unwrap_err();
+        assert_eq!(
+            b.to_string(),
+            e.to_string(),
+            "{src:?} -> {dst:?} in the background"
+        );
     }
     // A valid move on the same stream, waited for: anything a refused move had queued before
     // it (on the stream, or the side stream it forks onto) has landed by then.

@@ -15,8 +15,6 @@
 
 use std::sync::{Arc, OnceLock, mpsc};
 
-use parking_lot::Mutex;
-
 use super::copy::{Direction, Ticket};
 use super::issue::{Issue, Lists, issue_on};
 use super::mover::Tensors;
@@ -33,13 +31,9 @@ struct Job {
     direction: Direction,
     src_ids: Vec<usize>,
     dst_ids: Vec<usize>,
-    /// Taken back into the spare forks once the issuing stream waits on it.
-    fork: Option<Event>,
+    fork: Event,
     ticket: Arc<Ticket>,
 }
-
-/// Fork events kept for reuse: at most this many.
-const SPARE_FORKS: usize = 8;
 
 impl Drop for Job {
     fn drop(&mut self) {
@@ -52,9 +46,6 @@ impl Drop for Job {
 /// move sent (their `BlockCopy`s borrow the mover, so none is left by then).
 pub(super) struct Issuer {
     tx: mpsc::Sender<Job>,
-    /// Fork events the thread no longer needs (a stream's wait on an event holds the record it
-    /// saw when the wait was issued: recording the event again later changes nothing for it).
-    spare: Arc<Mutex<Vec<Event>>>,
 }
 
 impl std::fmt::Debug for Issuer {
@@ -72,14 +63,12 @@ impl Issuer {
         let side = Stream::new(device)?;
         let (tx, rx) = mpsc::channel::<Job>();
         let device = device.clone();
-        let spare = Arc::new(Mutex::new(Vec::new()));
-        let spares = Arc::clone(&spare);
         std::thread::Builder::new()
             .name("pinstage-blocks".into())
             .spawn(move || {
                 let cur = device.enter();
                 let helpers = OnceLock::new();
-                for mut job in rx {
+                for job in rx {
                     let outcome = match &cur {
                         // Relaxed capture mode: a graph captured on another thread in global
                         // mode neither fails these calls nor is invalidated by them. A panic
@@ -87,7 +76,7 @@ impl Issuer {
                         Ok(cur) => crate::driver::capture_relaxed(|| {
                             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                                 // SAFETY: the sender's contract (`Issuer::send`).
-                                unsafe { run(cur, &side, &helpers, &tensors, &spares, &mut job) }
+                                unsafe { run(cur, &side, &helpers, &tensors, &job) }
                             }))
                             .unwrap_or_else(|_| {
                                 let _ = side.handle().synchronize(cur);
@@ -101,7 +90,7 @@ impl Issuer {
                 }
             })
             .map_err(|e| Error::unavailable(format!("no thread to issue moves: {e}")))?;
-        Ok(Self { tx, spare })
+        Ok(Self { tx })
     }
 
     /// Hands a move of `src_ids[i]` into `dst_ids[i]` in `direction` to the thread: its copies
@@ -123,18 +112,15 @@ impl Issuer {
         dst_ids: Vec<usize>,
         stream: StreamHandle,
     ) -> Result<Arc<Ticket>> {
-        let spare = self.spare.lock().pop();
-        let fork = match spare {
-            Some(e) => e,
-            None => Event::new_in(cur)?,
-        };
+        // Events come from the device's spares once warm (`Event::new_in`): no driver call.
+        let fork = Event::new_in(cur)?;
         fork.record_in(cur, stream)?;
         let ticket = Arc::new(Ticket::pending(Event::new_in(cur)?));
         let job = Job {
             direction,
             src_ids,
             dst_ids,
-            fork: Some(fork),
+            fork,
             ticket: Arc::clone(&ticket),
         };
         self.tx
@@ -149,9 +135,9 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<(Vec<Segment>, Lists)> = Default::default();
 }
 
-/// Merges `job`'s ids into runs, issues them on `side` after its fork (the fork then goes back
-/// to `spare`) and records its event; on a failure the stream is drained first, so nothing of
-/// the move runs when its waiters hear of it.
+/// Merges `job`'s ids into runs, issues them on `side` after its fork and records its event; on
+/// a failure the stream is drained first, so nothing of the move runs when its waiters hear of
+/// it.
 ///
 /// # Safety
 /// As [`Issuer::send`].
@@ -160,8 +146,7 @@ unsafe fn run(
     side: &Stream,
     helpers: &OnceLock<Vec<Stream>>,
     tensors: &Tensors,
-    spare: &Mutex<Vec<Event>>,
-    job: &mut Job,
+    job: &Job,
 ) -> std::result::Result<(), DriverError> {
     let stream = side.handle();
     let mut forked = false;
@@ -175,15 +160,9 @@ unsafe fn run(
         let how = tensors.how(job.direction, job.src_ids.len(), runs.len());
         let strided = matches!(how, Issue::Strided { .. });
         segments_of(&tensors.pairs, job.direction, &runs, strided, segments).map_err(bug)?;
-        let fork = job.fork.take().expect("a job's fork is taken once");
         #[cfg(not(pinstage_seeded_bug = "background_no_fork"))]
-        fork.wait_on_in(cur, stream).map_err(driver_error)?;
+        job.fork.wait_on_in(cur, stream).map_err(driver_error)?;
         forked = true;
-        let mut spare = spare.lock();
-        if spare.len() < SPARE_FORKS {
-            spare.push(fork);
-        }
-        drop(spare);
         // SAFETY: the sender's contract 1; `stream` is our side stream (not the legacy one).
         unsafe { issue_on(cur, segments, how, stream, helpers, lists) }.map_err(driver_error)?;
         job.ticket

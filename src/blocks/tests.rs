@@ -250,7 +250,10 @@ fn the_unmerged_check_refuses_exactly_what_runs_refuses() {
             }
             _ => panic!("seed {seed}: runs {merged:?}, check_ids {checked:?}"),
         }
-        assert!(seen.iter().all(|&w| w == 0), "seed {seed}: scratch left dirty");
+        assert!(
+            seen.iter().all(|&w| w == 0),
+            "seed {seed}: scratch left dirty"
+        );
         refused[3] = refused[3].max(seen.len());
     }
     // Every kind of verdict was seen, and the scratch grew to the largest side's bits.

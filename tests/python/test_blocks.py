@@ -440,11 +440,22 @@ def test_gpu_refusals_issue_nothing(gpu):
     host = [pinstage.empty_pinned((2, 8, 64), "int32")]
     host[0][...] = POISON
     mover = pinstage.BlockMover(dev, host, block_dim=1)
-    for src, dst in [([1, 2], [3, 3]), ([8], [0]), ([0, 1], [0])]:
-        with pytest.raises(pinstage.PinstageValueError):
+    for src, dst in [([1, 2], [3, 3]), ([8], [0]), ([0, 1], [0]), ([0, 9], [1, 2])]:
+        with pytest.raises(pinstage.PinstageValueError) as caller:
             mover.offload(src, dst)
+        # In the background the ids are checked on the caller's thread too: the same error.
+        with pytest.raises(pinstage.PinstageValueError) as background:
+            mover.offload(src, dst, background=True)
+        assert str(background.value) == str(caller.value)
+    ro = pinstage.empty_pinned((2, 8, 64), "int32")
+    ro[...] = POISON
+    ro.flags.writeable = False
+    ro_mover = pinstage.BlockMover(dev, [ro], block_dim=1)
+    for background in (False, True):
+        with pytest.raises(pinstage.PinstageValueError, match="read-only"):
+            ro_mover.offload([0], [0], background=background)
     torch.cuda.synchronize()
-    assert (host[0] == POISON).all() and pageable[0].flags.writeable
+    assert (host[0] == POISON).all() and (ro == POISON).all() and pageable[0].flags.writeable
     jax = pytest.importorskip("jax")
     ja = jax.device_put(np.zeros((2, 8, 64), np.int32))
     with pytest.raises(pinstage.PinstageValueError, match="JAX"):
