@@ -153,9 +153,7 @@ pub(crate) fn check_ids(
     let (dst_ids, dst_name) = dst;
     // One bit per destination block: 1 KiB for 8192 blocks, where a table of sources is 32.
     let words = dst_blocks.div_ceil(64);
-    if seen.len() < words {
-        seen.resize(words, 0);
-    }
+    seen.resize(words.max(seen.len()), 0);
     for &d in dst_ids {
         let (w, bit) = (d / 64, 1u64 << (d % 64));
         if seen[w] & bit != 0 {
@@ -164,12 +162,9 @@ pub(crate) fn check_ids(
         }
         seen[w] |= bit;
     }
-    if dst_ids.len() < words {
-        for &d in dst_ids {
-            seen[d / 64] = 0;
-        }
-    } else {
-        seen[..words].fill(0);
+    // Cleared as set: no more work than the marking, however many blocks the side holds.
+    for &d in dst_ids {
+        seen[d / 64] = 0;
     }
     Ok(())
 }

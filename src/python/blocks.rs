@@ -264,6 +264,9 @@ pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<usize
     let py = obj.py();
     let is_array = obj.hasattr(pyo3::intern!(py, "__dlpack__"))?;
     if !is_array {
+        if let Ok(list) = obj.cast_exact::<pyo3::types::PyList>() {
+            return list_ids(list, arg);
+        }
         let Ok(items) = obj.try_iter() else {
             return Err(type_err(format!(
                 "{arg} must be a list of ints or a 1-D integer array; got {}",
@@ -275,23 +278,7 @@ pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<usize
             let item = item?;
             // A plain int (most ids) needs no `__index__`; ids past i64 are past every
             // tensor's blocks and are read wide only to name them.
-            let int = match item.cast_exact::<pyo3::types::PyInt>() {
-                Ok(i) => i.clone().into_any(),
-                Err(_) => match super::args::as_index(&item)? {
-                    Some(i) => i,
-                    None => {
-                        return Err(type_err(format!(
-                            "{arg} must hold ints; got {}",
-                            describe(&item)
-                        )));
-                    }
-                },
-            };
-            let v = match int.extract::<i64>() {
-                Ok(v) => i128::from(v),
-                Err(_) => int.extract::<i128>()?,
-            };
-            out.push(id(v, arg)?);
+            out.push(item_id(&item, arg)?);
         }
         return Ok(out);
     }
@@ -343,6 +330,64 @@ pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<usize
             other.name()
         ))),
     }
+}
+
+/// Block ids from a list: read by index, a plain int straight from its object (most ids), any
+/// other item as [`item_id`] reads it. The length is read again at every item: an item's
+/// `__index__` may change the list.
+fn list_ids(list: &Bound<'_, pyo3::types::PyList>, arg: &str) -> PyResult<Vec<usize>> {
+    use pyo3::types::PyListMethods;
+    let mut out = Vec::with_capacity(list.len());
+    let mut i = 0;
+    while i < list.len() {
+        // SAFETY: a live list, the GIL held, `i` below its length: a borrowed reference, used
+        // before anything can run Python code (a plain int's value is read without any).
+        let item = unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t) };
+        // SAFETY: `item` is a live object when not null.
+        let plain = !item.is_null() && unsafe { pyo3::ffi::PyLong_CheckExact(item) } != 0;
+        let v = if plain {
+            // SAFETY: an int object; -1 with an exception set means it does not fit an i64.
+            let v = unsafe { pyo3::ffi::PyLong_AsLongLong(item) };
+            if v == -1 && PyErr::take(list.py()).is_some() {
+                None
+            } else {
+                Some(v)
+            }
+        } else {
+            None
+        };
+        let b = match v {
+            Some(v) => usize::try_from(v).map_err(|_| id_err(i128::from(v), arg))?,
+            None => item_id(&list.get_item(i)?, arg)?,
+        };
+        out.push(b);
+        i += 1;
+    }
+    Ok(out)
+}
+
+/// A block id from one item of a list (or any iterable) of ints: a plain int, or an object with
+/// `__index__` (numpy integers; not bools).
+fn item_id(item: &Bound<'_, PyAny>, arg: &str) -> PyResult<usize> {
+    // A plain int (most ids) needs no `__index__`; ids past i64 are past every tensor's blocks
+    // and are read wide only to name them.
+    let int = match item.cast_exact::<pyo3::types::PyInt>() {
+        Ok(i) => i.clone().into_any(),
+        Err(_) => match super::args::as_index(item)? {
+            Some(i) => i,
+            None => {
+                return Err(type_err(format!(
+                    "{arg} must hold ints; got {}",
+                    describe(item)
+                )));
+            }
+        },
+    };
+    let v = match int.extract::<i64>() {
+        Ok(v) => i128::from(v),
+        Err(_) => int.extract::<i128>()?,
+    };
+    id(v, arg)
 }
 
 /// A 0-d or 1-D numpy array of a native dtype, as (address of element 0, elements, stride in

@@ -89,6 +89,77 @@ def test_host_mover_matches_a_loop_of_block_copies(data, n_dev, n_host, layout):
         np.testing.assert_array_equal(host[t], expected(before[t], dev[t], src_ids, dst_ids, dim))
 
 
+class _Index:
+    """An id through __index__ (as numpy integers and other int-likes give theirs)."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def __index__(self):
+        return self.v
+
+
+class _IntSub(int):
+    """An int subclass: not a plain int, read through __index__."""
+
+
+_ITEMS = st.one_of(
+    st.integers(0, 23),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([True, False, 1.0, "3", None, 2**63 - 1, 2**63, -(2**63), -1]),
+    st.integers(0, 23).map(np.int64),
+    st.integers(0, 23).map(np.uint8),
+    st.integers(0, 23).map(_Index),
+    st.integers(0, 23).map(_IntSub),
+    st.just(np.bool_(True)),
+)
+
+
+def _outcome(f):
+    try:
+        return ("ok", f())
+    except Exception as e:  # noqa: BLE001 - the outcome IS the exception's type and text
+        return (type(e).__name__, str(e))
+
+
+@settings(max_examples=300, deadline=None)
+@given(src=st.lists(_ITEMS, max_size=12), data=st.data())
+def test_list_ids_read_as_any_sequence_of_the_same_items(src, data):
+    """A list is read by index with plain ints taken straight from their objects; a tuple of
+    the same items goes through the general path. Every list gives the tuple's outcome: the
+    same plan, or the same error type and message (negative, too large, bool, float, str)."""
+    dst = data.draw(st.permutations(range(16)))[: len(src)]
+    dev = [values((2, 24, 3), 0, 0)]
+    host = [np.full((2, 16, 3), POISON, np.int32)]
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    as_list = _outcome(lambda: mover.plan("offload", list(src), list(dst)))
+    as_tuple = _outcome(lambda: mover.plan("offload", tuple(src), tuple(dst)))
+    assert as_list == as_tuple
+    if as_list[0] == "ok" and src:
+        mover.offload(list(src), list(dst)).wait()
+        for s_, d_ in zip(src, dst):
+            np.testing.assert_array_equal(host[0][:, d_], dev[0][:, int(s_)])
+
+
+def test_a_list_changed_by_an_item_while_read_is_read_safely():
+    """An item's __index__ that empties the list being read: no crash, no stale read; the ids
+    read are the ones that were there when each was read."""
+    ids = [0, 1, 2, 3]
+
+    class Clears:
+        def __index__(self):
+            ids.clear()
+            return 5
+
+    ids.insert(1, Clears())
+    dev = [values((2, 24, 3), 0, 0)]
+    host = [np.full((2, 16, 3), POISON, np.int32)]
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    # Read: 0, then 5 (the list is emptied): two source ids against two destinations.
+    p = mover.plan("offload", ids, [7, 8])
+    assert p["blocks"] == 2
+
+
 @pytest.mark.parametrize(
     "src, dst, exc, match",
     [
