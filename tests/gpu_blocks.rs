@@ -540,6 +540,45 @@ fn gpu_blocks_refusals_issue_nothing() {
             "the valid move did not land"
         );
     }
+    // Read-only host tensors: an offload into them is refused on either path, before anything
+    // is issued; a load from them reads.
+    let (hs, _) = Layout::KvFirst.shape(8, 256, 2);
+    let read_only: Vec<_> = hv
+        .iter()
+        .map(|h| {
+            let meta = validate(&TensorDesc {
+                device_type: DL_CPU,
+                device_id: 0,
+                data: h.meta().ptr(),
+                byte_offset: 0,
+                code: 1,
+                bits: 8,
+                lanes: 1,
+                shape: &hs,
+                strides: None,
+                read_only: true,
+            })
+            .unwrap();
+            // SAFETY: the host buffers outlive the views.
+            unsafe { DeviceView::from_meta(meta) }
+        })
+        .collect();
+    let ro = BlockMover::new(&dv, &read_only, dim).unwrap();
+    s.poison(1);
+    // SAFETY: refused before anything is issued.
+    let e = unsafe { ro.offload(&[1], &[2], stream) }.unwrap_err();
+    assert!(e.to_string().contains("read-only"), "{e}");
+    // SAFETY: as above.
+    let b = unsafe { ro.offload_in_background(&[1], &[2], stream) }.unwrap_err();
+    assert_eq!(b.to_string(), e.to_string());
+    // SAFETY: waited for at once; the buffers outlive it; the device side is written.
+    unsafe { ro.load(&[2], &[3], stream) }.unwrap().wait().unwrap();
+    for t in 0..2 {
+        assert!(
+            s.read(1, t).iter().all(|&b| b == POISON),
+            "a refused offload wrote read-only host tensor {t}"
+        );
+    }
     // A pageable host tensor, a dtype pair that differs, block sizes that differ.
     let (ds, _) = Layout::KvFirst.shape(16, 256, 2);
     let pageable = vec![POISON; 2 * 8 * 256];
