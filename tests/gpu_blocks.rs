@@ -572,7 +572,10 @@ fn gpu_blocks_refusals_issue_nothing() {
     let b = unsafe { ro.offload_in_background(&[1], &[2], stream) }.unwrap_err();
     assert_eq!(b.to_string(), e.to_string());
     // SAFETY: waited for at once; the buffers outlive it; the device side is written.
-    unsafe { ro.load(&[2], &[3], stream) }.unwrap().wait().unwrap();
+    unsafe { ro.load(&[2], &[3], stream) }
+        .unwrap()
+        .wait()
+        .unwrap();
     for t in 0..2 {
         assert!(
             s.read(1, t).iter().all(|&b| b == POISON),

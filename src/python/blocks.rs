@@ -345,17 +345,12 @@ fn list_ids(list: &Bound<'_, pyo3::types::PyList>, arg: &str) -> PyResult<Vec<us
         let item = unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t) };
         // SAFETY: `item` is a live object when not null.
         let plain = !item.is_null() && unsafe { pyo3::ffi::PyLong_CheckExact(item) } != 0;
-        let v = if plain {
-            // SAFETY: an int object; -1 with an exception set means it does not fit an i64.
-            let v = unsafe { pyo3::ffi::PyLong_AsLongLong(item) };
-            if v == -1 && PyErr::take(list.py()).is_some() {
-                None
-            } else {
-                Some(v)
-            }
-        } else {
-            None
-        };
+        let mut overflow = 0;
+        // SAFETY: a plain int object: read without running Python code or raising (a value
+        // past i64 sets `overflow` instead).
+        let v =
+            plain.then(|| unsafe { pyo3::ffi::PyLong_AsLongLongAndOverflow(item, &mut overflow) });
+        let v = v.filter(|_| overflow == 0);
         let b = match v {
             Some(v) => usize::try_from(v).map_err(|_| id_err(i128::from(v), arg))?,
             None => item_id(&list.get_item(i)?, arg)?,
