@@ -299,21 +299,29 @@ pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<usize
             (p, n, d.itemsize() as isize, d, Some(imp))
         }
     };
+    if usize::BITS == 64 && matches!(dtype, DType::I64 | DType::U64) && stride == 8 && p % 8 == 0 {
+        // Contiguous and aligned (most id arrays): read as a slice, every id's sign at once.
+        // SAFETY: `n` aligned 8-byte elements from `p`, contiguous, in host memory kept alive
+        // by `obj` (borrowed, the GIL held) or `_imp`.
+        let ids = unsafe { std::slice::from_raw_parts(p as *const u64, n) };
+        let signed = dtype == DType::I64;
+        if !signed || ids.iter().fold(0, |m, &x| m | x) >> 63 == 0 {
+            return Ok(ids.iter().map(|&x| x as usize).collect());
+        }
+    }
     macro_rules! read {
         ($t:ty) => {{
-            (0..n)
-                .map(|i| {
-                    // SAFETY: element `i < n` of `$t`, `stride` bytes apart, in host memory
-                    // kept alive by `obj` (borrowed, the GIL held) or `_imp`; read unaligned (a
-                    // producer may export any address).
-                    let x = unsafe {
-                        std::ptr::read_unaligned(
-                            p.wrapping_add_signed(i as isize * stride) as *const $t
-                        )
-                    };
-                    usize::try_from(x).map_err(|_| id_err(x as i128, arg))
-                })
-                .collect()
+            let mut out = Vec::with_capacity(n);
+            for i in 0..n {
+                // SAFETY: element `i < n` of `$t`, `stride` bytes apart, in host memory kept
+                // alive by `obj` (borrowed, the GIL held) or `_imp`; read unaligned (a producer
+                // may export any address).
+                let x = unsafe {
+                    std::ptr::read_unaligned(p.wrapping_add_signed(i as isize * stride) as *const $t)
+                };
+                out.push(usize::try_from(x).map_err(|_| id_err(x as i128, arg))?);
+            }
+            Ok(out)
         }};
     }
     match dtype {
