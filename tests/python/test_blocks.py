@@ -160,6 +160,36 @@ def test_a_list_changed_by_an_item_while_read_is_read_safely():
     assert p["blocks"] == 2
 
 
+class _DLPackOnly:
+    """A host array known to pinstage only through DLPack (as a CPU torch tensor is)."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+def test_ids_from_any_dlpack_host_array():
+    """Ids from a producer that is not numpy: read through DLPack when 1-D and in host memory;
+    two dimensions refused before anything is written."""
+    dev = [values((2, 24, 3), 0, 0)]
+    host = [np.full((2, 16, 3), POISON, np.int32)]
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    src = _DLPackOnly(np.array([5, 6, 20], np.int32))
+    dst = _DLPackOnly(np.array([9, 10, 2], np.int64))
+    mover.offload(src, dst).wait()
+    want = expected(np.full((2, 16, 3), POISON, np.int32), dev[0], [5, 6, 20], [9, 10, 2], 1)
+    np.testing.assert_array_equal(host[0], want)
+    host[0][...] = POISON
+    with pytest.raises(pinstage.PinstageValueError, match="device_ids must be a 1-D integer array"):
+        mover.offload(_DLPackOnly(np.array([[5, 6]], np.int64)), [1, 2])
+    assert (host[0] == POISON).all()
+
+
 @pytest.mark.parametrize(
     "src, dst, exc, match",
     [
@@ -169,6 +199,8 @@ def test_a_list_changed_by_an_item_while_read_is_read_safely():
         ([0, 1], [0], pinstage.PinstageValueError, "2 source and 1 destination"),
         ([-1], [0], pinstage.PinstageValueError, "device_ids holds -1"),
         (np.array([3, -2, 5], np.int64), [0, 1, 2], pinstage.PinstageValueError, "device_ids holds -2"),
+        # Two negatives, and an even OR: the sign of every id is read, not of their XOR or sum.
+        (np.array([-2, 4, -6], np.int64), [0, 1, 2], pinstage.PinstageValueError, "device_ids holds -2"),
         (np.array([3, 2**63], np.uint64), [0, 1], pinstage.PinstageValueError, "device_ids.*9223372036854775808"),
         (np.array([3, 23, 24], np.int64), [0, 1, 2], pinstage.PinstageValueError, "device_ids.*24 .the tensor"),
         ([0, 1, 2], np.array([15, 16, 3], np.int64), pinstage.PinstageValueError, "host_ids.*16 .the tensor"),
