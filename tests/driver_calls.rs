@@ -119,6 +119,21 @@ fn calls_of(calls: Calls, work: impl FnOnce()) -> Vec<(&'static str, u64)> {
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// The calls of `name` made by every thread of the process so far (the simulated driver's
+/// `fakecuda_calls`; only called where `fake` found it).
+fn process_calls(name: &CStr) -> u64 {
+    // SAFETY: as in `fake`: a symbol of the simulated driver, already loaded.
+    unsafe {
+        let h = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_NOW);
+        let f = libc::dlsym(h, c"fakecuda_calls".as_ptr());
+        assert!(
+            !f.is_null(),
+            "the simulated driver counts every thread's calls"
+        );
+        std::mem::transmute::<*mut libc::c_void, Calls>(f)(name.as_ptr())
+    }
+}
+
 /// The calls of `c` named `name` (0 if none).
 fn n(c: &[(&str, u64)], name: &str) -> u64 {
     c.iter().find(|(k, _)| *k == name).map_or(0, |(_, v)| *v)
@@ -354,9 +369,16 @@ fn a_warm_background_move_makes_no_event() {
         || unsafe { std::slice::from_raw_parts_mut(host.as_ptr() as *mut u32, T * NB) };
     for round in 0..6usize {
         host_words().fill(0xDEAD_BEEF);
-        let d: Vec<usize> = (0..8).map(|i| (i * 5 + round) % NB).collect();
-        let h: Vec<usize> = (0..8).map(|i| (i * 3 + 2 * round) % NB).collect();
+        // Runs of 1, 2 and 3 ids adjacent on both sides (merged by the mover's thread), and
+        // singles, in no order.
+        let d: Vec<usize> = [0, 1, 2, 9, 10, 30, 17, 40]
+            .map(|b| (b + round) % NB)
+            .to_vec();
+        let h: Vec<usize> = [5, 6, 7, 20, 21, 3, 50, 11]
+            .map(|b| (b + 2 * round) % NB)
+            .to_vec();
         let mut m = None;
+        let copies_before = process_calls(c"cuMemcpy2DAsync_v2");
         // SAFETY: the buffers outlive the move (waited for below); nothing else touches them;
         // the stream is the mover's device's.
         let call = calls_of(calls, || {
@@ -379,6 +401,17 @@ fn a_warm_background_move_makes_no_event() {
         if round < 2 {
             continue; // the first moves make the events later ones reuse
         }
+        // The mover's thread merged the runs: 5 copies (2D across the tensors), not 8, as
+        // plan() says (the tests run one at a time: no other thread copies meanwhile).
+        let plan = mover
+            .plan(pinstage::blocks::Direction::Offload, &d, &h)
+            .unwrap();
+        assert_eq!((plan.runs, plan.calls), (5, 5), "round {round}: {plan:?}");
+        let copies = process_calls(c"cuMemcpy2DAsync_v2") - copies_before;
+        assert_eq!(
+            copies, 5,
+            "round {round}: the mover's thread issued {copies} copies"
+        );
         only(
             &call,
             &[
@@ -393,4 +426,12 @@ fn a_warm_background_move_makes_no_event() {
         assert_eq!(n(&wait, "cuEventCreate"), 0, "round {round}: {wait:?}");
         assert_eq!(n(&wait, "cuEventDestroy_v2"), 0, "round {round}: {wait:?}");
     }
+    // A move of no block: done at once, no driver call, nothing handed over.
+    let mut m = None;
+    // SAFETY: nothing to move.
+    let call = calls_of(calls, || {
+        m = Some(unsafe { mover.offload_in_background(&[], &[], stream.handle()) }.unwrap())
+    });
+    assert_eq!(call, []);
+    assert!(m.unwrap().is_done());
 }

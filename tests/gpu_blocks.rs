@@ -518,6 +518,31 @@ fn gpu_blocks_refusals_issue_nothing() {
             "{src:?} -> {dst:?} in the background"
         );
     }
+    // Loads (host ids first): refused alike on both paths.
+    let bad_loads: [(&[usize], &[usize], &str); 4] = [
+        (&[1, 2], &[3, 3], "device_ids"), // a destination twice
+        (&[8], &[0], "host_ids"),         // out of range on the host side
+        (&[0], &[16], "device_ids"),      // out of range on the device side
+        (&[0, 1], &[0], "block ids"),     // counts differ
+    ];
+    for (src, dst, param) in bad_loads {
+        // SAFETY: nothing is issued (the move is refused); the buffers outlive the call.
+        let l = unsafe { mover.load(src, dst, stream) }.unwrap_err();
+        assert!(
+            matches!(&l, Error::InvalidArgument { param: p, .. } if *p == param),
+            "load {src:?} -> {dst:?}: {l}"
+        );
+        // SAFETY: as above.
+        let lb = unsafe { mover.load_in_background(src, dst, stream) }.unwrap_err();
+        assert_eq!(lb.to_string(), l.to_string(), "load {src:?} -> {dst:?}");
+    }
+    // After those refusals (a destination given twice among them), a move in the background
+    // into the block it named twice lands: the check's marks were cleared.
+    // SAFETY: waited for at once; the buffers outlive it.
+    unsafe { mover.offload_in_background(&[4, 9], &[3, 5], stream) }
+        .unwrap()
+        .wait()
+        .unwrap();
     // A valid move on the same stream, waited for: anything a refused move had queued before
     // it (on the stream, or the side stream it forks onto) has landed by then.
     // SAFETY: waited for at once; the buffers outlive it.
@@ -525,8 +550,14 @@ fn gpu_blocks_refusals_issue_nothing() {
         .unwrap()
         .wait()
         .unwrap();
-    let (k, v) = (s.layout.at(8, 256, 2, 0, 6), s.layout.at(8, 256, 2, 1, 6));
-    let written = |i: usize| (k..k + 256).contains(&i) || (v..v + 256).contains(&i);
+    let at = |part: usize, b: usize| s.layout.at(8, 256, 2, part, b);
+    let moved = [6, 3, 5];
+    let written = |i: usize| {
+        moved
+            .iter()
+            .any(|&b| (0..2).any(|part| (at(part, b)..at(part, b) + 256).contains(&i)))
+    };
+    let (k, v) = (at(0, 6), at(1, 6));
     for t in 0..2 {
         let host = s.read(1, t);
         assert!(
@@ -539,6 +570,12 @@ fn gpu_blocks_refusals_issue_nothing() {
             host[k] != POISON && host[v] != POISON,
             "the valid move did not land"
         );
+        for b in [3, 5] {
+            assert!(
+                (0..2).all(|part| host[at(part, b)..at(part, b) + 256] != [POISON; 256]),
+                "the move in the background did not land in host block {b} of tensor {t}"
+            );
+        }
     }
     // Read-only host tensors: an offload into them is refused on either path, before anything
     // is issued; a load from them reads.

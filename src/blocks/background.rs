@@ -2,8 +2,8 @@
 //! on its stream and hands the ids to a thread of the mover, which merges them into runs, builds
 //! the copies and issues them on its own stream after the fork, then records the move's event.
 //! The caller returns once the move is handed over, however long the driver holds the issuing
-//! thread; what it spends grows with the ids only as reading them and marking one bit per
-//! destination does.
+//! thread; with the ids it spends only what reading them twice and marking one bit per
+//! destination block costs (plus, from Rust, copying them; see `Tensors::check_unmerged`).
 //!
 //! Order, all of it through events recorded before anything waits on them (no wait on a value
 //! the host writes later: streams share hardware queues, and such a wait can hold up the very
@@ -17,8 +17,8 @@ use std::sync::{Arc, OnceLock, mpsc};
 
 use super::copy::{Direction, Ticket};
 use super::issue::{Issue, Lists, issue_on};
-use super::mover::Tensors;
 use super::plan::{Segment, segments_of};
+use super::tensors::Tensors;
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::driver::DriverError;
 use crate::error::{Error, Result};

@@ -9,6 +9,7 @@ mod issue;
 mod mover;
 mod plan;
 mod strides;
+mod tensors;
 #[cfg(test)]
 mod tests;
 

@@ -10,8 +10,9 @@ use parking_lot::Mutex;
 use super::background::Issuer;
 use super::copy::{BlockCopy, Direction, InFlight, MAX_BATCH, MovePlan, Strategy};
 use super::issue::{Issue, Lists, issue_on, share};
-use super::plan::{BlockLayout, Pair, Run, Segment, check_ids, runs, segments, segments_of};
-use super::strides::{batch_threads, one_allocation, strides, two_d_wins};
+use super::plan::{BlockLayout, Pair, Run, Segment, segments, segments_of};
+use super::strides::{one_allocation, strides};
+use super::tensors::Tensors;
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
@@ -57,9 +58,6 @@ pub struct BlockMover<'t> {
     background: [OnceLock<Issuer>; 2],
     /// The copy lists, reused from move to move.
     scratch: Mutex<Scratch>,
-    /// One bit per destination block, for a move in the background's check (all zeros between
-    /// checks).
-    seen: Mutex<Vec<u64>>,
     _tensors: PhantomData<&'t ()>,
 }
 
@@ -67,79 +65,6 @@ pub struct BlockMover<'t> {
 struct Scratch {
     segments: Vec<Segment>,
     lists: Lists,
-}
-
-/// A mover's tensors and how moves between them are issued: what planning a move needs, on the
-/// caller's thread or on an issuing thread.
-#[derive(Debug)]
-pub(super) struct Tensors {
-    pub(super) pairs: Box<[Pair]>,
-    device_blocks: usize,
-    host_blocks: usize,
-    batched: bool,
-    /// The address strides (device, host) between consecutive tensors when every side's
-    /// tensors share one layout at one stride within one allocation (2D copies can then cross
-    /// all tensors at once).
-    strides: Option<(usize, usize)>,
-}
-
-impl Tensors {
-    /// The (block count, id list name) of a move's source and destination sides.
-    fn sides(&self, direction: Direction) -> ((usize, &'static str), (usize, &'static str)) {
-        match direction {
-            Direction::Offload => (
-                (self.device_blocks, "device_ids"),
-                (self.host_blocks, "host_ids"),
-            ),
-            Direction::Load => (
-                (self.host_blocks, "host_ids"),
-                (self.device_blocks, "device_ids"),
-            ),
-        }
-    }
-
-    /// The runs of a move of `src_ids[i]` into `dst_ids[i]` in `direction`.
-    ///
-    /// # Errors
-    /// As [`runs`].
-    pub(super) fn runs(
-        &self,
-        direction: Direction,
-        src_ids: &[usize],
-        dst_ids: &[usize],
-    ) -> Result<Vec<Run>> {
-        let (src, dst) = self.sides(direction);
-        runs((src_ids, src.1), (dst_ids, dst.1), src.0, dst.0)
-    }
-
-    /// How a move of `blocks` blocks in `runs` runs is issued: as 2D copies across the tensors
-    /// when they sit at one stride and 2D copies beat a batch there ([`two_d_wins`]).
-    pub(super) fn how(&self, direction: Direction, blocks: usize, runs: usize) -> Issue {
-        match self.strides {
-            Some((device_pitch, host_pitch))
-                if two_d_wins(direction, blocks, self.pairs[0].device.bytes, runs) =>
-            {
-                let (src_pitch, dst_pitch) = match direction {
-                    Direction::Offload => (device_pitch, host_pitch),
-                    Direction::Load => (host_pitch, device_pitch),
-                };
-                Issue::Strided {
-                    src_pitch,
-                    dst_pitch,
-                    rows: self.pairs.len(),
-                    to_host: direction == Direction::Offload,
-                }
-            }
-            _ if self.batched => {
-                let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
-                let copy_bytes = blocks * self.pairs[0].device.bytes / runs.max(1);
-                Issue::Batched {
-                    threads: batch_threads(direction, runs * parts, copy_bytes),
-                }
-            }
-            _ => Issue::PerCopy,
-        }
-    }
 }
 
 impl std::fmt::Debug for BlockMover<'_> {
@@ -258,18 +183,11 @@ impl<'t> BlockMover<'t> {
         };
         Ok(Self {
             device,
-            tensors: Arc::new(Tensors {
-                strides,
-                device_blocks: pairs.iter().map(|p| p.device.num_blocks).min().unwrap_or(0),
-                host_blocks: pairs.iter().map(|p| p.host.num_blocks).min().unwrap_or(0),
-                pairs: pairs.into(),
-                batched,
-            }),
+            tensors: Arc::new(Tensors::new(pairs, batched, strides)),
             side: [OnceLock::new(), OnceLock::new()],
             helpers: [OnceLock::new(), OnceLock::new()],
             background: [OnceLock::new(), OnceLock::new()],
             scratch: Mutex::new(Scratch::default()),
-            seen: Mutex::new(Vec::new()),
             _tensors: PhantomData,
         })
     }
@@ -308,54 +226,6 @@ impl<'t> BlockMover<'t> {
         self.tensors.pairs.is_empty()
     }
 
-    /// Checks a move of `src_ids[i]` into `dst_ids[i]` in `direction`: its runs.
-    fn check(
-        &self,
-        direction: Direction,
-        src_ids: &[usize],
-        dst_ids: &[usize],
-    ) -> Result<Vec<Run>> {
-        let runs = self.tensors.runs(direction, src_ids, dst_ids)?;
-        self.writable(direction, src_ids.len())?;
-        Ok(runs)
-    }
-
-    /// Checks a move as [`BlockMover::check`] does (the same errors in the same order) without
-    /// merging its runs, for a move the issuing thread merges: the caller's thread only reads
-    /// the ids and marks one bit per destination.
-    fn check_unmerged(
-        &self,
-        direction: Direction,
-        src_ids: &[usize],
-        dst_ids: &[usize],
-    ) -> Result<()> {
-        let (src, dst) = self.tensors.sides(direction);
-        let mut guard = self.seen.try_lock();
-        let mut own = Vec::new();
-        let seen = guard.as_deref_mut().unwrap_or(&mut own);
-        check_ids((src_ids, src.1), (dst_ids, dst.1), src.0, dst.0, seen)?;
-        self.writable(direction, src_ids.len())
-    }
-
-    /// Refuses a move of `blocks` blocks (none: nothing to refuse) into a read-only tensor.
-    fn writable(&self, direction: Direction, blocks: usize) -> Result<()> {
-        let read_only = self.tensors.pairs.iter().position(|p| match direction {
-            Direction::Offload => p.host_read_only,
-            Direction::Load => p.device_read_only,
-        });
-        match (read_only, blocks) {
-            (Some(i), 1..) => Err(Error::arg(
-                match direction {
-                    Direction::Offload => "host_tensors",
-                    Direction::Load => "device_tensors",
-                },
-                format!("tensor {i}, read-only"),
-                "writable destinations",
-            )),
-            _ => Ok(()),
-        }
-    }
-
     /// What a move of `src_ids[i]` into `dst_ids[i]` in `direction` would issue, checked as the
     /// move checks it (nothing is issued).
     ///
@@ -367,7 +237,7 @@ impl<'t> BlockMover<'t> {
         src_ids: &[usize],
         dst_ids: &[usize],
     ) -> Result<MovePlan> {
-        let runs = self.check(direction, src_ids, dst_ids)?;
+        let runs = self.tensors.check(direction, src_ids, dst_ids)?;
         let parts: usize = self.tensors.pairs.iter().map(|p| p.device.outer).sum();
         let copies = runs.len() * parts;
         let how = self.tensors.how(direction, src_ids.len(), runs.len());
@@ -567,7 +437,7 @@ impl<'t> BlockMover<'t> {
         let bytes = src_ids.len() * self.block_bytes();
         if let (true, Some(device)) = (background, &self.device) {
             // The ids are checked here, merged into runs on the issuing thread.
-            self.check_unmerged(direction, &src_ids, &dst_ids)?;
+            self.tensors.check_unmerged(direction, &src_ids, &dst_ids)?;
             if src_ids.is_empty() {
                 return Ok(BlockCopy::done());
             }
@@ -592,7 +462,7 @@ impl<'t> BlockMover<'t> {
                 _mover: PhantomData,
             });
         }
-        let runs = self.check(direction, &src_ids, &dst_ids)?;
+        let runs = self.tensors.check(direction, &src_ids, &dst_ids)?;
         if runs.is_empty() {
             return Ok(BlockCopy::done());
         }

@@ -299,10 +299,16 @@ pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<usize
             (p, n, d.itemsize() as isize, d, Some(imp))
         }
     };
-    if usize::BITS == 64 && matches!(dtype, DType::I64 | DType::U64) && stride == 8 && p % 8 == 0 {
+    if usize::BITS == 64
+        && matches!(dtype, DType::I64 | DType::U64)
+        && stride == 8
+        && p % 8 == 0
+        && n > 0
+    {
         // Contiguous and aligned (most id arrays): read as a slice, every id's sign at once.
-        // SAFETY: `n` aligned 8-byte elements from `p`, contiguous, in host memory kept alive
-        // by `obj` (borrowed, the GIL held) or `_imp`.
+        // (Not when empty: an empty tensor's data pointer may be null, which no slice may be.)
+        // SAFETY: `n > 0` aligned 8-byte elements from `p` (not null: it holds them),
+        // contiguous, in host memory kept alive by `obj` (borrowed, the GIL held) or `_imp`.
         let ids = unsafe { std::slice::from_raw_parts(p as *const u64, n) };
         let signed = dtype == DType::I64;
         if !signed || ids.iter().fold(0, |m, &x| m | x) >> 63 == 0 {

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pinstage
+from conftest import CapsuleProducer, make_capsule
 
 POISON = -0x5A5A5A5B  # int32; values are >= 0
 
@@ -187,6 +188,24 @@ def test_ids_from_any_dlpack_host_array():
     host[0][...] = POISON
     with pytest.raises(pinstage.PinstageValueError, match="device_ids must be a 1-D integer array"):
         mover.offload(_DLPackOnly(np.array([[5, 6]], np.int64)), [1, 2])
+    assert (host[0] == POISON).all()
+
+
+def test_empty_ids_whose_data_pointer_is_null():
+    """An empty id array may carry a null data pointer (torch exports one for zero-size
+    tensors): read as no ids, every integer width, nothing moved."""
+    dev = [values((2, 24, 3), 0, 0)]
+    host = [np.full((2, 16, 3), POISON, np.int32)]
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    for bits in (64, 32):
+        for code in (0, 1):  # int, uint
+            def empty():  # a capsule is consumed once
+                buf = np.zeros(1, np.int64)
+                cap = make_capsule(buf, dtype=(code, bits, 1), shape=(0,), data=0)
+                return CapsuleProducer(cap, device=(1, 0))
+
+            assert mover.plan("offload", empty(), [])["blocks"] == 0
+            assert mover.offload(empty(), []).wait() is None
     assert (host[0] == POISON).all()
 
 

@@ -1,0 +1,146 @@
+//! A mover's tensors as planning sees them: the pairs, their block counts, how moves are issued
+//! between them, and the checks of a move's ids. Shared by the mover and its issuing threads.
+
+use parking_lot::Mutex;
+
+use super::copy::Direction;
+use super::issue::Issue;
+use super::plan::{Pair, Run, check_ids, runs};
+use super::strides::{batch_threads, two_d_wins};
+use crate::error::{Error, Result};
+
+/// A mover's tensors and how moves between them are issued: what planning a move needs, on the
+/// caller's thread or on an issuing thread.
+#[derive(Debug)]
+pub(super) struct Tensors {
+    pub(super) pairs: Box<[Pair]>,
+    pub(super) device_blocks: usize,
+    pub(super) host_blocks: usize,
+    batched: bool,
+    /// The address strides (device, host) between consecutive tensors when every side's
+    /// tensors share one layout at one stride within one allocation (2D copies can then cross
+    /// all tensors at once).
+    strides: Option<(usize, usize)>,
+    /// One bit per destination block for [`Tensors::check_unmerged`] (all zeros between checks).
+    seen: Mutex<Vec<u64>>,
+}
+
+impl Tensors {
+    pub(super) fn new(pairs: Vec<Pair>, batched: bool, strides: Option<(usize, usize)>) -> Self {
+        Self {
+            strides,
+            device_blocks: pairs.iter().map(|p| p.device.num_blocks).min().unwrap_or(0),
+            host_blocks: pairs.iter().map(|p| p.host.num_blocks).min().unwrap_or(0),
+            pairs: pairs.into(),
+            batched,
+            seen: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The (block count, id list name) of a move's source and destination sides.
+    fn sides(&self, direction: Direction) -> ((usize, &'static str), (usize, &'static str)) {
+        match direction {
+            Direction::Offload => (
+                (self.device_blocks, "device_ids"),
+                (self.host_blocks, "host_ids"),
+            ),
+            Direction::Load => (
+                (self.host_blocks, "host_ids"),
+                (self.device_blocks, "device_ids"),
+            ),
+        }
+    }
+
+    /// The runs of a move of `src_ids[i]` into `dst_ids[i]` in `direction`.
+    ///
+    /// # Errors
+    /// As [`runs`].
+    pub(super) fn runs(
+        &self,
+        direction: Direction,
+        src_ids: &[usize],
+        dst_ids: &[usize],
+    ) -> Result<Vec<Run>> {
+        let (src, dst) = self.sides(direction);
+        runs((src_ids, src.1), (dst_ids, dst.1), src.0, dst.0)
+    }
+
+    /// How a move of `blocks` blocks in `runs` runs is issued: as 2D copies across the tensors
+    /// when they sit at one stride and 2D copies beat a batch there ([`two_d_wins`]).
+    pub(super) fn how(&self, direction: Direction, blocks: usize, runs: usize) -> Issue {
+        match self.strides {
+            Some((device_pitch, host_pitch))
+                if two_d_wins(direction, blocks, self.pairs[0].device.bytes, runs) =>
+            {
+                let (src_pitch, dst_pitch) = match direction {
+                    Direction::Offload => (device_pitch, host_pitch),
+                    Direction::Load => (host_pitch, device_pitch),
+                };
+                Issue::Strided {
+                    src_pitch,
+                    dst_pitch,
+                    rows: self.pairs.len(),
+                    to_host: direction == Direction::Offload,
+                }
+            }
+            _ if self.batched => {
+                let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
+                let copy_bytes = blocks * self.pairs[0].device.bytes / runs.max(1);
+                Issue::Batched {
+                    threads: batch_threads(direction, runs * parts, copy_bytes),
+                }
+            }
+            _ => Issue::PerCopy,
+        }
+    }
+
+    /// Checks a move of `src_ids[i]` into `dst_ids[i]` in `direction`: its runs.
+    pub(super) fn check(
+        &self,
+        direction: Direction,
+        src_ids: &[usize],
+        dst_ids: &[usize],
+    ) -> Result<Vec<Run>> {
+        let runs = self.runs(direction, src_ids, dst_ids)?;
+        self.writable(direction, src_ids.len())?;
+        Ok(runs)
+    }
+
+    /// Checks a move as [`Tensors::check`] does (the same errors in the same order) without
+    /// merging its runs, for a move the issuing thread merges: the ids are read twice and one
+    /// bit per destination block is marked, then cleared. (The bits are kept from call to call;
+    /// a call that finds them in use by another thread, or the first call, allocates
+    /// `blocks / 64` words.)
+    pub(super) fn check_unmerged(
+        &self,
+        direction: Direction,
+        src_ids: &[usize],
+        dst_ids: &[usize],
+    ) -> Result<()> {
+        let (src, dst) = self.sides(direction);
+        let mut guard = self.seen.try_lock();
+        let mut own = Vec::new();
+        let seen = guard.as_deref_mut().unwrap_or(&mut own);
+        check_ids((src_ids, src.1), (dst_ids, dst.1), src.0, dst.0, seen)?;
+        self.writable(direction, src_ids.len())
+    }
+
+    /// Refuses a move of `blocks` blocks (none: nothing to refuse) into a read-only tensor.
+    fn writable(&self, direction: Direction, blocks: usize) -> Result<()> {
+        let read_only = self.pairs.iter().position(|p| match direction {
+            Direction::Offload => p.host_read_only,
+            Direction::Load => p.device_read_only,
+        });
+        match (read_only, blocks) {
+            (Some(i), 1..) => Err(Error::arg(
+                match direction {
+                    Direction::Offload => "host_tensors",
+                    Direction::Load => "device_tensors",
+                },
+                format!("tensor {i}, read-only"),
+                "writable destinations",
+            )),
+            _ => Ok(()),
+        }
+    }
+}
