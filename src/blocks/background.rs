@@ -48,12 +48,6 @@ pub(super) struct Issuer {
     tx: mpsc::Sender<Job>,
 }
 
-impl std::fmt::Debug for Issuer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Issuer")
-    }
-}
-
 impl Issuer {
     /// A thread for `device` that issues moves between `tensors`.
     ///

@@ -450,3 +450,74 @@ fn batches_of_many_copies_are_issued_from_several_threads(
 ) {
     assert_eq!(strides::batch_threads(direction, copies, copy_bytes), want);
 }
+
+/// The strategy of a move (`Tensors::how`): 2D copies across the tensors when they sit at one
+/// stride and 2D copies win (every load; offloads unless the copies average 9-31 KiB), with each
+/// side's pitch and direction; else a batch from as many threads as `batch_threads` says for the
+/// move's copies and their average size; one call per copy without the batched call.
+#[test]
+fn how_picks_2d_copies_a_batch_or_single_copies() {
+    use super::issue::Issue;
+    use super::tensors::Tensors;
+    // Two pairs of [2 parts, 4096 blocks, 16 KiB]: 4 copies per run.
+    let two = |bytes: usize| -> Vec<plan::Pair> {
+        (0..2u64)
+            .map(|i| plan::Pair {
+                device: layout(0x1_0000_0000 * (i + 1), 4096, bytes, 2),
+                host: layout(0x100_0000_0000 * (i + 1), 4096, bytes, 2),
+                device_read_only: false,
+                host_read_only: false,
+            })
+            .collect()
+    };
+    let strided = Tensors::new(two(16 << 10), true, Some((1000, 2000)));
+    // A load: 2D copies, host pitch to device pitch.
+    assert!(
+        matches!(
+            strided.how(Direction::Load, 2048, 2048),
+            Issue::Strided {
+                src_pitch: 2000,
+                dst_pitch: 1000,
+                rows: 2,
+                to_host: false
+            }
+        ),
+        "{:?}",
+        strided.how(Direction::Load, 2048, 2048)
+    );
+    // An offload of 2048 blocks in 512 runs: 64 KiB copies, 2D (device pitch to host pitch).
+    let wide = strided.how(Direction::Offload, 2048, 512);
+    assert!(
+        matches!(
+            wide,
+            Issue::Strided {
+                src_pitch: 1000,
+                dst_pitch: 2000,
+                rows: 2,
+                to_host: true
+            }
+        ),
+        "{wide:?}"
+    );
+    // In 2048 runs: 16 KiB copies (within 9-31 KiB: a batch), 2048 runs x 4 parts = 8192
+    // copies (>= 4096: split) of more than 8 KiB: 2 threads.
+    let b = strided.how(Direction::Offload, 2048, 2048);
+    assert!(matches!(b, Issue::Batched { threads: 2 }), "{b:?}");
+    // 1023 runs x 4 parts = 4092 copies: too few to split.
+    let b = strided.how(Direction::Offload, 1023, 1023);
+    assert!(matches!(b, Issue::Batched { threads: 1 }), "{b:?}");
+    // 8 KiB parts, no common stride: 8 KiB offload copies stay on one thread, loads take 4.
+    let small = Tensors::new(two(8 << 10), true, None);
+    let b = small.how(Direction::Offload, 2048, 2048);
+    assert!(matches!(b, Issue::Batched { threads: 1 }), "{b:?}");
+    let b = small.how(Direction::Load, 2048, 2048);
+    assert!(matches!(b, Issue::Batched { threads: 4 }), "{b:?}");
+    // No batched call: one call per copy, 2D copies still where they win.
+    let old = Tensors::new(two(16 << 10), false, Some((1000, 2000)));
+    let b = old.how(Direction::Offload, 2048, 2048);
+    assert!(matches!(b, Issue::PerCopy), "{b:?}");
+    assert!(matches!(
+        old.how(Direction::Load, 1, 1),
+        Issue::Strided { .. }
+    ));
+}
