@@ -14,7 +14,6 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use pinstage::blocks::{BlockMover, Direction};
-use pinstage::dlpack::{DL_CPU, DL_CUDA, TensorDesc, validate};
 use pinstage::host::PinnedFlags;
 use pinstage::testing::DeviceBuffer;
 use pinstage::{Device, DeviceView, PinnedBuffer, Stream};
@@ -23,34 +22,12 @@ const L: usize = 64;
 const NB: usize = 8192;
 
 fn view(ptr: u64, cuda: bool, shape: &[i64]) -> DeviceView<'static> {
-    let meta = validate(&TensorDesc {
-        device_type: if cuda { DL_CUDA } else { DL_CPU },
-        device_id: 0,
-        data: ptr,
-        byte_offset: 0,
-        code: 1,
-        bits: 8,
-        lanes: 1,
-        shape,
-        strides: None,
-        read_only: false,
-    })
-    .expect("a valid tensor");
     // SAFETY: the buffers outlive every view (main holds them to the end).
-    unsafe { DeviceView::from_meta(meta) }
+    unsafe { pinstage::testing::bytes_view(ptr, cuda.then_some(0), shape, false) }
 }
 
 fn ids(n: usize, seed: u64) -> Vec<usize> {
-    let mut v: Vec<usize> = (0..NB).collect();
-    let mut x = seed | 1;
-    for i in (1..v.len()).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.swap(i, (x % (i as u64 + 1)) as usize);
-    }
-    v.truncate(n);
-    v
+    pinstage::testing::shuffled_ids(n, NB, seed)
 }
 
 fn median(mut v: Vec<u64>) -> f64 {

@@ -20,6 +20,57 @@ pub use crate::ring::protocol as ring;
 pub use crate::ring::write::PARALLEL_WRITE_MIN;
 pub use crate::step::plan::{AUTO_GAP_BATCH, AUTO_GAP_COPIES, plan};
 
+/// Deterministic distinct ids: the first `n` of a permutation of `0..range` (xorshift from
+/// `seed`), as the block tests and benches draw their moves.
+pub fn shuffled_ids(n: usize, range: usize, seed: u64) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..range).collect();
+    let mut x = seed | 1;
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    v.truncate(n);
+    v
+}
+
+/// A C-contiguous byte tensor of `shape` at `ptr`: in device `cuda`'s memory, or in host memory
+/// (`None`); `read_only` as a producer would mark it.
+///
+/// # Panics
+/// If the shape is not a valid DLPack shape.
+///
+/// # Safety
+/// The `shape`'s bytes at `ptr` stay valid (and, unless `read_only`, writable) as long as the
+/// view or anything made from it is used.
+pub unsafe fn bytes_view(
+    ptr: u64,
+    cuda: Option<i32>,
+    shape: &[i64],
+    read_only: bool,
+) -> DeviceView<'static> {
+    let meta = crate::dlpack::validate(&crate::dlpack::TensorDesc {
+        device_type: if cuda.is_some() {
+            crate::dlpack::DL_CUDA
+        } else {
+            crate::dlpack::DL_CPU
+        },
+        device_id: cuda.unwrap_or(0),
+        data: ptr,
+        byte_offset: 0,
+        code: 1,
+        bits: 8,
+        lanes: 1,
+        shape,
+        strides: None,
+        read_only,
+    })
+    .expect("a valid byte tensor");
+    // SAFETY: the caller's contract.
+    unsafe { DeviceView::from_meta(meta) }
+}
+
 /// Whether a slot written with `(values_len, total, pad)` after one written with `old` keeps the
 /// old padding (so only the values and the gap need writing): the stager's layout memory.
 pub fn same_padding(

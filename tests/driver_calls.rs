@@ -328,25 +328,8 @@ fn a_warm_background_move_makes_no_event() {
     let host = pinstage::PinnedBuffer::new(&dev, T * NB * 4, pinstage::host::PinnedFlags::PORTABLE)
         .unwrap();
     let view = |ptr: u64, cuda: bool| {
-        let meta = pinstage::dlpack::validate(&pinstage::dlpack::TensorDesc {
-            device_type: if cuda {
-                pinstage::dlpack::DL_CUDA
-            } else {
-                pinstage::dlpack::DL_CPU
-            },
-            device_id: 0,
-            data: ptr,
-            byte_offset: 0,
-            code: 1,
-            bits: 32,
-            lanes: 1,
-            shape: &[NB as i64],
-            strides: None,
-            read_only: false,
-        })
-        .unwrap();
         // SAFETY: the buffers outlive the mover and every view.
-        unsafe { pinstage::DeviceView::from_meta(meta) }
+        unsafe { pinstage::testing::bytes_view(ptr, cuda.then_some(0), &[NB as i64, 4], false) }
     };
     let devs: Vec<_> = (0..T)
         .map(|t| view(device.ptr() + (t * NB * 4) as u64, true))

@@ -19,7 +19,6 @@ fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
     GPU.read().unwrap_or_else(|e| e.into_inner())
 }
 use pinstage::blocks::{BlockMover, Direction, Strategy};
-use pinstage::dlpack::{DL_CPU, DL_CUDA, TensorDesc, validate};
 use pinstage::host::PinnedFlags;
 use pinstage::testing::DeviceBuffer;
 use pinstage::{DeviceView, Error, PinnedBuffer, Stream, StreamHandle};
@@ -27,21 +26,8 @@ use rstest::rstest;
 
 /// The view of `len` bytes at `ptr` as a u8 tensor of `shape` (`device`: CUDA ordinal, or host).
 fn view(ptr: u64, device: Option<i32>, shape: &[i64]) -> DeviceView<'static> {
-    let meta = validate(&TensorDesc {
-        device_type: if device.is_some() { DL_CUDA } else { DL_CPU },
-        device_id: device.unwrap_or(0),
-        data: ptr,
-        byte_offset: 0,
-        code: 1,
-        bits: 8,
-        lanes: 1,
-        shape,
-        strides: None,
-        read_only: false,
-    })
-    .expect("a valid tensor");
     // SAFETY: every test keeps the buffer behind `ptr` alive while the view is used.
-    unsafe { DeviceView::from_meta(meta) }
+    unsafe { pinstage::testing::bytes_view(ptr, device, shape, false) }
 }
 
 /// Byte `i` of block `b`, part `p`, tensor `t` on side `side` of move `m`: never the poison.
@@ -99,19 +85,10 @@ impl Layout {
     }
 }
 
-/// Deterministic distinct ids: the first `n` of a permutation of `0..range`, with a run of 5
-/// adjacent pairs spliced in when there is room.
+/// Deterministic distinct ids: the first `n` of a permutation of `0..range` (the tests splice
+/// runs of adjacent pairs in where they want them).
 fn ids(n: usize, range: usize, seed: u64) -> Vec<usize> {
-    let mut v: Vec<usize> = (0..range).collect();
-    let mut x = seed | 1;
-    for i in (1..v.len()).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.swap(i, (x % (i as u64 + 1)) as usize);
-    }
-    v.truncate(n);
-    v
+    pinstage::testing::shuffled_ids(n, range, seed)
 }
 
 struct Sides {
@@ -582,23 +559,8 @@ fn gpu_blocks_refusals_issue_nothing() {
     let (hs, _) = Layout::KvFirst.shape(8, 256, 2);
     let read_only: Vec<_> = hv
         .iter()
-        .map(|h| {
-            let meta = validate(&TensorDesc {
-                device_type: DL_CPU,
-                device_id: 0,
-                data: h.meta().ptr(),
-                byte_offset: 0,
-                code: 1,
-                bits: 8,
-                lanes: 1,
-                shape: &hs,
-                strides: None,
-                read_only: true,
-            })
-            .unwrap();
-            // SAFETY: the host buffers outlive the views.
-            unsafe { DeviceView::from_meta(meta) }
-        })
+        // SAFETY: the host buffers outlive the views.
+        .map(|h| unsafe { pinstage::testing::bytes_view(h.meta().ptr(), None, &hs, true) })
         .collect();
     let ro = BlockMover::new(&dv, &read_only, dim).unwrap();
     s.poison(1);

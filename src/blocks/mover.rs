@@ -327,15 +327,7 @@ impl<'t> BlockMover<'t> {
         stream: StreamHandle,
     ) -> Result<BlockCopy<'_>> {
         // SAFETY: caller's contract.
-        unsafe {
-            self.start(
-                Direction::Offload,
-                Cow::Borrowed(device_ids),
-                Cow::Borrowed(host_ids),
-                stream,
-                false,
-            )
-        }
+        unsafe { self.start(Direction::Offload, device_ids, host_ids, stream, false) }
     }
 
     /// Starts copying host blocks `host_ids[i]` into device blocks `device_ids[i]` of every
@@ -353,15 +345,7 @@ impl<'t> BlockMover<'t> {
         stream: StreamHandle,
     ) -> Result<BlockCopy<'_>> {
         // SAFETY: caller's contract.
-        unsafe {
-            self.start(
-                Direction::Load,
-                Cow::Borrowed(host_ids),
-                Cow::Borrowed(device_ids),
-                stream,
-                false,
-            )
-        }
+        unsafe { self.start(Direction::Load, host_ids, device_ids, stream, false) }
     }
 
     /// As [`BlockMover::offload`], issued in the background: the call checks the move and
@@ -384,15 +368,7 @@ impl<'t> BlockMover<'t> {
         stream: StreamHandle,
     ) -> Result<BlockCopy<'_>> {
         // SAFETY: caller's contract.
-        unsafe {
-            self.start(
-                Direction::Offload,
-                Cow::Borrowed(device_ids),
-                Cow::Borrowed(host_ids),
-                stream,
-                true,
-            )
-        }
+        unsafe { self.start(Direction::Offload, device_ids, host_ids, stream, true) }
     }
 
     /// As [`BlockMover::load`], issued in the background as
@@ -410,15 +386,7 @@ impl<'t> BlockMover<'t> {
         stream: StreamHandle,
     ) -> Result<BlockCopy<'_>> {
         // SAFETY: caller's contract.
-        unsafe {
-            self.start(
-                Direction::Load,
-                Cow::Borrowed(host_ids),
-                Cow::Borrowed(device_ids),
-                stream,
-                true,
-            )
-        }
+        unsafe { self.start(Direction::Load, host_ids, device_ids, stream, true) }
     }
 
     /// A move from `src_ids` to `dst_ids`, checked whole, then issued (`background`: by a
@@ -426,14 +394,15 @@ impl<'t> BlockMover<'t> {
     ///
     /// # Safety
     /// As [`BlockMover::offload`] (`background`: [`BlockMover::offload_in_background`]).
-    pub(crate) unsafe fn start(
+    pub(crate) unsafe fn start<'i>(
         &self,
         direction: Direction,
-        src_ids: Cow<'_, [usize]>,
-        dst_ids: Cow<'_, [usize]>,
+        src_ids: impl Into<Cow<'i, [usize]>>,
+        dst_ids: impl Into<Cow<'i, [usize]>>,
         stream: StreamHandle,
         background: bool,
     ) -> Result<BlockCopy<'_>> {
+        let (src_ids, dst_ids) = (src_ids.into(), dst_ids.into());
         let bytes = src_ids.len() * self.block_bytes();
         if let (true, Some(device)) = (background, &self.device) {
             // The ids are checked here, merged into runs on the issuing thread.

@@ -479,8 +479,7 @@ fn start(
         // SAFETY: the tensors live as long as `this` (`_tensors`), which the PendingCopy keeps
         // until the event completed (lingering when dropped early); writes by others are the
         // caller's to order on `stream` (documented); the stream belongs to the caller.
-        unsafe { mover.start(direction, src.into(), dst.into(), stream, background) }
-            .map(|c| c.into_inflight())
+        unsafe { mover.start(direction, src, dst, stream, background) }.map(|c| c.into_inflight())
     })?;
     Ok(PendingCopy::moving(
         event,
