@@ -201,7 +201,8 @@ pub(crate) fn runs(
     // Sorting by destination puts a destination named twice beside itself and lines up the
     // pairs a run can merge. Ids below 2^32 (every real tensor's) sort as one word each, the
     // destination in the high half: a third of the time of sorting pairs.
-    let mut runs: Vec<Run> = Vec::with_capacity(src_ids.len().min(1024));
+    // At most one run per id: no growth while merging.
+    let mut runs: Vec<Run> = Vec::with_capacity(src_ids.len());
     let mut push = |s: usize, d: usize| -> Result<()> {
         match runs.last_mut() {
             Some(r) if r.dst + r.len - 1 == d => return Err(twice(d)),

@@ -366,7 +366,7 @@ fn list_ids(list: &Bound<'_, pyo3::types::PyList>, arg: &str) -> PyResult<Vec<us
             plain.then(|| unsafe { pyo3::ffi::PyLong_AsLongLongAndOverflow(item, &mut overflow) });
         let v = v.filter(|_| overflow == 0);
         let b = match v {
-            Some(v) => usize::try_from(v).map_err(|_| id_err(i128::from(v), arg))?,
+            Some(v) => id(i128::from(v), arg)?,
             None => item_id(&list.get_item(i)?, arg)?,
         };
         out.push(b);
