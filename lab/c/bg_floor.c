@@ -88,17 +88,6 @@ static void hand(uint32_t what) {
     if (!spin_mode) futex(&job, FUTEX_WAKE_PRIVATE, 1);
 }
 
-static double tnow(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e9 + t.tv_nsec;
-}
-
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 /* Before each call (untimed): a new value in device block i, the poison in host blocks j, j+1. */
 static uint32_t prepare(int k) {
     uint32_t v = 0x10000000u + (uint32_t)k * 2654435761u % 0x0fffffffu;
@@ -128,7 +117,7 @@ static void row(const char *name, int mode) {
         uint32_t v = moves ? prepare(k) : 0;
         if (!spin_mode) while (!atomic_load(&parked)) __builtin_ia32_pause();
         atomic_store(&finished, 0);
-        double t0 = tnow();
+        double t0 = probe_now_ns();
         switch (mode) {
         case 0: CHECK(cuEventRecord(fork_ev, caller)); break;       /* record */
         case 1: hand(3); break;                                       /* wake / spin */
@@ -140,14 +129,14 @@ static void row(const char *name, int mode) {
             CHECK(cuEventRecord(done_ev, side));
             break;
         }
-        t[k] = tnow() - t0;
+        t[k] = probe_now_ns() - t0;
         if (mode == 2) while (!atomic_load_explicit(&finished, memory_order_acquire)) __builtin_ia32_pause();
         if (mode == 1) while (atomic_load(&job)) __builtin_ia32_pause();
         if (moves) check(v);
         else CHECK(cuStreamSynchronize(caller));
         if (!spin_mode) usleep(50); /* the worker parks (and a move's wait takes at least this) */
     }
-    qsort(t, N, sizeof t[0], cmp);
+    qsort(t, N, sizeof t[0], probe_cmp_double);
     printf("  %-10s %8.2f us  p10 %6.2f  p90 %6.2f\n", name, t[N / 2] / 1e3, t[N / 10] / 1e3,
            t[N * 9 / 10] / 1e3);
     fflush(stdout);

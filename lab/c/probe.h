@@ -1,5 +1,5 @@
-// probe.h: what the host-function probes of lab/c share (hostfn_*.c): the driver API, CHECK
-// (exits naming the call and its error), a monotonic clock in ms, a host function that holds
+// probe.h: what the probes of lab/c share (hostfn_*.c, bg_floor.c, slot_stores.c): the driver
+// API, CHECK (exits naming the call and its error), monotonic clocks in ms and ns, a qsort order, a host function that holds
 // the stream it is launched on for `probe_hold_ms` milliseconds, device 0's context, and
 // cuMemcpyBatchAsync of the ABI pinstage calls.
 #ifndef PINSTAGE_PROBE_H
@@ -23,6 +23,18 @@ static double now_ms(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
+/* A monotonic clock in ns, and the order of doubles for qsort (medians of timed calls). */
+static double probe_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e9 + t.tv_nsec;
+}
+
+static int probe_cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
 }
 
 /* How long probe_holder holds its stream. */

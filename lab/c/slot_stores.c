@@ -15,19 +15,15 @@
 //   - copy + rep movsb: the same, the copy done by `rep movsb`.
 // Memory: cuMemHostAlloc(PORTABLE | DEVICEMAP) (the step's slots), malloc'd pageable (no copy
 // rows only: the control), and mmap + cuMemHostRegister.
-// Build: nvcc -O2 -o slot_stores benches/c/slot_stores.c -lcuda
+// Shared parts: probe.h. Build: nvcc -O2 -o slot_stores lab/c/slot_stores.c -lcuda
 #define _GNU_SOURCE
-#include <cuda.h>
+#include "probe.h"
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
-
-#define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *s_; \
-    cuGetErrorName(r_, &s_); fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_); \
-    exit(1); } } while (0)
 
 #define NF 6
 #define SLOT 198912
@@ -38,15 +34,6 @@ static const size_t len[NF] = {1024, 2048, 2048, 256, 260, 32768};
 static size_t span(void) { return off[NF - 1] + len[NF - 1]; }
 static size_t used(void) { size_t n = 0; for (int f = 0; f < NF; f++) n += len[f]; return n; }
 
-static double now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e9 + t.tv_nsec;
-}
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 static unsigned char pat(size_t set, size_t f, size_t j) {
     unsigned char v = (unsigned char)(set * 131u + f * 17u + j * 7u + 1u);
     return v == 0xEE ? 0x11 : v;  // never the poison
@@ -71,14 +58,14 @@ static void row(const char *mem, unsigned char *slots, int R, int S, int copy, i
     for (int i = 0; i < ITERS; i++) {
         unsigned char *slot = slots + (size_t)(i % R) * SLOT;
         const unsigned char *src = srcs[i % S];
-        double t0 = now_ns();
+        double t0 = probe_now_ns();
         if (how == PREFETCH)
             for (int f = 0; f < NF; f++) prefetchw_range(slot + off[f], len[f]);
         for (int f = 0; f < NF; f++) {
             if (how == MOVSB) movsb(slot + off[f], src + off[f], len[f]);
             else memcpy(slot + off[f], src + off[f], len[f]);
         }
-        t[i] = now_ns() - t0;
+        t[i] = probe_now_ns() - t0;
         if (copy) {
             // copy == 2: the decoy (set 0's values) is read instead of the slot.
             int set = copy == 2 ? 0 : i % S;
@@ -98,7 +85,7 @@ static void row(const char *mem, unsigned char *slots, int R, int S, int copy, i
     double mean = 0;
     for (int i = 0; i < ITERS; i++) mean += t[i];
     mean /= ITERS;
-    qsort(t, ITERS, sizeof t[0], cmp);
+    qsort(t, ITERS, sizeof t[0], probe_cmp_double);
     double med = t[ITERS / 2];
     printf("  %-10s R=%-2d S=%-2d %-26s %8.0f / %8.0f ns   %6.1f GB/s\n", mem, R, S,
            !copy ? "no copy" : copy == 2 ? "no copy, same untimed work" : how == PREFETCH ? "copy + prefetchw" : how == MOVSB ? "copy + rep movsb" : "copy",
