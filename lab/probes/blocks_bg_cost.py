@@ -7,7 +7,8 @@ Each row: median host us of the call alone (its move then waited for, untimed), 
   checking the ids, merging runs, building the copy list (no driver call);
 - a move of the same numpy ids, in the background and (up to 128 ids) on the calling thread,
   also right after the GPU was idle for 1 ms (the bench's pattern: synchronize, then call);
-- control: torch's own fixed cost on the same stream (an event record, `current_stream()`).
+- control: torch's own fixed cost on the same stream (an event record, `current_stream()`),
+  and the floor of a pinstage call from Python (`cuda_available()`: no argument, no driver call).
 Host time only: the moved bytes are not checked here (bench_blocks.py checks every block of
 the same calls).
 
@@ -71,10 +72,16 @@ for n in (1, 128, 2048):
                      med(lambda: mover.load(b, a, stream=s, background=True))))
         rows.append((f"offload {n} ids numpy, background=True, stream= omitted",
                      med(lambda: mover.offload(a, b, background=True))))
+        rows.append((f"offload {n} ids numpy, background=True, stream=int handle",
+                     med(lambda: mover.offload(a, b, stream=s.cuda_stream, background=True))))
 ev = torch.cuda.Event()
 with torch.cuda.stream(s):
     rows.append(("control: torch Event.record(s)", med(lambda: (ev.record(s), None)[1])))
     rows.append(("control: torch.cuda.current_stream()",
                  med(lambda: (torch.cuda.current_stream(), None)[1])))
+    # The floor of a Python call into pinstage (no argument, no driver call); `plan()` above is
+    # the one that reads and checks the ids.
+    rows.append(("control: pinstage.cuda_available()",
+                 med(lambda: (pinstage.cuda_available(), None)[1])))
 for name, us in rows:
     print(f"  {name:58s} {us:8.1f}")
