@@ -1,7 +1,7 @@
 // probe.h: what the probes of lab/c share (hostfn_*.c, bg_floor.c, slot_stores.c): the driver
-// API, CHECK (exits naming the call and its error), monotonic clocks in ms and ns, a qsort order, a host function that holds
-// the stream it is launched on for `probe_hold_ms` milliseconds, device 0's context, and
-// cuMemcpyBatchAsync of the ABI pinstage calls.
+// API, CHECK (exits naming the call and its error), monotonic clocks in ms and ns, a qsort
+// order, a host function that holds the stream it is launched on for `probe_hold_ms`
+// milliseconds, device 0's context, and cuMemcpyBatchAsync of the ABI pinstage calls.
 #ifndef PINSTAGE_PROBE_H
 #define PINSTAGE_PROBE_H
 #ifndef _GNU_SOURCE
