@@ -2,8 +2,10 @@
 //! on its stream and hands the ids to a thread of the mover, which merges them into runs, builds
 //! the copies and issues them on its own stream after the fork, then records the move's event.
 //! The caller returns once the move is handed over, however long the driver holds the issuing
-//! thread; with the ids it spends only what reading them twice and marking one bit per
-//! destination block costs (plus, from Rust, copying them; see `Tensors::check_unmerged`).
+//! thread (which polls for the next move for 50 us after each, so that a move handed over soon
+//! after the one before costs the caller no system call); with the ids it spends only what
+//! reading them twice and marking one bit per destination block costs (plus, from Rust,
+//! copying them; see `Tensors::check_unmerged`).
 //!
 //! Order, all of it through events recorded before anything waits on them (no wait on a value
 //! the host writes later: streams share hardware queues, and such a wait can hold up the very
@@ -14,6 +16,7 @@
 //! - one thread and one stream per direction: moves of one direction run in call order.
 
 use std::sync::{Arc, OnceLock, mpsc};
+use std::time::{Duration, Instant};
 
 use super::copy::{Direction, Ticket};
 use super::issue::{Issue, Lists, issue_on};
@@ -62,7 +65,10 @@ impl Issuer {
             .spawn(move || {
                 let cur = device.enter();
                 let helpers = OnceLock::new();
-                for job in rx {
+                // Polling pays where the caller has a CPU of its own, not on a single CPU.
+                let poll = std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2);
+                let poll = if poll { POLL } else { Duration::ZERO };
+                while let Some(job) = next_job(&rx, poll) {
                     let outcome = match &cur {
                         // Relaxed capture mode: a graph captured on another thread in global
                         // mode neither fails these calls nor is invalidated by them. A panic
@@ -121,6 +127,31 @@ impl Issuer {
             .send(job)
             .map_err(|_| Error::unavailable("the block mover's issuing thread is gone"))?;
         Ok(ticket)
+    }
+}
+
+/// How long the issuing thread polls for the next move after one, before it parks: a move
+/// handed to a polling thread costs the caller a store (no system call to wake it; FUTEX_WAKE
+/// costs about 1 us on the GPU machines, `lab/c/bg_floor.c`). Engines that move blocks every
+/// step (ms apart) pay at most this much of one core per move; a machine with one CPU does not
+/// poll.
+const POLL: Duration = Duration::from_micros(50);
+
+/// The next move sent, polled for `poll` then waited for parked; `None` once the mover is gone
+/// and every move sent was taken.
+fn next_job(rx: &mpsc::Receiver<Job>, poll: Duration) -> Option<Job> {
+    let since = Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(job) => return Some(job),
+            Err(mpsc::TryRecvError::Disconnected) => return None,
+            Err(mpsc::TryRecvError::Empty) if since.elapsed() >= poll => return rx.recv().ok(),
+            Err(mpsc::TryRecvError::Empty) => {
+                for _ in 0..32 {
+                    std::hint::spin_loop();
+                }
+            }
+        }
     }
 }
 

@@ -52,7 +52,7 @@ thread_local! {
 /// Each thread remembers the answer for the last type it asked about (holding the type, so
 /// its address cannot be reused): `torch.cuda.current_stream()` returns a new object on every
 /// call, of the same type.
-fn is_framework_stream(obj: &Bound<'_, PyAny>) -> bool {
+pub(crate) fn is_framework_stream(obj: &Bound<'_, PyAny>) -> bool {
     thread_local! {
         static LAST_TYPE: std::cell::RefCell<Option<(Py<pyo3::types::PyType>, bool)>> =
             const { std::cell::RefCell::new(None) };

@@ -620,3 +620,26 @@ def test_dropped_pending_move_keeps_tensors_alive(gpu, background):
     ptr = a.data_ptr()
     del a
     assert torch.empty(shape, dtype=torch.int32, pin_memory=True).data_ptr() in (ptr, old)
+
+
+@pytest.mark.gpu
+@pytest.mark.two_gpus
+@pytest.mark.parametrize("background", [False, True], ids=["caller", "background"])
+def test_a_stream_of_another_device_is_refused_after_one_of_its_own(gpu, background):
+    """The mover remembers the last stream object found on its device: a stream of the other
+    GPU must still be refused (every time), and the remembered one still accepted."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.fail("needs two GPUs (run with -m 'not two_gpus' on one GPU)")
+    dev = [torch.full((2, 8, 64), 7, dtype=torch.int32, device="cuda:0")]
+    host = [pinstage.empty_pinned((2, 8, 64), "int32")]
+    host[0][...] = POISON
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    own, other = torch.cuda.Stream(device=0), torch.cuda.Stream(device=1)
+    for _ in range(2):
+        mover.offload([1], [2], stream=own, background=background).wait()
+        for s in (other, other.cuda_stream):
+            with pytest.raises(pinstage.PinstageValueError, match="another device"):
+                mover.offload([3], [4], stream=s, background=background)
+    torch.cuda.synchronize()
+    assert (host[0][:, 2] == 7).all() and (host[0][:, 4] == POISON).all()
