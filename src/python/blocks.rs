@@ -118,7 +118,9 @@ impl BlockMover {
     ///         ``stream_wait(stream)`` or ``wait()`` before using (or reusing) the moved
     ///         blocks. Background moves of one direction run in call order; an offload and a
     ///         load are not ordered against each other. The first such call starts the
-    ///         thread; a mover over host memory copies in the call either way.
+    ///         thread, which polls for the next move for 50 us after each before it sleeps
+    ///         (a move soon after the one before costs no wake-up); a mover over host memory
+    ///         copies in the call either way.
     ///
     /// Returns:
     ///     PendingCopy: ``wait()`` (returns None), ``done()``, ``stream_wait(stream)``; it
