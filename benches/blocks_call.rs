@@ -2,7 +2,8 @@
 //! and a background load of `n` random ids between 64 device tensors and 64 pinned host tensors
 //! of 8192 blocks (one allocation per side, per-tensor views, as engines allocate a pool), each
 //! move then waited for untimed. Rows: median ns of 200 calls: "hot", each call right after the
-//! wait for the move before; "cold", 64 MiB of other memory written before each call as well.
+//! wait for the move before; "cold", 64 MiB of other memory written before each call as well;
+//! "idle", 1 ms of sleep before each call (the issuing threads parked).
 //!
 //! Runs against any driver: the H200's (`scripts/gpu-run`), or the simulated one on a machine
 //! without a GPU (`eval "export $(scripts/fake-gpu env)"`; host figures only, the driver calls
@@ -85,7 +86,15 @@ fn main() {
             "  {n} ids: {:?}, {} runs, {} calls",
             p.strategy, p.runs, p.calls
         );
-        for cold in [false, true] {
+        for mode in ["hot ", "cold", "idle"] {
+            let cold = mode == "cold";
+            // idle: 1 ms of sleep before each call, so the mover's issuing threads are parked
+            // (they poll for 50 us after a move).
+            let idle = || {
+                if mode == "idle" {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            };
             let mut plan = Vec::new();
             let mut off = Vec::new();
             let mut load = Vec::new();
@@ -103,6 +112,7 @@ fn main() {
                         *b = b.wrapping_add(1);
                     }
                 }
+                idle();
                 let t = Instant::now();
                 // SAFETY: the buffers outlive the move (waited for below); nothing else
                 // touches them; the stream is the mover's device's.
@@ -114,6 +124,7 @@ fn main() {
                         *b = b.wrapping_add(1);
                     }
                 }
+                idle();
                 let t = Instant::now();
                 // SAFETY: as above.
                 let m = unsafe { mover.load_in_background(&h, &d, stream.handle()) };
@@ -122,7 +133,7 @@ fn main() {
             }
             println!(
                 "    {}: plan {:8.0}  offload bg {:8.0}  load bg {:8.0}",
-                if cold { "cold" } else { "hot " },
+                mode,
                 median(plan),
                 median(off),
                 median(load)

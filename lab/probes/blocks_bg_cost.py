@@ -70,6 +70,8 @@ for n in (1, 128, 2048):
     with torch.cuda.stream(s):
         rows.append((f"load {n} ids numpy, background=True",
                      med(lambda: mover.load(b, a, stream=s, background=True))))
+        rows.append((f"load {n} ids numpy, background=True, after 1 ms idle",
+                     med(lambda: mover.load(b, a, stream=s, background=True), idle=True)))
         rows.append((f"offload {n} ids numpy, background=True, stream= omitted",
                      med(lambda: mover.offload(a, b, background=True))))
         rows.append((f"offload {n} ids numpy, background=True, stream=int handle",
