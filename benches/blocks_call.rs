@@ -77,7 +77,8 @@ fn main() {
     let mut other = vec![1u8; 64 << 20];
     println!(
         "blocks_call: {L} tensors x {NB} blocks of {bytes} B; median ns per call of 200 \
-         (hot: after the wait for the move before; cold: 64 MiB written before each call too)"
+         (hot: after the wait for the move before; cold: 64 MiB written before each call too; \
+         idle: 1 ms of sleep before each call)"
     );
     for n in [1usize, 128, 2048] {
         let (d, h) = (ids(n, 7), ids(n, 11));

@@ -1,7 +1,7 @@
 """Where a background BlockMover call's host time goes, on a GPU (bench_blocks.py measured
 195-288 us for 2048 ids against a goal of 2 + 0.05 us per id = 104 us).
 
-Each row: median host us of the call alone (its move then waited for, untimed), 200 calls,
+Each row: median (p10, p90) host us of the call alone (its move then waited for, untimed), 200 calls,
 64 tensors of 8192 blocks of 4 KiB on each side, random ids, one torch stream `s`:
 - plan() of n ids (n = 1, 128, 2048) as numpy int64, a list, a CPU torch tensor: reading and
   checking the ids, merging runs, building the copy list (no driver call);
@@ -47,7 +47,8 @@ def med(f, n=200, idle=False):
         t.append(time.perf_counter_ns() - t0)
         if r is not None:
             r.wait()
-    return statistics.median(t) / 1e3
+    t.sort()
+    return statistics.median(t) / 1e3, t[len(t) // 10] / 1e3, t[len(t) * 9 // 10] / 1e3
 
 
 rows = []
@@ -85,5 +86,6 @@ with torch.cuda.stream(s):
     # the one that reads and checks the ids.
     rows.append(("control: pinstage.cuda_available()",
                  med(lambda: (pinstage.cuda_available(), None)[1])))
-for name, us in rows:
-    print(f"  {name:58s} {us:8.1f}")
+print(f"  {'':58s} {'median':>8s} {'p10':>6s} {'p90':>6s}")
+for name, (us, p10, p90) in rows:
+    print(f"  {name:58s} {us:8.1f} {p10:6.1f} {p90:6.1f}")
