@@ -15,7 +15,7 @@ pub(crate) fn parse_stream(
     let Some(obj) = obj.filter(|o| !o.is_none()) else {
         return Ok(None);
     };
-    let hit = with_known(obj, |k| k.handle);
+    let hit = known_handle(obj);
     let (raw, trusted) = match hit {
         Some(h) => (h, false),
         None => parse_stream_object(obj)?,
@@ -24,7 +24,8 @@ pub(crate) fn parse_stream(
     // as a stream; the Python API documents that the stream must stay alive while its copies
     // run. Impossible handles are refused here.
     let handle = unsafe { StreamHandle::from_raw(raw) }?;
-    if trusted {
+    // (Python code run by the parse may have passed the same object already.)
+    if trusted && known_handle(obj).is_none() {
         let known = Known {
             obj: obj.clone().unbind(),
             handle: raw,
@@ -78,23 +79,39 @@ const KNOWN_STREAMS: usize = 4;
 /// address from being reused, so passing the same object again costs a pointer compare instead
 /// of a Python call (`__cuda_stream__()` or an attribute) and a driver call.
 struct Known {
+    #[cfg_attr(pinstage_seeded_bug = "stream_cache_any", allow(dead_code))]
     obj: Py<PyAny>,
     handle: usize,
     ctx: std::cell::Cell<Option<usize>>,
 }
 
 thread_local! {
-    /// The stream objects this thread passed lately, the newest first.
+    /// The stream objects this thread passed lately, the most recently passed first.
     static KNOWN: std::cell::RefCell<Vec<Known>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The handle this thread remembers for `obj`, its entry moved to the front (the least
+/// recently passed object is the one forgotten).
+fn known_handle(obj: &Bound<'_, PyAny>) -> Option<usize> {
+    KNOWN.with_borrow_mut(|k| {
+        let i = k.iter().position(|k| same(k, obj))?;
+        k[..=i].rotate_right(1);
+        Some(k[0].handle)
+    })
 }
 
 /// `f` of the entry this thread remembers for `obj`, if any.
 fn with_known<T>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&Known) -> T) -> Option<T> {
-    #[cfg(not(pinstage_seeded_bug = "stream_cache_any"))]
-    let same = |k: &&Known| k.obj.as_ptr() == obj.as_ptr();
+    KNOWN.with_borrow(|k| k.iter().find(|k| same(k, obj)).map(f))
+}
+
+/// Whether `known` is `obj`'s entry.
+#[cfg_attr(pinstage_seeded_bug = "stream_cache_any", allow(unused_variables))]
+fn same(known: &Known, obj: &Bound<'_, PyAny>) -> bool {
     #[cfg(pinstage_seeded_bug = "stream_cache_any")]
-    let same = |_: &&Known| true;
-    KNOWN.with_borrow(|k| k.iter().find(same).map(f))
+    return true;
+    #[cfg(not(pinstage_seeded_bug = "stream_cache_any"))]
+    return known.obj.as_ptr() == obj.as_ptr();
 }
 
 /// Whether `obj` is a stream object of torch or cupy that owns its stream: its handle is fixed,

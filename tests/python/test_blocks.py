@@ -633,6 +633,7 @@ def test_moves_on_more_streams_than_remembered_follow_each_streams_work(gpu, bac
     dev = [torch.full((2, 16, 256), POISON, dtype=torch.int32, device="cuda")]
     host = [pinstage.empty_pinned((2, 16, 256), "int32")]
     mover = pinstage.BlockMover(dev, host, block_dim=1)
+    torch.cuda.synchronize()  # the poisoning done before any side stream's fill
     for r in range(3):
         for i, s in enumerate(streams):
             host[0][...] = POISON
@@ -649,8 +650,8 @@ def test_moves_on_more_streams_than_remembered_follow_each_streams_work(gpu, bac
 @pytest.mark.two_gpus
 @pytest.mark.parametrize("background", [False, True], ids=["caller", "background"])
 def test_a_stream_of_another_device_is_refused_after_one_of_its_own(gpu, background):
-    """The mover remembers the last stream object found on its device: a stream of the other
-    GPU must still be refused (every time), and the remembered one still accepted."""
+    """Each thread remembers the stream objects it passed and their devices: a stream of the
+    other GPU must still be refused (every time), and the remembered one still accepted."""
     torch = pytest.importorskip("torch")
     if torch.cuda.device_count() < 2:
         pytest.fail("needs two GPUs (run with -m 'not two_gpus' on one GPU)")
