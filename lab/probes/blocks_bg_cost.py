@@ -73,6 +73,9 @@ for n in (1, 128, 2048):
                      med(lambda: mover.load(b, a, stream=s, background=True))))
         rows.append((f"load {n} ids numpy, background=True, after 1 ms idle",
                      med(lambda: mover.load(b, a, stream=s, background=True), idle=True)))
+        if n <= 128:  # the load issued on the calling thread: is the load's extra cost its own?
+            rows.append((f"load {n} ids numpy, background=False",
+                         med(lambda: mover.load(b, a, stream=s, background=False))))
         rows.append((f"offload {n} ids numpy, background=True, stream= omitted",
                      med(lambda: mover.offload(a, b, background=True))))
         rows.append((f"offload {n} ids numpy, background=True, stream=int handle",
