@@ -165,9 +165,9 @@ impl Device {
         })
     }
 
-    /// The device's primary context (for the stream checks beside).
+    /// The device's primary context (for the Python layer's check of a stream's device).
     #[cfg(feature = "python")]
-    pub(super) fn ctx(&self) -> CUcontext {
+    pub(crate) fn ctx(&self) -> CUcontext {
         self.inner.ctx
     }
 

@@ -106,16 +106,17 @@ impl StreamHandle<'_> {
         Ok(cur)
     }
 
-    /// Whether this stream (a handle other than 0, 1, 2, checked live) belongs to `device`'s
-    /// primary context; the special handles belong to every device.
+    /// The context this stream belongs to (a handle other than 0, 1, 2, checked live), as an
+    /// address to compare with [`Device::ctx`]'s; `None` for the special handles, which belong
+    /// to every device.
     #[cfg(feature = "python")]
-    pub(crate) fn is_on(self, device: &Device) -> Result<bool> {
+    pub(crate) fn ctx(self) -> Result<Option<usize>> {
         if self.0 <= 2 {
-            return Ok(true);
+            return Ok(None);
         }
         // SAFETY: a live stream handle (the caller checked it).
         let ctx = unsafe { driver::stream::stream_get_ctx(self.raw()) }?;
-        Ok(ctx == device.ctx())
+        Ok(Some(ctx as usize))
     }
 
     #[inline]

@@ -7,7 +7,7 @@ use pyo3::types::PyDict;
 use super::errors::{describe, type_err, value_err};
 use super::import::{Exchange, Imported, import, import_writable};
 use super::pending::PendingCopy;
-use super::stream::parse_stream;
+use super::stream::{parse_stream, stream_on};
 use crate::blocks::{Direction, Strategy};
 use crate::cuda::StreamHandle;
 use crate::dlpack::{DType, DeviceView, MemoryKind};
@@ -52,10 +52,6 @@ pub(crate) struct BlockMover {
     exchange: Option<Exchange>,
     /// DLPack device type and id of the device tensors.
     device: (u32, i32),
-    /// The torch or cupy stream object last passed as `stream=` and found on the device, with
-    /// its handle: held, so its stream lives and its address is not reused; passing it again
-    /// skips the driver's check of the stream's context.
-    on_device: Mutex<Option<(Py<PyAny>, StreamHandle<'static>)>>,
 }
 
 #[pymethods]
@@ -97,7 +93,6 @@ impl BlockMover {
             _tensors: Mutex::new(imported),
             exchange,
             device,
-            on_device: Mutex::new(None),
         })
     }
 
@@ -255,30 +250,6 @@ impl BlockMover {
             self.mover.host_blocks(),
             self.mover.block_bytes()
         )
-    }
-}
-
-impl BlockMover {
-    /// The handle of `obj` if it is the stream object last found on the device.
-    fn stream_on_device(&self, obj: &Bound<'_, PyAny>) -> Option<StreamHandle<'static>> {
-        let known = self.on_device.lock();
-        known
-            .as_ref()
-            .and_then(|(o, h)| (o.as_ptr() == obj.as_ptr()).then_some(*h))
-    }
-
-    /// Remembers `obj`, found on the device with handle `handle`, if it is a torch or cupy
-    /// stream object (one that holds its stream while it lives; an int or a wrapped handle
-    /// is checked every time).
-    fn remember_stream(&self, obj: &Bound<'_, PyAny>, handle: StreamHandle<'static>) {
-        if super::stream::is_framework_stream(obj) {
-            let old = self
-                .on_device
-                .lock()
-                .replace((obj.clone().unbind(), handle));
-            // Dropped after the lock: a destructor may run Python code that moves blocks.
-            drop(old);
-        }
     }
 }
 
@@ -485,10 +456,7 @@ fn start(
     let (src_arg, dst_arg) = arg_names(direction);
     let src = block_ids(src_ids, src_arg)?;
     let dst = block_ids(dst_ids, dst_arg)?;
-    let stream = match stream.and_then(|obj| this.stream_on_device(obj)) {
-        Some(s) => s,
-        None => start_stream(py, this, stream)?,
-    };
+    let stream = move_stream(py, this, stream)?;
     let mover = &this.mover;
     let bytes = src.len() * mover.block_bytes();
     let event = py.detach(|| {
@@ -504,9 +472,9 @@ fn start(
     ))
 }
 
-/// The stream a move is ordered on: `stream=` checked to be on the device (remembered when it
-/// is a framework's stream object), or the producer's current stream, or the legacy one.
-fn start_stream(
+/// The stream a move is ordered on: `stream=` checked to be on the device, or the producer's
+/// current stream, or the legacy one.
+fn move_stream(
     py: Python<'_>,
     this: &BlockMover,
     stream: Option<&Bound<'_, PyAny>>,
@@ -514,18 +482,14 @@ fn start_stream(
     Ok(match (parse_stream(stream)?, &this.exchange, this.device) {
         (Some(s), _, _) => {
             // Only a definite answer refuses (a driver that cannot tell lets the move go on).
-            if let Some(dev) = this.mover.device() {
-                match s.is_on(dev) {
-                    Ok(false) => {
-                        return Err(value_err(format!(
-                            "stream= must be a stream of the device tensors' device (cuda:{}); \
-                             got one of another device",
-                            dev.ordinal()
-                        )));
-                    }
-                    Ok(true) => this.remember_stream(stream.expect("parsed from it"), s),
-                    Err(_) => {} // cannot tell: checked again next time
-                }
+            if let (Some(dev), Some(obj)) = (this.mover.device(), stream)
+                && stream_on(obj, s, dev).is_ok_and(|own| !own)
+            {
+                return Err(value_err(format!(
+                    "stream= must be a stream of the device tensors' device (cuda:{}); got one \
+                     of another device",
+                    dev.ordinal()
+                )));
             }
             s
         }

@@ -211,7 +211,7 @@ fn to_device<'py>(
                     // event its allocator recorded there later would fail in a destructor).
                     // Only a definite answer refuses: a driver that cannot tell lets the
                     // copy go on as before.
-                    if h.is_on(dev).is_ok_and(|own| !own) {
+                    if super::stream::stream_on(obj, h, dev).is_ok_and(|own| !own) {
                         return Err(value_err(format!(
                             "stream= belongs to another device than the result's (cuda:{ordinal})"
                         )));

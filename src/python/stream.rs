@@ -15,11 +15,7 @@ pub(crate) fn parse_stream(
     let Some(obj) = obj.filter(|o| !o.is_none()) else {
         return Ok(None);
     };
-    let hit = LAST_STREAM.with(|c| {
-        c.borrow()
-            .as_ref()
-            .and_then(|(o, h)| (o.as_ptr() == obj.as_ptr()).then_some(*h))
-    });
+    let hit = known_handle(obj);
     let (raw, trusted) = match hit {
         Some(h) => (h, false),
         None => parse_stream_object(obj)?,
@@ -28,21 +24,94 @@ pub(crate) fn parse_stream(
     // as a stream; the Python API documents that the stream must stay alive while its copies
     // run. Impossible handles are refused here.
     let handle = unsafe { StreamHandle::from_raw(raw) }?;
-    if trusted {
-        let old = LAST_STREAM.with(|c| c.replace(Some((obj.clone().unbind(), raw))));
+    // (Python code run by the parse may have passed the same object already.)
+    if trusted && known_handle(obj).is_none() {
+        let known = Known {
+            obj: obj.clone().unbind(),
+            handle: raw,
+            ctx: std::cell::Cell::new(None),
+        };
+        let old = KNOWN.with_borrow_mut(|k| {
+            k.insert(0, known);
+            (k.len() > KNOWN_STREAMS).then(|| k.pop())
+        });
         // Dropped outside the borrow: a destructor may run Python code that passes a stream.
         drop(old);
     }
     Ok(Some(handle))
 }
 
+/// Whether `handle`, parsed from `obj` by [`parse_stream`], is a stream of `device` (the
+/// special handles belong to every device). The driver is asked once per stream object this
+/// thread passed lately; an int or a wrapped handle is asked about every time.
+///
+/// # Errors
+/// The driver cannot tell (callers let the copy go on: only a definite answer refuses).
+pub(crate) fn stream_on(
+    obj: &Bound<'_, PyAny>,
+    handle: StreamHandle<'_>,
+    device: &crate::Device,
+) -> crate::Result<bool> {
+    let known = with_known(obj, |k| (k.handle == handle.as_raw()).then(|| k.ctx.get()));
+    let ctx = match known.flatten().flatten() {
+        Some(ctx) => ctx,
+        None => {
+            let Some(ctx) = handle.ctx()? else {
+                return Ok(true);
+            };
+            with_known(obj, |k| {
+                if k.handle == handle.as_raw() {
+                    k.ctx.set(Some(ctx));
+                }
+            });
+            ctx
+        }
+    };
+    Ok(ctx == device.ctx() as usize)
+}
+
+/// How many stream objects each thread remembers: an engine's few streams (one per direction
+/// of its block moves, its compute stream) passed in turn all stay known.
+const KNOWN_STREAMS: usize = 4;
+
+/// A torch or cupy stream object this thread passed, its handle and, once asked, its context.
+/// Such an object holds one stream for its whole life, and the reference held here keeps its
+/// address from being reused, so passing the same object again costs a pointer compare instead
+/// of a Python call (`__cuda_stream__()` or an attribute) and a driver call.
+struct Known {
+    #[cfg_attr(pinstage_seeded_bug = "stream_cache_any", allow(dead_code))]
+    obj: Py<PyAny>,
+    handle: usize,
+    ctx: std::cell::Cell<Option<usize>>,
+}
+
 thread_local! {
-    /// The last torch or cupy stream object this thread passed, and its handle: such an object
-    /// holds one stream for its whole life, and the reference held here keeps its address from
-    /// being reused, so passing the same object again costs a pointer compare instead of a
-    /// Python call (`__cuda_stream__()` or an attribute).
-    static LAST_STREAM: std::cell::RefCell<Option<(Py<PyAny>, usize)>> =
-        const { std::cell::RefCell::new(None) };
+    /// The stream objects this thread passed lately, the most recently passed first.
+    static KNOWN: std::cell::RefCell<Vec<Known>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The handle this thread remembers for `obj`, its entry moved to the front (the least
+/// recently passed object is the one forgotten).
+fn known_handle(obj: &Bound<'_, PyAny>) -> Option<usize> {
+    KNOWN.with_borrow_mut(|k| {
+        let i = k.iter().position(|k| same(k, obj))?;
+        k[..=i].rotate_right(1);
+        Some(k[0].handle)
+    })
+}
+
+/// `f` of the entry this thread remembers for `obj`, if any.
+fn with_known<T>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&Known) -> T) -> Option<T> {
+    KNOWN.with_borrow(|k| k.iter().find(|k| same(k, obj)).map(f))
+}
+
+/// Whether `known` is `obj`'s entry.
+#[cfg_attr(pinstage_seeded_bug = "stream_cache_any", allow(unused_variables))]
+fn same(known: &Known, obj: &Bound<'_, PyAny>) -> bool {
+    #[cfg(pinstage_seeded_bug = "stream_cache_any")]
+    return true;
+    #[cfg(not(pinstage_seeded_bug = "stream_cache_any"))]
+    return known.obj.as_ptr() == obj.as_ptr();
 }
 
 /// Whether `obj` is a stream object of torch or cupy that owns its stream: its handle is fixed,
@@ -52,7 +121,7 @@ thread_local! {
 /// Each thread remembers the answer for the last type it asked about (holding the type, so
 /// its address cannot be reused): `torch.cuda.current_stream()` returns a new object on every
 /// call, of the same type.
-pub(crate) fn is_framework_stream(obj: &Bound<'_, PyAny>) -> bool {
+fn is_framework_stream(obj: &Bound<'_, PyAny>) -> bool {
     thread_local! {
         static LAST_TYPE: std::cell::RefCell<Option<(Py<pyo3::types::PyType>, bool)>> =
             const { std::cell::RefCell::new(None) };

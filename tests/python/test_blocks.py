@@ -623,11 +623,35 @@ def test_dropped_pending_move_keeps_tensors_alive(gpu, background):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("background", [False, True], ids=["caller", "background"])
+def test_moves_on_more_streams_than_remembered_follow_each_streams_work(gpu, background):
+    """Each thread remembers the last few stream objects it passed (handle and device): with
+    more streams than that, passed in turn, every move must still be ordered after the work
+    queued on ITS stream (a wrong handle would copy before the delayed fill)."""
+    torch = pytest.importorskip("torch")
+    streams = [torch.cuda.Stream() for _ in range(6)]
+    dev = [torch.full((2, 16, 256), POISON, dtype=torch.int32, device="cuda")]
+    host = [pinstage.empty_pinned((2, 16, 256), "int32")]
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    torch.cuda.synchronize()  # the poisoning done before any side stream's fill
+    for r in range(3):
+        for i, s in enumerate(streams):
+            host[0][...] = POISON
+            v = 1000 * r + i + 1
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(5_000_000)  # GPU work ahead of the fill, on s only
+                dev[0][:, i].fill_(v)
+            mover.offload([i], [i], stream=s, background=background).wait()
+            assert (host[0][:, i] == v).all(), f"round {r} stream {i}"
+            assert (np.delete(host[0], i, axis=1) == POISON).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.two_gpus
 @pytest.mark.parametrize("background", [False, True], ids=["caller", "background"])
 def test_a_stream_of_another_device_is_refused_after_one_of_its_own(gpu, background):
-    """The mover remembers the last stream object found on its device: a stream of the other
-    GPU must still be refused (every time), and the remembered one still accepted."""
+    """Each thread remembers the stream objects it passed and their devices: a stream of the
+    other GPU must still be refused (every time), and the remembered one still accepted."""
     torch = pytest.importorskip("torch")
     if torch.cuda.device_count() < 2:
         pytest.fail("needs two GPUs (run with -m 'not two_gpus' on one GPU)")
