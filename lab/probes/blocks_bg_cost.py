@@ -1,7 +1,10 @@
 """Where a background BlockMover call's host time goes, on a GPU (bench_blocks.py measured
 195-288 us for 2048 ids against a goal of 2 + 0.05 us per id = 104 us).
 
-Each row: median (p10, p90) host us of the call alone (its move then waited for, untimed), 200 calls,
+Each row: median (p10, p90) host us of the call alone (its move then waited for, untimed), 200 calls
+in ROUNDS rounds of 40 that go through every row in turn (controls included), after a warm-up round
+untimed, so a change of the core's clock during the run moves every row alike (the min and max of
+the rounds' medians are printed too),
 64 tensors of 8192 blocks of 4 KiB on each side, random ids, one torch stream `s`:
 - plan() of n ids (n = 1, 128, 2048) as numpy int64, a list, a CPU torch tensor: reading and
   checking the ids, merging runs, building the copy list (no driver call);
@@ -32,11 +35,12 @@ hosts = [host_all[i] for i in range(L)]
 mover = pinstage.BlockMover(devs, hosts, block_dim=0)
 s = torch.cuda.Stream()
 rng = np.random.default_rng(1)
+ROUNDS, PER = 5, 40
 print(f"pinstage {pinstage.__version__}, torch {torch.__version__}: {L} tensors x {NB} blocks "
-      f"of {B} B; median host us per call of 200")
+      f"of {B} B; host us per call, {ROUNDS} rounds of {PER} calls per row")
 
 
-def med(f, n=200, idle=False):
+def sample(f, n, idle=False):
     t = []
     for _ in range(n):
         if idle:
@@ -47,10 +51,15 @@ def med(f, n=200, idle=False):
         t.append(time.perf_counter_ns() - t0)
         if r is not None:
             r.wait()
-    t.sort()
-    return statistics.median(t) / 1e3, t[len(t) // 10] / 1e3, t[len(t) * 9 // 10] / 1e3
+    return t
 
 
+def med(f, idle=False):
+    """A row: the call and how (the stream it runs under); sampled in rounds below."""
+    return (f, idle)
+
+
+# Each row's call binds its ids now (default arguments): the rows run later, in rounds.
 rows = []
 for n in (1, 128, 2048):
     d = rng.permutation(NB)[:n].astype(np.int64)
@@ -58,28 +67,28 @@ for n in (1, 128, 2048):
     kinds = {"numpy": (d, h), "list": (d.tolist(), h.tolist()),
              "torch": (torch.from_numpy(d), torch.from_numpy(h))}
     for kind, (a, b) in kinds.items():
-        rows.append((f"plan() {n} ids {kind}", med(lambda: (mover.plan("offload", a, b), None)[1])))
+        rows.append((f"plan() {n} ids {kind}", med(lambda a=a, b=b: (mover.plan("offload", a, b), None)[1])))
     a, b = kinds["numpy"]
     for bg in (True, False):
         if not bg and n > 128:
             continue  # the calling thread's cost is the bench's (ms at 2048 ids)
         with torch.cuda.stream(s):
             rows.append((f"offload {n} ids numpy, background={bg}",
-                         med(lambda: mover.offload(a, b, stream=s, background=bg))))
+                         med(lambda a=a, b=b, bg=bg: mover.offload(a, b, stream=s, background=bg))))
             rows.append((f"offload {n} ids numpy, background={bg}, after 1 ms idle",
-                         med(lambda: mover.offload(a, b, stream=s, background=bg), idle=True)))
+                         med(lambda a=a, b=b, bg=bg: mover.offload(a, b, stream=s, background=bg), idle=True)))
     with torch.cuda.stream(s):
         rows.append((f"load {n} ids numpy, background=True",
-                     med(lambda: mover.load(b, a, stream=s, background=True))))
+                     med(lambda a=a, b=b: mover.load(b, a, stream=s, background=True))))
         rows.append((f"load {n} ids numpy, background=True, after 1 ms idle",
-                     med(lambda: mover.load(b, a, stream=s, background=True), idle=True)))
+                     med(lambda a=a, b=b: mover.load(b, a, stream=s, background=True), idle=True)))
         if n <= 128:  # the load issued on the calling thread: is the load's extra cost its own?
             rows.append((f"load {n} ids numpy, background=False",
-                         med(lambda: mover.load(b, a, stream=s, background=False))))
+                         med(lambda a=a, b=b: mover.load(b, a, stream=s, background=False))))
         rows.append((f"offload {n} ids numpy, background=True, stream= omitted",
-                     med(lambda: mover.offload(a, b, background=True))))
+                     med(lambda a=a, b=b: mover.offload(a, b, background=True))))
         rows.append((f"offload {n} ids numpy, background=True, stream=int handle",
-                     med(lambda: mover.offload(a, b, stream=s.cuda_stream, background=True))))
+                     med(lambda a=a, b=b: mover.offload(a, b, stream=s.cuda_stream, background=True))))
 ev = torch.cuda.Event()
 with torch.cuda.stream(s):
     rows.append(("control: torch Event.record(s)", med(lambda: (ev.record(s), None)[1])))
@@ -89,6 +98,17 @@ with torch.cuda.stream(s):
     # the one that reads and checks the ids.
     rows.append(("control: pinstage.cuda_available()",
                  med(lambda: (pinstage.cuda_available(), None)[1])))
-print(f"  {'':58s} {'median':>8s} {'p10':>6s} {'p90':>6s}")
-for name, (us, p10, p90) in rows:
-    print(f"  {name:58s} {us:8.1f} {p10:6.1f} {p90:6.1f}")
+times = {name: [] for name, _ in rows}
+rounds = {name: [] for name, _ in rows}
+for r in range(ROUNDS + 1):
+    for name, (f, idle) in rows:
+        with torch.cuda.stream(s):
+            t = sample(f, PER, idle)
+        if r:  # round 0 warms up (clock, caches, the mover's threads)
+            times[name] += t
+            rounds[name].append(statistics.median(t) / 1e3)
+print(f"  {'':58s} {'median':>8s} {'p10':>6s} {'p90':>6s} {'rounds min':>10s} {'max':>6s}")
+for name, _ in rows:
+    t = sorted(times[name])
+    us, p10, p90 = statistics.median(t) / 1e3, t[len(t) // 10] / 1e3, t[len(t) * 9 // 10] / 1e3
+    print(f"  {name:58s} {us:8.1f} {p10:6.1f} {p90:6.1f} {min(rounds[name]):10.1f} {max(rounds[name]):6.1f}")
