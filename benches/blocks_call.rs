@@ -3,7 +3,8 @@
 //! of 8192 blocks (one allocation per side, per-tensor views, as engines allocate a pool), each
 //! move then waited for untimed. Rows: median ns of 200 calls: "hot", each call right after the
 //! wait for the move before; "cold", 64 MiB of other memory written before each call as well;
-//! "idle", 1 ms of sleep before each call (the issuing threads parked).
+//! "idle", 1 ms of sleep before each call (the issuing threads parked); "rows", each direction's
+//! calls back to back (no plan() or other direction between), as the Python probe's rows run.
 //!
 //! Runs against any driver: the H200's (`scripts/gpu-run`), or the simulated one on a machine
 //! without a GPU (`eval "export $(scripts/fake-gpu env)"`; host figures only, the driver calls
@@ -78,7 +79,7 @@ fn main() {
     println!(
         "blocks_call: {L} tensors x {NB} blocks of {bytes} B; median ns per call of 200 \
          (hot: after the wait for the move before; cold: 64 MiB written before each call too; \
-         idle: 1 ms of sleep before each call)"
+         idle: 1 ms of sleep before each call; rows: each direction's calls back to back)"
     );
     for n in [1usize, 128, 2048] {
         let (d, h) = (ids(n, 7), ids(n, 11));
@@ -140,6 +141,29 @@ fn main() {
                 median(load)
             );
         }
+        // "rows": each direction's 200 calls back to back, each right after the wait for the
+        // one before, no plan() or move of the other direction between (the pattern of
+        // lab/probes/blocks_bg_cost.py's rows, for a like-for-like Python / Rust comparison).
+        let (mut off, mut load) = (Vec::new(), Vec::new());
+        for _ in 0..200 {
+            let t = Instant::now();
+            // SAFETY: as above.
+            let m = unsafe { mover.offload_in_background(&d, &h, stream.handle()) };
+            off.push(t.elapsed().as_nanos() as u64);
+            m.expect("an offload").wait().expect("offload completed");
+        }
+        for _ in 0..200 {
+            let t = Instant::now();
+            // SAFETY: as above.
+            let m = unsafe { mover.load_in_background(&h, &d, stream.handle()) };
+            load.push(t.elapsed().as_nanos() as u64);
+            m.expect("a load").wait().expect("load completed");
+        }
+        println!(
+            "    rows: plan        -  offload bg {:8.0}  load bg {:8.0}",
+            median(off),
+            median(load)
+        );
     }
     black_box(&other);
 }
