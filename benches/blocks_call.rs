@@ -32,6 +32,29 @@ fn ids(n: usize, seed: u64) -> Vec<usize> {
     pinstage::testing::shuffled_ids(n, NB, seed)
 }
 
+/// Host ns of one background move's call (`d` device ids, `h` host ids, in `dir`), the move
+/// then waited for untimed.
+fn timed_move(
+    mover: &BlockMover,
+    dir: Direction,
+    d: &[usize],
+    h: &[usize],
+    stream: &Stream,
+) -> u64 {
+    let t = Instant::now();
+    // SAFETY: the buffers outlive the move (waited for below); nothing else touches them; the
+    // stream is the mover's device's.
+    let m = unsafe {
+        match dir {
+            Direction::Offload => mover.offload_in_background(d, h, stream.handle()),
+            Direction::Load => mover.load_in_background(h, d, stream.handle()),
+        }
+    };
+    let ns = t.elapsed().as_nanos() as u64;
+    m.expect("a move").wait().expect("the move completed");
+    ns
+}
+
 fn median(mut v: Vec<u64>) -> f64 {
     v.sort_unstable();
     v[v.len() / 2] as f64
@@ -115,23 +138,14 @@ fn main() {
                     }
                 }
                 idle();
-                let t = Instant::now();
-                // SAFETY: the buffers outlive the move (waited for below); nothing else
-                // touches them; the stream is the mover's device's.
-                let m = unsafe { mover.offload_in_background(&d, &h, stream.handle()) };
-                off.push(t.elapsed().as_nanos() as u64);
-                m.expect("an offload").wait().expect("offload completed");
+                off.push(timed_move(&mover, Direction::Offload, &d, &h, &stream));
                 if cold {
                     for b in other.iter_mut().step_by(64) {
                         *b = b.wrapping_add(1);
                     }
                 }
                 idle();
-                let t = Instant::now();
-                // SAFETY: as above.
-                let m = unsafe { mover.load_in_background(&h, &d, stream.handle()) };
-                load.push(t.elapsed().as_nanos() as u64);
-                m.expect("a load").wait().expect("load completed");
+                load.push(timed_move(&mover, Direction::Load, &d, &h, &stream));
             }
             println!(
                 "    {}: plan {:8.0}  offload bg {:8.0}  load bg {:8.0}",
@@ -144,21 +158,11 @@ fn main() {
         // "rows": each direction's 200 calls back to back, each right after the wait for the
         // one before, no plan() or move of the other direction between (the pattern of
         // lab/probes/blocks_bg_cost.py's rows, for a like-for-like Python / Rust comparison).
-        let (mut off, mut load) = (Vec::new(), Vec::new());
-        for _ in 0..200 {
-            let t = Instant::now();
-            // SAFETY: as above.
-            let m = unsafe { mover.offload_in_background(&d, &h, stream.handle()) };
-            off.push(t.elapsed().as_nanos() as u64);
-            m.expect("an offload").wait().expect("offload completed");
-        }
-        for _ in 0..200 {
-            let t = Instant::now();
-            // SAFETY: as above.
-            let m = unsafe { mover.load_in_background(&h, &d, stream.handle()) };
-            load.push(t.elapsed().as_nanos() as u64);
-            m.expect("a load").wait().expect("load completed");
-        }
+        let [off, load] = [Direction::Offload, Direction::Load].map(|dir| {
+            (0..200)
+                .map(|_| timed_move(&mover, dir, &d, &h, &stream))
+                .collect()
+        });
         println!(
             "    rows: plan        -  offload bg {:8.0}  load bg {:8.0}",
             median(off),

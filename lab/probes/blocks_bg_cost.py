@@ -54,8 +54,9 @@ def sample(f, n, idle=False):
     return t
 
 
-def med(f, idle=False):
-    """A row: the call and how (the stream it runs under); sampled in rounds below."""
+def row(f, idle=False):
+    """A row's call and whether 1 ms of idle comes before each; sampled in rounds below, under
+    `torch.cuda.stream(s)`."""
     return (f, idle)
 
 
@@ -67,37 +68,34 @@ for n in (1, 128, 2048):
     kinds = {"numpy": (d, h), "list": (d.tolist(), h.tolist()),
              "torch": (torch.from_numpy(d), torch.from_numpy(h))}
     for kind, (a, b) in kinds.items():
-        rows.append((f"plan() {n} ids {kind}", med(lambda a=a, b=b: (mover.plan("offload", a, b), None)[1])))
+        rows.append((f"plan() {n} ids {kind}", row(lambda a=a, b=b: (mover.plan("offload", a, b), None)[1])))
     a, b = kinds["numpy"]
     for bg in (True, False):
         if not bg and n > 128:
             continue  # the calling thread's cost is the bench's (ms at 2048 ids)
-        with torch.cuda.stream(s):
-            rows.append((f"offload {n} ids numpy, background={bg}",
-                         med(lambda a=a, b=b, bg=bg: mover.offload(a, b, stream=s, background=bg))))
-            rows.append((f"offload {n} ids numpy, background={bg}, after 1 ms idle",
-                         med(lambda a=a, b=b, bg=bg: mover.offload(a, b, stream=s, background=bg), idle=True)))
-    with torch.cuda.stream(s):
-        rows.append((f"load {n} ids numpy, background=True",
-                     med(lambda a=a, b=b: mover.load(b, a, stream=s, background=True))))
-        rows.append((f"load {n} ids numpy, background=True, after 1 ms idle",
-                     med(lambda a=a, b=b: mover.load(b, a, stream=s, background=True), idle=True)))
-        if n <= 128:  # the load issued on the calling thread: is the load's extra cost its own?
-            rows.append((f"load {n} ids numpy, background=False",
-                         med(lambda a=a, b=b: mover.load(b, a, stream=s, background=False))))
-        rows.append((f"offload {n} ids numpy, background=True, stream= omitted",
-                     med(lambda a=a, b=b: mover.offload(a, b, background=True))))
-        rows.append((f"offload {n} ids numpy, background=True, stream=int handle",
-                     med(lambda a=a, b=b: mover.offload(a, b, stream=s.cuda_stream, background=True))))
+        rows.append((f"offload {n} ids numpy, background={bg}",
+                     row(lambda a=a, b=b, bg=bg: mover.offload(a, b, stream=s, background=bg))))
+        rows.append((f"offload {n} ids numpy, background={bg}, after 1 ms idle",
+                     row(lambda a=a, b=b, bg=bg: mover.offload(a, b, stream=s, background=bg), idle=True)))
+    rows.append((f"load {n} ids numpy, background=True",
+                 row(lambda a=a, b=b: mover.load(b, a, stream=s, background=True))))
+    rows.append((f"load {n} ids numpy, background=True, after 1 ms idle",
+                 row(lambda a=a, b=b: mover.load(b, a, stream=s, background=True), idle=True)))
+    if n <= 128:  # the load issued on the calling thread: is the load's extra cost its own?
+        rows.append((f"load {n} ids numpy, background=False",
+                     row(lambda a=a, b=b: mover.load(b, a, stream=s, background=False))))
+    rows.append((f"offload {n} ids numpy, background=True, stream= omitted",
+                 row(lambda a=a, b=b: mover.offload(a, b, background=True))))
+    rows.append((f"offload {n} ids numpy, background=True, stream=int handle",
+                 row(lambda a=a, b=b: mover.offload(a, b, stream=s.cuda_stream, background=True))))
 ev = torch.cuda.Event()
-with torch.cuda.stream(s):
-    rows.append(("control: torch Event.record(s)", med(lambda: (ev.record(s), None)[1])))
-    rows.append(("control: torch.cuda.current_stream()",
-                 med(lambda: (torch.cuda.current_stream(), None)[1])))
-    # The floor of a Python call into pinstage (no argument, no driver call); `plan()` above is
-    # the one that reads and checks the ids.
-    rows.append(("control: pinstage.cuda_available()",
-                 med(lambda: (pinstage.cuda_available(), None)[1])))
+rows.append(("control: torch Event.record(s)", row(lambda: (ev.record(s), None)[1])))
+rows.append(("control: torch.cuda.current_stream()",
+             row(lambda: (torch.cuda.current_stream(), None)[1])))
+# The floor of a Python call into pinstage (no argument, no driver call); `plan()` above is
+# the one that reads and checks the ids.
+rows.append(("control: pinstage.cuda_available()",
+             row(lambda: (pinstage.cuda_available(), None)[1])))
 times = {name: [] for name, _ in rows}
 rounds = {name: [] for name, _ in rows}
 for r in range(ROUNDS + 1):
