@@ -58,6 +58,7 @@ pub mod h2d;
 pub mod host;
 mod nvtx;
 mod ring;
+mod stamps;
 pub mod step;
 mod sync;
 

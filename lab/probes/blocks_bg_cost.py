@@ -13,11 +13,19 @@ the rounds' medians are printed too),
 - control: torch's own fixed cost on the same stream (an event record, `current_stream()`),
   and the floor of a pinstage call from Python (`cuda_available()`: no argument, no driver call).
 Host time only: the moved bytes are not checked here (bench_blocks.py checks every block of
-the same calls).
+the same calls). Beside each row's wall time: the calling thread's CPU time over the same
+window (`time.thread_time_ns`, read just outside it) and how many calls saw the thread switched
+out (`getrusage(RUSAGE_THREAD)`'s voluntary + involuntary switches): a call that waited off the
+CPU shows wall time well above its CPU time. Rows marked "previous dropped first" let go of the
+previous call's PendingCopy before timing the call (the other rows drop it inside the timed
+window, at `r = f()`, as a loop does). With the lab variant `stamps`
+(`PINSTAGE_VARIANTS=stamps scripts/gpu-build`, `gpu-run variant-stamps`), each row's median ns
+between the call's timestamps is printed too.
 
     python3 lab/probes/blocks_bg_cost.py
 """
 
+import resource
 import statistics
 import time
 
@@ -25,6 +33,12 @@ import numpy as np
 import torch
 
 import pinstage
+
+try:
+    from labmod import lab  # the lab wheel's second module (scripts/gpu-run puts it first)
+    STAMPS = getattr(lab, "_stamps", None)  # only in the variant `stamps`
+except ImportError:
+    STAMPS = None
 
 L, NB, B = 64, 8192, 4096
 W = B // 4
@@ -40,24 +54,38 @@ print(f"pinstage {pinstage.__version__}, torch {torch.__version__}: {L} tensors 
       f"of {B} B; host us per call, {ROUNDS} rounds of {PER} calls per row")
 
 
-def sample(f, n, idle=False):
-    t = []
+def switches():
+    ru = resource.getrusage(resource.RUSAGE_THREAD)
+    return ru.ru_nvcsw + ru.ru_nivcsw
+
+
+def sample(f, n, idle=False, drop=False):
+    """(wall ns, thread CPU ns, switched) per call, and the stamps of each call (variant)."""
+    t, parts = [], []
+    r = None
     for _ in range(n):
         if idle:
             torch.cuda.synchronize()
             time.sleep(0.001)
+        sw0, c0 = switches(), time.thread_time_ns()
         t0 = time.perf_counter_ns()
         r = f()
-        t.append(time.perf_counter_ns() - t0)
+        t1 = time.perf_counter_ns()
+        c1, sw1 = time.thread_time_ns(), switches()
+        t.append((t1 - t0, c1 - c0, sw1 != sw0))
+        if STAMPS:
+            parts.append(STAMPS())
         if r is not None:
             r.wait()
-    return t
+        if drop:
+            r = None
+    return t, parts
 
 
-def row(f, idle=False):
-    """A row's call and whether 1 ms of idle comes before each; sampled in rounds below, under
-    `torch.cuda.stream(s)`."""
-    return (f, idle)
+def row(f, idle=False, drop=False):
+    """A row's call, whether 1 ms of idle comes before each, whether the previous call's result
+    is let go before the next is timed; sampled in rounds below, under `torch.cuda.stream(s)`."""
+    return (f, idle, drop)
 
 
 # Each row's call binds its ids now (default arguments): the rows run later, in rounds.
@@ -79,6 +107,11 @@ for n in (1, 128, 2048):
                      row(lambda a=a, b=b, bg=bg: mover.offload(a, b, stream=s, background=bg), idle=True)))
     rows.append((f"load {n} ids numpy, background=True",
                  row(lambda a=a, b=b: mover.load(b, a, stream=s, background=True))))
+    for name, f in ((f"offload {n} ids numpy, background=True",
+                     lambda a=a, b=b: mover.offload(a, b, stream=s, background=True)),
+                    (f"load {n} ids numpy, background=True",
+                     lambda a=a, b=b: mover.load(b, a, stream=s, background=True))):
+        rows.append((name + ", previous dropped first", row(f, drop=True)))
     rows.append((f"load {n} ids numpy, background=True, after 1 ms idle",
                  row(lambda a=a, b=b: mover.load(b, a, stream=s, background=True), idle=True)))
     if n <= 128:  # the load issued on the calling thread: is the load's extra cost its own?
@@ -97,16 +130,39 @@ rows.append(("control: torch.cuda.current_stream()",
 rows.append(("control: pinstage.cuda_available()",
              row(lambda: (pinstage.cuda_available(), None)[1])))
 times = {name: [] for name, _ in rows}
+cpus = {name: [] for name, _ in rows}
+switched = {name: 0 for name, _ in rows}
 rounds = {name: [] for name, _ in rows}
+stamps = {name: [] for name, _ in rows}
 for r in range(ROUNDS + 1):
-    for name, (f, idle) in rows:
+    for name, (f, idle, drop) in rows:
         with torch.cuda.stream(s):
-            t = sample(f, PER, idle)
+            t, parts = sample(f, PER, idle, drop)
         if r:  # round 0 warms up (clock, caches, the mover's threads)
-            times[name] += t
-            rounds[name].append(statistics.median(t) / 1e3)
-print(f"  {'':58s} {'median':>8s} {'p10':>6s} {'p90':>6s} {'rounds min':>10s} {'max':>6s}")
+            times[name] += [w for w, _, _ in t]
+            cpus[name] += [c for _, c, _ in t]
+            switched[name] += sum(x for _, _, x in t)
+            rounds[name].append(statistics.median(w for w, _, _ in t) / 1e3)
+            stamps[name] += parts
+print(f"  {'':68s} {'median':>8s} {'p10':>6s} {'p90':>6s} {'rounds min':>10s} {'max':>6s}"
+      f" {'cpu':>6s} {'switched':>8s}")
 for name, _ in rows:
     t = sorted(times[name])
     us, p10, p90 = statistics.median(t) / 1e3, t[len(t) // 10] / 1e3, t[len(t) * 9 // 10] / 1e3
-    print(f"  {name:58s} {us:8.1f} {p10:6.1f} {p90:6.1f} {min(rounds[name]):10.1f} {max(rounds[name]):6.1f}")
+    cpu = statistics.median(cpus[name]) / 1e3
+    print(f"  {name:68s} {us:8.1f} {p10:6.1f} {p90:6.1f} {min(rounds[name]):10.1f}"
+          f" {max(rounds[name]):6.1f} {cpu:6.1f} {switched[name]:5d}/{len(t)}")
+if STAMPS:
+    print("\nvariant stamps: median ns from the stamp before, per row (calls whose stamps have "
+          "another sequence of labels are counted apart)")
+    for name, _ in rows:
+        calls = [c for c in stamps[name] if c and c[0][0].startswith(">")]
+        if not calls:
+            continue
+        seqs = {}
+        for c in calls:
+            seqs.setdefault(tuple(label for label, _ in c), []).append(c)
+        for seq, cs in seqs.items():
+            meds = [statistics.median(c[i][1] for c in cs) for i in range(len(seq))]
+            parts = "  ".join(f"{label} {m:.0f}" for label, m in zip(seq, meds))
+            print(f"  {name} ({len(cs)} calls): {parts}")

@@ -150,6 +150,15 @@ fn h2d_trace() -> Vec<(i64, usize, f64, f64)> {
         .collect()
 }
 
+/// This thread's timestamps through its last call (variant `stamps`: `crate::stamps`), as
+/// (label, ns since the stamp before), and clears them.
+#[cfg(pinstage_lab_variant = "stamps")]
+#[pyfunction]
+#[pyo3(name = "_stamps")]
+fn stamps() -> Vec<(&'static str, u64)> {
+    crate::stamps::take()
+}
+
 /// The laboratory's Python module, `pinstage._lab`: a second module of the lab build's
 /// extension library, loaded from its file by `lab/probes/labmod.py` (the product's module never
 /// registers these).
@@ -163,5 +172,7 @@ fn _lab(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_d2h_tuning, m)?)?;
     m.add_function(wrap_pyfunction!(driver_costs, m)?)?;
     m.add_function(wrap_pyfunction!(profile_copy_path, m)?)?;
+    #[cfg(pinstage_lab_variant = "stamps")]
+    m.add_function(wrap_pyfunction!(stamps, m)?)?;
     Ok(())
 }

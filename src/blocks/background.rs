@@ -25,6 +25,7 @@ use super::tensors::Tensors;
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::driver::DriverError;
 use crate::error::{Error, Result};
+use crate::stamps::stamp;
 use cudarc::driver::sys::CUresult::{
     CUDA_ERROR_INVALID_CONTEXT as INVALID_CONTEXT, CUDA_ERROR_INVALID_VALUE as INVALID_VALUE,
     CUDA_ERROR_UNKNOWN as UNKNOWN,
@@ -116,8 +117,11 @@ impl Issuer {
     ) -> Result<Arc<Ticket>> {
         // Events come from the device's spares once warm (`Event::new_in`): no driver call.
         let fork = Event::new_in(cur)?;
+        stamp!("fork event");
         fork.record_in(cur, stream)?;
+        stamp!("fork recorded");
         let ticket = Arc::new(Ticket::pending(Event::new_in(cur)?));
+        stamp!("ticket");
         let job = Job {
             direction,
             src_ids,
@@ -128,6 +132,7 @@ impl Issuer {
         self.tx
             .send(job)
             .map_err(|_| Error::unavailable("the block mover's issuing thread is gone"))?;
+        stamp!("sent");
         Ok(ticket)
     }
 }

@@ -17,6 +17,7 @@ use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
 use crate::error::{Error, Result};
+use crate::stamps::stamp;
 
 fn memory_name(m: MemoryKind) -> &'static str {
     match m {
@@ -407,10 +408,12 @@ impl<'t> BlockMover<'t> {
         if let (true, Some(device)) = (background, &self.device) {
             // The ids are checked here, merged into runs on the issuing thread.
             self.tensors.check_unmerged(direction, &src_ids, &dst_ids)?;
+            stamp!("checked");
             if src_ids.is_empty() {
                 return Ok(BlockCopy::done());
             }
             let cur = stream.enter_for_copy(device)?;
+            stamp!("entered");
             let issuer = match self.background[direction as usize].get() {
                 Some(i) => i,
                 None => {
@@ -422,6 +425,7 @@ impl<'t> BlockMover<'t> {
                 }
             };
             let (src_ids, dst_ids) = (src_ids.into_owned(), dst_ids.into_owned());
+            stamp!("owned");
             // SAFETY: checked ids of this mover's tensors (`check_unmerged`); the caller's
             // contracts 1-3 (the BlockCopy borrows the mover and waits when dropped).
             let ticket = unsafe { issuer.send(&cur, direction, src_ids, dst_ids, stream) }?;

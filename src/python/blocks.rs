@@ -11,6 +11,7 @@ use super::stream::{parse_stream, stream_on};
 use crate::blocks::{Direction, Strategy};
 use crate::cuda::StreamHandle;
 use crate::dlpack::{DType, DeviceView, MemoryKind};
+use crate::stamps::stamp;
 
 /// Moves lists of KV-cache blocks between device tensors and pinned host tensors with the copy
 /// engines (no kernel), on the caller's stream: runs of adjacent ids merged, a move's copies in
@@ -450,26 +451,30 @@ fn start(
     stream: Option<&Bound<'_, PyAny>>,
     background: bool,
 ) -> PyResult<PendingCopy> {
+    stamp!(">py enter");
     let py = slf.py();
     super::linger::reap(py);
+    stamp!("reap");
     let this = slf.get();
     let (src_arg, dst_arg) = arg_names(direction);
     let src = block_ids(src_ids, src_arg)?;
     let dst = block_ids(dst_ids, dst_arg)?;
+    stamp!("ids read");
     let stream = move_stream(py, this, stream)?;
+    stamp!("stream");
     let mover = &this.mover;
     let bytes = src.len() * mover.block_bytes();
     let event = py.detach(|| {
+        stamp!("detached");
         // SAFETY: the tensors live as long as `this` (`_tensors`), which the PendingCopy keeps
         // until the event completed (lingering when dropped early); writes by others are the
         // caller's to order on `stream` (documented); the stream belongs to the caller.
         unsafe { mover.start(direction, src, dst, stream, background) }.map(|c| c.into_inflight())
     })?;
-    Ok(PendingCopy::moving(
-        event,
-        slf.clone().into_any().unbind(),
-        bytes,
-    ))
+    stamp!("attached");
+    let pending = PendingCopy::moving(event, slf.clone().into_any().unbind(), bytes);
+    stamp!("pending made");
+    Ok(pending)
 }
 
 /// The stream a move is ordered on: `stream=` checked to be on the device, or the producer's

@@ -223,6 +223,7 @@ impl PendingCopy {
 
 impl Drop for PendingCopy {
     fn drop(&mut self) {
+        crate::stamps::stamp!("pending dropped");
         // Never release the source (or let the destination die) while the copy runs: they
         // linger until it completed, without blocking here.
         if let Some(ev) = self.event.get_mut().take() {
