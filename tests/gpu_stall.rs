@@ -188,15 +188,19 @@ fn gpu_freed_pinned_memory_never_stalls_a_call() {
     let w: Vec<u32> = (0..1024).map(|i| i * 11 + 3).collect();
     let t0 = std::time::Instant::now();
     drop(garbage);
+    let t1 = t0.elapsed();
     drop(dropped_stager);
+    let t2 = t0.elapsed();
     drop(dropped_steps);
+    let t3 = t0.elapsed();
     st.put(&dst, &w, None, None, other.handle()).unwrap();
     let took = t0.elapsed();
     let held = !marker.query().unwrap();
     release.join().unwrap();
     assert!(
         took < Duration::from_millis(1),
-        "the frees stalled the call: {took:?} (the stall still held after it: {held})"
+        "the frees stalled the call: {took:?} (the stall still held after it: {held}; buffers \
+         dropped after {t1:?}, the stager after {t2:?}, the step stager after {t3:?})"
     );
     // The control of a pass: the call was quick while the stall held, not after it ended.
     assert!(held, "the stall did not hold: the test proves nothing");

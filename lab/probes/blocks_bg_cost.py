@@ -11,7 +11,10 @@ the rounds' medians are printed too),
 - a move of the same numpy ids, in the background and (up to 128 ids) on the calling thread,
   also right after the GPU was idle for 1 ms (the bench's pattern: synchronize, then call);
 - control: torch's own fixed cost on the same stream (an event record, `current_stream()`),
-  and the floor of a pinstage call from Python (`cuda_available()`: no argument, no driver call).
+  and the floor of a pinstage call from Python (`cuda_available()`: no argument, no driver call),
+  the record and the floor also after 1 ms idle (what a call costs where the core's caches went
+  cold, beside the moves' idle rows), and the record right after the wait for a move of n ids
+  (the move untimed: the state in which the rows above time their calls).
 Host time only: the moved bytes are not checked here (bench_blocks.py checks every block of
 the same calls). Beside each row's wall time: the calling thread's CPU time over the same
 window (`time.thread_time_ns`, read just outside it) and how many calls saw the thread switched
@@ -59,7 +62,7 @@ def switches():
     return ru.ru_nvcsw + ru.ru_nivcsw
 
 
-def sample(f, n, idle=False, drop=False):
+def sample(f, n, idle=False, drop=False, before=None):
     """(wall ns, thread CPU ns, switched) per call, and the stamps of each call (variant)."""
     t, parts = [], []
     r = None
@@ -67,6 +70,8 @@ def sample(f, n, idle=False, drop=False):
         if idle:
             torch.cuda.synchronize()
             time.sleep(0.001)
+        if before:
+            before()
         sw0, c0 = switches(), time.thread_time_ns()
         t0 = time.perf_counter_ns()
         r = f()
@@ -82,12 +87,14 @@ def sample(f, n, idle=False, drop=False):
     return t, parts
 
 
-def row(f, idle=False, drop=False):
+def row(f, idle=False, drop=False, before=None):
     """A row's call, whether 1 ms of idle comes before each, whether the previous call's result
-    is let go before the next is timed; sampled in rounds below, under `torch.cuda.stream(s)`."""
-    return (f, idle, drop)
+    is let go before the next is timed, what runs untimed before each; sampled in rounds below,
+    under `torch.cuda.stream(s)`."""
+    return (f, idle, drop, before)
 
 
+ev = torch.cuda.Event()
 # Each row's call binds its ids now (default arguments): the rows run later, in rounds.
 rows = []
 for n in (1, 128, 2048):
@@ -114,6 +121,11 @@ for n in (1, 128, 2048):
         rows.append((name + ", previous dropped first", row(f, drop=True)))
     rows.append((f"load {n} ids numpy, background=True, after 1 ms idle",
                  row(lambda a=a, b=b: mover.load(b, a, stream=s, background=True), idle=True)))
+    # The control of the state a row's call finds: torch's record timed right after the wait
+    # for this row's move (the move untimed), where a move's call is timed in the rows above.
+    rows.append((f"control: torch Event.record(s), after the wait for an offload of {n} ids",
+                 row(lambda: (ev.record(s), None)[1],
+                     before=lambda a=a, b=b: mover.offload(a, b, stream=s, background=True).wait())))
     if n <= 128:  # the load issued on the calling thread: is the load's extra cost its own?
         rows.append((f"load {n} ids numpy, background=False",
                      row(lambda a=a, b=b: mover.load(b, a, stream=s, background=False))))
@@ -121,23 +133,26 @@ for n in (1, 128, 2048):
                  row(lambda a=a, b=b: mover.offload(a, b, background=True))))
     rows.append((f"offload {n} ids numpy, background=True, stream=int handle",
                  row(lambda a=a, b=b: mover.offload(a, b, stream=s.cuda_stream, background=True))))
-ev = torch.cuda.Event()
 rows.append(("control: torch Event.record(s)", row(lambda: (ev.record(s), None)[1])))
+rows.append(("control: torch Event.record(s), after 1 ms idle",
+             row(lambda: (ev.record(s), None)[1], idle=True)))
 rows.append(("control: torch.cuda.current_stream()",
              row(lambda: (torch.cuda.current_stream(), None)[1])))
 # The floor of a Python call into pinstage (no argument, no driver call); `plan()` above is
 # the one that reads and checks the ids.
 rows.append(("control: pinstage.cuda_available()",
              row(lambda: (pinstage.cuda_available(), None)[1])))
+rows.append(("control: pinstage.cuda_available(), after 1 ms idle",
+             row(lambda: (pinstage.cuda_available(), None)[1], idle=True)))
 times = {name: [] for name, _ in rows}
 cpus = {name: [] for name, _ in rows}
 switched = {name: 0 for name, _ in rows}
 rounds = {name: [] for name, _ in rows}
 stamps = {name: [] for name, _ in rows}
 for r in range(ROUNDS + 1):
-    for name, (f, idle, drop) in rows:
+    for name, (f, idle, drop, before) in rows:
         with torch.cuda.stream(s):
-            t, parts = sample(f, PER, idle, drop)
+            t, parts = sample(f, PER, idle, drop, before)
         if r:  # round 0 warms up (clock, caches, the mover's threads)
             times[name] += [w for w, _, _ in t]
             cpus[name] += [c for _, c, _ in t]

@@ -23,11 +23,22 @@ pub(super) struct Tensors {
     strides: Option<(usize, usize)>,
     /// One bit per destination block for [`Tensors::check_unmerged`] (all zeros between checks).
     seen: Mutex<Vec<u64>>,
+    /// The first read-only destination tensor of an offload (a host tensor) and of a load (a
+    /// device tensor), found once: a check reads this, not every pair (a cache line or two
+    /// each, which a call made after a long wait finds in no cache).
+    read_only: [Option<usize>; 2],
 }
 
 impl Tensors {
     pub(super) fn new(pairs: Vec<Pair>, batched: bool, strides: Option<(usize, usize)>) -> Self {
+        let read_only = [Direction::Offload, Direction::Load].map(|direction| {
+            pairs.iter().position(|p| match direction {
+                Direction::Offload => p.host_read_only,
+                Direction::Load => p.device_read_only,
+            })
+        });
         Self {
+            read_only,
             strides,
             device_blocks: pairs.iter().map(|p| p.device.num_blocks).min().unwrap_or(0),
             host_blocks: pairs.iter().map(|p| p.host.num_blocks).min().unwrap_or(0),
@@ -127,11 +138,7 @@ impl Tensors {
 
     /// Refuses a move of `blocks` blocks (none: nothing to refuse) into a read-only tensor.
     fn writable(&self, direction: Direction, blocks: usize) -> Result<()> {
-        let read_only = self.pairs.iter().position(|p| match direction {
-            Direction::Offload => p.host_read_only,
-            Direction::Load => p.device_read_only,
-        });
-        match (read_only, blocks) {
+        match (self.read_only[direction as usize], blocks) {
             (Some(i), 1..) => Err(Error::arg(
                 match direction {
                     Direction::Offload => "host_tensors",

@@ -264,12 +264,15 @@ fn tensor_list<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>>
 
 /// Block ids from a list of ints, or a 1-D integer host array (numpy, a CPU torch tensor).
 pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<usize>> {
+    // The common kinds first, each told by its type alone: a list, a numpy array (read in
+    // place, with its strides; slices too; no capsule). Asking for `__dlpack__` first would
+    // cost an attribute lookup per call.
+    if let Ok(list) = obj.cast_exact::<pyo3::types::PyList>() {
+        return list_ids(list, arg);
+    }
+    let numpy = numpy_ids(obj)?;
     let py = obj.py();
-    let is_array = obj.hasattr(pyo3::intern!(py, "__dlpack__"))?;
-    if !is_array {
-        if let Ok(list) = obj.cast_exact::<pyo3::types::PyList>() {
-            return list_ids(list, arg);
-        }
+    if numpy.is_none() && !obj.hasattr(pyo3::intern!(py, "__dlpack__"))? {
         let Ok(items) = obj.try_iter() else {
             return Err(type_err(format!(
                 "{arg} must be a list of ints or a 1-D integer array; got {}",
@@ -285,9 +288,8 @@ pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<usize
         }
         return Ok(out);
     }
-    // numpy arrays are read in place, with their strides (slices too; no capsule); other
-    // producers through DLPack, C-contiguous.
-    let (p, n, stride, dtype, _imp) = match numpy_ids(obj)? {
+    // Other producers through DLPack, C-contiguous.
+    let (p, n, stride, dtype, _imp) = match numpy {
         Some((p, n, stride, dtype)) => (p, n, stride, dtype, None),
         None => {
             let imp = import(obj, None)?;
