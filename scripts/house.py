@@ -18,7 +18,7 @@ SRC = ROOT / "src"
 MAX_LINES = 600
 # Each top-level module of src/ and its layer: a module may use modules of lower layers only.
 LAYERS = {
-    "sync": 0, "nvtx": 0, "dlpack": 0,
+    "sync": 0, "nvtx": 0, "dlpack": 0, "stamps": 0,
     "driver": 1,
     "error": 2,
     "cuda": 3,
