@@ -14,7 +14,8 @@ the rounds' medians are printed too),
   and the floor of a pinstage call from Python (`cuda_available()`: no argument, no driver call),
   the record and the floor also after 1 ms idle (what a call costs where the core's caches went
   cold, beside the moves' idle rows), and the record right after the wait for a move of n ids
-  (the move untimed: the state in which the rows above time their calls).
+  (the move untimed: the state in which the rows above time their calls), or after torch
+  copied as many bytes in one copy and synchronized (the same state without pinstage).
 Host time only: the moved bytes are not checked here (bench_blocks.py checks every block of
 the same calls). Beside each row's wall time: the calling thread's CPU time over the same
 window (`time.thread_time_ns`, read just outside it) and how many calls saw the thread switched
@@ -95,6 +96,10 @@ def row(f, idle=False, drop=False, before=None):
 
 
 ev = torch.cuda.Event()
+# The torch control's bytes: as many as a move of 2048 ids, one contiguous copy into torch's
+# own pinned memory.
+dev_flat = dev_all.reshape(-1)
+pinned_flat = torch.empty(2048 * L * W, dtype=torch.int32, pin_memory=True)
 # Each row's call binds its ids now (default arguments): the rows run later, in rounds.
 rows = []
 for n in (1, 128, 2048):
@@ -122,10 +127,17 @@ for n in (1, 128, 2048):
     rows.append((f"load {n} ids numpy, background=True, after 1 ms idle",
                  row(lambda a=a, b=b: mover.load(b, a, stream=s, background=True), idle=True)))
     # The control of the state a row's call finds: torch's record timed right after the wait
-    # for this row's move (the move untimed), where a move's call is timed in the rows above.
+    # for this row's move (the move untimed), where a move's call is timed in the rows above;
+    # and after torch moved as many bytes in one copy and waited with its own synchronize (is
+    # the state pinstage's doing, its wait's or its many copies', or any such move's?).
     rows.append((f"control: torch Event.record(s), after the wait for an offload of {n} ids",
                  row(lambda: (ev.record(s), None)[1],
                      before=lambda a=a, b=b: mover.offload(a, b, stream=s, background=True).wait())))
+    nw = n * L * W
+    rows.append((f"control: torch Event.record(s), after torch copied {n} ids' bytes, synchronized",
+                 row(lambda: (ev.record(s), None)[1],
+                     before=lambda nw=nw: (pinned_flat[:nw].copy_(dev_flat[:nw], non_blocking=True),
+                                           s.synchronize()))))
     if n <= 128:  # the load issued on the calling thread: is the load's extra cost its own?
         rows.append((f"load {n} ids numpy, background=False",
                      row(lambda a=a, b=b: mover.load(b, a, stream=s, background=False))))
