@@ -73,6 +73,8 @@ def sample(f, n, idle=False, drop=False, before=None):
             time.sleep(0.001)
         if before:
             before()
+            if STAMPS:
+                STAMPS()  # the untimed move's stamps are not the timed call's
         sw0, c0 = switches(), time.thread_time_ns()
         t0 = time.perf_counter_ns()
         r = f()
