@@ -5,6 +5,8 @@
 //! wait for the move before; "cold", 64 MiB of other memory written before each call as well;
 //! "idle", 1 ms of sleep before each call (the issuing threads parked); "rows", each direction's
 //! calls back to back (no plan() or other direction between), as the Python probe's rows run.
+//! The control in the first three: one bare event record timed right after each load's wait
+//! (the state the next call finds; lab/probes/blocks_bg_cost.py times torch's the same way).
 //!
 //! Runs against any driver: the H200's (`scripts/gpu-run`), or the simulated one on a machine
 //! without a GPU (`eval "export $(scripts/fake-gpu env)"`; host figures only, the driver calls
@@ -99,6 +101,7 @@ fn main() {
         return;
     }
     let mut other = vec![1u8; 64 << 20];
+    let marker = pinstage::cuda::Event::new(&device).expect("an event");
     println!(
         "blocks_call: {L} tensors x {NB} blocks of {bytes} B; median ns per call of 200 \
          (hot: after the wait for the move before; cold: 64 MiB written before each call too; \
@@ -123,6 +126,7 @@ fn main() {
             let mut plan = Vec::new();
             let mut off = Vec::new();
             let mut load = Vec::new();
+            let mut rec = Vec::new();
             for i in 0..200 {
                 if cold {
                     for b in other.iter_mut().step_by(64) {
@@ -146,13 +150,19 @@ fn main() {
                 }
                 idle();
                 load.push(timed_move(&mover, Direction::Load, &d, &h, &stream));
+                // The control: one bare driver call (an event record) right after the load's
+                // wait, in the state the next move's call would find.
+                let t = Instant::now();
+                marker.record(stream.handle()).expect("a record");
+                rec.push(t.elapsed().as_nanos() as u64);
             }
             println!(
-                "    {}: plan {:8.0}  offload bg {:8.0}  load bg {:8.0}",
+                "    {}: plan {:8.0}  offload bg {:8.0}  load bg {:8.0}  control: record {:6.0}",
                 mode,
                 median(plan),
                 median(off),
-                median(load)
+                median(load),
+                median(rec)
             );
         }
         // "rows": each direction's 200 calls back to back, each right after the wait for the
