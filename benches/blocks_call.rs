@@ -5,8 +5,10 @@
 //! wait for the move before; "cold", 64 MiB of other memory written before each call as well;
 //! "idle", 1 ms of sleep before each call (the issuing threads parked); "rows", each direction's
 //! calls back to back (no plan() or other direction between), as the Python probe's rows run.
-//! The control in the first three: one bare event record timed right after each load's wait
-//! (the state the next call finds; lab/probes/blocks_bg_cost.py times torch's the same way).
+//! The control in the first three: one bare event record timed right after each load's wait,
+//! in every mode before the next round's memory writes or sleep (so it shows the state a call
+//! made right after a move's wait finds, not the cold or idle state;
+//! lab/probes/blocks_bg_cost.py times torch's record the same way).
 //!
 //! Runs against any driver: the H200's (`scripts/gpu-run`), or the simulated one on a machine
 //! without a GPU (`eval "export $(scripts/fake-gpu env)"`; host figures only, the driver calls
@@ -151,7 +153,7 @@ fn main() {
                 idle();
                 load.push(timed_move(&mover, Direction::Load, &d, &h, &stream));
                 // The control: one bare driver call (an event record) right after the load's
-                // wait, in the state the next move's call would find.
+                // wait, in the state a call made right after a move's wait finds.
                 let t = Instant::now();
                 marker.record(stream.handle()).expect("a record");
                 rec.push(t.elapsed().as_nanos() as u64);
