@@ -262,6 +262,70 @@ fn bad_tensors_are_refused() {
         .unwrap();
 }
 
+/// A read-only destination anywhere among the pairs refuses the direction that writes it, names
+/// that tensor and writes nothing; the other direction moves: a read-only device tensor (the
+/// third pair) refuses loads, a read-only host tensor (the second) refuses offloads.
+#[test]
+fn a_read_only_destination_in_any_pair_refuses_its_direction_only() {
+    let shape = [2i64, 8, 4];
+    let mut d: Vec<Vec<u8>> = (0..3u8)
+        .map(|t| (0..64).map(|i| i + 64 * t + 1).collect())
+        .collect();
+    let mut h: Vec<Vec<u8>> = (0..3).map(|_| vec![POISON; 64]).collect();
+    let dv: Vec<_> = d
+        .iter_mut()
+        .enumerate()
+        .map(|(t, b)| view(b, &shape, 1, t == 2))
+        .collect();
+    let hv: Vec<_> = h
+        .iter_mut()
+        .enumerate()
+        .map(|(t, b)| view(b, &shape, 1, t == 1))
+        .collect();
+    let mover = BlockMover::new(&dv, &hv, 1).unwrap();
+    // SAFETY: host memory, alive while the mover is; nothing else touches it meanwhile.
+    let off = unsafe { mover.offload(&[3], &[5], StreamHandle::LEGACY) }.unwrap_err();
+    assert!(
+        matches!(&off, Error::InvalidArgument { param: "host_tensors", value, .. } if value.contains("tensor 1")),
+        "{off}"
+    );
+    // SAFETY: as above.
+    let load = unsafe { mover.load(&[5], &[3], StreamHandle::LEGACY) }.unwrap_err();
+    assert!(
+        matches!(&load, Error::InvalidArgument { param: "device_tensors", value, .. } if value.contains("tensor 2")),
+        "{load}"
+    );
+    drop((dv, hv));
+    assert!(
+        h.iter().all(|b| b.iter().all(|&x| x == POISON)),
+        "a refused move wrote"
+    );
+    // A mover whose only read-only tensor is on the device side offloads.
+    let dv: Vec<_> = d
+        .iter_mut()
+        .enumerate()
+        .map(|(t, b)| view(b, &shape, 1, t == 2))
+        .collect();
+    let hv: Vec<_> = h.iter_mut().map(|b| view(b, &shape, 1, false)).collect();
+    let mover = BlockMover::new(&dv, &hv, 1).unwrap();
+    // SAFETY: as above.
+    unsafe { mover.offload(&[3], &[5], StreamHandle::LEGACY) }
+        .unwrap()
+        .wait()
+        .unwrap();
+    drop((mover, dv, hv));
+    for (t, b) in h.iter().enumerate() {
+        for part in 0..2 {
+            // Block 5 of each part (4 bytes at part * 32 + 5 * 4) holds block 3 of the source.
+            let at = part * 32 + 5 * 4;
+            let want: Vec<u8> = (0..4)
+                .map(|i| (part * 32 + 3 * 4 + i) as u8 + 64 * t as u8 + 1)
+                .collect();
+            assert_eq!(&b[at..at + 4], &want[..], "tensor {t} part {part}");
+        }
+    }
+}
+
 #[test]
 fn handles_and_names_say_what_they_hold() {
     assert_eq!(
