@@ -186,6 +186,7 @@ fn gpu_freed_pinned_memory_never_stalls_a_call() {
     });
     marker.record(busy.handle()).unwrap();
     let w: Vec<u32> = (0..1024).map(|i| i * 11 + 3).collect();
+    let before = ThreadSchedule::now();
     let t0 = std::time::Instant::now();
     drop(garbage);
     let t1 = t0.elapsed();
@@ -195,18 +196,59 @@ fn gpu_freed_pinned_memory_never_stalls_a_call() {
     let t3 = t0.elapsed();
     st.put(&dst, &w, None, None, other.handle()).unwrap();
     let took = t0.elapsed();
+    let moved = ThreadSchedule::now().since(&before);
     let held = !marker.query().unwrap();
     release.join().unwrap();
+    let report = format!(
+        "{took:?} (the stall still held after it: {held}; buffers dropped after {t1:?}, the \
+         stager after {t2:?}, the step stager after {t3:?}; the thread meanwhile: {moved})"
+    );
+    println!("the call: {report}");
     assert!(
         took < Duration::from_millis(1),
-        "the frees stalled the call: {took:?} (the stall still held after it: {held}; buffers \
-         dropped after {t1:?}, the stager after {t2:?}, the step stager after {t3:?})"
+        "the frees stalled the call: {report}"
     );
     // The control of a pass: the call was quick while the stall held, not after it ended.
     assert!(held, "the stall did not hold: the test proves nothing");
     other.synchronize().unwrap();
     let out = read(&buf);
     assert_eq!(bytemuck::cast_slice::<u8, u32>(&out[..4096]), &w[..]);
+}
+
+/// The calling thread's context switches (voluntary: it blocked; involuntary: it was preempted)
+/// and the CPU it runs on: tells a call held up by a lock or a wait from one whose thread lost
+/// its core.
+struct ThreadSchedule {
+    voluntary: i64,
+    involuntary: i64,
+    cpu: i32,
+}
+
+impl ThreadSchedule {
+    fn now() -> Self {
+        // SAFETY: getrusage fills the zeroed rusage it is given; RUSAGE_THREAD is the calling
+        // thread (Linux); sched_getcpu takes nothing.
+        let (ru, cpu) = unsafe {
+            let mut ru: libc::rusage = std::mem::zeroed();
+            libc::getrusage(libc::RUSAGE_THREAD, &mut ru);
+            (ru, libc::sched_getcpu())
+        };
+        Self {
+            voluntary: ru.ru_nvcsw,
+            involuntary: ru.ru_nivcsw,
+            cpu,
+        }
+    }
+
+    fn since(&self, before: &Self) -> String {
+        format!(
+            "{} voluntary and {} involuntary context switches, CPU {} -> {}",
+            self.voluntary - before.voluntary,
+            self.involuntary - before.involuntary,
+            before.cpu,
+            self.cpu
+        )
+    }
 }
 
 /// `PendingCopy::wait` behind a stalled stream returns only once the copy completed: the

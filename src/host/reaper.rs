@@ -11,6 +11,12 @@
 //! inside the free is then short. The caller returns at once. [`flush`] waits for everything
 //! handed over so far (`empty_cache()`).
 //!
+//! The reaper runs at the lowest scheduling priority (`SCHED_IDLE` on Linux): its work is never
+//! urgent, and at the normal priority the thread a job wakes could take the core of the thread
+//! that handed the job over (the kernel places a woken thread beside its waker) while the
+//! driver's synchronize spins there, holding up the caller's next call for a scheduler slice.
+//! A job therefore starts no thread (it would inherit the class).
+//!
 //! A job runs on the caller's thread instead when no reaper can serve it: in a forked child
 //! (the parent's thread is not there; CUDA is unusable there anyway, so the job frees no driver
 //! memory), when the thread cannot be started, and on the reaper's own thread (a job whose drop
@@ -50,6 +56,7 @@ fn reaper() -> Option<&'static Reaper> {
                 .name("pinstage-reaper".into())
                 .spawn(move || {
                     ON_REAPER.with(|r| r.set(true));
+                    yield_to_every_other_thread();
                     while let Ok(job) = rx.recv() {
                         // A job never panics (its drops record their errors); if one did, the
                         // count still moves on, so no `flush` waits forever.
@@ -71,6 +78,18 @@ fn reaper() -> Option<&'static Reaper> {
         })
         .as_ref()
         .filter(|r| r.pid == std::process::id())
+}
+
+/// Puts the calling thread (the reaper) in the idle scheduling class: it runs only on a core no
+/// other thread wants and never preempts one (Linux; elsewhere it keeps its priority).
+fn yield_to_every_other_thread() {
+    #[cfg(all(target_os = "linux", not(pinstage_lab_variant = "reaper_normal")))]
+    {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: pid 0 is the calling thread; `param` is a valid sched_param. A refusal leaves
+        // the thread as it was, which is correct, only less polite.
+        unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+    }
 }
 
 /// Runs `job` on the reaper's thread (see the module docs for when it runs here instead).
@@ -209,6 +228,19 @@ mod tests {
         wait_for_frees();
         let on = ran.lock().expect("the job ran before flush returned");
         assert_ne!(on, me);
+    }
+
+    #[cfg(all(target_os = "linux", not(pinstage_lab_variant = "reaper_normal")))]
+    #[test]
+    fn the_reaper_runs_in_the_idle_scheduling_class() {
+        let policy = Arc::new(parking_lot::Mutex::new(None));
+        let p = Arc::clone(&policy);
+        // SAFETY: sched_getscheduler(0) reads the calling thread's policy.
+        defer(move || *p.lock() = Some(unsafe { libc::sched_getscheduler(0) }));
+        wait_for_frees();
+        assert_eq!(*policy.lock(), Some(libc::SCHED_IDLE));
+        // SAFETY: as above, for the test's own thread, which keeps the normal class.
+        assert_eq!(unsafe { libc::sched_getscheduler(0) }, libc::SCHED_OTHER);
     }
 
     #[test]
