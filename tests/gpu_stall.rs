@@ -215,9 +215,9 @@ fn gpu_freed_pinned_memory_never_stalls_a_call() {
     assert_eq!(bytemuck::cast_slice::<u8, u32>(&out[..4096]), &w[..]);
 }
 
-/// The calling thread's context switches (voluntary: it blocked; involuntary: it was preempted)
-/// and the CPU it runs on: tells a call held up by a lock or a wait from one whose thread lost
-/// its core.
+/// The calling thread's context switches (voluntary: it blocked in the kernel; involuntary: it
+/// was preempted) and the CPU it runs on, for a failure's report. The driver's own waits may
+/// spin: the seeded free on the caller's thread waited 202 ms with no voluntary switch.
 struct ThreadSchedule {
     voluntary: i64,
     involuntary: i64,

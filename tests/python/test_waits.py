@@ -115,14 +115,15 @@ def test_freed_pinned_memory_never_stalls_a_call(gpu):
     took = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_THREAD)
     held = not marker.query()
-    assert held, "the stall did not hold: the test proves nothing"
-    # The thread's context switches tell a call held up by a wait (voluntary) from a thread that
-    # lost its core (involuntary).
+    # The thread's context switches, for a failure's report: it was preempted, or it blocked
+    # (the driver's own waits may spin: the seeded free on this thread shows none).
     assert took < 1e-3, (
-        f"the call took {took * 1e3:.2f} ms: a free waited for the busy stream (the thread "
-        f"meanwhile: {after.ru_nvcsw - before.ru_nvcsw} voluntary, "
-        f"{after.ru_nivcsw - before.ru_nivcsw} involuntary context switches)"
+        f"the call took {took * 1e3:.2f} ms: a free waited for the busy stream (the stall still "
+        f"held after it: {held}; the thread meanwhile: {after.ru_nvcsw - before.ru_nvcsw} "
+        f"voluntary, {after.ru_nivcsw - before.ru_nivcsw} involuntary context switches)"
     )
+    # The control of a pass: the call was quick while the stall held, not after it ended.
+    assert held, "the stall did not hold: the test proves nothing"
     s.synchronize()
     np.testing.assert_array_equal(dst.cpu().numpy(), values)
     torch.cuda.synchronize()
