@@ -7,7 +7,10 @@ BlockMover call included) runs in a slow state. Controls, each timed as the reco
 each call), for n = 1, 128, 2048 random ids of 64 tensors x 8192 blocks of 4 KiB:
 
 - after pinstage's background offload + `wait()` (the state the probes time calls in);
-- the same, `background=False` (the copies issued on this thread);
+- the same, waited by asking `done()` in a Python loop (no yield, no sleep);
+- the same, `background=False` (the copies issued on this thread); and that move waited with
+  torch's `s.synchronize()` (the driver's own wait; the copies are on `s`);
+- the same, then an untimed `cuCtxSynchronize()` (returns at once: the work is done);
 - the same, waited with `stream_wait(s)` + torch's `s.synchronize()` instead of `wait()`;
 - the same, then one untimed record first: does the first call absorb the cost (the second
   record is the one timed)?
@@ -124,8 +127,21 @@ for n in (1, 128, 2048):
         p.stream_wait(s)
         s.synchronize()
 
+    def move_polled(d=d, h=h):
+        p = mover.offload(d, h, stream=s, background=True)
+        while not p.done():  # the event asked in a loop, no yield, no sleep
+            pass
+
+    def move_torch_waits(d=d, h=h):
+        mover.offload(d, h, stream=s, background=False)  # the copies on s
+        s.synchronize()
+
     nw = n * L * W
     rows += [
+        (f"{n} ids: after the move + done() asked in a loop", move_polled),
+        (f"{n} ids: after the move issued on this thread + s.synchronize()", move_torch_waits),
+        (f"{n} ids: after the move + wait() + cuCtxSynchronize here",
+         lambda m=move: (m(), check(CUDA.cuCtxSynchronize()))),
         (f"{n} ids: after pinstage's background move + wait()", move),
         (f"{n} ids: after the move issued on this thread + wait()", lambda m=move: m(False)),
         (f"{n} ids: after the move + stream_wait(s) + s.synchronize()", move_stream_wait),
