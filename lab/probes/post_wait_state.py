@@ -23,11 +23,14 @@ each call), for n = 1, 128, 2048 random ids of 64 tensors x 8192 blocks of 4 KiB
   one per id, 64 rows of 4 KiB) and torch's `s.synchronize()`: the same copies without pinstage;
 - after one torch copy of the same bytes and `s.synchronize()`: one copy, the same bytes.
 Host time only: nothing moved is checked here (bench_blocks.py checks the moves).
+`PWS_ONLY=regex` keeps the rows whose name matches (a short run).
 
     python3 lab/probes/post_wait_state.py
 """
 
 import ctypes
+import os
+import re
 import statistics
 import threading
 import time
@@ -157,6 +160,8 @@ for n in (1, 128, 2048):
          lambda nw=nw: (pinned_flat[:nw].copy_(dev_flat[:nw], non_blocking=True), s.synchronize())),
     ]
 rows.append(("hot: after a record", lambda: ev.record(s)))
+if os.environ.get("PWS_ONLY"):
+    rows = [r for r in rows if re.search(os.environ["PWS_ONLY"], r[0])]
 
 times = {name: [] for name, _ in rows}
 meds = {name: [] for name, _ in rows}

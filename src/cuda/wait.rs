@@ -63,6 +63,10 @@ impl Backoff {
     pub(crate) fn pause(&self) {
         match self.pause_after(self.start.elapsed()) {
             Pause::Spin => (0..32).for_each(|_| std::hint::spin_loop()),
+            // The lab variant `spin_wait` (a control): no system call while busy.
+            Pause::Yield if cfg!(pinstage_lab_variant = "spin_wait") => {
+                (0..32).for_each(|_| std::hint::spin_loop())
+            }
             Pause::Yield => std::thread::yield_now(),
             Pause::Sleep(d) => std::thread::sleep(d),
         }

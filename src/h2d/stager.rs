@@ -85,6 +85,7 @@ pub use crate::ring::protocol::MAX_DEPTH;
 pub struct RawCopy<'a> {
     pub(super) stager: &'a RawStager,
     pub(super) dst: &'a DeviceView<'a>,
+    #[cfg_attr(not(any(feature = "testing", feature = "python")), allow(dead_code))]
     pub(super) pad: Option<&'a [u8]>,
     pub(super) mirror: Option<&'a mut H2DMirror>,
     pub(super) stream: StreamHandle<'a>,
@@ -95,6 +96,9 @@ pub struct RawCopy<'a> {
 /// [`SlotEvent`], which can be waited for but not recorded.
 pub type WaitFn<'a> = dyn FnMut(SlotEvent<'_>) -> Result<()> + 'a;
 
+// The raw copy's own options are public through `RawStager` (the `testing` feature) and used
+// by the Python skin; the typed stager sets the same fields itself.
+#[cfg_attr(not(any(feature = "testing", feature = "python")), allow(dead_code))]
 impl<'a> RawCopy<'a> {
     /// Fill the rest of the destination with this element (raw bytes of one element).
     pub fn pad(mut self, pad: &'a [u8]) -> Self {
