@@ -21,7 +21,10 @@ pub(crate) fn wait_interruptibly(
 ) -> PyResult<bool> {
     // The lab variant `sync_wait` (a control): the driver's own wait (no Ctrl-C, no timeout).
     if cfg!(pinstage_lab_variant = "sync_wait") && deadline.is_none() {
-        return py.detach(|| ev.synchronize()).map(|()| true).map_err(Into::into);
+        return py
+            .detach(|| ev.synchronize())
+            .map(|()| true)
+            .map_err(Into::into);
     }
     wait_for(py, deadline, expected, || ev.query())
 }
