@@ -1,15 +1,17 @@
 // idle_class_latency: how late does a job handed to a thread in the SCHED_IDLE class run when the
-// CPUs are oversubscribed by busy threads of the normal class? (pinstage's reaper, which frees
-// pinned memory, runs in SCHED_IDLE so that its wake-up never takes the core of the caller that
-// handed it a free; the price is that it runs only where no normal thread wants the core.)
+// CPUs are oversubscribed by busy threads of the normal class, against SCHED_BATCH and the normal
+// class? (pinstage's reaper, which frees pinned memory, must not take the core of the caller that
+// woke it with a free: SCHED_IDLE and SCHED_BATCH threads never preempt on wake-up; an idle-class
+// thread also runs only where no normal thread wants the core, and a lock it holds then waits
+// with it.)
 //
-// A worker thread (SCHED_IDLE, or SCHED_OTHER as the control) waits on a pipe; the main thread
+// A worker thread (SCHED_IDLE, SCHED_BATCH, or SCHED_OTHER as the control) waits on a pipe; the main thread
 // writes a timestamp 20 times, 5 ms apart, and the worker spins 200 us (a job) and reports when
 // it finished. SPINNERS threads of the normal class spin meanwhile. Prints the median and max
 // of the 20 delays (send -> job finished). No GPU.
 //
 // Build: cc -O2 -o idle_class_latency idle_class_latency.c -lpthread
-// Run:   for n in 0 2 4 8 16; do ./idle_class_latency normal $n; ./idle_class_latency idle $n; done
+// Run:   for n in 0 2 4 8 16; do for c in normal batch idle; do ./idle_class_latency $c $n; done; done
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
@@ -20,7 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static int to_worker[2], to_main[2], idle_class;
+static int to_worker[2], to_main[2], policy = SCHED_OTHER;
 static atomic_int stop;
 
 static double now_us(void) {
@@ -31,9 +33,9 @@ static double now_us(void) {
 
 static void *worker(void *arg) {
   (void)arg;
-  if (idle_class) {
+  if (policy != SCHED_OTHER) {
     struct sched_param p = {0};
-    if (sched_setscheduler(0, SCHED_IDLE, &p)) perror("sched_setscheduler");
+    if (sched_setscheduler(0, policy, &p)) perror("sched_setscheduler");
   }
   double sent;
   while (read(to_worker[0], &sent, sizeof sent) == sizeof sent) {
@@ -57,7 +59,10 @@ static int cmp(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
-  idle_class = argc > 1 && !strcmp(argv[1], "idle");
+  const char *name = argc > 1 ? argv[1] : "normal";
+  if (!strcmp(name, "idle")) policy = SCHED_IDLE;
+  else if (!strcmp(name, "batch")) policy = SCHED_BATCH;
+  else name = "normal";
   int spinners = argc > 2 ? atoi(argv[2]) : 0;
   if (pipe(to_worker) || pipe(to_main)) return 1;
   pthread_t w, s[256];
@@ -73,7 +78,7 @@ int main(int argc, char **argv) {
   }
   qsort(d, 20, sizeof d[0], cmp);
   printf("%-10s %2d spinners on %ld CPUs: job done after median %.0f us, max %.0f us\n",
-         idle_class ? "SCHED_IDLE" : "normal", spinners, sysconf(_SC_NPROCESSORS_ONLN), d[10], d[19]);
+         policy == SCHED_IDLE ? "SCHED_IDLE" : policy == SCHED_BATCH ? "SCHED_BATCH" : "normal", spinners, sysconf(_SC_NPROCESSORS_ONLN), d[10], d[19]);
   atomic_store(&stop, 1);
   for (int i = 0; i < spinners && i < 256; i++) pthread_join(s[i], NULL);
   return 0;

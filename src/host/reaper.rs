@@ -11,11 +11,12 @@
 //! inside the free is then short. The caller returns at once. [`flush`] waits for everything
 //! handed over so far (`empty_cache()`).
 //!
-//! The reaper runs at the lowest scheduling priority (`SCHED_IDLE` on Linux): its work is never
-//! urgent, and at the normal priority the thread a job wakes could take the core of the thread
-//! that handed the job over (the kernel places a woken thread beside its waker) while the
-//! driver's synchronize spins there, holding up the caller's next call for a scheduler slice.
-//! A job therefore starts no thread (it would inherit the class).
+//! The reaper runs in the batch scheduling class (`SCHED_BATCH` on Linux): a thread woken in it
+//! never preempts the running one, so the reaper, woken by a free and placed beside its waker
+//! (as the kernel places woken threads), cannot take the caller's core while the driver's
+//! synchronize spins, and it keeps the normal share of the CPU. Not the idle class: there a job
+//! ran up to seconds late on busy cores (`lab/c/idle_class_latency.c`), and a lock it held
+//! meanwhile (the driver's, inside a free) would hold up other threads' calls as long.
 //!
 //! A job runs on the caller's thread instead when no reaper can serve it: in a forked child
 //! (the parent's thread is not there; CUDA is unusable there anyway, so the job frees no driver
@@ -56,7 +57,7 @@ fn reaper() -> Option<&'static Reaper> {
                 .name("pinstage-reaper".into())
                 .spawn(move || {
                     ON_REAPER.with(|r| r.set(true));
-                    yield_to_every_other_thread();
+                    never_preempt_on_wake();
                     while let Ok(job) = rx.recv() {
                         // A job never panics (its drops record their errors); if one did, the
                         // count still moves on, so no `flush` waits forever.
@@ -80,15 +81,15 @@ fn reaper() -> Option<&'static Reaper> {
         .filter(|r| r.pid == std::process::id())
 }
 
-/// Puts the calling thread (the reaper) in the idle scheduling class: it runs only on a core no
-/// other thread wants and never preempts one (Linux; elsewhere it keeps its priority).
-fn yield_to_every_other_thread() {
+/// Puts the calling thread (the reaper) in the batch scheduling class: when woken it never
+/// preempts the running thread; it keeps the normal weight (Linux; elsewhere nothing changes).
+fn never_preempt_on_wake() {
     #[cfg(all(target_os = "linux", not(pinstage_lab_variant = "reaper_normal")))]
     {
         let param = libc::sched_param { sched_priority: 0 };
         // SAFETY: pid 0 is the calling thread; `param` is a valid sched_param. A refusal leaves
         // the thread as it was, which is correct, only less polite.
-        unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+        unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
     }
 }
 
@@ -232,13 +233,13 @@ mod tests {
 
     #[cfg(all(target_os = "linux", not(pinstage_lab_variant = "reaper_normal")))]
     #[test]
-    fn the_reaper_runs_in_the_idle_scheduling_class() {
+    fn the_reaper_runs_in_the_batch_scheduling_class() {
         let policy = Arc::new(parking_lot::Mutex::new(None));
         let p = Arc::clone(&policy);
         // SAFETY: sched_getscheduler(0) reads the calling thread's policy.
         defer(move || *p.lock() = Some(unsafe { libc::sched_getscheduler(0) }));
         wait_for_frees();
-        assert_eq!(*policy.lock(), Some(libc::SCHED_IDLE));
+        assert_eq!(*policy.lock(), Some(libc::SCHED_BATCH));
         // SAFETY: as above, for the test's own thread, which keeps the normal class.
         assert_eq!(unsafe { libc::sched_getscheduler(0) }, libc::SCHED_OTHER);
     }
