@@ -24,7 +24,10 @@ CPU shows wall time well above its CPU time. Rows marked "previous dropped first
 previous call's PendingCopy before timing the call (the other rows drop it inside the timed
 window, at `r = f()`, as a loop does). With the lab variant `stamps`
 (`PINSTAGE_VARIANTS=stamps scripts/gpu-build`, `gpu-run variant-stamps`), each row's median ns
-between the call's timestamps is printed too.
+between the call's timestamps is printed too. Rows "moves waited by s.synchronize()" end each
+move's wait with `stream_wait(s)` + `s.synchronize()` before `wait()` (which then returns at
+once): the call's own cost apart from the state an event wait leaves behind a large move
+(lab/probes/post_wait_state.py).
 
     python3 lab/probes/blocks_bg_cost.py
 """
@@ -63,8 +66,11 @@ def switches():
     return ru.ru_nvcsw + ru.ru_nivcsw
 
 
-def sample(f, n, idle=False, drop=False, before=None):
-    """(wall ns, thread CPU ns, switched) per call, and the stamps of each call (variant)."""
+def sample(f, n, idle=False, drop=False, before=None, settle=False):
+    """(wall ns, thread CPU ns, switched) per call, and the stamps of each call (variant).
+    `settle`: each call's move is waited for by `stream_wait(s)` + `s.synchronize()` before
+    `wait()` (the next call then finds the state a stream synchronize leaves, cheaper after a
+    large move: lab/probes/post_wait_state.py)."""
     t, parts = [], []
     r = None
     for _ in range(n):
@@ -84,17 +90,20 @@ def sample(f, n, idle=False, drop=False, before=None):
         if STAMPS:
             parts.append(STAMPS())
         if r is not None:
+            if settle:
+                r.stream_wait(s)
+                s.synchronize()
             r.wait()
         if drop:
             r = None
     return t, parts
 
 
-def row(f, idle=False, drop=False, before=None):
+def row(f, idle=False, drop=False, before=None, settle=False):
     """A row's call, whether 1 ms of idle comes before each, whether the previous call's result
-    is let go before the next is timed, what runs untimed before each; sampled in rounds below,
-    under `torch.cuda.stream(s)`."""
-    return (f, idle, drop, before)
+    is let go before the next is timed, what runs untimed before each, whether each move is
+    waited for by a stream synchronize; sampled in rounds below, under `torch.cuda.stream(s)`."""
+    return (f, idle, drop, before, settle)
 
 
 ev = torch.cuda.Event()
@@ -121,6 +130,11 @@ for n in (1, 128, 2048):
                      row(lambda a=a, b=b, bg=bg: mover.offload(a, b, stream=s, background=bg), idle=True)))
     rows.append((f"load {n} ids numpy, background=True",
                  row(lambda a=a, b=b: mover.load(b, a, stream=s, background=True))))
+    # The call's own cost apart from the state an event wait leaves (post_wait_state.py).
+    rows.append((f"offload {n} ids numpy, background=True, moves waited by s.synchronize()",
+                 row(lambda a=a, b=b: mover.offload(a, b, stream=s, background=True), settle=True)))
+    rows.append((f"load {n} ids numpy, background=True, moves waited by s.synchronize()",
+                 row(lambda a=a, b=b: mover.load(b, a, stream=s, background=True), settle=True)))
     for name, f in ((f"offload {n} ids numpy, background=True",
                      lambda a=a, b=b: mover.offload(a, b, stream=s, background=True)),
                     (f"load {n} ids numpy, background=True",
@@ -164,9 +178,9 @@ switched = {name: 0 for name, _ in rows}
 rounds = {name: [] for name, _ in rows}
 stamps = {name: [] for name, _ in rows}
 for r in range(ROUNDS + 1):
-    for name, (f, idle, drop, before) in rows:
+    for name, (f, idle, drop, before, settle) in rows:
         with torch.cuda.stream(s):
-            t, parts = sample(f, PER, idle, drop, before)
+            t, parts = sample(f, PER, idle, drop, before, settle)
         if r:  # round 0 warms up (clock, caches, the mover's threads)
             times[name] += [w for w, _, _ in t]
             cpus[name] += [c for _, c, _ in t]
