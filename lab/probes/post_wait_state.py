@@ -30,8 +30,10 @@ Host time only: nothing moved is checked here (bench_blocks.py checks the moves)
 
 import ctypes
 import os
+import pathlib
 import re
 import statistics
+import sys
 import threading
 import time
 
@@ -40,23 +42,12 @@ import torch
 
 import pinstage
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benches"))
+from bench_blocks import Memcpy2D  # noqa: E402  (CUDA_MEMCPY2D for ctypes)
+
 CUDA = ctypes.CDLL("libcuda.so.1")
 CUDA.cuStreamQuery.argtypes = [ctypes.c_void_p]
 CUDA.cuMemcpy2DAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-
-
-class Memcpy2D(ctypes.Structure):  # CUDA_MEMCPY2D
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t),
-        ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
-        ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
-        ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p),
-        ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
-    ]
 
 L, NB, B = 64, 8192, 4096
 W = B // 4
