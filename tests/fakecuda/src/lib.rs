@@ -73,10 +73,42 @@ struct Alloc {
     len: usize,
     kind: Kind,
     /// Allocated here (freed here); `None` for registered memory.
-    layout: Option<Layout>,
+    owned: Option<Owned>,
     read_only: bool,
     device: i32,
     pool: Option<usize>,
+}
+
+/// A block this driver allocated: its start and layout (the address handed out lies inside).
+struct Owned {
+    base: usize,
+    layout: Layout,
+}
+
+/// `bytes` zeroed bytes aligned to `align`, and what frees them. Allocated at malloc's own
+/// alignment and aligned inside (calloc hands large blocks out as fresh zero pages, untouched;
+/// std's zeroed allocation at a larger alignment writes every byte: seconds for gigabytes).
+fn zeroed(bytes: usize, align: usize) -> Option<(*mut u8, Owned)> {
+    let layout = Layout::from_size_align(bytes.checked_add(align)?, 16).ok()?;
+    // SAFETY: a non-zero size.
+    let base = unsafe { std::alloc::alloc_zeroed(layout) };
+    if base.is_null() {
+        return None;
+    }
+    let p = base.wrapping_add(base.align_offset(align));
+    Some((
+        p,
+        Owned {
+            base: base as usize,
+            layout,
+        },
+    ))
+}
+
+/// Frees a block of [`zeroed`].
+fn release(o: Owned) {
+    // SAFETY: allocated by `zeroed` with this layout, released once (its table entry is gone).
+    unsafe { std::alloc::dealloc(o.base as *mut u8, o.layout) };
 }
 
 /// Capture status of a stream: none, active, invalidated.
@@ -125,6 +157,9 @@ struct State {
     streams: HashMap<usize, Arc<Stream>>,
     legacy: Vec<Option<Arc<Stream>>>,
     per_thread: Vec<std::sync::Weak<Stream>>,
+    /// Destroyed streams whose thread still runs their queued work: the driver completes it,
+    /// and a context-wide wait (a free, `cuCtxSynchronize`) waits for it too.
+    destroyed: Vec<std::sync::Weak<Stream>>,
     events: HashMap<usize, Event>,
     pools: HashMap<usize, Pool>,
     graphs: HashMap<usize, ()>,
@@ -160,6 +195,7 @@ fn drv() -> &'static Driver {
                 streams: HashMap::new(),
                 legacy: (0..devices).map(|_| None).collect(),
                 per_thread: Vec::new(),
+                destroyed: Vec::new(),
                 events: HashMap::new(),
                 pools: HashMap::new(),
                 graphs: HashMap::new(),
@@ -466,6 +502,7 @@ fn all_streams() -> Vec<Arc<Stream>> {
         .cloned()
         .chain(st.legacy.iter().flatten().cloned())
         .chain(st.per_thread.iter().filter_map(std::sync::Weak::upgrade))
+        .chain(st.destroyed.iter().filter_map(std::sync::Weak::upgrade))
         .collect()
 }
 
@@ -620,12 +657,7 @@ fn alloc_device(
     if st.device_bytes + bytes > drv().total {
         return Err(OUT_OF_MEMORY);
     }
-    let layout = Layout::from_size_align(bytes, 512).map_err(|_| OUT_OF_MEMORY)?;
-    // SAFETY: a non-zero size.
-    let p = unsafe { std::alloc::alloc_zeroed(layout) };
-    if p.is_null() {
-        return Err(OUT_OF_MEMORY);
-    }
+    let (p, owned) = zeroed(bytes, 512).ok_or(OUT_OF_MEMORY)?;
     pattern(p, bytes);
     st.device_bytes += bytes;
     st.allocs.insert(
@@ -633,7 +665,7 @@ fn alloc_device(
         Alloc {
             len: bytes,
             kind: Kind::Device,
-            layout: Some(layout),
+            owned: Some(owned),
             read_only: false,
             device: dev,
             pool,
@@ -644,7 +676,7 @@ fn alloc_device(
 
 fn free_at(st: &mut State, ptr: u64, kind: Kind) -> Result<(), CUresult> {
     match st.allocs.get(&ptr) {
-        Some(a) if a.kind == kind && a.layout.is_some() => {}
+        Some(a) if a.kind == kind && a.owned.is_some() => {}
         _ => return Err(INVALID_VALUE),
     }
     let a = st.allocs.remove(&ptr).expect("checked");
@@ -657,8 +689,7 @@ fn free_at(st: &mut State, ptr: u64, kind: Kind) -> Result<(), CUresult> {
     if kind == Kind::Device {
         st.device_bytes -= a.len;
     }
-    // SAFETY: allocated here with this layout; removed from the table above.
-    unsafe { std::alloc::dealloc(ptr as *mut u8, a.layout.expect("checked")) };
+    release(a.owned.expect("checked"));
     Ok(())
 }
 

@@ -42,21 +42,16 @@ pub unsafe extern "C" fn cuMemHostAlloc(out: *mut Ptr, bytes: usize, _flags: c_u
     if bytes == 0 {
         return INVALID_VALUE;
     }
-    let Ok(layout) = Layout::from_size_align(bytes, 4096) else {
+    let Some((p, owned)) = zeroed(bytes, 4096) else {
         return OUT_OF_MEMORY;
     };
-    // SAFETY: a non-zero size.
-    let p = unsafe { std::alloc::alloc_zeroed(layout) };
-    if p.is_null() {
-        return OUT_OF_MEMORY;
-    }
     pattern(p, bytes);
     state().allocs.insert(
         p as u64,
         Alloc {
             len: bytes,
             kind: Kind::Host,
-            layout: Some(layout),
+            owned: Some(owned),
             read_only: false,
             device: dev,
             pool: None,
@@ -100,7 +95,7 @@ pub extern "C" fn cuMemHostRegister_v2(p: Ptr, bytes: usize, flags: c_uint) -> C
         Alloc {
             len: bytes,
             kind: Kind::Host,
-            layout: None,
+            owned: None,
             read_only: flags & HOSTREGISTER_READ_ONLY != 0,
             device: dev,
             pool: None,
@@ -117,7 +112,7 @@ pub extern "C" fn cuMemHostUnregister(p: Ptr) -> CUresult {
     sync_all();
     let mut st = state();
     match st.allocs.get(&(p as u64)) {
-        Some(a) if a.kind == Kind::Host && a.layout.is_none() => {
+        Some(a) if a.kind == Kind::Host && a.owned.is_none() => {
             st.allocs.remove(&(p as u64));
             SUCCESS
         }

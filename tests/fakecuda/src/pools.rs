@@ -78,16 +78,15 @@ pub extern "C" fn cuMemPoolTrimTo(p: Ptr, keep: usize) -> CUresult {
     };
     let mut gone = Vec::new();
     while pool.live + pool.cached > keep as u64 {
-        let Some((ptr, a, _)) = pool.free.pop() else {
+        let Some((_, a, _)) = pool.free.pop() else {
             break;
         };
         pool.cached -= a.len as u64;
-        gone.push((ptr, a));
+        gone.push(a);
     }
-    for (ptr, a) in gone {
+    for a in gone {
         st.device_bytes -= a.len;
-        // SAFETY: allocated here with this layout; out of every table.
-        unsafe { std::alloc::dealloc(ptr as *mut u8, a.layout.expect("pool blocks are owned")) };
+        release(a.owned.expect("pool blocks are owned"));
     }
     SUCCESS
 }

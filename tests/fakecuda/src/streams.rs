@@ -26,8 +26,14 @@ pub unsafe extern "C" fn cuStreamCreate(out: *mut Ptr, _flags: c_uint) -> CUresu
 pub extern "C" fn cuStreamDestroy_v2(h: Ptr) -> CUresult {
     called(c"cuStreamDestroy_v2");
     tri!(ready());
-    let Some(s) = state().streams.remove(&(h as usize)) else {
-        return INVALID_HANDLE;
+    let s = {
+        let mut st = state();
+        let Some(s) = st.streams.remove(&(h as usize)) else {
+            return INVALID_HANDLE;
+        };
+        st.destroyed.retain(|w| w.strong_count() > 0);
+        st.destroyed.push(Arc::downgrade(&s));
+        s
     };
     // SAFETY: a live stream's record (above), never freed; its object's back-reference too.
     unsafe {
