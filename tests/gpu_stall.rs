@@ -215,6 +215,70 @@ fn gpu_freed_pinned_memory_never_stalls_a_call() {
     assert_eq!(bytemuck::cast_slice::<u8, u32>(&out[..4096]), &w[..]);
 }
 
+/// Memory pinstage let go while the device is busy is back with the driver only once the reaper
+/// freed it, behind the busy work: an allocation that needs it waits for that free and succeeds
+/// instead of failing for memory. The device is filled first, so that the second stager's arena
+/// fits only in the first one's memory (the control: checked before the drop).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_memory_let_go_behind_a_busy_device_is_allocated_again() {
+    let Some(dev) = gpu_or_skip("gpu_memory_let_go_behind_a_busy_device_is_allocated_again") else {
+        return;
+    };
+    let _serial = STALL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    const ARENA: usize = 64 << 20;
+    let busy = Stream::new(&dev).unwrap();
+    let other = Stream::new(&dev).unwrap();
+    let layout = pinstage::StepLayout::builder()
+        .field("a", DType::U32, &[ARENA / 4])
+        .build()
+        .unwrap();
+    let build = || pinstage::StepStager::builder(&layout).depth(2).build();
+    pinstage::host::wait_for_frees();
+    let free = pinstage::testing::device_free_bytes(&dev).unwrap();
+    // What is free, less one and a half arenas (less again where the driver cannot give it all).
+    let mut want = free - ARENA - ARENA / 2;
+    let filler = loop {
+        match DeviceBuffer::new(&dev, want) {
+            Ok(b) => break b,
+            Err(_) if want > 1 << 30 => want -= 16 << 20,
+            Err(e) => panic!("the device cannot be filled ({free} bytes free): {e}"),
+        }
+    };
+    let first = build().unwrap();
+    let left = pinstage::testing::device_free_bytes(&dev).unwrap();
+    assert!(
+        left < ARENA,
+        "{left} bytes free beside the first arena: the second fits anyway, the test proves nothing"
+    );
+    let go = stall(&busy);
+    let marker = pinstage::cuda::Event::new(&dev).unwrap();
+    marker.record(busy.handle()).unwrap();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        drop(go);
+    });
+    let t0 = std::time::Instant::now();
+    drop(first);
+    let second = build();
+    let took = t0.elapsed();
+    release.join().unwrap();
+    let second = second.unwrap_or_else(|e| {
+        panic!("the arena let go was not allocated again ({took:?}, {left} bytes free): {e}")
+    });
+    println!("the second stager: built in {took:?} (stall of 100 ms; {left} bytes were free)");
+    // It works: a step commits into the new arena.
+    let mut s = second.step().unwrap();
+    let v: Vec<u32> = (0..1024).map(|i| i * 13 + 7).collect();
+    s.put("a", &v).unwrap();
+    s.commit(other.handle()).unwrap();
+    other.synchronize().unwrap();
+    assert!(marker.query().unwrap() && second.arena_ptr().is_some());
+    drop(second);
+    drop(filler);
+    pinstage::host::wait_for_frees();
+}
+
 /// The calling thread's context switches (voluntary: it blocked in the kernel; involuntary: it
 /// was preempted) and the CPU it runs on, for a failure's report. The driver's own waits may
 /// spin: the seeded free on the caller's thread waited 202 ms with no voluntary switch.

@@ -20,6 +20,7 @@ pub(crate) use pinned::set_pin_by_register;
 pub(crate) use pinned::zeroed_vec;
 pub use pinned::{PinnedBuffer, PinnedFlags, is_pinned, live_pinned_bytes};
 pub use pool::{DEFAULT_BUDGET, PinnedPool, PinnedPoolStats, PoolBlock, size_class};
+pub(crate) use reaper::retry_after_frees;
 pub use reaper::wait_for_frees;
 pub use registered::Registered;
 pub use transfer::{CopyPath, HostRegion, PendingCopy};

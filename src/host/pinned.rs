@@ -106,11 +106,13 @@ impl PinnedBuffer {
             return Ok(Self::empty(device, flags));
         }
         let _cur = device.enter()?;
-        // SAFETY: the device's context is current (guard).
-        let raw = unsafe { driver::mem::mem_host_alloc(len, flags.raw()) }?;
-        let ptr = NonNull::new(raw.cast::<u8>()).ok_or(Error::OutOfMemory {
-            what: "pinned host memory",
-            bytes: len,
+        let ptr = super::reaper::retry_after_frees(|| {
+            // SAFETY: the device's context is current (guard).
+            let raw = unsafe { driver::mem::mem_host_alloc(len, flags.raw()) }?;
+            NonNull::new(raw.cast::<u8>()).ok_or(Error::OutOfMemory {
+                what: "pinned host memory",
+                bytes: len,
+            })
         })?;
         LIVE_BYTES.fetch_add(len, std::sync::atomic::Ordering::Relaxed);
         Ok(Self {
@@ -150,13 +152,21 @@ impl PinnedBuffer {
         let node = (super::numa::online_nodes() > 1)
             .then(|| device.numa_node())
             .flatten();
-        let pages = super::mapped::MappedPages::new_on(len, node)?;
         let _cur = device.enter()?;
-        // SAFETY: our own fresh mapping, unregistered (in drop) before it is unmapped; the
-        // context is current.
-        unsafe {
-            driver::mem::mem_host_register(pages.as_ptr().cast(), pages.len(), false, flags.mapped)
-        }?;
+        let pages = super::reaper::retry_after_frees(|| {
+            let pages = super::mapped::MappedPages::new_on(len, node)?;
+            // SAFETY: our own fresh mapping, unregistered (in drop) before it is unmapped; the
+            // context is current.
+            unsafe {
+                driver::mem::mem_host_register(
+                    pages.as_ptr().cast(),
+                    pages.len(),
+                    false,
+                    flags.mapped,
+                )
+            }?;
+            Ok(pages)
+        })?;
         LIVE_BYTES.fetch_add(pages.len(), std::sync::atomic::Ordering::Relaxed);
         Ok(Self {
             ptr: NonNull::new(pages.as_ptr()).expect("a mapping is never at address 0"),

@@ -86,16 +86,18 @@ pub(crate) struct DeviceMem {
 
 impl DeviceMem {
     pub(crate) fn new(cur: &Current<'_>, len: usize) -> Result<Self> {
-        // SAFETY: a context is current (`cur`).
-        let ptr = unsafe { driver::mem::mem_alloc(len.max(1)) }.map_err(|e| {
-            if e.is_out_of_memory() {
-                Error::OutOfMemory {
-                    what: "device arena",
-                    bytes: len,
+        let ptr = crate::host::retry_after_frees(|| {
+            // SAFETY: a context is current (`cur`).
+            unsafe { driver::mem::mem_alloc(len.max(1)) }.map_err(|e| {
+                if e.is_out_of_memory() {
+                    Error::OutOfMemory {
+                        what: "device arena",
+                        bytes: len,
+                    }
+                } else {
+                    Error::Driver(e)
                 }
-            } else {
-                Error::Driver(e)
-            }
+            })
         })?;
         Ok(Self {
             ptr,
