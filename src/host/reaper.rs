@@ -205,12 +205,41 @@ pub fn wait_for_frees() {
     }
 }
 
+/// [`wait_for_frees`] for at most `limit`.
+fn wait_for_frees_within(limit: std::time::Duration) {
+    let Some(r) = reaper() else { return };
+    if ON_REAPER.with(Cell::get) {
+        return;
+    }
+    let deadline = std::time::Instant::now() + limit;
+    let target = r.sent.load(Ordering::Relaxed);
+    let mut finished = r.finished.lock();
+    while *finished < target {
+        if r.finished_cv
+            .wait_until(&mut finished, deadline)
+            .timed_out()
+        {
+            return;
+        }
+    }
+}
+
+/// The longest an allocation out of memory waits for pending frees ([`retry_after_frees`]): the
+/// device's queued work first, which may be long; past it the caller gets its error, not a hang
+/// (a free may wait for work that waits for the caller: a host function needing a lock it holds).
+const RETRY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Runs `alloc`; if the memory ran out while frees handed to the reaper are still pending, waits
-/// for them ([`wait_for_frees`]) and runs it once more. Memory pinstage let go is back with the
+/// for them (up to [`RETRY_WAIT`]) and runs it once more. Memory pinstage let go is back with the
 /// driver only once the reaper freed it, behind the device's queued work: an allocation right
 /// after a large drop would otherwise fail. The caller waits for the device only on this path
 /// (out of memory, frees pending), where it would have failed.
-pub(crate) fn retry_after_frees<T>(
+pub(crate) fn retry_after_frees<T>(alloc: impl FnMut() -> crate::Result<T>) -> crate::Result<T> {
+    retry_within(RETRY_WAIT, alloc)
+}
+
+fn retry_within<T>(
+    limit: std::time::Duration,
     mut alloc: impl FnMut() -> crate::Result<T>,
 ) -> crate::Result<T> {
     // The seeded-bug harness: without the second try, the GPU test that allocates again what
@@ -220,7 +249,7 @@ pub(crate) fn retry_after_frees<T>(
     }
     match alloc() {
         Err(e) if is_out_of_memory(&e) && frees_pending() => {
-            wait_for_frees();
+            wait_for_frees_within(limit);
             alloc()
         }
         r => r,
@@ -328,6 +357,28 @@ mod tests {
             Err(oom())
         });
         assert!(matches!(got, Err(Error::OutOfMemory { .. })) && tries == 1);
+        // A free that does not finish in time: tried again after the limit, the error then.
+        let gate = Arc::new(AtomicBool::new(false));
+        let g = Arc::clone(&gate);
+        defer(move || {
+            while !g.load(Ordering::Acquire) {
+                std::thread::yield_now();
+            }
+        });
+        let (mut tries, t0) = (0, std::time::Instant::now());
+        let got: crate::Result<()> = retry_within(std::time::Duration::from_millis(50), || {
+            tries += 1;
+            Err(oom())
+        });
+        let took = t0.elapsed();
+        gate.store(true, Ordering::Release);
+        wait_for_frees();
+        assert!(matches!(got, Err(Error::OutOfMemory { .. })) && tries == 2);
+        assert!(
+            took >= std::time::Duration::from_millis(50)
+                && took < std::time::Duration::from_secs(5),
+            "{took:?}"
+        );
         // Another error is never retried, frees pending or not.
         let gate = Arc::new(AtomicBool::new(false));
         let g = Arc::clone(&gate);
