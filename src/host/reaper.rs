@@ -229,8 +229,9 @@ fn wait_for_frees_within(limit: std::time::Duration) {
 /// (a free may wait for work that waits for the caller: a host function needing a lock it holds).
 const RETRY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Runs `alloc`; if the memory ran out while frees handed to the reaper are still pending, waits
-/// for them (up to [`RETRY_WAIT`]) and runs it once more. Memory pinstage let go is back with the
+/// Runs `alloc`; if the memory ran out (or the pages to register are registered already) while
+/// frees handed to the reaper are still pending, waits for them (up to [`RETRY_WAIT`]) and runs
+/// it once more. Memory pinstage let go is back with the
 /// driver only once the reaper freed it, behind the device's queued work: an allocation right
 /// after a large drop would otherwise fail. The caller waits for the device only on this path
 /// (out of memory, frees pending), where it would have failed.
@@ -248,7 +249,7 @@ fn retry_within<T>(
         return alloc();
     }
     match alloc() {
-        Err(e) if is_out_of_memory(&e) && frees_pending() => {
+        Err(e) if given_back_by_a_free(&e) && frees_pending() => {
             wait_for_frees_within(limit);
             alloc()
         }
@@ -256,10 +257,21 @@ fn retry_within<T>(
     }
 }
 
-fn is_out_of_memory(e: &Error) -> bool {
+/// Waits (up to [`RETRY_WAIT`]) for the jobs handed to the reaper, if any are pending; whether it
+/// waited. For a refusal a pending free may lift, as [`retry_after_frees`] does for allocations.
+pub(crate) fn settle_pending_frees() -> bool {
+    if cfg!(pinstage_seeded_bug = "alloc_no_retry") || !frees_pending() {
+        return false;
+    }
+    wait_for_frees_within(RETRY_WAIT);
+    true
+}
+
+/// Out of memory, or pages registered already (a registration a pending job undoes).
+fn given_back_by_a_free(e: &Error) -> bool {
     match e {
         Error::OutOfMemory { .. } => true,
-        Error::Driver(d) => d.is_out_of_memory(),
+        Error::Driver(d) => d.is_out_of_memory() || d.is_already_registered(),
         _ => false,
     }
 }

@@ -44,17 +44,25 @@ impl Registered {
             return Err(Error::arg("nbytes", 0, "at least one byte to pin"));
         }
         let _cur = device.enter()?;
-        if driver::mem::is_pinned_host(ptr.cast()) {
+        // Pinned, unless by a registration the reaper has yet to undo (a collected pin of the
+        // same pages): waited for once.
+        let pinned = || driver::mem::is_pinned_host(ptr.cast());
+        if pinned() && (!super::reaper::settle_pending_frees() || pinned()) {
             return Err(Error::arg(
                 "array",
                 format!("memory at {ptr:p}"),
                 "memory that is not page-locked already",
             ));
         }
-        // SAFETY: the context is current; the caller keeps the memory mapped until drop.
-        match unsafe { driver::mem::mem_host_register(ptr.cast(), len, read_only, false) } {
+        // The same for pages sharing a page with such a registration, and for the pinned memory
+        // the reaper has yet to free (`retry_after_frees`).
+        let registered = super::reaper::retry_after_frees(|| {
+            // SAFETY: the context is current; the caller keeps the memory mapped until drop.
+            Ok(unsafe { driver::mem::mem_host_register(ptr.cast(), len, read_only, false) }?)
+        });
+        match registered {
             Ok(()) => {}
-            Err(e) if e.is_already_registered() => {
+            Err(Error::Driver(e)) if e.is_already_registered() => {
                 return Err(Error::arg(
                     "array",
                     format!("memory at {ptr:p}"),
@@ -62,7 +70,7 @@ impl Registered {
                      shares a page with it)",
                 ));
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(e),
         }
         super::pinned::count_pinned(len);
         Ok(Self {

@@ -1,6 +1,7 @@
 """Waits and frees at the floor (GPU): a wait returns only once its copy completed, and no call
 waits for the device because pinned memory was freed (pinstage's reaper thread frees it)."""
 
+import gc
 import resource
 import threading
 import time
@@ -139,3 +140,30 @@ def test_empty_cache_waits_until_the_memory_is_back(gpu):
     assert pinstage.pinned_bytes() == before, "let go at once"
     pinstage.empty_cache()
     assert pinstage.pinned_bytes() == before
+
+
+def test_a_pin_collected_behind_a_busy_device_can_be_pinned_again(gpu):
+    """A region collected while pinned is unregistered by pinstage's reaper once the device's
+    queued work is done; pinning the same array again meanwhile waits for that instead of
+    refusing the array as page-locked already (the stall verified to hold when it was asked)."""
+    torch = pytest.importorskip("torch")
+    busy = torch.cuda.Stream()
+    a = np.arange(1 << 16, dtype=np.int64) * 3 + 1
+    pinstage.empty_cache()
+    region = pinstage.pin(a)
+    torch.cuda.synchronize()
+    _stall(torch, busy, 150)
+    marker = torch.cuda.Event()
+    marker.record(busy)
+    del region
+    gc.collect()
+    held = not marker.query()
+    again = pinstage.pin(a)
+    assert again.pinned and pinstage.is_pinned(a)
+    assert held, "the stall did not hold: the test proves nothing"
+    dst = torch.full((a.size,), POISON, dtype=torch.int64, device="cuda")
+    pinstage.copy_h2d(dst, a)
+    np.testing.assert_array_equal(dst.cpu().numpy(), a)
+    again.unpin()
+    assert not pinstage.is_pinned(a)
+    torch.cuda.synchronize()
