@@ -203,6 +203,16 @@ impl Error {
             reason: reason.into(),
         }
     }
+
+    /// A refused allocation of `bytes` for `what`: [`Error::OutOfMemory`] when the driver ran
+    /// out of memory, else its error.
+    pub(crate) fn allocation(e: DriverError, what: &'static str, bytes: usize) -> Self {
+        if e.is_out_of_memory() {
+            Error::OutOfMemory { what, bytes }
+        } else {
+            Error::Driver(e)
+        }
+    }
 }
 
 impl Error {

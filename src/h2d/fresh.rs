@@ -92,16 +92,7 @@ impl DevicePool {
         // SAFETY: our live pool and stream, the device's context current.
         let ptr =
             unsafe { driver::pool::alloc_async(bytes, self.pool, self.stream.handle().raw()) }
-                .map_err(|e| {
-                    if e.is_out_of_memory() {
-                        Error::OutOfMemory {
-                            what: "device array",
-                            bytes: len,
-                        }
-                    } else {
-                        Error::Driver(e)
-                    }
-                })?;
+                .map_err(|e| Error::allocation(e, "device array", len))?;
         debug_assert_eq!(ptr % FRESH_ALIGN as u64, 0);
         Ok(ptr)
     }

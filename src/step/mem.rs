@@ -88,16 +88,8 @@ impl DeviceMem {
     pub(crate) fn new(cur: &Current<'_>, len: usize) -> Result<Self> {
         let ptr = crate::host::retry_after_frees(|| {
             // SAFETY: a context is current (`cur`).
-            unsafe { driver::mem::mem_alloc(len.max(1)) }.map_err(|e| {
-                if e.is_out_of_memory() {
-                    Error::OutOfMemory {
-                        what: "device arena",
-                        bytes: len,
-                    }
-                } else {
-                    Error::Driver(e)
-                }
-            })
+            unsafe { driver::mem::mem_alloc(len.max(1)) }
+                .map_err(|e| Error::allocation(e, "device arena", len))
         })?;
         Ok(Self {
             ptr,
