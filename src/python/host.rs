@@ -218,8 +218,9 @@ pub(crate) fn empty_host<'py>(
 /// An array page-locked in place by ``pin``: ``unpin()`` (or leaving its ``with`` block)
 /// unregisters it once the work queued on the GPUs pinstage uses has completed (so no copy still
 /// reads or writes its pages; do not unpin inside a CUDA graph capture). Collecting a region
-/// still pinned unregisters it at once, without that wait. It keeps the array alive while
-/// pinned.
+/// still pinned hands the unregistration to pinstage's background thread, which does it once
+/// the device's queued work is done (the collecting thread never waits); ``pin`` of the same
+/// array meanwhile waits for that (up to 5 s). It keeps the array alive while pinned.
 ///
 /// Example:
 ///     >>> with pinstage.pin(batch) as a:       # a is batch, pinned
@@ -318,7 +319,8 @@ impl Drop for PinnedRegion {
 /// Raises:
 ///     PinstageTypeError: not a numpy array, or an array of Python objects. PinstageValueError: an
 ///         empty or non-contiguous array, memory that is page-locked already (pinned memory, or
-///         pages shared with another registration). CudaUnavailableError: no driver.
+///         pages shared with another registration; a collected region's registration that
+///         pinstage has yet to undo is waited for first). CudaUnavailableError: no driver.
 ///         CudaDriverError: memory the driver cannot lock.
 ///
 /// Example:
