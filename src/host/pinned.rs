@@ -100,19 +100,25 @@ unsafe impl Send for PinnedBuffer {}
 unsafe impl Sync for PinnedBuffer {}
 
 impl PinnedBuffer {
-    /// Allocates `len` bytes of pinned memory. A 0-byte buffer allocates nothing.
+    /// Allocates `len` bytes of pinned memory (`cuMemHostAlloc`). A 0-byte buffer allocates
+    /// nothing. Refused for memory while pinstage's background thread has frees pending (memory
+    /// let go is back with the driver only once they ran), it waits for them, up to 5 s, and
+    /// tries once more.
     pub fn new(device: &Device, len: usize, flags: PinnedFlags) -> Result<Self> {
+        super::reaper::retry_after_frees(|| Self::new_now(device, len, flags))
+    }
+
+    /// [`PinnedBuffer::new`] without the wait for pending frees.
+    fn new_now(device: &Device, len: usize, flags: PinnedFlags) -> Result<Self> {
         if len == 0 {
             return Ok(Self::empty(device, flags));
         }
         let _cur = device.enter()?;
-        let ptr = super::reaper::retry_after_frees(|| {
-            // SAFETY: the device's context is current (guard).
-            let raw = unsafe { driver::mem::mem_host_alloc(len, flags.raw()) }?;
-            NonNull::new(raw.cast::<u8>()).ok_or(Error::OutOfMemory {
-                what: "pinned host memory",
-                bytes: len,
-            })
+        // SAFETY: the device's context is current (guard).
+        let raw = unsafe { driver::mem::mem_host_alloc(len, flags.raw()) }?;
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or(Error::OutOfMemory {
+            what: "pinned host memory",
+            bytes: len,
         })?;
         LIVE_BYTES.fetch_add(len, std::sync::atomic::Ordering::Relaxed);
         Ok(Self {
@@ -137,36 +143,34 @@ impl PinnedBuffer {
     /// `len` bytes of pinned memory from pages pinstage maps (transparent huge pages where the
     /// system offers them), populates with several threads and registers with
     /// `cuMemHostRegister`: the memory pinned is `len` rounded up to whole 4 KiB pages.
-    /// Write-combined memory cannot be registered: those flags get [`PinnedBuffer::new`].
+    /// Write-combined memory cannot be registered: those flags get [`PinnedBuffer::new`]. Waits
+    /// for pending frees as [`PinnedBuffer::new`] does.
     ///
     /// # Errors
     /// [`Error::OutOfMemory`] without pages, [`Error::Driver`] when the driver refuses them.
     pub fn new_registered(device: &Device, len: usize, flags: PinnedFlags) -> Result<Self> {
+        super::reaper::retry_after_frees(|| Self::new_registered_now(device, len, flags))
+    }
+
+    /// [`PinnedBuffer::new_registered`] without the wait for pending frees.
+    fn new_registered_now(device: &Device, len: usize, flags: PinnedFlags) -> Result<Self> {
         if len == 0 {
             return Ok(Self::empty(device, flags));
         }
         if flags.write_combined {
-            return Self::new(device, len, flags);
+            return Self::new_now(device, len, flags);
         }
         // On a host with several NUMA nodes, the pages come from the device's node.
         let node = (super::numa::online_nodes() > 1)
             .then(|| device.numa_node())
             .flatten();
+        let pages = super::mapped::MappedPages::new_on(len, node)?;
         let _cur = device.enter()?;
-        let pages = super::reaper::retry_after_frees(|| {
-            let pages = super::mapped::MappedPages::new_on(len, node)?;
-            // SAFETY: our own fresh mapping, unregistered (in drop) before it is unmapped; the
-            // context is current.
-            unsafe {
-                driver::mem::mem_host_register(
-                    pages.as_ptr().cast(),
-                    pages.len(),
-                    false,
-                    flags.mapped,
-                )
-            }?;
-            Ok(pages)
-        })?;
+        // SAFETY: our own fresh mapping, unregistered (in drop) before it is unmapped; the
+        // context is current.
+        unsafe {
+            driver::mem::mem_host_register(pages.as_ptr().cast(), pages.len(), false, flags.mapped)
+        }?;
         LIVE_BYTES.fetch_add(pages.len(), std::sync::atomic::Ordering::Relaxed);
         Ok(Self {
             ptr: NonNull::new(pages.as_ptr()).expect("a mapping is never at address 0"),
@@ -181,18 +185,26 @@ impl PinnedBuffer {
     /// pinned arrays: registered pages ([`PinnedBuffer::new_registered`]), or `cuMemHostAlloc`
     /// when pages cannot be registered (or registration is switched off).
     ///
+    /// Waits for pending frees as [`PinnedBuffer::new`] does (once, whichever way it pins).
+    ///
     /// # Errors
     /// As [`PinnedBuffer::new`].
     pub fn alloc(device: &Device, len: usize, flags: PinnedFlags) -> Result<Self> {
+        super::reaper::retry_after_frees(|| Self::alloc_now(device, len, flags))
+    }
+
+    /// [`PinnedBuffer::alloc`] without the wait for pending frees: for callers that serve the
+    /// request with pageable memory when it cannot be pinned at once.
+    pub(crate) fn alloc_now(device: &Device, len: usize, flags: PinnedFlags) -> Result<Self> {
         if PIN_BY_REGISTER.load(std::sync::atomic::Ordering::Relaxed) && !flags.write_combined {
-            match Self::new_registered(device, len, flags) {
+            match Self::new_registered_now(device, len, flags) {
                 Ok(b) => return Ok(b),
                 // More than the system can give: the driver would not do better.
                 Err(e @ Error::OutOfMemory { .. }) => return Err(e),
                 Err(_) => {}
             }
         }
-        Self::new(device, len, flags)
+        Self::new_now(device, len, flags)
     }
 
     /// Whether the memory is registered pages (`false`: `cuMemHostAlloc`).

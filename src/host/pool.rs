@@ -122,7 +122,9 @@ impl PinnedPool {
         &self.inner.device
     }
 
-    /// A block of at least `len` bytes: cached, newly pinned, or pageable past the budget.
+    /// A block of at least `len` bytes: cached, newly pinned, or pageable past the budget. Never
+    /// waits for pinstage's pending frees (where [`PinnedBuffer::alloc`] would): memory that
+    /// cannot be pinned at once is an error, for the caller to serve with pageable memory.
     ///
     /// # Errors
     /// [`crate::Error::Driver`] / [`crate::Error::OutOfMemory`] when the memory cannot be pinned
@@ -186,7 +188,14 @@ impl PinnedPool {
             st.stats.peak_bytes = st.stats.peak_bytes.max(total);
         }
         drop(evicted); // free outside the lock
-        match PinnedBuffer::alloc(&self.inner.device, class, PinnedFlags::PORTABLE) {
+        // A caller served by pageable memory past the budget is served so when pinning fails
+        // too (`empty_host`, `copy_d2h`): it never waits for pending frees.
+        let pin = if fallback {
+            PinnedBuffer::alloc_now
+        } else {
+            PinnedBuffer::alloc
+        };
+        match pin(&self.inner.device, class, PinnedFlags::PORTABLE) {
             Ok(buf) => Ok(Some(self.block(buf, len))),
             Err(e) => {
                 self.inner.state.lock().stats.in_use_bytes -= class;

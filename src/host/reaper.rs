@@ -229,9 +229,8 @@ fn wait_for_frees_within(limit: std::time::Duration) {
 /// (a free may wait for work that waits for the caller: a host function needing a lock it holds).
 const RETRY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Runs `alloc`; if the memory ran out (or the pages to register are registered already) while
-/// frees handed to the reaper are still pending, waits for them (up to [`RETRY_WAIT`]) and runs
-/// it once more. Memory pinstage let go is back with the
+/// Runs `alloc`; if the memory ran out while frees handed to the reaper are still pending (or
+/// one finished meanwhile), waits for them (up to [`RETRY_WAIT`]) and runs it once more. Memory pinstage let go is back with the
 /// driver only once the reaper freed it, behind the device's queued work: an allocation right
 /// after a large drop would otherwise fail. The caller waits for the device only on this path
 /// (out of memory, frees pending), where it would have failed.
@@ -248,8 +247,11 @@ fn retry_within<T>(
     if cfg!(pinstage_seeded_bug = "alloc_no_retry") {
         return alloc();
     }
+    // A job that finished between the refusal and the look at what is pending gave its memory
+    // back too: tried again.
+    let before = finished();
     match alloc() {
-        Err(e) if given_back_by_a_free(&e) && frees_pending() => {
+        Err(e) if is_out_of_memory(&e) && (frees_pending() || finished() != before) => {
             wait_for_frees_within(limit);
             alloc()
         }
@@ -257,34 +259,42 @@ fn retry_within<T>(
     }
 }
 
-/// Waits (up to [`RETRY_WAIT`]) for the jobs handed to the reaper, if any are pending; whether it
-/// waited. For a refusal a pending free may lift, as [`retry_after_frees`] does for allocations.
-pub(crate) fn settle_pending_frees() -> bool {
-    if cfg!(pinstage_seeded_bug = "alloc_no_retry") || !frees_pending() {
-        return false;
+/// Waits (up to [`RETRY_WAIT`]) for the jobs handed to the reaper so far: for a refusal a job
+/// known to be pending lifts (an unregistration of the same pages).
+pub(crate) fn wait_for_frees_a_while() {
+    if !cfg!(pinstage_seeded_bug = "alloc_no_retry") {
+        wait_for_frees_within(RETRY_WAIT);
     }
-    wait_for_frees_within(RETRY_WAIT);
-    true
 }
 
-/// Out of memory, or pages registered already (a registration a pending job undoes).
-fn given_back_by_a_free(e: &Error) -> bool {
+fn is_out_of_memory(e: &Error) -> bool {
     match e {
         Error::OutOfMemory { .. } => true,
-        Error::Driver(d) => d.is_out_of_memory() || d.is_already_registered(),
+        Error::Driver(d) => d.is_out_of_memory(),
         _ => false,
     }
 }
 
-/// Whether jobs handed to the reaper have not finished (never on the reaper's own thread, whose
-/// wait could not end).
+/// This process's reaper if it was started (never on the reaper's own thread, whose wait for
+/// jobs could not end).
+fn started() -> Option<&'static Reaper> {
+    if ON_REAPER.with(Cell::get) {
+        return None;
+    }
+    REAPER
+        .get()
+        .and_then(Option::as_ref)
+        .filter(|r| r.pid == std::process::id())
+}
+
+/// Whether jobs handed to the reaper have not finished.
 fn frees_pending() -> bool {
-    !ON_REAPER.with(Cell::get)
-        && REAPER
-            .get()
-            .and_then(Option::as_ref)
-            .filter(|r| r.pid == std::process::id())
-            .is_some_and(|r| *r.finished.lock() < r.sent.load(Ordering::Relaxed))
+    started().is_some_and(|r| *r.finished.lock() < r.sent.load(Ordering::Relaxed))
+}
+
+/// How many jobs the reaper finished so far.
+fn finished() -> u64 {
+    started().map_or(0, |r| *r.finished.lock())
 }
 
 #[cfg(test)]
@@ -293,8 +303,12 @@ mod tests {
     use std::sync::Arc;
     use std::sync::atomic::AtomicBool;
 
+    /// The reaper is one per process: its tests take turns (one counts the jobs pending).
+    static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
     #[test]
     fn jobs_run_off_the_callers_thread_and_flush_waits_for_them() {
+        let _serial = SERIAL.lock();
         let me = std::thread::current().id();
         let ran = Arc::new(parking_lot::Mutex::new(None));
         let gate = Arc::new(AtomicBool::new(false));
@@ -316,6 +330,7 @@ mod tests {
     #[cfg(all(target_os = "linux", not(pinstage_lab_variant = "reaper_normal")))]
     #[test]
     fn the_reaper_runs_in_the_batch_scheduling_class() {
+        let _serial = SERIAL.lock();
         let policy = Arc::new(parking_lot::Mutex::new(None));
         let p = Arc::clone(&policy);
         // SAFETY: sched_getscheduler(0) reads the calling thread's policy.
@@ -330,6 +345,7 @@ mod tests {
     /// refused with nothing pending, or for another reason, it fails at once, tried once.
     #[test]
     fn an_allocation_out_of_memory_waits_for_pending_frees_then_tries_again() {
+        let _serial = SERIAL.lock();
         let oom = || Error::OutOfMemory {
             what: "test",
             bytes: 1,
@@ -411,6 +427,7 @@ mod tests {
 
     #[test]
     fn a_job_deferred_by_a_job_runs_at_once_on_the_reaper() {
+        let _serial = SERIAL.lock();
         let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let o = Arc::clone(&order);
         defer(move || {

@@ -5,6 +5,20 @@ use crate::cuda::Device;
 use crate::driver;
 use crate::error::{Error, Result, on_drop};
 
+/// Page ranges (start, end) whose unregistration went to the reaper and has not run yet.
+static UNREGISTERING: parking_lot::Mutex<Vec<(usize, usize)>> = parking_lot::Mutex::new(Vec::new());
+
+/// The 4 KiB pages `ptr..ptr+len` touches.
+fn pages(ptr: usize, len: usize) -> (usize, usize) {
+    (ptr & !4095, ptr.saturating_add(len).next_multiple_of(4096))
+}
+
+/// Whether pages of `ptr..ptr+len` wait for their unregistration on the reaper.
+fn unregistering(ptr: usize, len: usize) -> bool {
+    let (a, b) = pages(ptr, len);
+    UNREGISTERING.lock().iter().any(|&(c, d)| a < d && c < b)
+}
+
 /// A range of host memory registered with the driver (page-locked, usable for DMA from every
 /// context); unregistered when dropped.
 pub struct Registered {
@@ -44,18 +58,19 @@ impl Registered {
             return Err(Error::arg("nbytes", 0, "at least one byte to pin"));
         }
         let _cur = device.enter()?;
-        // Pinned, unless by a registration the reaper has yet to undo (a collected pin of the
-        // same pages): waited for once.
-        let pinned = || driver::mem::is_pinned_host(ptr.cast());
-        if pinned() && (!super::reaper::settle_pending_frees() || pinned()) {
+        // A registration of these pages the reaper has yet to undo (a collected pin of the same
+        // array): waited for.
+        if unregistering(ptr as usize, len) {
+            super::reaper::wait_for_frees_a_while();
+        }
+        if driver::mem::is_pinned_host(ptr.cast()) {
             return Err(Error::arg(
                 "array",
                 format!("memory at {ptr:p}"),
                 "memory that is not page-locked already",
             ));
         }
-        // The same for pages sharing a page with such a registration, and for the pinned memory
-        // the reaper has yet to free (`retry_after_frees`).
+        // Refused for memory while the reaper has frees pending: tried again after them.
         let registered = super::reaper::retry_after_frees(|| {
             // SAFETY: the context is current; the caller keeps the memory mapped until drop.
             Ok(unsafe { driver::mem::mem_host_register(ptr.cast(), len, read_only, false) }?)
@@ -95,6 +110,25 @@ impl Registered {
         self.len
     }
 
+    /// Unregisters on pinstage's reaper thread once the device's queued work is done (the caller
+    /// never waits; `host::reaper`), then runs `then` there. Until then, [`Registered::new`] of
+    /// any of these pages waits for it rather than refusing them as page-locked.
+    #[cfg_attr(not(feature = "python"), allow(dead_code))] // Python's collected regions
+    pub(crate) fn unregister_in_background(self, then: impl FnOnce() + Send + 'static) {
+        let range = pages(self.ptr as usize, self.len);
+        UNREGISTERING.lock().push(range);
+        super::reaper::defer(move || {
+            let device = self.device.clone();
+            super::reaper::free_when_idle(&device, || drop(self));
+            let mut u = UNREGISTERING.lock();
+            if let Some(i) = u.iter().position(|&r| r == range) {
+                u.swap_remove(i);
+            }
+            drop(u);
+            then();
+        });
+    }
+
     /// Whether the range is empty (never: 0 bytes are refused).
     pub fn is_empty(&self) -> bool {
         self.len == 0
@@ -110,5 +144,24 @@ impl Drop for Registered {
             Err(Error::Driver(e)) => on_drop::<()>(Err(e)),
             Err(_) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_range_waits_only_for_an_unregistration_sharing_a_page() {
+        let base = 0x7000_0000_0000usize;
+        let range = pages(base + 100, 8192); // pages base .. base + 12288
+        assert_eq!(range, (base, base + 12288));
+        UNREGISTERING.lock().push(range);
+        assert!(unregistering(base, 1));
+        assert!(unregistering(base + 12287, 1));
+        assert!(unregistering(base - 10, 11));
+        assert!(!unregistering(base + 12288, 4096));
+        assert!(!unregistering(base - 4096, 4096));
+        UNREGISTERING.lock().retain(|&r| r != range);
     }
 }

@@ -295,11 +295,7 @@ impl Drop for PinnedRegion {
         // acquisition of the GIL.
         if let Some(reg) = self.reg.get_mut().take() {
             let array = Python::attach(|py| std::mem::replace(&mut self.array, py.None()));
-            crate::host::reaper::defer(move || {
-                let device = reg.device().clone();
-                crate::host::reaper::free_when_idle(&device, || drop(reg));
-                drop(array);
-            });
+            reg.unregister_in_background(move || drop(array));
         }
     }
 }

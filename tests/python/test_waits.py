@@ -1,7 +1,7 @@
 """Waits and frees at the floor (GPU): a wait returns only once its copy completed, and no call
-waits for the device because pinned memory was freed (pinstage's reaper thread frees it)."""
+waits for the device because pinned memory was freed (pinstage's reaper thread frees it), but
+one that needs what a pending free gives back (memory, or pages to pin again)."""
 
-import gc
 import resource
 import threading
 import time
@@ -152,15 +152,17 @@ def test_a_pin_collected_behind_a_busy_device_can_be_pinned_again(gpu):
     pinstage.empty_cache()
     region = pinstage.pin(a)
     torch.cuda.synchronize()
-    _stall(torch, busy, 150)
+    _stall(torch, busy, 300)
     marker = torch.cuda.Event()
     marker.record(busy)
-    del region
-    gc.collect()
+    del region  # the last reference: collected here
     held = not marker.query()
     again = pinstage.pin(a)
+    # Pinned again only once the reaper unregistered the old region, after the stall.
+    after_the_stall = marker.query()
     assert again.pinned and pinstage.is_pinned(a)
     assert held, "the stall did not hold: the test proves nothing"
+    assert after_the_stall, "pinned again with the stall still holding: not through the wait"
     dst = torch.full((a.size,), POISON, dtype=torch.int64, device="cuda")
     pinstage.copy_h2d(dst, a)
     np.testing.assert_array_equal(dst.cpu().numpy(), a)
