@@ -194,32 +194,24 @@ unsafe impl<T> Send for Owned<T> {}
 /// buffer, stager or pool block never stalls the caller); this waits for that thread, for
 /// tests and for callers that want the memory back now.
 pub fn wait_for_frees() {
-    let Some(r) = reaper() else { return };
-    if ON_REAPER.with(Cell::get) {
-        return;
-    }
-    let target = r.sent.load(Ordering::Relaxed);
-    let mut finished = r.finished.lock();
-    while *finished < target {
-        r.finished_cv.wait(&mut finished);
-    }
+    wait_until(None);
 }
 
 /// [`wait_for_frees`] for at most `limit`.
 fn wait_for_frees_within(limit: std::time::Duration) {
-    let Some(r) = reaper() else { return };
-    if ON_REAPER.with(Cell::get) {
-        return;
-    }
-    let deadline = std::time::Instant::now() + limit;
+    wait_until(Some(std::time::Instant::now() + limit));
+}
+
+/// Waits until the jobs handed over so far finished, or `deadline` passed.
+fn wait_until(deadline: Option<std::time::Instant>) {
+    let Some(r) = started() else { return };
     let target = r.sent.load(Ordering::Relaxed);
     let mut finished = r.finished.lock();
     while *finished < target {
-        if r.finished_cv
-            .wait_until(&mut finished, deadline)
-            .timed_out()
-        {
-            return;
+        match deadline {
+            Some(d) if r.finished_cv.wait_until(&mut finished, d).timed_out() => return,
+            Some(_) => {}
+            None => r.finished_cv.wait(&mut finished),
         }
     }
 }
@@ -230,9 +222,9 @@ fn wait_for_frees_within(limit: std::time::Duration) {
 const RETRY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Runs `alloc`; if the memory ran out while frees handed to the reaper are still pending (or
-/// one finished meanwhile), waits for them (up to [`RETRY_WAIT`]) and runs it once more. Memory pinstage let go is back with the
-/// driver only once the reaper freed it, behind the device's queued work: an allocation right
-/// after a large drop would otherwise fail. The caller waits for the device only on this path
+/// one finished meanwhile), waits for them (up to [`RETRY_WAIT`]) and runs it once more. Memory
+/// pinstage let go is back with the driver only once the reaper freed it, behind the device's
+/// queued work: an allocation right after a large drop would otherwise fail. The caller waits for the device only on this path
 /// (out of memory, frees pending), where it would have failed.
 pub(crate) fn retry_after_frees<T>(alloc: impl FnMut() -> crate::Result<T>) -> crate::Result<T> {
     retry_within(RETRY_WAIT, alloc)

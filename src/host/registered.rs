@@ -10,7 +10,11 @@ static UNREGISTERING: parking_lot::Mutex<Vec<(usize, usize)>> = parking_lot::Mut
 
 /// The 4 KiB pages `ptr..ptr+len` touches.
 fn pages(ptr: usize, len: usize) -> (usize, usize) {
-    (ptr & !4095, ptr.saturating_add(len).next_multiple_of(4096))
+    let end = ptr.saturating_add(len);
+    (
+        ptr & !4095,
+        end.checked_next_multiple_of(4096).unwrap_or(end),
+    )
 }
 
 /// Whether pages of `ptr..ptr+len` wait for their unregistration on the reaper.
