@@ -8,7 +8,7 @@
 //! every such free, with the waits for the copies that may still use the memory, goes to one
 //! background thread, the reaper, started at the first one, which first waits for the device
 //! to drain with `cuCtxSynchronize` ([`free_when_idle`]) and only then frees: the driver's wait
-//! inside the free is then short. The caller returns at once. [`flush`] waits for everything
+//! inside the free is then short. The caller returns at once. [`wait_for_frees`] waits for everything
 //! handed over so far (`empty_cache()`).
 //!
 //! The reaper runs in the batch scheduling class (`SCHED_BATCH` on Linux): a thread woken in it
@@ -37,7 +37,8 @@ struct Reaper {
     tx: Sender<Job>,
     /// The process that started the thread (a forked child has no reaper).
     pid: u32,
-    /// Jobs handed over, and jobs finished: [`flush`] waits until the second reaches the first.
+    /// Jobs handed over, and jobs finished: [`wait_for_frees`] waits until the second reaches the
+    /// first.
     sent: AtomicU64,
     finished: parking_lot::Mutex<u64>,
     finished_cv: parking_lot::Condvar,
@@ -60,7 +61,7 @@ fn reaper() -> Option<&'static Reaper> {
                     never_preempt_on_wake();
                     while let Ok(job) = rx.recv() {
                         // A job never panics (its drops record their errors); if one did, the
-                        // count still moves on, so no `flush` waits forever.
+                        // count still moves on, so no `wait_for_frees` waits forever.
                         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
                         if let Some(r) = REAPER.get().and_then(Option::as_ref) {
                             *r.finished.lock() += 1;
@@ -103,7 +104,9 @@ pub(crate) fn defer(job: impl FnOnce() + Send + 'static) {
     let Some(r) = reaper() else {
         return job();
     };
-    // Relaxed: `flush` reads it on the thread that sent (or after synchronizing with it).
+    // Relaxed: `wait_for_frees` reads it on the thread that sent (or after synchronizing with
+    // it); another thread's look (`frees_pending`) may miss a job sent just now, as it may miss
+    // one sent a moment later.
     r.sent.fetch_add(1, Ordering::Relaxed);
     if let Err(e) = r.tx.send(Box::new(job)) {
         // The thread is gone (it never exits while the process runs): run it here.
@@ -299,7 +302,7 @@ mod tests {
     static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
     #[test]
-    fn jobs_run_off_the_callers_thread_and_flush_waits_for_them() {
+    fn jobs_run_off_the_callers_thread_and_wait_for_frees_waits_for_them() {
         let _serial = SERIAL.lock();
         let me = std::thread::current().id();
         let ran = Arc::new(parking_lot::Mutex::new(None));
@@ -315,7 +318,9 @@ mod tests {
         assert!(ran.lock().is_none());
         gate.store(true, Ordering::Release);
         wait_for_frees();
-        let on = ran.lock().expect("the job ran before flush returned");
+        let on = ran
+            .lock()
+            .expect("the job ran before wait_for_frees returned");
         assert_ne!(on, me);
     }
 

@@ -79,38 +79,6 @@ struct Alloc {
     pool: Option<usize>,
 }
 
-/// A block this driver allocated: its start and layout (the address handed out lies inside).
-struct Owned {
-    base: usize,
-    layout: Layout,
-}
-
-/// `bytes` zeroed bytes aligned to `align`, and what frees them. Allocated at malloc's own
-/// alignment and aligned inside (calloc hands large blocks out as fresh zero pages, untouched;
-/// std's zeroed allocation at a larger alignment writes every byte: seconds for gigabytes).
-fn zeroed(bytes: usize, align: usize) -> Option<(*mut u8, Owned)> {
-    let layout = Layout::from_size_align(bytes.checked_add(align)?, 16).ok()?;
-    // SAFETY: a non-zero size.
-    let base = unsafe { std::alloc::alloc_zeroed(layout) };
-    if base.is_null() {
-        return None;
-    }
-    let p = base.wrapping_add(base.align_offset(align));
-    Some((
-        p,
-        Owned {
-            base: base as usize,
-            layout,
-        },
-    ))
-}
-
-/// Frees a block of [`zeroed`].
-fn release(o: Owned) {
-    // SAFETY: allocated by `zeroed` with this layout, released once (its table entry is gone).
-    unsafe { std::alloc::dealloc(o.base as *mut u8, o.layout) };
-}
-
 /// Capture status of a stream: none, active, invalidated.
 const CAP_NONE: u32 = 0;
 const CAP_ACTIVE: u32 = 1;
@@ -696,5 +664,6 @@ fn free_at(st: &mut State, ptr: u64, kind: Kind) -> Result<(), CUresult> {
 mod copies;
 mod ctx;
 mod memory;
+use memory::{Owned, release, zeroed};
 mod pools;
 mod streams;
