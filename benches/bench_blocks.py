@@ -349,7 +349,8 @@ def one_call(case, name, direction, s, peer, timings, host_us, peer2d=None):
             t1 = time.perf_counter_ns()
             s.synchronize()
         t2 = time.perf_counter_ns()
-    timings.append(case.bytes / (t2 - t0))  # GB/s (bytes per ns)
+    if name != "control":  # nothing moved: no rate
+        timings.append(case.bytes / (t2 - t0))  # GB/s (bytes per ns)
     host_us.append((t1 - t0) / 1e3)
     if packed:
         case.check_packed(name, direction, d_ids)
