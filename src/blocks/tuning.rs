@@ -1,0 +1,327 @@
+//! Which way a move between tensors at one stride goes, 2D copies across the tensors or batched
+//! copies, measured on this device. [`two_d_wins`](super::strides::two_d_wins)' table was
+//! measured on one H200; other machines rank the two ways otherwise at some copy sizes (an H100:
+//! benches/RESULTS.md, KV-cache blocks). So the first large moves of each (direction, copy size)
+//! class alternate between the two ways, each timed on the GPU by a pair of events; once each way
+//! has [`SAMPLES`] timings, the faster by its best rate (interference only slows a move) takes
+//! every later move of the class. Moves under [`MIN_BYTES`], and classes still being timed whose
+//! timings are all in flight, follow the table.
+
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::copy::Direction;
+use crate::cuda::{Current, StreamHandle, TimedEvent};
+
+/// The two ways a move between tensors at one stride can go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Way {
+    /// One 2D copy per run across every tensor.
+    Strided = 0,
+    /// The (tensor, run) copies in batched calls.
+    Batched = 1,
+}
+
+/// Copy size classes: under 2 KiB, then one per power of two, the last taking all above.
+const CLASSES: usize = 16;
+
+/// Timed moves per way before a class is decided.
+pub(super) const SAMPLES: usize = 2;
+
+/// The fewest bytes a timed move carries: in smaller moves the engines' start and the issue's
+/// own time weigh on the rate more than the way does.
+pub(super) const MIN_BYTES: usize = 8 << 20;
+
+/// The class of copies of `copy_bytes` on average: floor(log2), so a move of 16 KiB blocks whose
+/// random ids merged into a few runs of two (copies of 16.3 KiB on average) shares the class of
+/// one that merged none.
+fn class(copy_bytes: usize) -> usize {
+    let log2 = copy_bytes.max(1).ilog2() as usize;
+    log2.saturating_sub(10).min(CLASSES - 1)
+}
+
+#[derive(Clone, Copy, Default, Debug)]
+struct Class {
+    /// The best rate timed per way (bytes per second).
+    best: [f64; 2],
+    /// Timings harvested per way.
+    timed: [usize; 2],
+    /// Timed moves in flight per way.
+    out: [usize; 2],
+}
+
+impl Class {
+    fn decided(&self) -> Option<Way> {
+        (self.timed[0] >= SAMPLES && self.timed[1] >= SAMPLES).then_some(
+            if self.best[1] > self.best[0] {
+                Way::Batched
+            } else {
+                Way::Strided
+            },
+        )
+    }
+
+    /// The way that needs timing next (fewer timings, those in flight counted; `first` on a
+    /// tie), if any.
+    fn next_timed(&self, first: Way) -> Option<Way> {
+        let n = |w: Way| self.timed[w as usize] + self.out[w as usize];
+        let other = match first {
+            Way::Strided => Way::Batched,
+            Way::Batched => Way::Strided,
+        };
+        match (n(first) < SAMPLES, n(other) < SAMPLES) {
+            (false, false) => None,
+            (true, false) => Some(first),
+            (false, true) => Some(other),
+            (true, true) if n(other) < n(first) => Some(other),
+            (true, true) => Some(first),
+        }
+    }
+}
+
+/// What a move of a class does: its way (`None`: the table's) and why.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Pick {
+    /// Too small to time, or the class's timings are all in flight: the table decides.
+    Table,
+    /// This move is timed, going `Way`.
+    Timing(Way),
+    /// Decided by the timings: the best rates (bytes per second) of the 2D copies and the batch.
+    Measured {
+        way: Way,
+        strided: f64,
+        batched: f64,
+    },
+}
+
+impl Pick {
+    pub(super) fn way(&self) -> Option<Way> {
+        match *self {
+            Pick::Table => None,
+            Pick::Timing(w) | Pick::Measured { way: w, .. } => Some(w),
+        }
+    }
+}
+
+/// A timed move whose copies are being issued: its start recorded.
+pub(super) struct Open {
+    direction: Direction,
+    class: usize,
+    way: Way,
+    bytes: usize,
+    start: TimedEvent,
+}
+
+/// A timed move in flight: both records made.
+struct Timing {
+    open: Open,
+    end: TimedEvent,
+}
+
+/// The timings of one mover's moves, by direction and class.
+#[derive(Default)]
+pub(super) struct Tuning {
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    classes: [[Class; CLASSES]; 2],
+    pending: Vec<Timing>,
+}
+
+impl std::fmt::Debug for Tuning {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let st = self.state.lock();
+        f.debug_struct("Tuning")
+            .field("classes", &st.classes)
+            .field("pending", &st.pending.len())
+            .finish()
+    }
+}
+
+impl State {
+    /// Takes the rates of the timed moves that completed (a query each, no wait).
+    fn harvest(&mut self) {
+        let classes = &mut self.classes;
+        self.pending.retain(|t| {
+            let o = &t.open;
+            let c = &mut classes[o.direction as usize][o.class];
+            match t.end.since(&o.start) {
+                Ok(None) => return true,
+                Ok(Some(d)) if d > Duration::ZERO => {
+                    let w = o.way as usize;
+                    c.best[w] = c.best[w].max(o.bytes as f64 / d.as_secs_f64());
+                    c.timed[w] += 1;
+                }
+                // A zero span or a refused query: not counted.
+                Ok(Some(_)) | Err(_) => {}
+            }
+            c.out[o.way as usize] -= 1;
+            false
+        });
+    }
+}
+
+impl Tuning {
+    /// How a move of `bytes` in copies of `copy_bytes` on average goes in `direction`; `table`:
+    /// the way the table gives it (timed first, so a class's first move goes as before).
+    pub(super) fn pick(
+        &self,
+        direction: Direction,
+        copy_bytes: usize,
+        bytes: usize,
+        table: Way,
+    ) -> Pick {
+        let mut st = self.state.lock();
+        if !st.pending.is_empty() {
+            st.harvest();
+        }
+        let c = &st.classes[direction as usize][class(copy_bytes)];
+        if let Some(way) = c.decided() {
+            return Pick::Measured {
+                way,
+                strided: c.best[0],
+                batched: c.best[1],
+            };
+        }
+        match c.next_timed(table) {
+            Some(w) if bytes >= MIN_BYTES => Pick::Timing(w),
+            _ => Pick::Table,
+        }
+    }
+
+    /// Records the start of a timed move (`pick` said [`Pick::Timing`]) on `stream`, before its
+    /// copies; `None` (the move goes untimed) when the driver refuses an event.
+    pub(super) fn begin(
+        &self,
+        cur: &Current<'_>,
+        stream: StreamHandle,
+        direction: Direction,
+        copy_bytes: usize,
+        bytes: usize,
+        way: Way,
+    ) -> Option<Open> {
+        let start = TimedEvent::new_in(cur).ok()?;
+        start.record_in(cur, stream).ok()?;
+        let class = class(copy_bytes);
+        self.state.lock().classes[direction as usize][class].out[way as usize] += 1;
+        Some(Open {
+            direction,
+            class,
+            way,
+            bytes,
+            start,
+        })
+    }
+
+    /// Records the end of a timed move on `stream`, after its copies; `issued`: whether they
+    /// all were (a failed move is not counted).
+    pub(super) fn end(&self, cur: &Current<'_>, stream: StreamHandle, open: Open, issued: bool) {
+        let end = issued
+            .then(|| TimedEvent::new_in(cur).ok())
+            .flatten()
+            .filter(|e| e.record_in(cur, stream).is_ok());
+        let mut st = self.state.lock();
+        match end {
+            Some(end) => st.pending.push(Timing { open, end }),
+            None => st.classes[open.direction as usize][open.class].out[open.way as usize] -= 1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes_are_powers_of_two() {
+        assert_eq!(class(0), 0);
+        assert_eq!(class(1), 0);
+        assert_eq!(class(2047), 0);
+        assert_eq!(class(2048), 1);
+        assert_eq!(class(16 << 10), 4);
+        assert_eq!(class(16 << 10), class((16 << 10) * 64 / 63));
+        assert_eq!(class((32 << 10) - 1), 4);
+        assert_eq!(class(32 << 10), 5);
+        assert_eq!(class(usize::MAX), CLASSES - 1);
+    }
+
+    #[test]
+    fn a_class_times_both_ways_then_keeps_the_faster() {
+        let mut c = Class::default();
+        let mut seen = Vec::new();
+        // Two timings of each way, handed out and harvested one at a time.
+        while let Some(w) = c.next_timed(Way::Strided) {
+            seen.push(w);
+            c.timed[w as usize] += 1;
+            c.best[w as usize] = if w == Way::Batched { 2.0 } else { 1.0 };
+            assert!(seen.len() <= 2 * SAMPLES, "{seen:?}");
+        }
+        assert_eq!(
+            seen,
+            [Way::Strided, Way::Batched, Way::Strided, Way::Batched]
+        );
+        assert_eq!(c.decided(), Some(Way::Batched));
+        c.best = [3.0, 2.0];
+        assert_eq!(c.decided(), Some(Way::Strided));
+    }
+
+    #[test]
+    fn timings_in_flight_count_against_more_timing() {
+        let mut c = Class {
+            out: [SAMPLES, SAMPLES],
+            ..Class::default()
+        };
+        assert_eq!(c.next_timed(Way::Strided), None);
+        assert_eq!(c.decided(), None);
+        c.out = [SAMPLES, 1];
+        assert_eq!(c.next_timed(Way::Strided), Some(Way::Batched));
+        // The table's way first on a tie.
+        c.out = [1, 1];
+        assert_eq!(c.next_timed(Way::Batched), Some(Way::Batched));
+        assert_eq!(c.next_timed(Way::Strided), Some(Way::Strided));
+    }
+
+    #[test]
+    fn small_moves_and_undecided_classes_follow_the_table() {
+        let t = Tuning::default();
+        let s = Way::Strided;
+        assert_eq!(
+            t.pick(Direction::Load, 16 << 10, MIN_BYTES - 1, s),
+            Pick::Table
+        );
+        assert_eq!(
+            t.pick(Direction::Load, 16 << 10, MIN_BYTES, s),
+            Pick::Timing(Way::Strided)
+        );
+        assert_eq!(
+            t.pick(Direction::Load, 16 << 10, MIN_BYTES, Way::Batched),
+            Pick::Timing(Way::Batched)
+        );
+        // Decided for loads of 16 KiB copies: offloads, and other sizes, still time.
+        {
+            let mut st = t.state.lock();
+            let c = &mut st.classes[Direction::Load as usize][class(16 << 10)];
+            c.timed = [SAMPLES, SAMPLES];
+            c.best = [1e9, 3e9];
+        }
+        assert_eq!(
+            t.pick(Direction::Load, 24 << 10, 1, s),
+            Pick::Measured {
+                way: Way::Batched,
+                strided: 1e9,
+                batched: 3e9
+            }
+        );
+        assert_eq!(
+            t.pick(Direction::Offload, 16 << 10, MIN_BYTES, s),
+            Pick::Timing(Way::Strided)
+        );
+        assert_eq!(
+            t.pick(Direction::Load, 64 << 10, MIN_BYTES, s),
+            Pick::Timing(Way::Strided)
+        );
+    }
+}
