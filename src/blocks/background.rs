@@ -190,7 +190,7 @@ unsafe fn run(
             .runs(job.direction, &job.src_ids, &job.dst_ids)
             .map_err(bug)?;
         let (blocks, n_runs) = (job.src_ids.len(), runs.len());
-        let (how, pick) = tensors.how(job.direction, blocks, n_runs);
+        let (how, pick) = tensors.how(job.direction, blocks, n_runs, Some(cur));
         let strided = matches!(how, Issue::Strided { .. });
         segments_of(&tensors.pairs, job.direction, &runs, strided, segments).map_err(bug)?;
         #[cfg(not(pinstage_seeded_bug = "background_no_fork"))]

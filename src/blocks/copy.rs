@@ -78,6 +78,7 @@ pub struct MovePlan {
 /// stride ([`MovePlan::choice`]): a mover times its first moves of 8 MiB or more of each
 /// direction and copy size both ways on the GPU, and takes the faster from then on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Choice {
     /// One way only, or the table measured on an H200 (moves under 8 MiB, or moves of a size
     /// this mover has yet to time both ways).

@@ -242,7 +242,12 @@ impl<'t> BlockMover<'t> {
         let runs = self.tensors.check(direction, src_ids, dst_ids)?;
         let parts: usize = self.tensors.pairs.iter().map(|p| p.device.outer).sum();
         let copies = runs.len() * parts;
-        let (how, pick) = self.tensors.how(direction, src_ids.len(), runs.len());
+        // In the device's context (where it can be entered), to take in the timings completed.
+        let cur = self.device.as_ref().and_then(|d| d.enter().ok());
+        let (how, pick) = self
+            .tensors
+            .how(direction, src_ids.len(), runs.len(), cur.as_ref());
+        drop(cur);
         // A batch's copies per thread, as `issue_split` shares them out.
         let share = match how {
             Issue::Batched { threads } => share(copies, threads),
@@ -480,13 +485,19 @@ impl<'t> BlockMover<'t> {
         if runs.is_empty() {
             return Ok(BlockCopy::done());
         }
-        let (how, pick) = self.tensors.how(direction, src_ids.len(), runs.len());
+        let cur = match &self.device {
+            Some(device) => Some(stream.enter_for_copy(device)?),
+            None => None,
+        };
+        let (how, pick) = self
+            .tensors
+            .how(direction, src_ids.len(), runs.len(), cur.as_ref());
         let mut guard = self.scratch.try_lock();
         let mut own = Scratch::default();
         let scratch = guard.as_deref_mut().unwrap_or(&mut own);
         scratch.segments.clear();
         self.segments(direction, &runs, how, &mut scratch.segments)?;
-        let Some(device) = &self.device else {
+        let Some(cur) = cur else {
             for s in &scratch.segments {
                 // SAFETY: host memory on both sides (`new`), within the tensors (checked runs),
                 // valid and not used elsewhere (the caller's contracts 1 and 2); `copy` allows
@@ -495,7 +506,6 @@ impl<'t> BlockMover<'t> {
             }
             return Ok(BlockCopy::done());
         };
-        let cur = stream.enter_for_copy(device)?;
         let event = Event::new_in(&cur)?;
         let timing = (pick, src_ids.len(), runs.len());
         // SAFETY: caller's contracts 1-3; the segments lie within the tensors (checked runs).

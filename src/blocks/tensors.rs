@@ -84,7 +84,18 @@ impl Tensors {
     /// How a move of `blocks` blocks in `runs` runs is issued: as 2D copies across the tensors
     /// when they sit at one stride and 2D copies beat a batch there (as timed on this device,
     /// [`Tuning`]; until then [`two_d_wins`]' table), else batched where the driver can.
-    pub(super) fn how(&self, direction: Direction, blocks: usize, runs: usize) -> (Issue, Pick) {
+    /// `cur`: the device's context, where the caller has it entered: the timings that completed
+    /// are taken in first.
+    pub(super) fn how(
+        &self,
+        direction: Direction,
+        blocks: usize,
+        runs: usize,
+        cur: Option<&Current<'_>>,
+    ) -> (Issue, Pick) {
+        if let Some(cur) = cur {
+            self.tuning.harvest(cur);
+        }
         let table = two_d_wins(direction, blocks, self.pairs[0].device.bytes, runs);
         let pick = match self.strides {
             Some(_) if self.batched && runs > 0 => self.tuning.pick(

@@ -30,8 +30,12 @@ const CLASSES: usize = 16;
 pub(super) const SAMPLES: usize = 2;
 
 /// The fewest bytes a timed move carries: in smaller moves the engines' start and the issue's
-/// own time weigh on the rate more than the way does.
+/// own time weigh on the rate more than the way does. Smaller moves follow the table.
 pub(super) const MIN_BYTES: usize = 8 << 20;
+
+/// Timings of a class that may fail (refused, or a zero span) before the class stops timing
+/// and follows the table.
+const MAX_FAILED: usize = 4;
 
 /// The class of copies of `copy_bytes` on average: floor(log2), so a move of 16 KiB blocks whose
 /// random ids merged into a few runs of two (copies of 16.3 KiB on average) shares the class of
@@ -49,6 +53,8 @@ struct Class {
     timed: [usize; 2],
     /// Timed moves in flight per way.
     out: [usize; 2],
+    /// Timings that gave no rate.
+    failed: usize,
 }
 
 impl Class {
@@ -65,6 +71,9 @@ impl Class {
     /// The way that needs timing next (fewer timings, those in flight counted; `first` on a
     /// tie), if any.
     fn next_timed(&self, first: Way) -> Option<Way> {
+        if self.failed >= MAX_FAILED {
+            return None;
+        }
         let n = |w: Way| self.timed[w as usize] + self.out[w as usize];
         let other = match first {
             Way::Strided => Way::Batched,
@@ -141,30 +150,46 @@ impl std::fmt::Debug for Tuning {
     }
 }
 
-impl State {
-    /// Takes the rates of the timed moves that completed (a query each, no wait).
-    fn harvest(&mut self) {
-        let classes = &mut self.classes;
-        self.pending.retain(|t| {
+impl Tuning {
+    /// Takes the rates of the timed moves that completed (a query each, no wait; the driver
+    /// asked outside the lock, in the events' context `cur`).
+    pub(super) fn harvest(&self, cur: &Current<'_>) {
+        let pending = {
+            let mut st = self.state.lock();
+            if st.pending.is_empty() {
+                return;
+            }
+            std::mem::take(&mut st.pending)
+        };
+        let results: Vec<_> = pending
+            .into_iter()
+            .map(|t| (t.end.since(cur, &t.open.start), t))
+            .collect();
+        let mut st = self.state.lock();
+        for (result, t) in results {
+            let span = match result {
+                Ok(None) => {
+                    st.pending.push(t);
+                    continue;
+                }
+                Ok(Some(d)) => Some(d).filter(|d| *d > Duration::ZERO),
+                Err(_) => None,
+            };
             let o = &t.open;
-            let c = &mut classes[o.direction as usize][o.class];
-            match t.end.since(&o.start) {
-                Ok(None) => return true,
-                Ok(Some(d)) if d > Duration::ZERO => {
-                    let w = o.way as usize;
+            let c = &mut st.classes[o.direction as usize][o.class];
+            let w = o.way as usize;
+            match span {
+                Some(d) => {
                     c.best[w] = c.best[w].max(o.bytes as f64 / d.as_secs_f64());
                     c.timed[w] += 1;
                 }
                 // A zero span or a refused query: not counted.
-                Ok(Some(_)) | Err(_) => {}
+                None => c.failed += 1,
             }
-            c.out[o.way as usize] -= 1;
-            false
-        });
+            c.out[w] -= 1;
+        }
     }
-}
 
-impl Tuning {
     /// How a move of `bytes` in copies of `copy_bytes` on average goes in `direction`; `table`:
     /// the way the table gives it (timed first, so a class's first move goes as before).
     pub(super) fn pick(
@@ -174,10 +199,10 @@ impl Tuning {
         bytes: usize,
         table: Way,
     ) -> Pick {
-        let mut st = self.state.lock();
-        if !st.pending.is_empty() {
-            st.harvest();
+        if bytes < MIN_BYTES {
+            return Pick::Table;
         }
+        let st = self.state.lock();
         let c = &st.classes[direction as usize][class(copy_bytes)];
         if let Some(way) = c.decided() {
             return Pick::Measured {
@@ -186,10 +211,7 @@ impl Tuning {
                 batched: c.best[1],
             };
         }
-        match c.next_timed(table) {
-            Some(w) if bytes >= MIN_BYTES => Pick::Timing(w),
-            _ => Pick::Table,
-        }
+        c.next_timed(table).map_or(Pick::Table, Pick::Timing)
     }
 
     /// Records the start of a timed move (`pick` said [`Pick::Timing`]) on `stream`, before its
@@ -282,6 +304,9 @@ mod tests {
         c.out = [1, 1];
         assert_eq!(c.next_timed(Way::Batched), Some(Way::Batched));
         assert_eq!(c.next_timed(Way::Strided), Some(Way::Strided));
+        // A class whose timings keep failing stops timing.
+        c.failed = MAX_FAILED;
+        assert_eq!(c.next_timed(Way::Strided), None);
     }
 
     #[test]
@@ -308,12 +333,17 @@ mod tests {
             c.best = [1e9, 3e9];
         }
         assert_eq!(
-            t.pick(Direction::Load, 24 << 10, 1, s),
+            t.pick(Direction::Load, 24 << 10, MIN_BYTES, s),
             Pick::Measured {
                 way: Way::Batched,
                 strided: 1e9,
                 batched: 3e9
             }
+        );
+        // A small move of a decided class follows the table all the same.
+        assert_eq!(
+            t.pick(Direction::Load, 24 << 10, MIN_BYTES - 1, s),
+            Pick::Table
         );
         assert_eq!(
             t.pick(Direction::Offload, 16 << 10, MIN_BYTES, s),

@@ -228,8 +228,9 @@ impl TimedEvent {
     }
 
     /// The GPU time from `start`'s record to this one's; `None` while either is pending.
-    pub(crate) fn since(&self, start: &TimedEvent) -> Result<Option<Duration>> {
-        // SAFETY: two live timing events, both recorded (the caller records before asking).
+    pub(crate) fn since(&self, _cur: &Current<'_>, start: &TimedEvent) -> Result<Option<Duration>> {
+        // SAFETY: two live timing events of the current context (`_cur`), both recorded (the
+        // caller records before asking).
         let ms = unsafe { driver::event::event_elapsed(start.raw, self.raw) }?;
         Ok(ms.map(|ms| Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3)))
     }
@@ -237,6 +238,8 @@ impl TimedEvent {
 
 impl Drop for TimedEvent {
     fn drop(&mut self) {
+        // In its context, as the device destroys its spare events; a refusal leaks one event.
+        let _cur = self._device.enter();
         // SAFETY: our event, destroyed once (its context kept by `_device`).
         let _ = unsafe { driver::event::event_destroy(self.raw) };
     }

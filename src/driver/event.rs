@@ -77,16 +77,20 @@ pub(crate) unsafe fn event_create_timed() -> DResult<CUevent> {
 /// complete.
 ///
 /// # Safety
-/// 1. `start` and `end` are live events made by [`event_create_timed`], both recorded.
+/// 1. `start` and `end` are live events made by [`event_create_timed`], both recorded, of the
+///    context current on this thread.
 pub(crate) unsafe fn event_elapsed(start: CUevent, end: CUevent) -> DResult<Option<f32>> {
     let mut ms = 0f32;
-    // SAFETY: caller's contract; a valid out-pointer.
-    match unsafe { sys::cuEventElapsedTime(&mut ms, start, end) } {
-        sys::CUresult::CUDA_SUCCESS => Ok(Some(ms)),
-        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(None),
-        code => Err(DriverError {
-            call: "cuEventElapsedTime",
-            code,
-        }),
-    }
+    // SAFETY: caller's contract; a valid out-pointer. Relaxed, as `event_query`: a refused call
+    // would invalidate another thread's global-mode capture.
+    super::capture_relaxed(
+        || match unsafe { sys::cuEventElapsedTime(&mut ms, start, end) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(Some(ms)),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(None),
+            code => Err(DriverError {
+                call: "cuEventElapsedTime",
+                code,
+            }),
+        },
+    )
 }

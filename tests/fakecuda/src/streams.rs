@@ -271,7 +271,7 @@ pub extern "C" fn cuEventRecord(ev: Ptr, h: Ptr) -> CUresult {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: Ptr, end: Ptr) -> CUresult {
     called(c"cuEventElapsedTime");
-    tri!(ready());
+    tri!(with_ctx()); // as the driver: CUDA_ERROR_INVALID_CONTEXT without a current context
     let stamp = |ev: Ptr| -> Result<Option<std::time::Instant>, CUresult> {
         let st = state();
         let e = st.events.get(&(ev as usize)).ok_or(INVALID_HANDLE)?;
