@@ -100,7 +100,7 @@ impl Tensors {
         let pick = match self.strides {
             Some(_) if self.batched && runs > 0 => self.tuning.pick(
                 direction,
-                self.copy_bytes(blocks, runs),
+                self.copy_class(direction, blocks, runs),
                 blocks * self.block_bytes(),
                 if table { Way::Strided } else { Way::Batched },
             ),
@@ -131,6 +131,17 @@ impl Tensors {
         (issue, pick)
     }
 
+    /// What sets a move's class for [`Tuning`]: its copies' bytes on average, and whether its
+    /// batch would be issued from several threads.
+    fn copy_class(&self, direction: Direction, blocks: usize, runs: usize) -> (usize, bool) {
+        let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
+        let copy_bytes = self.copy_bytes(blocks, runs);
+        (
+            copy_bytes,
+            batch_threads(direction, runs * parts, copy_bytes) > 1,
+        )
+    }
+
     /// The bytes of one copy of a move of `blocks` blocks in `runs` runs, on average.
     pub(super) fn copy_bytes(&self, blocks: usize, runs: usize) -> usize {
         blocks * self.pairs[0].device.bytes / runs.max(1)
@@ -158,10 +169,11 @@ impl Tensors {
         let Pick::Timing(way) = pick else {
             return issue();
         };
-        let (copy_bytes, bytes) = (self.copy_bytes(blocks, runs), blocks * self.block_bytes());
-        let open = self
-            .tuning
-            .begin(cur, stream, direction, copy_bytes, bytes, way);
+        let (class, bytes) = (
+            self.copy_class(direction, blocks, runs),
+            blocks * self.block_bytes(),
+        );
+        let open = self.tuning.begin(cur, stream, direction, class, bytes, way);
         let issued = issue();
         if let Some(open) = open {
             self.tuning.end(cur, stream, open, issued.is_ok());

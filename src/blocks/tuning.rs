@@ -1,11 +1,14 @@
 //! Which way a move between tensors at one stride goes, 2D copies across the tensors or batched
 //! copies, measured on this device. [`two_d_wins`](super::strides::two_d_wins)' table was
 //! measured on one H200; other machines rank the two ways otherwise at some copy sizes (an H100:
-//! benches/RESULTS.md, KV-cache blocks). So the first large moves of each (direction, copy size)
-//! class alternate between the two ways, each timed on the GPU by a pair of events; once each way
-//! has [`SAMPLES`] timings, the faster by its best rate (interference only slows a move) takes
-//! every later move of the class. Moves under [`MIN_BYTES`], and classes still being timed whose
-//! timings are all in flight, follow the table.
+//! benches/RESULTS.md, KV-cache blocks). So a mover's first moves of [`MIN_BYTES`] or more of
+//! each class (direction, copy size, a batch issued from one thread or several) alternate
+//! between the two ways, the table's first, each timed on the GPU by a pair of events around its
+//! copies; once each way has [`SAMPLES`] timings, the faster by its best rate (interference only
+//! slows a move) takes every later move of the class of [`MIN_BYTES`] or more. Smaller moves,
+//! classes whose timings are all in flight, and classes whose timings keep failing follow the
+//! table. A span starts when the stream reaches the move: on an idle stream while the host still
+//! issues the copies, which then counts, as it delays the move's completion as much.
 
 use std::time::Duration;
 
@@ -24,7 +27,11 @@ pub(super) enum Way {
 }
 
 /// Copy size classes: under 2 KiB, then one per power of two, the last taking all above.
-const CLASSES: usize = 16;
+const SIZES: usize = 16;
+
+/// Classes: each copy size, with its batch issued from one thread or from several (a batch of
+/// thousands of copies is split across threads and streams, and times otherwise).
+const CLASSES: usize = 2 * SIZES;
 
 /// Timed moves per way before a class is decided.
 pub(super) const SAMPLES: usize = 2;
@@ -40,9 +47,10 @@ const MAX_FAILED: usize = 4;
 /// The class of copies of `copy_bytes` on average: floor(log2), so a move of 16 KiB blocks whose
 /// random ids merged into a few runs of two (copies of 16.3 KiB on average) shares the class of
 /// one that merged none.
-fn class(copy_bytes: usize) -> usize {
+/// `split`: the move's batch would be issued from several threads.
+fn class(copy_bytes: usize, split: bool) -> usize {
     let log2 = copy_bytes.max(1).ilog2() as usize;
-    log2.saturating_sub(10).min(CLASSES - 1)
+    2 * log2.saturating_sub(10).min(SIZES - 1) + usize::from(split)
 }
 
 #[derive(Clone, Copy, Default, Debug)]
@@ -190,12 +198,13 @@ impl Tuning {
         }
     }
 
-    /// How a move of `bytes` in copies of `copy_bytes` on average goes in `direction`; `table`:
-    /// the way the table gives it (timed first, so a class's first move goes as before).
+    /// How a move of `bytes` in copies of `copy_bytes` on average (`split`: its batch issued
+    /// from several threads) goes in `direction`; `table`: the way the table gives it (timed
+    /// first, so a class's first move goes as before).
     pub(super) fn pick(
         &self,
         direction: Direction,
-        copy_bytes: usize,
+        (copy_bytes, split): (usize, bool),
         bytes: usize,
         table: Way,
     ) -> Pick {
@@ -203,7 +212,7 @@ impl Tuning {
             return Pick::Table;
         }
         let st = self.state.lock();
-        let c = &st.classes[direction as usize][class(copy_bytes)];
+        let c = &st.classes[direction as usize][class(copy_bytes, split)];
         if let Some(way) = c.decided() {
             return Pick::Measured {
                 way,
@@ -221,13 +230,13 @@ impl Tuning {
         cur: &Current<'_>,
         stream: StreamHandle,
         direction: Direction,
-        copy_bytes: usize,
+        (copy_bytes, split): (usize, bool),
         bytes: usize,
         way: Way,
     ) -> Option<Open> {
         let start = TimedEvent::new_in(cur).ok()?;
         start.record_in(cur, stream).ok()?;
-        let class = class(copy_bytes);
+        let class = class(copy_bytes, split);
         self.state.lock().classes[direction as usize][class].out[way as usize] += 1;
         Some(Open {
             direction,
@@ -259,15 +268,18 @@ mod tests {
 
     #[test]
     fn classes_are_powers_of_two() {
-        assert_eq!(class(0), 0);
-        assert_eq!(class(1), 0);
-        assert_eq!(class(2047), 0);
-        assert_eq!(class(2048), 1);
-        assert_eq!(class(16 << 10), 4);
-        assert_eq!(class(16 << 10), class((16 << 10) * 64 / 63));
-        assert_eq!(class((32 << 10) - 1), 4);
-        assert_eq!(class(32 << 10), 5);
-        assert_eq!(class(usize::MAX), CLASSES - 1);
+        let c = |b| class(b, false);
+        assert_eq!(c(0), 0);
+        assert_eq!(c(1), 0);
+        assert_eq!(c(2047), 0);
+        assert_eq!(c(2048), 2);
+        assert_eq!(c(16 << 10), 8);
+        assert_eq!(c(16 << 10), c((16 << 10) * 64 / 63));
+        assert_eq!(c((32 << 10) - 1), 8);
+        assert_eq!(c(32 << 10), 10);
+        assert_eq!(c(usize::MAX), CLASSES - 2);
+        assert_eq!(class(16 << 10, true), 9);
+        assert_eq!(class(usize::MAX, true), CLASSES - 1);
     }
 
     #[test]
@@ -314,26 +326,26 @@ mod tests {
         let t = Tuning::default();
         let s = Way::Strided;
         assert_eq!(
-            t.pick(Direction::Load, 16 << 10, MIN_BYTES - 1, s),
+            t.pick(Direction::Load, (16 << 10, false), MIN_BYTES - 1, s),
             Pick::Table
         );
         assert_eq!(
-            t.pick(Direction::Load, 16 << 10, MIN_BYTES, s),
+            t.pick(Direction::Load, (16 << 10, false), MIN_BYTES, s),
             Pick::Timing(Way::Strided)
         );
         assert_eq!(
-            t.pick(Direction::Load, 16 << 10, MIN_BYTES, Way::Batched),
+            t.pick(Direction::Load, (16 << 10, false), MIN_BYTES, Way::Batched),
             Pick::Timing(Way::Batched)
         );
         // Decided for loads of 16 KiB copies: offloads, and other sizes, still time.
         {
             let mut st = t.state.lock();
-            let c = &mut st.classes[Direction::Load as usize][class(16 << 10)];
+            let c = &mut st.classes[Direction::Load as usize][class(16 << 10, false)];
             c.timed = [SAMPLES, SAMPLES];
             c.best = [1e9, 3e9];
         }
         assert_eq!(
-            t.pick(Direction::Load, 24 << 10, MIN_BYTES, s),
+            t.pick(Direction::Load, (24 << 10, false), MIN_BYTES, s),
             Pick::Measured {
                 way: Way::Batched,
                 strided: 1e9,
@@ -342,15 +354,15 @@ mod tests {
         );
         // A small move of a decided class follows the table all the same.
         assert_eq!(
-            t.pick(Direction::Load, 24 << 10, MIN_BYTES - 1, s),
+            t.pick(Direction::Load, (24 << 10, false), MIN_BYTES - 1, s),
             Pick::Table
         );
         assert_eq!(
-            t.pick(Direction::Offload, 16 << 10, MIN_BYTES, s),
+            t.pick(Direction::Offload, (16 << 10, false), MIN_BYTES, s),
             Pick::Timing(Way::Strided)
         );
         assert_eq!(
-            t.pick(Direction::Load, 64 << 10, MIN_BYTES, s),
+            t.pick(Direction::Load, (64 << 10, false), MIN_BYTES, s),
             Pick::Timing(Way::Strided)
         );
     }
