@@ -567,8 +567,18 @@ def main():
         for direction in ("offload", "load"):
             gbs = {v: [] for v in variants}
             hus = {v: [] for v in variants}
-            for v in variants:  # warm-up, unchecked figures dropped
+            for v in variants:  # warm-up, figures dropped (every call checked all the same)
                 one_call(case, v, direction, s, peer, [], [], peer2d)
+            # The mover times its first moves of a kind both ways before it settles on the
+            # faster (plan()["choice"]): those moves are warm-up too, as in an engine's first
+            # steps.
+            for _ in range(4):
+                one_call(case, "pinstage", direction, s, peer, [], [], peer2d)
+            d_ids, h_ids = case.draw()
+            a, b = (d_ids, h_ids) if direction == "offload" else (h_ids, d_ids)
+            settled = case.mover.plan(direction, a, b)
+            print(f"  pinstage's plan after the warm-up: {settled['strategy']}, "
+                  f"{settled['choice']} {settled.get('measured_gbps', '')}", flush=True)
             for r in range(args.rounds):
                 order = variants[r % len(variants):] + variants[: r % len(variants)]
                 for v in order:

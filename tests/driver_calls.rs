@@ -51,6 +51,7 @@ const NAMES: &[&CStr] = &[
     c"cuEventRecord",
     c"cuEventQuery",
     c"cuEventSynchronize",
+    c"cuEventElapsedTime",
     c"cuMemAlloc_v2",
     c"cuMemFree_v2",
     c"cuMemGetInfo_v2",
@@ -417,4 +418,107 @@ fn a_warm_background_move_makes_no_event() {
     });
     assert_eq!(call, []);
     assert!(m.unwrap().is_done());
+}
+
+#[test]
+fn a_timed_move_issues_the_way_its_plan_says() {
+    let Some((dev, _calls)) = fake("a_timed_move_issues_the_way_its_plan_says") else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _cur = dev.enter().unwrap();
+    let stream = Stream::new(&dev).unwrap();
+    // 8 tensors at one stride in one allocation, blocks of 16 KiB: 2D copies and a batch can
+    // both carry a move, and 64 ids carry 8 MiB, the least a timed move carries.
+    const T: usize = 8;
+    const NB: usize = 96;
+    const W: usize = 4096; // u32 words per block
+    let device = DeviceBuffer::new(&dev, T * NB * W * 4).unwrap();
+    let host =
+        pinstage::PinnedBuffer::new(&dev, T * NB * W * 4, pinstage::host::PinnedFlags::PORTABLE)
+            .unwrap();
+    let view = |ptr: u64, cuda: bool| {
+        // SAFETY: the buffers outlive the mover and every view.
+        unsafe {
+            pinstage::testing::bytes_view(
+                ptr,
+                cuda.then_some(0),
+                &[NB as i64, (W * 4) as i64],
+                false,
+            )
+        }
+    };
+    let at = |t: usize| (t * NB * W * 4) as u64;
+    let devs: Vec<_> = (0..T).map(|t| view(device.ptr() + at(t), true)).collect();
+    let hosts: Vec<_> = (0..T)
+        .map(|t| view(host.as_ptr() as u64 + at(t), false))
+        .collect();
+    let mover = pinstage::blocks::BlockMover::new(&devs, &hosts, 0).unwrap();
+    // Word i of the device side holds 3 * i + 1; the host side is poisoned before every move.
+    let values: Vec<u32> = (0..(T * NB * W) as u32).map(|i| 3 * i + 1).collect();
+    pinstage::copy_h2d(
+        &device.view(DType::U8),
+        bytemuck::cast_slice(&values),
+        stream.handle(),
+    )
+    .unwrap();
+    // SAFETY: the pinned buffer is ours; no copy touches it between moves.
+    let host_words =
+        || unsafe { std::slice::from_raw_parts_mut(host.as_ptr() as *mut u32, T * NB * W) };
+    let mut ways = Vec::new();
+    for round in 0..6u64 {
+        host_words().fill(0xDEAD_BEEF);
+        let d = pinstage::testing::shuffled_ids(64, NB, 3 + round);
+        let h = pinstage::testing::shuffled_ids(64, NB, 30 + round);
+        let plan = mover
+            .plan(pinstage::blocks::Direction::Offload, &d, &h)
+            .unwrap();
+        let (two_d, batch) = (c"cuMemcpy2DAsync_v2", c"cuMemcpyBatchAsync");
+        let before = (process_calls(two_d), process_calls(batch));
+        // SAFETY: the buffers outlive the move (waited for); nothing else touches them.
+        unsafe { mover.offload(&d, &h, stream.handle()) }
+            .unwrap()
+            .wait()
+            .unwrap();
+        let issued = (
+            process_calls(two_d) - before.0,
+            process_calls(batch) - before.1,
+        );
+        // The move issued the way its plan said, in the calls the plan counted.
+        let want = match plan.strategy {
+            pinstage::blocks::Strategy::Strided => (plan.calls as u64, 0),
+            pinstage::blocks::Strategy::Batched => (0, plan.calls as u64),
+            other => panic!("round {round}: {other:?}"),
+        };
+        assert_eq!(issued, want, "round {round}: {plan:?}");
+        ways.push((plan.strategy, plan.choice));
+        for t in 0..T {
+            for b in 0..NB {
+                let words = &host_words()[(t * NB + b) * W..(t * NB + b + 1) * W];
+                match h.iter().position(|&x| x == b) {
+                    Some(i) => {
+                        let from = (t * NB + d[i]) * W;
+                        assert_eq!(words, &values[from..from + W], "round {round} t {t} b {b}");
+                    }
+                    None => assert!(words.iter().all(|&w| w == 0xDEAD_BEEF), "round {round}"),
+                }
+            }
+        }
+    }
+    // Both ways were timed, then one kept.
+    let timed: Vec<_> = ways[..4].iter().map(|&(s, _)| s).collect();
+    assert!(
+        timed.contains(&pinstage::blocks::Strategy::Strided),
+        "{ways:?}"
+    );
+    assert!(
+        timed.contains(&pinstage::blocks::Strategy::Batched),
+        "{ways:?}"
+    );
+    assert!(
+        ways[4..]
+            .iter()
+            .all(|&(_, c)| matches!(c, pinstage::blocks::Choice::Measured { .. })),
+        "{ways:?}"
+    );
 }

@@ -18,7 +18,7 @@ static GPU: std::sync::RwLock<()> = std::sync::RwLock::new(());
 fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
     GPU.read().unwrap_or_else(|e| e.into_inner())
 }
-use pinstage::blocks::{BlockMover, Direction, Strategy};
+use pinstage::blocks::{BlockMover, Choice, Direction, Strategy};
 use pinstage::host::PinnedFlags;
 use pinstage::testing::DeviceBuffer;
 use pinstage::{DeviceView, Error, PinnedBuffer, Stream, StreamHandle};
@@ -892,4 +892,83 @@ fn gpu_blocks_stream_order_holds_without_a_wait(
             &format!("round {round}: the last load"),
         );
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_blocks_large_moves_are_timed_both_ways_then_take_the_faster() {
+    let Some(d) = gpu_or_skip("gpu_blocks_large_moves_are_timed_both_ways_then_take_the_faster")
+    else {
+        return;
+    };
+    let _gpu = shared();
+    let own = Stream::new(&d).unwrap();
+    // 8 tensors at one stride (2D copies possible), blocks of 16 KiB: a move of 64 ids carries
+    // 8 MiB, the least a timed move carries.
+    let (tensors, blocks, bytes, n) = (8, 96, 8 << 10, 64);
+    let mut s = Sides::with(
+        &d,
+        Layout::BlocksFirst,
+        tensors,
+        bytes,
+        blocks,
+        blocks,
+        true,
+    );
+    let (dv, hv, dim) = s.views();
+    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    for (k, direction) in [Direction::Load, Direction::Offload]
+        .into_iter()
+        .enumerate()
+    {
+        let mut seen = Vec::new();
+        for m in 0..8u32 {
+            let dev_ids = ids(n, blocks, 5 + m as u64 + 100 * k as u64);
+            let host_ids = ids(n, blocks, 50 + m as u64 + 100 * k as u64);
+            let (src, dst) = match direction {
+                Direction::Offload => (&dev_ids, &host_ids),
+                Direction::Load => (&host_ids, &dev_ids),
+            };
+            let plan = mover.plan(direction, src, dst).unwrap();
+            assert_eq!(plan.bytes, 8 << 20);
+            // Every timed move checked too, in the background every other time.
+            let stream = own.handle();
+            move_checked(
+                &mut s,
+                &mover,
+                direction,
+                &dev_ids,
+                &host_ids,
+                stream,
+                m % 2 == 1,
+                m,
+            );
+            seen.push((plan.strategy, plan.choice));
+        }
+        let what = format!("{}: {seen:?}", direction.name());
+        // The first four moves are timed, the two ways taking turns (the table's first).
+        assert!(
+            seen[..4].iter().all(|&(_, c)| c == Choice::Timing),
+            "{what}"
+        );
+        let ways: Vec<Strategy> = seen[..4].iter().map(|&(st, _)| st).collect();
+        assert_ne!(ways[0], ways[1], "{what}");
+        assert_eq!((ways[0], ways[1]), (ways[2], ways[3]), "{what}");
+        // Then every move takes the faster by the rates timed.
+        for &(st, c) in &seen[4..] {
+            let Choice::Measured { strided, batched } = c else {
+                panic!("{what}: not decided after four timed moves");
+            };
+            assert!(strided > 0 && batched > 0, "{what}");
+            let faster = if batched > strided {
+                Strategy::Batched
+            } else {
+                Strategy::Strided
+            };
+            assert_eq!(st, faster, "{what}");
+        }
+    }
+    // A small move is not timed.
+    let plan = mover.plan(Direction::Load, &[1, 2], &[3, 4]).unwrap();
+    assert_eq!(plan.choice, Choice::Table);
 }

@@ -189,14 +189,20 @@ unsafe fn run(
         let runs = tensors
             .runs(job.direction, &job.src_ids, &job.dst_ids)
             .map_err(bug)?;
-        let how = tensors.how(job.direction, job.src_ids.len(), runs.len());
+        let (blocks, n_runs) = (job.src_ids.len(), runs.len());
+        let (how, pick) = tensors.how(job.direction, blocks, n_runs, Some(cur));
         let strided = matches!(how, Issue::Strided { .. });
         segments_of(&tensors.pairs, job.direction, &runs, strided, segments).map_err(bug)?;
         #[cfg(not(pinstage_seeded_bug = "background_no_fork"))]
         job.fork.wait_on_in(cur, stream).map_err(driver_error)?;
         forked = true;
-        // SAFETY: the sender's contract 1; `stream` is our side stream (not the legacy one).
-        unsafe { issue_on(cur, segments, how, stream, helpers, lists) }.map_err(driver_error)?;
+        tensors
+            .issue_timed(cur, stream, job.direction, (blocks, n_runs), pick, || {
+                // SAFETY: the sender's contract 1; `stream` is our side stream (not the legacy
+                // one).
+                unsafe { issue_on(cur, segments, how, stream, helpers, lists) }
+            })
+            .map_err(driver_error)?;
         job.ticket
             .event()
             .record_in(cur, stream)

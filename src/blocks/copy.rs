@@ -70,6 +70,28 @@ pub struct MovePlan {
     pub bytes: usize,
     /// Why this strategy.
     pub reason: &'static str,
+    /// What chose between 2D copies and a batch, where the tensors allow both.
+    pub choice: Choice,
+}
+
+/// What chose between 2D copies across the tensors and a batch for a move between tensors at one
+/// stride ([`MovePlan::choice`]): a mover times its first moves of 8 MiB or more of each
+/// direction and copy size both ways on the GPU, and takes the faster from then on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Choice {
+    /// One way only, or the table measured on an H200 (moves under 8 MiB, or moves of a size
+    /// this mover has yet to time both ways).
+    Table,
+    /// This move is timed on the GPU (one of the first moves of its direction and copy size).
+    Timing,
+    /// Both ways timed on this device: the best rate of each, bytes per second.
+    Measured {
+        /// 2D copies across the tensors.
+        strided: u64,
+        /// Batched copies.
+        batched: u64,
+    },
 }
 
 /// A move in flight: [`BlockCopy::wait`] for it, or let a stream wait for it

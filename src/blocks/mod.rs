@@ -12,12 +12,13 @@ mod strides;
 mod tensors;
 #[cfg(test)]
 mod tests;
+mod tuning;
 
 #[cfg(feature = "python")]
 pub(crate) use copy::InFlight;
 #[cfg(feature = "python")]
 pub(crate) use copy::Ticket;
-pub use copy::{BlockCopy, Direction, MAX_BATCH, MovePlan, Strategy};
+pub use copy::{BlockCopy, Choice, Direction, MAX_BATCH, MovePlan, Strategy};
 pub use mover::BlockMover;
 #[cfg(test)]
 pub(crate) use plan::{BlockLayout, Segment, plan};

@@ -8,11 +8,12 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::Mutex;
 
 use super::background::Issuer;
-use super::copy::{BlockCopy, Direction, InFlight, MAX_BATCH, MovePlan, Strategy};
+use super::copy::{BlockCopy, Choice, Direction, InFlight, MAX_BATCH, MovePlan, Strategy};
 use super::issue::{Issue, Lists, issue_on, share};
 use super::plan::{BlockLayout, Pair, Run, Segment, segments, segments_of};
 use super::strides::{one_allocation, strides};
 use super::tensors::Tensors;
+use super::tuning::Pick;
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
@@ -241,7 +242,12 @@ impl<'t> BlockMover<'t> {
         let runs = self.tensors.check(direction, src_ids, dst_ids)?;
         let parts: usize = self.tensors.pairs.iter().map(|p| p.device.outer).sum();
         let copies = runs.len() * parts;
-        let how = self.tensors.how(direction, src_ids.len(), runs.len());
+        // In the device's context (where it can be entered), to take in the timings completed.
+        let cur = self.device.as_ref().and_then(|d| d.enter().ok());
+        let (how, pick) = self
+            .tensors
+            .how(direction, src_ids.len(), runs.len(), cur.as_ref());
+        drop(cur);
         // A batch's copies per thread, as `issue_split` shares them out.
         let share = match how {
             Issue::Batched { threads } => share(copies, threads),
@@ -255,8 +261,24 @@ impl<'t> BlockMover<'t> {
                 Strategy::Strided,
                 copies,
                 copies,
-                "the tensors sit at one stride within one allocation: one 2D copy per run and \
-                 part crosses every tensor (faster than a batch at this direction and size)",
+                match pick {
+                    Pick::Table => {
+                        "the tensors sit at one stride within one allocation: one 2D copy per run \
+                         and part crosses every tensor (faster than a batch at this direction and \
+                         size on the H200, where measured)"
+                    }
+                    Pick::Timing(_) => {
+                        "the tensors sit at one stride within one allocation: one 2D copy per run \
+                         and part crosses every tensor; this move is timed on the GPU (a mover's \
+                         first moves of 8 MiB or more of each direction and copy size go both \
+                         ways, 2D copies and a batch, to find the faster on this device)"
+                    }
+                    Pick::Measured { .. } => {
+                        "the tensors sit at one stride within one allocation: one 2D copy per run \
+                         and part crosses every tensor (timed faster than a batch on this device \
+                         for moves like this: see choice)"
+                    }
+                },
             )
         } else if self.device.is_none() {
             (
@@ -274,12 +296,26 @@ impl<'t> BlockMover<'t> {
                 Strategy::Batched,
                 copies,
                 calls,
-                if share < copies {
-                    "the copy engines move the merged runs in batched calls (CUDA 12.8+), issued \
-                     from several threads at once, each on its own stream (the driver takes a \
-                     batch of many small copies only as fast as one queue drains)"
-                } else {
-                    "the copy engines move the merged runs in one batched call (CUDA 12.8+)"
+                match pick {
+                    Pick::Timing(_) => {
+                        "the copy engines move the merged runs in batched calls (CUDA 12.8+); \
+                         this move is timed on the GPU (a mover's first moves of 8 MiB or more \
+                         of each direction and copy size go both ways, 2D copies and a batch, to \
+                         find the faster on this device)"
+                    }
+                    Pick::Measured { .. } => {
+                        "the copy engines move the merged runs in batched calls (CUDA 12.8+), \
+                         timed faster than 2D copies across the tensors on this device for moves \
+                         like this: see choice"
+                    }
+                    Pick::Table if share < copies => {
+                        "the copy engines move the merged runs in batched calls (CUDA 12.8+), \
+                         issued from several threads at once, each on its own stream (the driver \
+                         takes a batch of many small copies only as fast as one queue drains)"
+                    }
+                    Pick::Table => {
+                        "the copy engines move the merged runs in one batched call (CUDA 12.8+)"
+                    }
                 },
             )
         } else {
@@ -304,6 +340,16 @@ impl<'t> BlockMover<'t> {
             },
             bytes: src_ids.len() * self.block_bytes(),
             reason,
+            choice: match pick {
+                Pick::Table => Choice::Table,
+                Pick::Timing(_) => Choice::Timing,
+                Pick::Measured {
+                    strided, batched, ..
+                } => Choice::Measured {
+                    strided: strided as u64,
+                    batched: batched as u64,
+                },
+            },
         })
     }
 
@@ -439,13 +485,19 @@ impl<'t> BlockMover<'t> {
         if runs.is_empty() {
             return Ok(BlockCopy::done());
         }
-        let how = self.tensors.how(direction, src_ids.len(), runs.len());
+        let cur = match &self.device {
+            Some(device) => Some(stream.enter_for_copy(device)?),
+            None => None,
+        };
+        let (how, pick) = self
+            .tensors
+            .how(direction, src_ids.len(), runs.len(), cur.as_ref());
         let mut guard = self.scratch.try_lock();
         let mut own = Scratch::default();
         let scratch = guard.as_deref_mut().unwrap_or(&mut own);
         scratch.segments.clear();
         self.segments(direction, &runs, how, &mut scratch.segments)?;
-        let Some(device) = &self.device else {
+        let Some(cur) = cur else {
             for s in &scratch.segments {
                 // SAFETY: host memory on both sides (`new`), within the tensors (checked runs),
                 // valid and not used elsewhere (the caller's contracts 1 and 2); `copy` allows
@@ -454,10 +506,11 @@ impl<'t> BlockMover<'t> {
             }
             return Ok(BlockCopy::done());
         };
-        let cur = stream.enter_for_copy(device)?;
         let event = Event::new_in(&cur)?;
+        let timing = (pick, src_ids.len(), runs.len());
         // SAFETY: caller's contracts 1-3; the segments lie within the tensors (checked runs).
-        let mut issued = unsafe { self.issue_here(&cur, direction, how, scratch, stream, &event) };
+        let mut issued =
+            unsafe { self.issue_here(&cur, direction, (how, timing), scratch, stream, &event) };
         if issued.is_err() {
             // Copies queued before the failure cannot be followed: wait for them (on the
             // caller's stream and the side streams) so none still touches the tensors when
@@ -492,7 +545,9 @@ impl<'t> BlockMover<'t> {
     }
 
     /// Issues `scratch.segments` as `how` says, on `stream` (a batched move on the legacy
-    /// stream: on a side stream joined both ways), and records `event` after them.
+    /// stream: on a side stream joined both ways), timed on the GPU where `timing` (the pick,
+    /// blocks and runs of [`Tensors::how`]) says so, and records `event` after them (and after
+    /// the timing's end: a move waited for has its timing complete).
     ///
     /// # Safety
     /// As [`BlockMover::offload`]; every segment lies within the mover's tensors and suits
@@ -501,13 +556,21 @@ impl<'t> BlockMover<'t> {
         &self,
         cur: &Current<'_>,
         direction: Direction,
-        how: Issue,
+        (how, (pick, blocks, runs)): (Issue, (Pick, usize, usize)),
         scratch: &mut Scratch,
         stream: StreamHandle,
         event: &Event,
     ) -> Result<()> {
         let Scratch { segments, lists } = scratch;
         let helpers = &self.helpers[direction as usize];
+        let timed = |s: StreamHandle, lists: &mut Lists| {
+            let shape = (blocks, runs);
+            self.tensors
+                .issue_timed(cur, s, direction, shape, pick, || {
+                    // SAFETY: as this function's; `s` runs after the caller's work.
+                    unsafe { issue_on(cur, segments, how, s, helpers, lists) }
+                })
+        };
         if matches!(how, Issue::Batched { .. }) && stream.as_raw() <= 1 {
             // The batched call refuses the legacy stream: fork onto a side stream and join.
             let side = match self.side[direction as usize].get() {
@@ -521,13 +584,11 @@ impl<'t> BlockMover<'t> {
             let fork = Event::new_in(cur)?;
             fork.record_in(cur, stream)?;
             fork.wait_on(side.handle())?;
-            // SAFETY: as this function's; the side stream runs after the caller's work.
-            unsafe { issue_on(cur, segments, how, side.handle(), helpers, lists) }?;
+            timed(side.handle(), lists)?;
             event.record_in(cur, side.handle())?;
             return event.wait_on(stream);
         }
-        // SAFETY: as this function's.
-        unsafe { issue_on(cur, segments, how, stream, helpers, lists) }?;
+        timed(stream, lists)?;
         event.record_in(cur, stream)
     }
 }

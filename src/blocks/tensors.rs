@@ -7,6 +7,8 @@ use super::copy::Direction;
 use super::issue::Issue;
 use super::plan::{Pair, Run, check_ids, runs};
 use super::strides::{batch_threads, two_d_wins};
+use super::tuning::{Pick, Tuning, Way};
+use crate::cuda::{Current, StreamHandle};
 use crate::error::{Error, Result};
 
 /// A mover's tensors and how moves between them are issued: what planning a move needs, on the
@@ -27,6 +29,8 @@ pub(super) struct Tensors {
     /// device tensor), found once: a check reads this, not every pair (a cache line or two
     /// each, which a call made after a long wait finds in no cache).
     read_only: [Option<usize>; 2],
+    /// Which way moves between tensors at one stride go, timed on this device.
+    tuning: Tuning,
 }
 
 impl Tensors {
@@ -45,6 +49,7 @@ impl Tensors {
             pairs: pairs.into(),
             batched,
             seen: Mutex::new(Vec::new()),
+            tuning: Tuning::default(),
         }
     }
 
@@ -77,12 +82,33 @@ impl Tensors {
     }
 
     /// How a move of `blocks` blocks in `runs` runs is issued: as 2D copies across the tensors
-    /// when they sit at one stride and 2D copies beat a batch there ([`two_d_wins`]).
-    pub(super) fn how(&self, direction: Direction, blocks: usize, runs: usize) -> Issue {
-        match self.strides {
-            Some((device_pitch, host_pitch))
-                if two_d_wins(direction, blocks, self.pairs[0].device.bytes, runs) =>
-            {
+    /// when they sit at one stride and 2D copies beat a batch there (as timed on this device,
+    /// [`Tuning`]; until then [`two_d_wins`]' table), else batched where the driver can.
+    /// `cur`: the device's context, where the caller has it entered: the timings that completed
+    /// are taken in first.
+    pub(super) fn how(
+        &self,
+        direction: Direction,
+        blocks: usize,
+        runs: usize,
+        cur: Option<&Current<'_>>,
+    ) -> (Issue, Pick) {
+        if let Some(cur) = cur {
+            self.tuning.harvest(cur);
+        }
+        let table = two_d_wins(direction, blocks, self.pairs[0].device.bytes, runs);
+        let pick = match self.strides {
+            Some(_) if self.batched && runs > 0 => self.tuning.pick(
+                direction,
+                self.copy_class(direction, blocks, runs),
+                blocks * self.block_bytes(),
+                if table { Way::Strided } else { Way::Batched },
+            ),
+            _ => Pick::Table,
+        };
+        let two_d = pick.way().map_or(table, |way| way == Way::Strided);
+        let issue = match self.strides {
+            Some((device_pitch, host_pitch)) if two_d => {
                 let (src_pitch, dst_pitch) = match direction {
                     Direction::Offload => (device_pitch, host_pitch),
                     Direction::Load => (host_pitch, device_pitch),
@@ -96,13 +122,63 @@ impl Tensors {
             }
             _ if self.batched => {
                 let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
-                let copy_bytes = blocks * self.pairs[0].device.bytes / runs.max(1);
                 Issue::Batched {
-                    threads: batch_threads(direction, runs * parts, copy_bytes),
+                    threads: batch_threads(direction, runs * parts, self.copy_bytes(blocks, runs)),
                 }
             }
             _ => Issue::PerCopy,
+        };
+        (issue, pick)
+    }
+
+    /// What sets a move's class for [`Tuning`]: its copies' bytes on average, and whether its
+    /// batch would be issued from several threads.
+    fn copy_class(&self, direction: Direction, blocks: usize, runs: usize) -> (usize, bool) {
+        let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
+        let copy_bytes = self.copy_bytes(blocks, runs);
+        (
+            copy_bytes,
+            batch_threads(direction, runs * parts, copy_bytes) > 1,
+        )
+    }
+
+    /// The bytes of one copy of a move of `blocks` blocks in `runs` runs, on average.
+    pub(super) fn copy_bytes(&self, blocks: usize, runs: usize) -> usize {
+        blocks * self.pairs[0].device.bytes / runs.max(1)
+    }
+
+    /// The bytes of one block id across every tensor.
+    pub(super) fn block_bytes(&self) -> usize {
+        self.pairs
+            .iter()
+            .map(|p| p.device.bytes * p.device.outer)
+            .sum()
+    }
+
+    /// Issues a move's copies with `issue` (which issues them on `stream`), timed on the GPU
+    /// when `pick` says so ([`Tuning`]); returns what `issue` returned.
+    pub(super) fn issue_timed<T, E>(
+        &self,
+        cur: &Current<'_>,
+        stream: StreamHandle,
+        direction: Direction,
+        (blocks, runs): (usize, usize),
+        pick: Pick,
+        issue: impl FnOnce() -> std::result::Result<T, E>,
+    ) -> std::result::Result<T, E> {
+        let Pick::Timing(way) = pick else {
+            return issue();
+        };
+        let (class, bytes) = (
+            self.copy_class(direction, blocks, runs),
+            blocks * self.block_bytes(),
+        );
+        let open = self.tuning.begin(cur, stream, direction, class, bytes, way);
+        let issued = issue();
+        if let Some(open) = open {
+            self.tuning.end(cur, stream, open, issued.is_ok());
         }
+        issued
     }
 
     /// Checks a move of `src_ids[i]` into `dst_ids[i]` in `direction`: its runs.

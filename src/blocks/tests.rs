@@ -474,7 +474,7 @@ fn how_picks_2d_copies_a_batch_or_single_copies() {
     // A load: 2D copies, host pitch to device pitch.
     assert!(
         matches!(
-            strided.how(Direction::Load, 2048, 2048),
+            strided.how(Direction::Load, 2048, 2048, None).0,
             Issue::Strided {
                 src_pitch: 2000,
                 dst_pitch: 1000,
@@ -483,10 +483,10 @@ fn how_picks_2d_copies_a_batch_or_single_copies() {
             }
         ),
         "{:?}",
-        strided.how(Direction::Load, 2048, 2048)
+        strided.how(Direction::Load, 2048, 2048, None).0
     );
     // An offload of 2048 blocks in 512 runs: 64 KiB copies, 2D (device pitch to host pitch).
-    let wide = strided.how(Direction::Offload, 2048, 512);
+    let wide = strided.how(Direction::Offload, 2048, 512, None).0;
     assert!(
         matches!(
             wide,
@@ -501,23 +501,23 @@ fn how_picks_2d_copies_a_batch_or_single_copies() {
     );
     // In 2048 runs: 16 KiB copies (within 9-31 KiB: a batch), 2048 runs x 4 parts = 8192
     // copies (>= 4096: split) of more than 8 KiB: 2 threads.
-    let b = strided.how(Direction::Offload, 2048, 2048);
+    let b = strided.how(Direction::Offload, 2048, 2048, None).0;
     assert!(matches!(b, Issue::Batched { threads: 2 }), "{b:?}");
     // 1023 runs x 4 parts = 4092 copies: too few to split.
-    let b = strided.how(Direction::Offload, 1023, 1023);
+    let b = strided.how(Direction::Offload, 1023, 1023, None).0;
     assert!(matches!(b, Issue::Batched { threads: 1 }), "{b:?}");
     // 8 KiB parts, no common stride: 8 KiB offload copies stay on one thread, loads take 4.
     let small = Tensors::new(two(8 << 10), true, None);
-    let b = small.how(Direction::Offload, 2048, 2048);
+    let b = small.how(Direction::Offload, 2048, 2048, None).0;
     assert!(matches!(b, Issue::Batched { threads: 1 }), "{b:?}");
-    let b = small.how(Direction::Load, 2048, 2048);
+    let b = small.how(Direction::Load, 2048, 2048, None).0;
     assert!(matches!(b, Issue::Batched { threads: 4 }), "{b:?}");
     // No batched call: one call per copy, 2D copies still where they win.
     let old = Tensors::new(two(16 << 10), false, Some((1000, 2000)));
-    let b = old.how(Direction::Offload, 2048, 2048);
+    let b = old.how(Direction::Offload, 2048, 2048, None).0;
     assert!(matches!(b, Issue::PerCopy), "{b:?}");
     assert!(matches!(
-        old.how(Direction::Load, 1, 1),
+        old.how(Direction::Load, 1, 1, None).0,
         Issue::Strided { .. }
     ));
 }

@@ -195,3 +195,52 @@ impl Drop for Event {
             .push(self.raw as usize);
     }
 }
+
+/// A CUDA event with timing enabled, for GPU time between two records ([`TimedEvent::since`]);
+/// not recycled (few are made: the block mover's first moves of each kind).
+pub(crate) struct TimedEvent {
+    /// Keeps the event's context alive until the event is destroyed.
+    _device: Device,
+    raw: CUevent,
+}
+
+// SAFETY: CUevent handles may be used from any thread.
+unsafe impl Send for TimedEvent {}
+// SAFETY: record/query/elapsed are thread-safe in the driver.
+unsafe impl Sync for TimedEvent {}
+
+impl TimedEvent {
+    /// A new timing event of the current device.
+    pub(crate) fn new_in(cur: &Current<'_>) -> Result<Self> {
+        // SAFETY: the device's context is current (`cur`).
+        let raw = unsafe { driver::event::event_create_timed() }?;
+        Ok(Self {
+            _device: cur.device().clone(),
+            raw,
+        })
+    }
+
+    /// Records the event after the work queued on `stream` (context current: `_cur`).
+    pub(crate) fn record_in(&self, _cur: &Current<'_>, stream: StreamHandle) -> Result<()> {
+        // SAFETY: our live event; the stream is live (the caller's) in the current context.
+        unsafe { driver::event::event_record(self.raw, stream.raw()) }?;
+        Ok(())
+    }
+
+    /// The GPU time from `start`'s record to this one's; `None` while either is pending.
+    pub(crate) fn since(&self, _cur: &Current<'_>, start: &TimedEvent) -> Result<Option<Duration>> {
+        // SAFETY: two live timing events of the current context (`_cur`), both recorded (the
+        // caller records before asking).
+        let ms = unsafe { driver::event::event_elapsed(start.raw, self.raw) }?;
+        Ok(ms.map(|ms| Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3)))
+    }
+}
+
+impl Drop for TimedEvent {
+    fn drop(&mut self) {
+        // In its context, as the device destroys its spare events; a refusal leaks one event.
+        let _cur = self._device.enter();
+        // SAFETY: our event, destroyed once (its context kept by `_device`).
+        let _ = unsafe { driver::event::event_destroy(self.raw) };
+    }
+}

@@ -13,6 +13,7 @@ pub(crate) mod wait;
 pub use crate::driver::{DISABLE_ENV, DriverError, Probe, probe};
 pub use crate::error::{DropErrors, drop_errors};
 pub use device::{Current, Device, cuda_available, current_device, device_count};
+pub(crate) use event::TimedEvent;
 pub use event::{Event, SlotEvent};
 #[cfg(feature = "python")]
 pub(crate) use handle_check::{Liveness, learn_layout, liveness};

@@ -57,3 +57,40 @@ pub(crate) unsafe fn event_query(ev: CUevent) -> DResult<bool> {
         }),
     })
 }
+
+/// [cuEventCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html) with
+/// timing: for [`event_elapsed`].
+///
+/// # Safety
+/// 1. A context must be current on this thread.
+pub(crate) unsafe fn event_create_timed() -> DResult<CUevent> {
+    let mut ev = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; a context is current (caller).
+    check("cuEventCreate", unsafe {
+        sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DEFAULT as u32)
+    })?;
+    Ok(ev)
+}
+
+/// [cuEventElapsedTime](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html):
+/// the GPU time from `start` to `end` in milliseconds, `Ok(None)` while either is yet to
+/// complete.
+///
+/// # Safety
+/// 1. `start` and `end` are live events made by [`event_create_timed`], both recorded, of the
+///    context current on this thread.
+pub(crate) unsafe fn event_elapsed(start: CUevent, end: CUevent) -> DResult<Option<f32>> {
+    let mut ms = 0f32;
+    // SAFETY: caller's contract; a valid out-pointer. Relaxed, as `event_query`: a refused call
+    // would invalidate another thread's global-mode capture.
+    super::capture_relaxed(
+        || match unsafe { sys::cuEventElapsedTime(&mut ms, start, end) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(Some(ms)),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(None),
+            code => Err(DriverError {
+                call: "cuEventElapsedTime",
+                code,
+            }),
+        },
+    )
+}

@@ -8,7 +8,7 @@ use super::errors::{describe, type_err, value_err};
 use super::import::{Exchange, Imported, import, import_writable};
 use super::pending::PendingCopy;
 use super::stream::{parse_stream, stream_on};
-use crate::blocks::{Direction, Strategy};
+use crate::blocks::{Choice, Direction, Strategy};
 use crate::cuda::StreamHandle;
 use crate::dlpack::{DType, DeviceView, MemoryKind};
 use crate::stamps::stamp;
@@ -178,7 +178,12 @@ impl BlockMover {
     ///     dict: ``direction``, ``strategy`` (``"batched"``, ``"strided"``, ``"per_copy"`` or
     ///     ``"empty"``),
     ///     ``blocks``, ``runs`` (merged runs of adjacent ids), ``copies``, ``calls`` (driver
-    ///     calls), ``threads`` (issuing at once, each on its own stream), ``bytes``, ``reason``.
+    ///     calls), ``threads`` (issuing at once, each on its own stream), ``bytes``, ``reason``,
+    ///     ``choice``: what chose between 2D copies and a batch where the tensors allow both:
+    ///     ``"table"`` (measured on an H200), ``"timing"`` (this move would be timed: a mover's
+    ///     first moves of 8 MiB or more of each direction and copy size go both ways, timed on
+    ///     the GPU) or ``"measured"`` (the faster timed on this device; ``measured_gbps``:
+    ///     ``{"strided": GB/s, "batched": GB/s}``, the best of each).
     fn plan<'py>(
         &self,
         py: Python<'py>,
@@ -216,6 +221,17 @@ impl BlockMover {
         d.set_item("threads", p.threads)?;
         d.set_item("bytes", p.bytes)?;
         d.set_item("reason", p.reason)?;
+        match p.choice {
+            Choice::Table => d.set_item("choice", "table")?,
+            Choice::Timing => d.set_item("choice", "timing")?,
+            Choice::Measured { strided, batched } => {
+                d.set_item("choice", "measured")?;
+                let rates = PyDict::new(py);
+                rates.set_item("strided", strided as f64 / 1e9)?;
+                rates.set_item("batched", batched as f64 / 1e9)?;
+                d.set_item("measured_gbps", rates)?;
+            }
+        }
         Ok(d)
     }
 

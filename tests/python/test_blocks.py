@@ -391,6 +391,40 @@ def test_torch_every_block_of_every_move(gpu, layout, stream_kind, host_kind, po
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("background", [False, True], ids=["caller", "background"])
+def test_torch_large_moves_are_timed_both_ways_then_take_the_faster(gpu, background):
+    """A pooled mover whose moves 2D copies and a batch can both carry: its first four moves of
+    8 MiB of a kind are timed, the two ways in turn; then plan() says which was faster and every
+    move takes it. Every move checked."""
+    torch = pytest.importorskip("torch")
+    L, NB, W = 8, 96, 4096  # blocks of 16 KiB int32; 64 ids carry 8 MiB
+    dev_all = torch.zeros((L, NB, W), dtype=torch.int32, device="cuda")
+    host_all = pinstage.empty_pinned((L, NB, W), "int32")
+    mover = pinstage.BlockMover(list(dev_all.unbind(0)), [host_all[t] for t in range(L)])
+    rng = np.random.default_rng(3)
+    seen = []
+    for m in range(8):
+        d_ids, h_ids = rng.permutation(NB)[:64], rng.permutation(NB)[:64]
+        plan = mover.plan("load", h_ids, d_ids)
+        assert plan["bytes"] == 8 << 20
+        seen.append((plan["strategy"], plan["choice"], plan.get("measured_gbps")))
+        host_all[...] = rng.integers(0, 2**31 - 1, size=host_all.shape, dtype=np.int32)
+        dev_all.fill_(POISON)
+        mover.load(h_ids, d_ids, background=background).wait()
+        got = dev_all.cpu().numpy()
+        want = np.full(got.shape, POISON, np.int32)
+        want[:, d_ids] = host_all[:, h_ids]
+        np.testing.assert_array_equal(got, want, err_msg=f"load {m}")
+    assert [c for _, c, _ in seen[:4]] == ["timing"] * 4, seen
+    ways = [w for w, _, _ in seen[:4]]
+    assert ways[0] != ways[1] and ways[:2] == ways[2:], seen
+    for way, choice, gbps in seen[4:]:
+        assert choice == "measured" and gbps["strided"] > 0 and gbps["batched"] > 0, seen
+        assert way == ("batched" if gbps["batched"] > gbps["strided"] else "strided"), seen
+    assert mover.plan("load", [1, 2], [3, 4])["choice"] == "table"
+
+
+@pytest.mark.gpu
 def test_torch_offload_and_load_at_once_on_two_streams_every_round_checked(gpu):
     torch = pytest.importorskip("torch")
     L, NB, shape = 8, 64, (2, 64, 16, 64)  # 8 KiB per block part (int32)

@@ -108,6 +108,9 @@ struct Stream {
 
 struct Event {
     rec: Option<(Arc<Stream>, u64)>,
+    /// Created without `CU_EVENT_DISABLE_TIMING`: each record stamps the time it completes.
+    timed: bool,
+    at: Arc<Mutex<Option<std::time::Instant>>>,
 }
 
 /// A memory pool: blocks freed into it stay reserved (and are handed out again) until trimmed.

@@ -215,12 +215,17 @@ pub extern "C" fn cuStreamWriteValue32_v2(
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventCreate(out: *mut Ptr, _flags: c_uint) -> CUresult {
+pub unsafe extern "C" fn cuEventCreate(out: *mut Ptr, flags: c_uint) -> CUresult {
     called(c"cuEventCreate");
     tri!(with_ctx());
     let mut st = state();
     let h = st.handle();
-    st.events.insert(h, Event { rec: None });
+    let event = Event {
+        rec: None,
+        timed: flags & 2 == 0, // CU_EVENT_DISABLE_TIMING
+        at: Arc::default(),
+    };
+    st.events.insert(h, event);
     unsafe { *out = h as Ptr };
     SUCCESS
 }
@@ -245,10 +250,56 @@ pub extern "C" fn cuEventRecord(ev: Ptr, h: Ptr) -> CUresult {
         return INVALID_HANDLE;
     };
     if s.capture.load(Ordering::Acquire) == CAP_NONE {
-        let n = s.submitted();
+        let n = if e.timed {
+            // The time the stream reaches the record, stamped by the stream's thread.
+            let at = Arc::clone(&e.at);
+            *at.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            s.push(Box::new(move || {
+                *at.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
+            }))
+            .unwrap_or_else(|| s.submitted())
+        } else {
+            s.submitted()
+        };
         e.rec = Some((s, n));
     }
     SUCCESS
+}
+
+/// The milliseconds between two timed events' completions: `NOT_READY` while either is
+/// pending; `INVALID_HANDLE` for an event unknown, made without timing, or never recorded.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: Ptr, end: Ptr) -> CUresult {
+    called(c"cuEventElapsedTime");
+    tri!(with_ctx()); // as the driver: CUDA_ERROR_INVALID_CONTEXT without a current context
+    let stamp = |ev: Ptr| -> Result<Option<std::time::Instant>, CUresult> {
+        let st = state();
+        let e = st.events.get(&(ev as usize)).ok_or(INVALID_HANDLE)?;
+        let Some((s, n)) = e.rec.clone().filter(|_| e.timed) else {
+            return Err(INVALID_HANDLE);
+        };
+        let at = Arc::clone(&e.at);
+        drop(st);
+        Ok(if s.reached(n) {
+            *at.lock().unwrap_or_else(|e| e.into_inner())
+        } else {
+            None
+        })
+    };
+    let (a, b) = (tri!(stamp(start)), tri!(stamp(end)));
+    match (a, b) {
+        (Some(a), Some(b)) => {
+            let d = if b >= a {
+                (b - a).as_secs_f64()
+            } else {
+                -(a - b).as_secs_f64()
+            };
+            // SAFETY: the caller's out-pointer.
+            unsafe { *ms = (d * 1e3) as f32 };
+            SUCCESS
+        }
+        _ => NOT_READY,
+    }
 }
 
 fn event_rec(ev: Ptr) -> Result<Option<(Arc<Stream>, u64)>, CUresult> {
