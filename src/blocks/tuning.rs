@@ -65,10 +65,22 @@ struct Class {
     failed: usize,
 }
 
+/// Whether rate `a` beats rate `b`.
+#[cfg(not(pinstage_seeded_bug = "timing_flipped"))]
+fn faster(a: f64, b: f64) -> bool {
+    a > b
+}
+
+/// Seeded bug: the slower way wins.
+#[cfg(pinstage_seeded_bug = "timing_flipped")]
+fn faster(a: f64, b: f64) -> bool {
+    a < b
+}
+
 impl Class {
     fn decided(&self) -> Option<Way> {
         (self.timed[0] >= SAMPLES && self.timed[1] >= SAMPLES).then_some(
-            if self.best[1] > self.best[0] {
+            if faster(self.best[1], self.best[0]) {
                 Way::Batched
             } else {
                 Way::Strided
