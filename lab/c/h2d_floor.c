@@ -1,0 +1,285 @@
+// h2d_floor: the control for #28's pageable goal (copy_h2d from pageable, source cold, >= 0.88 of
+// a copy from pinned memory at 64 MiB, >= 0.92 at 1 GiB, >= 0.5 at 1 MiB). What can ANY program
+// on this host reach, C against the driver, with the best pipeline we know, and where does it
+// stop: the fill (pageable -> pinned by the CPUs), the workers' wake-up, or the DMA beside the
+// fill?
+//
+// Rows, per size (1, 16, 64, 1024 MiB; the source cold as bench_h2d.py makes it: a 1 GiB sweep
+// by 16 threads before every call, and the call's source one of K rotating buffers):
+//   pinned     one cuMemcpyHtoDAsync of the bytes from page-locked memory + cuStreamSynchronize
+//              (torch's copy_ from pinned: the reference of the goal)
+//   fill T x   T threads (the caller one of them) copy the source into a pinned ring of 12 slots
+//   nt|mc      of 4 MiB, 256 KiB units claimed in address order (nt: SSE2 non-temporal stores; mc:
+//              memcpy), NO copy to the device: the fill's own rate
+//   pipe T x   the same fill, and the thread that completes a piece issues its cuMemcpyHtoDAsync
+//   nt|mc      + cuEventRecord (a slot is refilled once its event completed; pieces ramp 128 KiB,
+//   spin|park  256, ..., 4 MiB): pinstage's pipeline. spin: the workers spin between calls (no
+//              wake-up); park: they sleep on a condition variable and the call wakes them
+//              (pinstage's workers park).
+// Every call's result is checked (pipe and pinned rows): the destination poisoned (0xEE, untimed)
+// before the call, read back after it and compared with the source, whose bytes never hold 0xEE
+// and carry a per-call stamp in their first and last 8 bytes (so a copy that did nothing, or
+// copied an earlier call's bytes, fails). Fill rows check the slots' last piece against the
+// source. Median of R calls (default 7) with min and max; rows interleaved per round.
+//
+// Build: nvcc -O2 -o h2d_floor h2d_floor.c -lcuda -lpthread     Run: ./h2d_floor [R]
+#define _GNU_SOURCE
+#include "probe.h"
+#include <emmintrin.h>
+#include <pthread.h>
+#include <stdatomic.h>
+
+#define SLOTS 12
+#define PIECE (4u << 20)
+#define UNIT (256u << 10)
+#define MINP (128u << 10)
+#define MAXT 16
+#define SWEEP (1ull << 30)
+#define MAXU 8192
+#define MAXP 512
+
+typedef struct { size_t piece, off, n; } unit_t;
+
+static CUcontext ctx;
+static CUstream stream;
+static unsigned char *slot[SLOTS];
+static CUevent ev[SLOTS];
+// The call in flight.
+static unit_t units[MAXU];
+static size_t piece_off[MAXP], piece_len[MAXP], piece_units[MAXP];
+static atomic_size_t piece_done[MAXP];
+static atomic_int issued[MAXP];
+static atomic_size_t next_unit;
+static size_t nunits, npieces;
+static const unsigned char *src_now;
+static CUdeviceptr dst_now;
+static int nt_now, dma_now, nthreads_now;
+static atomic_int failed;
+// Workers: gen counts calls; a worker with index < nthreads_now takes part.
+static atomic_uint gen, finished;
+static atomic_int park_mode;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+
+static void fill(unsigned char *d, const unsigned char *s, size_t n, int nt) {
+    if (!nt) { memcpy(d, s, n); return; }
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i)), b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32)), e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    memcpy(d + i, s + i, n - i);
+    _mm_sfence();
+}
+
+// Pieces ramp from MINP up to PIECE; units of UNIT within each piece, in address order.
+static void cut(size_t len) {
+    size_t off = 0, size = MINP;
+    npieces = nunits = 0;
+    while (off < len) {
+        size_t n = size < len - off ? size : len - off;
+        piece_off[npieces] = off; piece_len[npieces] = n; piece_units[npieces] = 0;
+        for (size_t a = 0; a < n; a += UNIT) {
+            units[nunits++] = (unit_t){npieces, a, (n - a) < UNIT ? n - a : UNIT};
+            piece_units[npieces]++;
+        }
+        atomic_store(&piece_done[npieces], 0);
+        atomic_store(&issued[npieces], 0);
+        npieces++;
+        off += n;
+        size = size * 2 > PIECE ? PIECE : size * 2;
+    }
+    atomic_store(&next_unit, 0);
+}
+
+// Take units until none is left (every thread of a call, the caller included).
+static void work(void) {
+    for (;;) {
+        size_t u = atomic_fetch_add(&next_unit, 1);
+        if (u >= nunits) return;
+        unit_t w = units[u];
+        int s = (int)(w.piece % SLOTS);
+        if (w.piece >= SLOTS) {  // the slot's previous piece must be filled (and copied)
+            while (!atomic_load_explicit(&issued[w.piece - SLOTS], memory_order_acquire)) _mm_pause();
+        }
+        if (w.piece >= SLOTS && dma_now) {
+            CUresult r;
+            while ((r = cuEventQuery(ev[s])) == CUDA_ERROR_NOT_READY) _mm_pause();
+            if (r != CUDA_SUCCESS) atomic_store(&failed, 1);
+        }
+        fill(slot[s] + w.off, src_now + piece_off[w.piece] + w.off, w.n, nt_now);
+        size_t done = atomic_fetch_add_explicit(&piece_done[w.piece], 1, memory_order_acq_rel) + 1;
+        if (done == piece_units[w.piece]) {
+            if (dma_now) {
+                if (cuMemcpyHtoDAsync(dst_now + piece_off[w.piece], slot[s], piece_len[w.piece], stream) != CUDA_SUCCESS ||
+                    cuEventRecord(ev[s], stream) != CUDA_SUCCESS)
+                    atomic_store(&failed, 1);
+            }
+            atomic_store_explicit(&issued[w.piece], 1, memory_order_release);
+        }
+    }
+}
+
+static void *worker(void *arg) {
+    int me = (int)(intptr_t)arg;
+    CHECK(cuCtxSetCurrent(ctx));
+    unsigned seen = 0;
+    for (;;) {
+        unsigned g;
+        if (atomic_load(&park_mode)) {
+            pthread_mutex_lock(&mu);
+            while ((g = atomic_load(&gen)) == seen) pthread_cond_wait(&cv, &mu);
+            pthread_mutex_unlock(&mu);
+        } else {
+            while ((g = atomic_load_explicit(&gen, memory_order_acquire)) == seen) _mm_pause();
+        }
+        seen = g;
+        if (me < nthreads_now) work();
+        atomic_fetch_add(&finished, 1);
+    }
+    return NULL;
+}
+
+// One call: T threads (the caller and T-1 workers) fill (and with dma, copy) len bytes; `wake`:
+// through the condition variable (parked workers), else a store the spinning workers see.
+static void call(size_t len, int T, int nt, int dma, int wake) {
+    cut(len);
+    nt_now = nt; dma_now = dma; nthreads_now = T - 1;  // workers 0..T-2, plus the caller
+    atomic_store(&finished, 0);
+    if (wake) {
+        pthread_mutex_lock(&mu);
+        atomic_fetch_add(&gen, 1);
+        pthread_cond_broadcast(&cv);
+        pthread_mutex_unlock(&mu);
+    } else {
+        atomic_fetch_add_explicit(&gen, 1, memory_order_release);
+    }
+    work();
+    while (atomic_load(&finished) < MAXT - 1) _mm_pause();
+    if (dma) CHECK(cuStreamSynchronize(stream));
+}
+
+static unsigned char *sweep_buf;
+static void *sweeper(void *arg) {
+    size_t part = SWEEP / MAXT, i = (size_t)(intptr_t)arg;
+    for (size_t a = i * part; a < (i + 1) * part; a += 64) sweep_buf[a] += 1;
+    return NULL;
+}
+static void sweep(void) {  // evict every cache: 16 threads read and write 1 GiB
+    pthread_t t[MAXT];
+    for (int i = 0; i < MAXT; i++) pthread_create(&t[i], NULL, sweeper, (void *)(intptr_t)i);
+    for (int i = 0; i < MAXT; i++) pthread_join(t[i], NULL);
+}
+
+int main(int argc, char **argv) {
+    int R = argc > 1 ? atoi(argv[1]) : 7;
+    ctx = probe_init();
+    CHECK(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
+    for (int s = 0; s < SLOTS; s++) {
+        CHECK(cuMemHostAlloc((void **)&slot[s], PIECE, 0));
+        CHECK(cuEventCreate(&ev[s], CU_EVENT_DISABLE_TIMING));
+    }
+    const size_t sizes[] = {1u << 20, 16u << 20, 64u << 20, 1u << 30};
+    const int K[] = {64, 32, 12, 2};  // rotating sources per size
+    size_t maxlen = 1u << 30;
+    unsigned char *pinned, *back;
+    CUdeviceptr dst;
+    CHECK(cuMemHostAlloc((void **)&pinned, maxlen, 0));
+    CHECK(cuMemAlloc(&dst, maxlen));
+    back = malloc(maxlen);
+    sweep_buf = malloc(SWEEP);
+    memset(sweep_buf, 1, SWEEP);
+    for (int i = 0; i < MAXT - 1; i++) {
+        pthread_t t;
+        pthread_create(&t, NULL, worker, (void *)(intptr_t)i);
+    }
+    // Rows: pinned; fill T x nt|mc; pipe T x nt|mc x spin|park.
+    enum { PINNED, FILL, PIPE };
+    struct { int kind, T, nt, park; const char *name; } rows[40];
+    int nr = 0;
+    rows[nr++] = (typeof(rows[0])){PINNED, 0, 0, 0, "pinned one copy"};
+    const int Ts[] = {1, 4, 8, 12, 16};
+    for (int i = 0; i < 5; i++)
+        for (int nt = 1; nt >= 0; nt--) rows[nr++] = (typeof(rows[0])){FILL, Ts[i], nt, 0, "fill"};
+    for (int i = 1; i < 5; i++)
+        for (int nt = 1; nt >= 0; nt--) rows[nr++] = (typeof(rows[0])){PIPE, Ts[i], nt, 0, "pipe spin"};
+    rows[nr++] = (typeof(rows[0])){PIPE, 12, 1, 1, "pipe park"};
+    rows[nr++] = (typeof(rows[0])){PIPE, 12, 0, 1, "pipe park"};
+    printf("h2d_floor: %d calls per row, source cold (1 GiB sweep before each call)\n", R);
+    for (int zi = 0; zi < 4; zi++) {
+        size_t len = sizes[zi];
+        int k = K[zi];
+        unsigned char **src = malloc(k * sizeof *src);
+        for (int b = 0; b < k; b++) {
+            src[b] = aligned_alloc(4096, len);
+            for (size_t a = 0; a < len; a++) src[b][a] = (unsigned char)(1 + (a * 131 + b * 7 + a / 4093) % 163);
+        }
+        double t[40][16];
+        long call_no = 0;
+        for (int r = 0; r < R; r++) {
+            for (int q = 0; q < nr; q++) {
+                int i = (q + r) % nr;  // rotated order per round
+                int b = (int)(call_no % k);
+                call_no++;
+                // Stamp: the first and last 8 bytes unique to this call (never 0xEE bytes).
+                uint64_t stamp = 0x0101010101010101ull * (uint64_t)(1 + call_no % 200);
+                memcpy(src[b], &stamp, 8);
+                memcpy(src[b] + len - 8, &stamp, 8);
+                if (rows[i].kind == PINNED) memcpy(pinned, src[b], len);  // pinned source hot or not: DMA reads DRAM
+                CHECK(cuMemsetD8(dst, 0xEE, len));
+                CHECK(cuCtxSynchronize());
+                sweep();
+                if (rows[i].park) {  // the workers go to sleep on the condition variable
+                    atomic_store(&park_mode, 1);
+                    call(0, 1, 0, 0, 1);
+                    usleep(2000);
+                }
+                double t0 = probe_now_ns();
+                if (rows[i].kind == PINNED) {
+                    CHECK(cuMemcpyHtoDAsync(dst, pinned, len, stream));
+                    CHECK(cuStreamSynchronize(stream));
+                } else {
+                    src_now = src[b]; dst_now = dst;
+                    call(len, rows[i].T, rows[i].nt, rows[i].kind == PIPE, rows[i].park);
+                }
+                t[i][r] = probe_now_ns() - t0;
+                if (rows[i].park) {  // wake them into spinning again
+                    atomic_store(&park_mode, 0);
+                    call(0, 1, 0, 0, 1);
+                }
+                if (atomic_load(&failed)) { fprintf(stderr, "a driver call failed\n"); return 1; }
+                if (rows[i].kind == FILL) {  // the last piece's bytes in its slot
+                    size_t p = npieces - 1;
+                    if (memcmp(slot[p % SLOTS], src[b] + piece_off[p], piece_len[p])) {
+                        fprintf(stderr, "CHECK FAILED: fill %zu MiB T=%d\n", len >> 20, rows[i].T);
+                        return 1;
+                    }
+                } else {
+                    CHECK(cuMemcpyDtoH(back, dst, len));
+                    if (memcmp(back, src[b], len)) {
+                        fprintf(stderr, "CHECK FAILED: %s %zu MiB T=%d nt=%d\n", rows[i].name, len >> 20, rows[i].T, rows[i].nt);
+                        return 1;
+                    }
+                }
+            }
+        }
+        printf("\n%zu MiB (GB/s: median [min max]; x pinned: ratio of medians)\n", len >> 20);
+        double ref = 0;
+        for (int i = 0; i < nr; i++) {
+            qsort(t[i], R, sizeof(double), probe_cmp_double);
+            double med = t[i][R / 2], gbs = len / med, lo = len / t[i][R - 1], hi = len / t[i][0];
+            if (i == 0) ref = gbs;
+            printf("  %-16s T=%-2d %s  %7.2f [%6.2f %6.2f]  %.3fx  (%.0f us)\n", rows[i].name, rows[i].T,
+                   rows[i].kind == PINNED ? "  " : rows[i].nt ? "nt" : "mc", gbs, lo, hi, gbs / ref, med / 1e3);
+        }
+        for (int b = 0; b < k; b++) free(src[b]);
+        free(src);
+        fflush(stdout);
+    }
+    printf("\nall checks passed\n");
+    return 0;
+}
