@@ -43,6 +43,15 @@
  *              by the CPU buy that back, or does it cost the memory bandwidth the DMA needs?)
  *   gather     the control for 2d-hgather: the same gather into the staging ring, no copy (the
  *              CPU's gather rate alone; checked on the staging's last chunk)
+ *   2d-hgpipe  (H2D only) 2d-hgather as a pipeline without rounds (pinstage's pageable path's
+ *              shape): PIPE_T threads (default 12, the caller among them; the others woken per
+ *              call) claim blocks in order; each gathers its block's L slices into the staging
+ *              ring block-major (L * B contiguous bytes, non-temporal stores), and the thread
+ *              that completes a chunk issues the chunk's 2D copies (source pitch B: the host side
+ *              in order) and records the ring slot's event; a slot is refilled once its event
+ *              completed. (Run 2026-12-05-h200-b: 2d-hgather ran at the serial rate of gather
+ *              and DMA; does a pipeline without barriers, with more threads and non-temporal
+ *              stores, overlap them?)
  * ONLY=name,name...: run only these strategies. HOST_MEM=alloc|reg4k|reghuge: how the host
  * blocks are allocated (below, where they are).
  * Every timed call is checked: the destination poisoned (0xEE) before it; after it, the first
@@ -97,11 +106,11 @@ static uint64_t pat(uint64_t salt, size_t t, size_t b, size_t w) {
 }
 
 enum { S_BATCH, S_SPLIT, S_2D, S_2DX2, S_CONTIG, S_BT2, S_BT4, S_2DT2, S_2DT4, S_HELD, S_CHUNKS,
-       S_2DSEQ, S_2DWIDE, S_2DDSEQ, S_2DHSEQ, S_2DSORT, S_2DHSORT, S_HGATHER, S_GATHER, NS };
+       S_2DSEQ, S_2DWIDE, S_2DDSEQ, S_2DHSEQ, S_2DSORT, S_2DHSORT, S_HGATHER, S_GATHER, S_HGPIPE, NS };
 static const char *SNAME[NS] = {"batch", "split4k", "2d", "2d-x2", "contig",
                                 "batch-t2", "batch-t4", "2d-t2", "2d-t4", "batch-held", "contig-b",
                                 "2d-seq", "2d-wide", "2d-dseq", "2d-hseq", "2d-sorted", "2d-hsorted",
-                                "2d-hgather", "gather"};
+                                "2d-hgather", "gather", "2d-hgpipe"};
 static CUcontext g_ctx;
 static CUstream g_st[4];
 
@@ -290,6 +299,100 @@ static void hgather(int copy, CUdeviceptr dev, char *host, size_t NB, size_t B, 
     }
 }
 
+/* 2d-hgpipe: the pool, woken per call by a condition variable. */
+#include <emmintrin.h>
+#include <stdatomic.h>
+#define PMAX 64
+static struct {
+    char *host, *stage; CUdeviceptr dev; size_t pitch, B, C, M, chunks, *did, *hid;
+    CUstream st; CUevent *ev; int T;
+    atomic_size_t next;
+    atomic_size_t done[8192];
+    atomic_int issued[8192];
+    atomic_int failed;
+    atomic_uint gen, finished;
+} hp;
+static pthread_mutex_t hp_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t hp_cv = PTHREAD_COND_INITIALIZER;
+
+static void nt_copy(char *d, const char *s, size_t n) {
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i)), b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32)), e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    memcpy(d + i, s + i, n - i);
+    _mm_sfence();
+}
+
+static void hp_work(void) {
+    size_t B = hp.B, C = hp.C, chunk = (size_t)L * C * B;
+    for (;;) {
+        size_t j = atomic_fetch_add(&hp.next, 1);
+        if (j >= hp.M) return;
+        size_t k = j / C, r = k % RING;
+        if (k >= RING) {  /* the slot's previous chunk issued, then copied */
+            while (!atomic_load_explicit(&hp.issued[k - RING], memory_order_acquire)) _mm_pause();
+            CUresult q;
+            while ((q = cuEventQuery(hp.ev[r])) == CUDA_ERROR_NOT_READY) _mm_pause();
+            if (q != CUDA_SUCCESS) atomic_store(&hp.failed, 1);
+        }
+        char *g = hp.stage + r * chunk + (j - k * C) * L * B;
+        for (size_t t = 0; t < L; t++) nt_copy(g + t * B, hp.host + t * hp.pitch + hp.hid[j] * B, B);
+        size_t n = hp.M - k * C < C ? hp.M - k * C : C;
+        if (atomic_fetch_add_explicit(&hp.done[k], 1, memory_order_acq_rel) + 1 == n) {
+            for (size_t i = 0; i < n; i++) {
+                CUDA_MEMCPY2D c;
+                memset(&c, 0, sizeof c);
+                c.srcMemoryType = CU_MEMORYTYPE_HOST; c.srcHost = hp.stage + r * chunk + i * L * B; c.srcPitch = B;
+                c.dstMemoryType = CU_MEMORYTYPE_DEVICE; c.dstDevice = hp.dev + hp.did[k * C + i] * B;
+                c.dstPitch = hp.pitch; c.WidthInBytes = B; c.Height = L;
+                if (cuMemcpy2DAsync(&c, hp.st) != CUDA_SUCCESS) atomic_store(&hp.failed, 1);
+            }
+            if (cuEventRecord(hp.ev[r], hp.st) != CUDA_SUCCESS) atomic_store(&hp.failed, 1);
+            atomic_store_explicit(&hp.issued[k], 1, memory_order_release);
+        }
+    }
+}
+
+static void *hp_worker(void *arg) {
+    int me = (int)(intptr_t)arg;
+    CHECK(cuCtxSetCurrent(g_ctx));
+    unsigned seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&hp_mu);
+        unsigned g;
+        while ((g = atomic_load(&hp.gen)) == seen) pthread_cond_wait(&hp_cv, &hp_mu);
+        pthread_mutex_unlock(&hp_mu);
+        seen = g;
+        if (me < hp.T) hp_work();
+        atomic_fetch_add(&hp.finished, 1);
+    }
+    return NULL;
+}
+
+static int hp_pool;
+static void hgpipe(CUdeviceptr dev, char *host, size_t NB, size_t B, size_t M, size_t *did, size_t *hid,
+                   CUstream st, char *stage, size_t C, CUevent *ev) {
+    hp.host = host; hp.stage = stage; hp.dev = dev; hp.pitch = NB * B; hp.B = B; hp.C = C; hp.M = M;
+    hp.did = did; hp.hid = hid; hp.st = st; hp.ev = ev;
+    hp.chunks = (M + C - 1) / C;
+    for (size_t k = 0; k < hp.chunks; k++) { atomic_store(&hp.done[k], 0); atomic_store(&hp.issued[k], 0); }
+    atomic_store(&hp.next, 0);
+    atomic_store(&hp.finished, 0);
+    pthread_mutex_lock(&hp_mu);
+    atomic_fetch_add(&hp.gen, 1);
+    pthread_cond_broadcast(&hp_cv);
+    pthread_mutex_unlock(&hp_mu);
+    hp_work();
+    while (atomic_load(&hp.finished) < (unsigned)hp_pool) _mm_pause();
+    if (atomic_load(&hp.failed)) { fprintf(stderr, "2d-hgpipe: a driver call failed\n"); exit(1); }
+}
+
 int main(int argc, char **argv) {
     CUdevice dev0;
     CUcontext ctx;
@@ -349,6 +452,15 @@ int main(int argc, char **argv) {
     pthread_t gth[64];
     for (int k = 1; k < GT && k < 64; k++)
         if (pthread_create(&gth[k], NULL, gather_worker, (void *)(intptr_t)k)) { fprintf(stderr, "pthread\n"); exit(1); }
+    int PT = getenv("PIPE_T") ? atoi(getenv("PIPE_T")) : 12;
+    if (PT < 1) PT = 1;
+    if (PT > PMAX) PT = PMAX;
+    hp.T = PT - 1;
+    hp_pool = PT - 1;
+    for (int k = 0; k < PT - 1; k++) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, hp_worker, (void *)(intptr_t)k)) { fprintf(stderr, "pthread\n"); exit(1); }
+    }
     CUevent gev[RING];
     for (int k = 0; k < RING; k++) CHECK(cuEventCreate(&gev[k], CU_EVENT_DISABLE_TIMING));
     printf("blocks2d: L=%d, cap %zu GiB per side, max pitch %d, gather threads %d\n", L, CAP >> 30,
@@ -371,10 +483,10 @@ int main(int argc, char **argv) {
                 double t[REPS], h[REPS];
                 int ok = 1;
                 if (s == S_2D || s == S_2DX2 || s == S_2DT2 || s == S_2DT4 || s == S_2DSEQ || s == S_2DWIDE
-                    || s == S_2DDSEQ || s == S_2DHSEQ || s == S_2DSORT || s == S_2DHSORT || s == S_HGATHER)
+                    || s == S_2DDSEQ || s == S_2DHSEQ || s == S_2DSORT || s == S_2DHSORT || s == S_HGATHER || s == S_HGPIPE)
                     ok = pitch <= (size_t)maxpitch;
                 if (getenv("SKIP_OLD") && (s == S_SPLIT || s == S_2DX2)) ok = 0;
-                if ((s == S_HGATHER || s == S_GATHER) && dir == 1) ok = 0;
+                if ((s == S_HGATHER || s == S_GATHER || s == S_HGPIPE) && dir == 1) ok = 0;
                 size_t C = getenv("GATHER_C") ? (size_t)atoi(getenv("GATHER_C")) : (16u << 20) / (L * B);
                 if (C < 1) C = 1;
                 if (C > M) C = M;
@@ -429,7 +541,9 @@ int main(int argc, char **argv) {
                     CHECK(cuCtxSynchronize());
                     if (s == S_HELD) CHECK(cuLaunchHostFunc(st, holder, NULL));
                     double t0 = now_ms();
-                    if (s == S_HGATHER || s == S_GATHER)
+                    if (s == S_HGPIPE)
+                        hgpipe(dev, host, NB, B, M, pd, ph, st, stage, C, gev);
+                    else if (s == S_HGATHER || s == S_GATHER)
                         hgather(s == S_HGATHER, dev, host, NB, B, M, pd, ph, st, stage, C, gev);
                     else if (s >= S_BT2 && s <= S_2DT4) issue_threads(s, dir, dev, host, NB, B, M, pd, ph);
                     else issue(s == S_HELD ? S_BATCH : (s == S_2DSEQ || s >= S_2DDSEQ) ? S_2D : s, dir, dev, host, NB, B, M, pd, ph,
