@@ -13,16 +13,20 @@
 //              memcpy), NO copy to the device: the fill's own rate
 //   pipe T x   the same fill, and the thread that completes a piece issues its cuMemcpyHtoDAsync
 //   nt|mc      + cuEventRecord (a slot is refilled once its event completed; pieces ramp 128 KiB,
-//   spin|park  256, ..., 4 MiB): pinstage's pipeline. spin: the workers spin between calls (no
-//              wake-up); park: they sleep on a condition variable and the call wakes them
-//              (pinstage's workers park).
+//   armed|park 256, ..., 4 MiB): pinstage's pipeline. Between calls every worker sleeps on its
+//              own condition variable. armed: before the clock starts the call's workers are
+//              woken and spin until it starts (no wake-up inside the call: the floor of
+//              "workers already spinning when a copy is likely"); park: the call wakes them
+//              (pinstage's workers park). Fill rows wake their workers as armed rows do.
+// Run 2026-12-06-h200-a had the workers spin between calls instead: all 16 CPUs busy while the
+// driver and the sweep needed them, medians scattered 10-fold; only its park rows held.
 // Every call's result is checked (pipe and pinned rows): the destination poisoned (0xEE, untimed)
 // before the call, read back after it and compared with the source, whose bytes never hold 0xEE
 // and carry a per-call stamp in their first and last 8 bytes (so a copy that did nothing, or
 // copied an earlier call's bytes, fails). Fill rows check the slots' last piece against the
 // source. Median of R calls (default 7) with min and max; rows interleaved per round.
 //
-// Build: nvcc -O2 -o h2d_floor h2d_floor.c -lcuda -lpthread     Run: ./h2d_floor [R]
+// Build: nvcc -O2 -o h2d_floor h2d_floor.c -lcuda -lpthread     Run: ./h2d_floor [R [MiB...]]
 #define _GNU_SOURCE
 #include "probe.h"
 #include <emmintrin.h>
@@ -53,13 +57,17 @@ static atomic_size_t next_unit;
 static size_t nunits, npieces;
 static const unsigned char *src_now;
 static CUdeviceptr dst_now;
-static int nt_now, dma_now, nthreads_now;
+static int nt_now, dma_now;
 static atomic_int failed;
-// Workers: gen counts calls; a worker with index < nthreads_now takes part.
-static atomic_uint gen, finished;
-static atomic_int park_mode;
-static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+// Workers 0..T-2 of a call (the caller is the T-th): each sleeps on its own condition variable
+// until `go` moves; then, armed, it spins until `start` moves, or runs at once.
+static struct {
+    pthread_mutex_t m;
+    pthread_cond_t c;
+    unsigned go;
+    int armed;
+} W[MAXT];
+static atomic_uint start, finished, spinning;
 
 static void fill(unsigned char *d, const unsigned char *s, size_t n, int nt) {
     if (!nt) { memcpy(d, s, n); return; }
@@ -129,37 +137,49 @@ static void *worker(void *arg) {
     CHECK(cuCtxSetCurrent(ctx));
     unsigned seen = 0;
     for (;;) {
-        unsigned g;
-        if (atomic_load(&park_mode)) {
-            pthread_mutex_lock(&mu);
-            while ((g = atomic_load(&gen)) == seen) pthread_cond_wait(&cv, &mu);
-            pthread_mutex_unlock(&mu);
-        } else {
-            while ((g = atomic_load_explicit(&gen, memory_order_acquire)) == seen) _mm_pause();
+        pthread_mutex_lock(&W[me].m);
+        while (W[me].go == seen) pthread_cond_wait(&W[me].c, &W[me].m);
+        seen = W[me].go;
+        int armed = W[me].armed;
+        unsigned s0 = atomic_load(&start);
+        pthread_mutex_unlock(&W[me].m);
+        if (armed) {
+            atomic_fetch_add(&spinning, 1);
+            while (atomic_load_explicit(&start, memory_order_acquire) == s0) _mm_pause();
         }
-        seen = g;
-        if (me < nthreads_now) work();
+        work();
         atomic_fetch_add(&finished, 1);
     }
     return NULL;
 }
 
-// One call: T threads (the caller and T-1 workers) fill (and with dma, copy) len bytes; `wake`:
-// through the condition variable (parked workers), else a store the spinning workers see.
-static void call(size_t len, int T, int nt, int dma, int wake) {
-    cut(len);
-    nt_now = nt; dma_now = dma; nthreads_now = T - 1;  // workers 0..T-2, plus the caller
+static void wake(int k, int armed) {
+    pthread_mutex_lock(&W[k].m);
+    W[k].go++;
+    W[k].armed = armed;
+    pthread_cond_signal(&W[k].c);
+    pthread_mutex_unlock(&W[k].m);
+}
+
+// Before the clock (armed calls): the call's T-1 workers woken, spinning.
+static void arm(int T) {
+    atomic_store(&spinning, 0);
+    for (int k = 0; k < T - 1; k++) wake(k, 1);
+    while (atomic_load(&spinning) < (unsigned)(T - 1)) _mm_pause();
+}
+
+// One call: T threads (the caller and T-1 workers) fill (and with dma, copy) len bytes; armed:
+// the workers were armed (spinning) before, else the call wakes them.
+static void call(size_t len, int T, int nt, int dma, int armed) {
+    nt_now = nt; dma_now = dma;
     atomic_store(&finished, 0);
-    if (wake) {
-        pthread_mutex_lock(&mu);
-        atomic_fetch_add(&gen, 1);
-        pthread_cond_broadcast(&cv);
-        pthread_mutex_unlock(&mu);
+    if (armed) {
+        atomic_fetch_add_explicit(&start, 1, memory_order_release);
     } else {
-        atomic_fetch_add_explicit(&gen, 1, memory_order_release);
+        for (int k = 0; k < T - 1; k++) wake(k, 0);
     }
     work();
-    while (atomic_load(&finished) < MAXT - 1) _mm_pause();
+    while (atomic_load(&finished) < (unsigned)(T - 1)) _mm_pause();
     if (dma) CHECK(cuStreamSynchronize(stream));
 }
 
@@ -183,8 +203,12 @@ int main(int argc, char **argv) {
         CHECK(cuMemHostAlloc((void **)&slot[s], PIECE, 0));
         CHECK(cuEventCreate(&ev[s], CU_EVENT_DISABLE_TIMING));
     }
-    const size_t sizes[] = {1u << 20, 16u << 20, 64u << 20, 1u << 30};
-    const int K[] = {64, 32, 12, 2};  // rotating sources per size
+    size_t sizes[8] = {1u << 20, 16u << 20, 64u << 20, 1u << 30};
+    int nsizes = 4;
+    if (argc > 2) {  // sizes in MiB (at most 1024)
+        nsizes = argc - 2 > 8 ? 8 : argc - 2;
+        for (int i = 0; i < nsizes; i++) sizes[i] = (size_t)atoi(argv[i + 2]) << 20;
+    }
     size_t maxlen = 1u << 30;
     unsigned char *pinned, *back;
     CUdeviceptr dst;
@@ -194,6 +218,8 @@ int main(int argc, char **argv) {
     sweep_buf = malloc(SWEEP);
     memset(sweep_buf, 1, SWEEP);
     for (int i = 0; i < MAXT - 1; i++) {
+        pthread_mutex_init(&W[i].m, NULL);
+        pthread_cond_init(&W[i].c, NULL);
         pthread_t t;
         pthread_create(&t, NULL, worker, (void *)(intptr_t)i);
     }
@@ -206,13 +232,14 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 5; i++)
         for (int nt = 1; nt >= 0; nt--) rows[nr++] = (typeof(rows[0])){FILL, Ts[i], nt, 0, "fill"};
     for (int i = 1; i < 5; i++)
-        for (int nt = 1; nt >= 0; nt--) rows[nr++] = (typeof(rows[0])){PIPE, Ts[i], nt, 0, "pipe spin"};
+        for (int nt = 1; nt >= 0; nt--) rows[nr++] = (typeof(rows[0])){PIPE, Ts[i], nt, 0, "pipe armed"};
     rows[nr++] = (typeof(rows[0])){PIPE, 12, 1, 1, "pipe park"};
     rows[nr++] = (typeof(rows[0])){PIPE, 12, 0, 1, "pipe park"};
     printf("h2d_floor: %d calls per row, source cold (1 GiB sweep before each call)\n", R);
-    for (int zi = 0; zi < 4; zi++) {
+    for (int zi = 0; zi < nsizes; zi++) {
         size_t len = sizes[zi];
-        int k = K[zi];
+        // Rotating sources: never the same one twice within 1 GiB of calls (at least 2).
+        int k = len >= (512u << 20) ? 2 : (int)((1u << 30) / len) > 64 ? 64 : (int)((1u << 30) / len);
         unsigned char **src = malloc(k * sizeof *src);
         for (int b = 0; b < k; b++) {
             src[b] = aligned_alloc(4096, len);
@@ -233,24 +260,19 @@ int main(int argc, char **argv) {
                 CHECK(cuMemsetD8(dst, 0xEE, len));
                 CHECK(cuCtxSynchronize());
                 sweep();
-                if (rows[i].park) {  // the workers go to sleep on the condition variable
-                    atomic_store(&park_mode, 1);
-                    call(0, 1, 0, 0, 1);
-                    usleep(2000);
+                if (rows[i].kind != PINNED) {
+                    cut(len);  // the call's pieces and units, before the clock
+                    src_now = src[b]; dst_now = dst;
+                    if (!rows[i].park) arm(rows[i].T);
                 }
                 double t0 = probe_now_ns();
                 if (rows[i].kind == PINNED) {
                     CHECK(cuMemcpyHtoDAsync(dst, pinned, len, stream));
                     CHECK(cuStreamSynchronize(stream));
                 } else {
-                    src_now = src[b]; dst_now = dst;
-                    call(len, rows[i].T, rows[i].nt, rows[i].kind == PIPE, rows[i].park);
+                    call(len, rows[i].T, rows[i].nt, rows[i].kind == PIPE, !rows[i].park);
                 }
                 t[i][r] = probe_now_ns() - t0;
-                if (rows[i].park) {  // wake them into spinning again
-                    atomic_store(&park_mode, 0);
-                    call(0, 1, 0, 0, 1);
-                }
                 if (atomic_load(&failed)) { fprintf(stderr, "a driver call failed\n"); return 1; }
                 if (rows[i].kind == FILL) {  // the last piece's bytes in its slot
                     size_t p = npieces - 1;
