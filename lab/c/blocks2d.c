@@ -52,6 +52,8 @@
  *              completed. (Run 2026-12-05-h200-b: 2d-hgather ran at the serial rate of gather
  *              and DMA; does a pipeline without barriers, with more threads and non-temporal
  *              stores, overlap them?)
+ *   gpipe      the control for 2d-hgpipe: its gather alone, the same threads, stores and layout,
+ *              no copy (checked on the staging's last chunk)
  * ONLY=name,name...: run only these strategies. HOST_MEM=alloc|reg4k|reghuge: how the host
  * blocks are allocated (below, where they are).
  * Every timed call is checked: the destination poisoned (0xEE) before it; after it, the first
@@ -106,11 +108,11 @@ static uint64_t pat(uint64_t salt, size_t t, size_t b, size_t w) {
 }
 
 enum { S_BATCH, S_SPLIT, S_2D, S_2DX2, S_CONTIG, S_BT2, S_BT4, S_2DT2, S_2DT4, S_HELD, S_CHUNKS,
-       S_2DSEQ, S_2DWIDE, S_2DDSEQ, S_2DHSEQ, S_2DSORT, S_2DHSORT, S_HGATHER, S_GATHER, S_HGPIPE, NS };
+       S_2DSEQ, S_2DWIDE, S_2DDSEQ, S_2DHSEQ, S_2DSORT, S_2DHSORT, S_HGATHER, S_GATHER, S_HGPIPE, S_GPIPE, NS };
 static const char *SNAME[NS] = {"batch", "split4k", "2d", "2d-x2", "contig",
                                 "batch-t2", "batch-t4", "2d-t2", "2d-t4", "batch-held", "contig-b",
                                 "2d-seq", "2d-wide", "2d-dseq", "2d-hseq", "2d-sorted", "2d-hsorted",
-                                "2d-hgather", "gather", "2d-hgpipe"};
+                                "2d-hgather", "gather", "2d-hgpipe", "gpipe"};
 static CUcontext g_ctx;
 static CUstream g_st[4];
 
@@ -305,10 +307,12 @@ static void hgather(int copy, CUdeviceptr dev, char *host, size_t NB, size_t B, 
 #define PMAX 64
 static struct {
     char *host, *stage; CUdeviceptr dev; size_t pitch, B, C, M, chunks, *did, *hid;
-    CUstream st; CUevent *ev; int T;
+    CUstream st; CUevent *ev; int T, copy;
     atomic_size_t next;
     atomic_size_t done[8192];
     atomic_int issued[8192];
+    /* chunk k's ring slot free (chunk k - RING copied): one thread polls the event */
+    atomic_int slot_free[8192], poller[8192];
     atomic_int failed;
     atomic_uint gen, finished;
 } hp;
@@ -337,15 +341,22 @@ static void hp_work(void) {
         size_t k = j / C, r = k % RING;
         if (k >= RING) {  /* the slot's previous chunk issued, then copied */
             while (!atomic_load_explicit(&hp.issued[k - RING], memory_order_acquire)) _mm_pause();
-            CUresult q;
-            while ((q = cuEventQuery(hp.ev[r])) == CUDA_ERROR_NOT_READY) _mm_pause();
-            if (q != CUDA_SUCCESS) atomic_store(&hp.failed, 1);
+            if (hp.copy && !atomic_load_explicit(&hp.slot_free[k], memory_order_acquire)) {
+                if (!atomic_exchange(&hp.poller[k], 1)) {
+                    CUresult q;
+                    while ((q = cuEventQuery(hp.ev[r])) == CUDA_ERROR_NOT_READY) _mm_pause();
+                    if (q != CUDA_SUCCESS) atomic_store(&hp.failed, 1);
+                    atomic_store_explicit(&hp.slot_free[k], 1, memory_order_release);
+                } else {
+                    while (!atomic_load_explicit(&hp.slot_free[k], memory_order_acquire)) _mm_pause();
+                }
+            }
         }
         char *g = hp.stage + r * chunk + (j - k * C) * L * B;
         for (size_t t = 0; t < L; t++) nt_copy(g + t * B, hp.host + t * hp.pitch + hp.hid[j] * B, B);
         size_t n = hp.M - k * C < C ? hp.M - k * C : C;
         if (atomic_fetch_add_explicit(&hp.done[k], 1, memory_order_acq_rel) + 1 == n) {
-            for (size_t i = 0; i < n; i++) {
+            for (size_t i = 0; i < n && hp.copy; i++) {
                 CUDA_MEMCPY2D c;
                 memset(&c, 0, sizeof c);
                 c.srcMemoryType = CU_MEMORYTYPE_HOST; c.srcHost = hp.stage + r * chunk + i * L * B; c.srcPitch = B;
@@ -353,7 +364,7 @@ static void hp_work(void) {
                 c.dstPitch = hp.pitch; c.WidthInBytes = B; c.Height = L;
                 if (cuMemcpy2DAsync(&c, hp.st) != CUDA_SUCCESS) atomic_store(&hp.failed, 1);
             }
-            if (cuEventRecord(hp.ev[r], hp.st) != CUDA_SUCCESS) atomic_store(&hp.failed, 1);
+            if (hp.copy && cuEventRecord(hp.ev[r], hp.st) != CUDA_SUCCESS) atomic_store(&hp.failed, 1);
             atomic_store_explicit(&hp.issued[k], 1, memory_order_release);
         }
     }
@@ -376,12 +387,15 @@ static void *hp_worker(void *arg) {
 }
 
 static int hp_pool;
-static void hgpipe(CUdeviceptr dev, char *host, size_t NB, size_t B, size_t M, size_t *did, size_t *hid,
+static void hgpipe(int copy, CUdeviceptr dev, char *host, size_t NB, size_t B, size_t M, size_t *did, size_t *hid,
                    CUstream st, char *stage, size_t C, CUevent *ev) {
     hp.host = host; hp.stage = stage; hp.dev = dev; hp.pitch = NB * B; hp.B = B; hp.C = C; hp.M = M;
-    hp.did = did; hp.hid = hid; hp.st = st; hp.ev = ev;
+    hp.did = did; hp.hid = hid; hp.st = st; hp.ev = ev; hp.copy = copy;
     hp.chunks = (M + C - 1) / C;
-    for (size_t k = 0; k < hp.chunks; k++) { atomic_store(&hp.done[k], 0); atomic_store(&hp.issued[k], 0); }
+    for (size_t k = 0; k < hp.chunks; k++) {
+        atomic_store(&hp.done[k], 0); atomic_store(&hp.issued[k], 0);
+        atomic_store(&hp.slot_free[k], 0); atomic_store(&hp.poller[k], 0);
+    }
     atomic_store(&hp.next, 0);
     atomic_store(&hp.finished, 0);
     pthread_mutex_lock(&hp_mu);
@@ -483,14 +497,15 @@ int main(int argc, char **argv) {
                 double t[REPS], h[REPS];
                 int ok = 1;
                 if (s == S_2D || s == S_2DX2 || s == S_2DT2 || s == S_2DT4 || s == S_2DSEQ || s == S_2DWIDE
-                    || s == S_2DDSEQ || s == S_2DHSEQ || s == S_2DSORT || s == S_2DHSORT || s == S_HGATHER || s == S_HGPIPE)
+                    || s == S_2DDSEQ || s == S_2DHSEQ || s == S_2DSORT || s == S_2DHSORT || s == S_HGATHER || s == S_HGPIPE || s == S_GPIPE)
                     ok = pitch <= (size_t)maxpitch;
                 if (getenv("SKIP_OLD") && (s == S_SPLIT || s == S_2DX2)) ok = 0;
-                if ((s == S_HGATHER || s == S_GATHER || s == S_HGPIPE) && dir == 1) ok = 0;
+                if ((s == S_HGATHER || s == S_GATHER || s == S_HGPIPE || s == S_GPIPE) && dir == 1) ok = 0;
                 size_t C = getenv("GATHER_C") ? (size_t)atoi(getenv("GATHER_C")) : (16u << 20) / (L * B);
                 if (C < 1) C = 1;
                 if (C > M) C = M;
                 if ((size_t)RING * L * C * B > CAP / 4) C = CAP / 4 / ((size_t)RING * L * B);
+                if (C < 1) C = 1;
                 if (getenv("ONLY")) {
                     char list[256];
                     snprintf(list, sizeof list, ",%s,", getenv("ONLY"));
@@ -541,8 +556,8 @@ int main(int argc, char **argv) {
                     CHECK(cuCtxSynchronize());
                     if (s == S_HELD) CHECK(cuLaunchHostFunc(st, holder, NULL));
                     double t0 = now_ms();
-                    if (s == S_HGPIPE)
-                        hgpipe(dev, host, NB, B, M, pd, ph, st, stage, C, gev);
+                    if (s == S_HGPIPE || s == S_GPIPE)
+                        hgpipe(s == S_HGPIPE, dev, host, NB, B, M, pd, ph, st, stage, C, gev);
                     else if (s == S_HGATHER || s == S_GATHER)
                         hgather(s == S_HGATHER, dev, host, NB, B, M, pd, ph, st, stage, C, gev);
                     else if (s >= S_BT2 && s <= S_2DT4) issue_threads(s, dir, dev, host, NB, B, M, pd, ph);
@@ -558,6 +573,17 @@ int main(int argc, char **argv) {
                         char *got = dir == 0 ? mirror : stage;
                         for (size_t i = 0; i < L * M * B / 8; i += 4099)
                             if (((uint64_t *)got)[i] != pat(salt, 0, 0, i)) { wrong++; break; }
+                        continue;
+                    }
+                    if (s == S_GPIPE) {  /* the last chunk's blocks, block-major in the staging ring */
+                        size_t k = (M - 1) / C, first = k * C, n = M - first;
+                        char *g = stage + (k % RING) * (size_t)L * C * B;
+                        for (size_t j = 0; j < n; j++)
+                            for (size_t tt = 0; tt < L; tt++) {
+                                uint64_t *p = (uint64_t *)(g + (j * L + tt) * B);
+                                if (p[0] != pat(salt, tt, ph[first + j], 0) || p[W - 1] != pat(salt, tt, ph[first + j], W - 1))
+                                    if (wrong++ < 5) printf("WRONG gpipe B %zu t %zu j %zu\n", B, tt, j);
+                            }
                         continue;
                     }
                     if (s == S_GATHER) {  /* the last chunk's pieces, in the staging ring */

@@ -4,8 +4,9 @@
 // stop: the fill (pageable -> pinned by the CPUs), the workers' wake-up, or the DMA beside the
 // fill?
 //
-// Rows, per size (1, 16, 64, 1024 MiB; the source cold as bench_h2d.py makes it: a 1 GiB sweep
-// by 16 threads before every call, and the call's source one of K rotating buffers):
+// Rows, per size (1, 16, 64, 1024 MiB; the source cold: 16 threads read a 1 GiB buffer before
+// every call (bench_h2d.py's sweep also writes it), and the call's source is one of K rotating
+// buffers):
 //   pinned     one cuMemcpyHtoDAsync of the bytes from page-locked memory + cuStreamSynchronize
 //              (torch's copy_ from pinned: the reference of the goal)
 //   fill T x   T threads (the caller one of them) copy the source into a pinned ring of 12 slots
@@ -17,13 +18,14 @@
 //              own condition variable. armed: before the clock starts the call's workers are
 //              woken and spin until it starts (no wake-up inside the call: the floor of
 //              "workers already spinning when a copy is likely"); park: the call wakes them
-//              (pinstage's workers park). Fill rows wake their workers as armed rows do.
+//              (pinstage's workers park). Fill rows wake their workers as armed rows do. A
+//              call wakes at most one worker per unit beyond the caller's (a 1 MiB copy: 4).
 // Run 2026-12-06-h200-a had the workers spin between calls instead: all 16 CPUs busy while the
 // driver and the sweep needed them, medians scattered 10-fold; only its park rows held.
 // Every call's result is checked (pipe and pinned rows): the destination poisoned (0xEE, untimed)
 // before the call, read back after it and compared with the source, whose bytes never hold 0xEE
-// and carry a per-call stamp in their first and last 8 bytes (so a copy that did nothing, or
-// copied an earlier call's bytes, fails). Fill rows check the slots' last piece against the
+// and carry a per-call stamp in the first 8 bytes of every 64 KiB and the last 8 (so a copy
+// that did nothing, or copied a slot's earlier bytes, fails). Fill rows check the slots' last piece against the
 // source. Median of R calls (default 7) with min and max; rows interleaved per round.
 //
 // Build: nvcc -O2 -o h2d_floor h2d_floor.c -lcuda -lpthread     Run: ./h2d_floor [R [MiB...]]
@@ -53,6 +55,10 @@ static unit_t units[MAXU];
 static size_t piece_off[MAXP], piece_len[MAXP], piece_units[MAXP];
 static atomic_size_t piece_done[MAXP];
 static atomic_int issued[MAXP];
+// Piece i's slot is free once piece i - SLOTS's event completed: one thread polls the event (the
+// first to ask), the others wait for its word (many threads polling one event could slow the
+// thread issuing copies inside the driver).
+static atomic_int slot_free[MAXP], poller[MAXP];
 static atomic_size_t next_unit;
 static size_t nunits, npieces;
 static const unsigned char *src_now;
@@ -97,6 +103,8 @@ static void cut(size_t len) {
         }
         atomic_store(&piece_done[npieces], 0);
         atomic_store(&issued[npieces], 0);
+        atomic_store(&slot_free[npieces], 0);
+        atomic_store(&poller[npieces], 0);
         npieces++;
         off += n;
         size = size * 2 > PIECE ? PIECE : size * 2;
@@ -114,10 +122,15 @@ static void work(void) {
         if (w.piece >= SLOTS) {  // the slot's previous piece must be filled (and copied)
             while (!atomic_load_explicit(&issued[w.piece - SLOTS], memory_order_acquire)) _mm_pause();
         }
-        if (w.piece >= SLOTS && dma_now) {
-            CUresult r;
-            while ((r = cuEventQuery(ev[s])) == CUDA_ERROR_NOT_READY) _mm_pause();
-            if (r != CUDA_SUCCESS) atomic_store(&failed, 1);
+        if (w.piece >= SLOTS && dma_now && !atomic_load_explicit(&slot_free[w.piece], memory_order_acquire)) {
+            if (!atomic_exchange(&poller[w.piece], 1)) {
+                CUresult r;
+                while ((r = cuEventQuery(ev[s])) == CUDA_ERROR_NOT_READY) _mm_pause();
+                if (r != CUDA_SUCCESS) atomic_store(&failed, 1);
+                atomic_store_explicit(&slot_free[w.piece], 1, memory_order_release);
+            } else {
+                while (!atomic_load_explicit(&slot_free[w.piece], memory_order_acquire)) _mm_pause();
+            }
         }
         fill(slot[s] + w.off, src_now + piece_off[w.piece] + w.off, w.n, nt_now);
         size_t done = atomic_fetch_add_explicit(&piece_done[w.piece], 1, memory_order_acq_rel) + 1;
@@ -161,35 +174,40 @@ static void wake(int k, int armed) {
     pthread_mutex_unlock(&W[k].m);
 }
 
-// Before the clock (armed calls): the call's T-1 workers woken, spinning.
-static void arm(int T) {
+// Before the clock (armed calls): the call's `nw` workers woken, spinning.
+static void arm(int nw) {
     atomic_store(&spinning, 0);
-    for (int k = 0; k < T - 1; k++) wake(k, 1);
-    while (atomic_load(&spinning) < (unsigned)(T - 1)) _mm_pause();
+    for (int k = 0; k < nw; k++) wake(k, 1);
+    while (atomic_load(&spinning) < (unsigned)nw) _mm_pause();
 }
 
-// One call: T threads (the caller and T-1 workers) fill (and with dma, copy) len bytes; armed:
+// One call: the caller and `nw` workers fill (and with dma, copy) the units `cut` made; armed:
 // the workers were armed (spinning) before, else the call wakes them.
-static void call(size_t len, int T, int nt, int dma, int armed) {
+static void call(int nw, int nt, int dma, int armed) {
     nt_now = nt; dma_now = dma;
     atomic_store(&finished, 0);
     if (armed) {
         atomic_fetch_add_explicit(&start, 1, memory_order_release);
     } else {
-        for (int k = 0; k < T - 1; k++) wake(k, 0);
+        for (int k = 0; k < nw; k++) wake(k, 0);
     }
     work();
-    while (atomic_load(&finished) < (unsigned)(T - 1)) _mm_pause();
+    while (atomic_load(&finished) < (unsigned)nw) _mm_pause();
     if (dma) CHECK(cuStreamSynchronize(stream));
 }
 
 static unsigned char *sweep_buf;
+static _Atomic uint64_t sweep_sink;
 static void *sweeper(void *arg) {
     size_t part = SWEEP / MAXT, i = (size_t)(intptr_t)arg;
-    for (size_t a = i * part; a < (i + 1) * part; a += 64) sweep_buf[a] += 1;
+    uint64_t sum = 0;
+    for (size_t a = i * part; a < (i + 1) * part; a += 64) sum += sweep_buf[a];
+    sweep_sink += sum;
     return NULL;
 }
-static void sweep(void) {  // evict every cache: 16 threads read and write 1 GiB
+// Evicts every cache: 16 threads read 1 GiB (reads only: no dirty lines left for the timed
+// call's stores to write back; bench_h2d.py's sweep writes too).
+static void sweep(void) {
     pthread_t t[MAXT];
     for (int i = 0; i < MAXT; i++) pthread_create(&t[i], NULL, sweeper, (void *)(intptr_t)i);
     for (int i = 0; i < MAXT; i++) pthread_join(t[i], NULL);
@@ -197,6 +215,7 @@ static void sweep(void) {  // evict every cache: 16 threads read and write 1 GiB
 
 int main(int argc, char **argv) {
     int R = argc > 1 ? atoi(argv[1]) : 7;
+    if (R < 1 || R > 16) { fprintf(stderr, "R: 1..16\n"); return 2; }
     ctx = probe_init();
     CHECK(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
     for (int s = 0; s < SLOTS; s++) {
@@ -207,7 +226,10 @@ int main(int argc, char **argv) {
     int nsizes = 4;
     if (argc > 2) {  // sizes in MiB (at most 1024)
         nsizes = argc - 2 > 8 ? 8 : argc - 2;
-        for (int i = 0; i < nsizes; i++) sizes[i] = (size_t)atoi(argv[i + 2]) << 20;
+        for (int i = 0; i < nsizes; i++) {
+            sizes[i] = (size_t)atoi(argv[i + 2]) << 20;
+            if (sizes[i] == 0 || sizes[i] > (1u << 30)) { fprintf(stderr, "sizes: 1..1024 MiB\n"); return 2; }
+        }
     }
     size_t maxlen = 1u << 30;
     unsigned char *pinned, *back;
@@ -247,14 +269,16 @@ int main(int argc, char **argv) {
         }
         double t[40][16];
         long call_no = 0;
+        int nw = 0;
         for (int r = 0; r < R; r++) {
             for (int q = 0; q < nr; q++) {
                 int i = (q + r) % nr;  // rotated order per round
                 int b = (int)(call_no % k);
                 call_no++;
-                // Stamp: the first and last 8 bytes unique to this call (never 0xEE bytes).
+                // Stamp: the first 8 bytes of every 64 KiB and the last 8 unique to this call
+                // (never 0xEE bytes), so a slot copied before it was refilled fails the check.
                 uint64_t stamp = 0x0101010101010101ull * (uint64_t)(1 + call_no % 200);
-                memcpy(src[b], &stamp, 8);
+                for (size_t a = 0; a < len; a += 64u << 10) memcpy(src[b] + a, &stamp, 8);
                 memcpy(src[b] + len - 8, &stamp, 8);
                 if (rows[i].kind == PINNED) memcpy(pinned, src[b], len);  // pinned source hot or not: DMA reads DRAM
                 CHECK(cuMemsetD8(dst, 0xEE, len));
@@ -263,14 +287,17 @@ int main(int argc, char **argv) {
                 if (rows[i].kind != PINNED) {
                     cut(len);  // the call's pieces and units, before the clock
                     src_now = src[b]; dst_now = dst;
-                    if (!rows[i].park) arm(rows[i].T);
+                    // Workers for this copy: at most one per unit beyond the caller's.
+                    nw = rows[i].T - 1 < (int)nunits - 1 ? rows[i].T - 1 : (int)nunits - 1;
+                    if (nw < 0) nw = 0;
+                    if (!rows[i].park) arm(nw);
                 }
                 double t0 = probe_now_ns();
                 if (rows[i].kind == PINNED) {
                     CHECK(cuMemcpyHtoDAsync(dst, pinned, len, stream));
                     CHECK(cuStreamSynchronize(stream));
                 } else {
-                    call(len, rows[i].T, rows[i].nt, rows[i].kind == PIPE, !rows[i].park);
+                    call(nw, rows[i].nt, rows[i].kind == PIPE, !rows[i].park);
                 }
                 t[i][r] = probe_now_ns() - t0;
                 if (atomic_load(&failed)) { fprintf(stderr, "a driver call failed\n"); return 1; }
