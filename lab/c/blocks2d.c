@@ -62,34 +62,16 @@
  * host wall time of issue + cuStreamSynchronize, and the host time of the issue alone.
  * Exit status 1 on any wrong byte or CUDA error.
  */
-#include <cuda.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
+#include "probe.h"  /* the driver API, CHECK, now_ms, probe_nt_copy */
 #include <pthread.h>
-#include <unistd.h>
 #include <sys/mman.h>
-
-#define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *s_; \
-    cuGetErrorName(r_, &s_); fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_); \
-    exit(1); } } while (0)
 
 #define L 64
 #define CAP ((size_t)8 << 30)
 #define REPS 5
 
-typedef CUresult (*batch_fn_t)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t,
-                               CUmemcpyAttributes *, size_t *, size_t, size_t *, CUstream);
-static batch_fn_t batch_fn;
+static batch_fn_t batch_fn;  /* probe.h's type */
 static int wrong;
-
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
 
 static uint64_t rng_state = 0x5EED2D;
 static uint64_t rnd(void) {
@@ -302,7 +284,6 @@ static void hgather(int copy, CUdeviceptr dev, char *host, size_t NB, size_t B, 
 }
 
 /* 2d-hgpipe: the pool, woken per call by a condition variable. */
-#include <emmintrin.h>
 #include <stdatomic.h>
 #define PMAX 64
 static struct {
@@ -318,20 +299,6 @@ static struct {
 } hp;
 static pthread_mutex_t hp_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t hp_cv = PTHREAD_COND_INITIALIZER;
-
-static void nt_copy(char *d, const char *s, size_t n) {
-    size_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(s + i)), b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32)), e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-        _mm_stream_si128((__m128i *)(d + i), a);
-        _mm_stream_si128((__m128i *)(d + i + 16), b);
-        _mm_stream_si128((__m128i *)(d + i + 32), c);
-        _mm_stream_si128((__m128i *)(d + i + 48), e);
-    }
-    memcpy(d + i, s + i, n - i);
-    _mm_sfence();
-}
 
 static void hp_work(void) {
     size_t B = hp.B, C = hp.C, chunk = (size_t)L * C * B;
@@ -353,7 +320,7 @@ static void hp_work(void) {
             }
         }
         char *g = hp.stage + r * chunk + (j - k * C) * L * B;
-        for (size_t t = 0; t < L; t++) nt_copy(g + t * B, hp.host + t * hp.pitch + hp.hid[j] * B, B);
+        for (size_t t = 0; t < L; t++) probe_nt_copy((unsigned char *)g + t * B, (const unsigned char *)hp.host + t * hp.pitch + hp.hid[j] * B, B);
         size_t n = hp.M - k * C < C ? hp.M - k * C : C;
         if (atomic_fetch_add_explicit(&hp.done[k], 1, memory_order_acq_rel) + 1 == n) {
             for (size_t i = 0; i < n && hp.copy; i++) {

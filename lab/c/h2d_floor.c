@@ -31,7 +31,6 @@
 // Build: nvcc -O2 -o h2d_floor h2d_floor.c -lcuda -lpthread     Run: ./h2d_floor [R [MiB...]]
 #define _GNU_SOURCE
 #include "probe.h"
-#include <emmintrin.h>
 #include <pthread.h>
 #include <stdatomic.h>
 
@@ -76,18 +75,8 @@ static struct {
 static atomic_uint start, finished, spinning;
 
 static void fill(unsigned char *d, const unsigned char *s, size_t n, int nt) {
-    if (!nt) { memcpy(d, s, n); return; }
-    size_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(s + i)), b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32)), e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-        _mm_stream_si128((__m128i *)(d + i), a);
-        _mm_stream_si128((__m128i *)(d + i + 16), b);
-        _mm_stream_si128((__m128i *)(d + i + 32), c);
-        _mm_stream_si128((__m128i *)(d + i + 48), e);
-    }
-    memcpy(d + i, s + i, n - i);
-    _mm_sfence();
+    if (nt) probe_nt_copy(d, s, n);
+    else memcpy(d, s, n);
 }
 
 // Pieces ramp from MINP up to PIECE; units of UNIT within each piece, in address order.

@@ -1,13 +1,15 @@
-// probe.h: what the probes of lab/c share (hostfn_*.c, bg_floor.c, slot_stores.c): the driver
-// API, CHECK (exits naming the call and its error), monotonic clocks in ms and ns, a qsort
-// order, a host function that holds the stream it is launched on for `probe_hold_ms`
-// milliseconds, device 0's context, and cuMemcpyBatchAsync of the ABI pinstage calls.
+// probe.h: what the probes of lab/c share (hostfn_*.c, bg_floor.c, slot_stores.c, h2d_floor.c,
+// blocks2d.c): the driver API, CHECK (exits naming the call and its error), monotonic clocks in
+// ms and ns, a qsort order, SSE2 non-temporal copies, a host function that holds the stream it
+// is launched on for `probe_hold_ms` milliseconds, device 0's context, and cuMemcpyBatchAsync of
+// the ABI pinstage calls.
 #ifndef PINSTAGE_PROBE_H
 #define PINSTAGE_PROBE_H
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include <cuda.h>
+#include <emmintrin.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -56,6 +58,22 @@ static batch_fn_t probe_batch_fn(void) {
     CUdriverProcAddressQueryResult q;
     CHECK(cuGetProcAddress("cuMemcpyBatchAsync", &p, 12080, CU_GET_PROC_ADDRESS_DEFAULT, &q));
     return (batch_fn_t)p;
+}
+
+/* Copies n bytes by SSE2 non-temporal stores (the destination 16-byte aligned), then a store
+ * fence so a DMA issued next reads every byte (pinstage's src/host/bounce.rs `fill`). */
+static void probe_nt_copy(unsigned char *d, const unsigned char *s, size_t n) {
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i)), b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32)), e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    memcpy(d + i, s + i, n - i);
+    _mm_sfence();
 }
 
 /* Device 0's primary context, made current on this thread. */
