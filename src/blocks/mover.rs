@@ -211,11 +211,7 @@ impl<'t> BlockMover<'t> {
 
     /// Bytes of one block summed over all tensors (every part).
     pub fn block_bytes(&self) -> usize {
-        self.tensors
-            .pairs
-            .iter()
-            .map(|p| p.device.bytes * p.device.outer)
-            .sum()
+        self.tensors.block_bytes
     }
 
     /// The tensor pairs.
@@ -240,8 +236,7 @@ impl<'t> BlockMover<'t> {
         dst_ids: &[usize],
     ) -> Result<MovePlan> {
         let runs = self.tensors.check(direction, src_ids, dst_ids)?;
-        let parts: usize = self.tensors.pairs.iter().map(|p| p.device.outer).sum();
-        let copies = runs.len() * parts;
+        let copies = runs.len() * self.tensors.parts;
         // In the device's context (where it can be entered), to take in the timings completed.
         let cur = self.device.as_ref().and_then(|d| d.enter().ok());
         let (how, pick) = self

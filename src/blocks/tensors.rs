@@ -18,6 +18,11 @@ pub(super) struct Tensors {
     pub(super) pairs: Box<[Pair]>,
     pub(super) device_blocks: usize,
     pub(super) host_blocks: usize,
+    /// The bytes of one block id across every tensor.
+    pub(super) block_bytes: usize,
+    /// Parts per block id across every tensor (a copy each per run): the device layouts'
+    /// `outer`s summed.
+    pub(super) parts: usize,
     batched: bool,
     /// The address strides (device, host) between consecutive tensors when every side's
     /// tensors share one layout at one stride within one allocation (2D copies can then cross
@@ -46,6 +51,8 @@ impl Tensors {
             strides,
             device_blocks: pairs.iter().map(|p| p.device.num_blocks).min().unwrap_or(0),
             host_blocks: pairs.iter().map(|p| p.host.num_blocks).min().unwrap_or(0),
+            block_bytes: pairs.iter().map(|p| p.device.bytes * p.device.outer).sum(),
+            parts: pairs.iter().map(|p| p.device.outer).sum(),
             pairs: pairs.into(),
             batched,
             seen: Mutex::new(Vec::new()),
@@ -101,7 +108,7 @@ impl Tensors {
             Some(_) if self.batched && runs > 0 => self.tuning.pick(
                 direction,
                 self.copy_class(direction, blocks, runs),
-                blocks * self.block_bytes(),
+                blocks * self.block_bytes,
                 if table { Way::Strided } else { Way::Batched },
             ),
             _ => Pick::Table,
@@ -120,12 +127,9 @@ impl Tensors {
                     to_host: direction == Direction::Offload,
                 }
             }
-            _ if self.batched => {
-                let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
-                Issue::Batched {
-                    threads: batch_threads(direction, runs * parts, self.copy_bytes(blocks, runs)),
-                }
-            }
+            _ if self.batched => Issue::Batched {
+                threads: batch_threads(direction, runs * self.parts, self.copy_bytes(blocks, runs)),
+            },
             _ => Issue::PerCopy,
         };
         (issue, pick)
@@ -134,25 +138,16 @@ impl Tensors {
     /// What sets a move's class for [`Tuning`]: its copies' bytes on average, and whether its
     /// batch would be issued from several threads.
     fn copy_class(&self, direction: Direction, blocks: usize, runs: usize) -> (usize, bool) {
-        let parts: usize = self.pairs.iter().map(|p| p.device.outer).sum();
         let copy_bytes = self.copy_bytes(blocks, runs);
         (
             copy_bytes,
-            batch_threads(direction, runs * parts, copy_bytes) > 1,
+            batch_threads(direction, runs * self.parts, copy_bytes) > 1,
         )
     }
 
     /// The bytes of one copy of a move of `blocks` blocks in `runs` runs, on average.
     pub(super) fn copy_bytes(&self, blocks: usize, runs: usize) -> usize {
         blocks * self.pairs[0].device.bytes / runs.max(1)
-    }
-
-    /// The bytes of one block id across every tensor.
-    pub(super) fn block_bytes(&self) -> usize {
-        self.pairs
-            .iter()
-            .map(|p| p.device.bytes * p.device.outer)
-            .sum()
     }
 
     /// Issues a move's copies with `issue` (which issues them on `stream`), timed on the GPU
@@ -171,7 +166,7 @@ impl Tensors {
         };
         let (class, bytes) = (
             self.copy_class(direction, blocks, runs),
-            blocks * self.block_bytes(),
+            blocks * self.block_bytes,
         );
         let open = self.tuning.begin(cur, stream, direction, class, bytes, way);
         let issued = issue();
