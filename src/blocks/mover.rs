@@ -252,29 +252,7 @@ impl<'t> BlockMover<'t> {
             (Strategy::Empty, 0, 0, "no block to move")
         } else if matches!(how, Issue::Strided { .. }) {
             let copies = runs.len() * self.tensors.pairs[0].device.outer;
-            (
-                Strategy::Strided,
-                copies,
-                copies,
-                match pick {
-                    Pick::Table => {
-                        "the tensors sit at one stride within one allocation: one 2D copy per run \
-                         and part crosses every tensor (faster than a batch at this direction and \
-                         size on the H200, where measured)"
-                    }
-                    Pick::Timing(_) => {
-                        "the tensors sit at one stride within one allocation: one 2D copy per run \
-                         and part crosses every tensor; this move is timed on the GPU (a mover's \
-                         first moves of 8 MiB or more of each direction and copy size go both \
-                         ways, 2D copies and a batch, to find the faster on this device)"
-                    }
-                    Pick::Measured { .. } => {
-                        "the tensors sit at one stride within one allocation: one 2D copy per run \
-                         and part crosses every tensor (timed faster than a batch on this device \
-                         for moves like this: see choice)"
-                    }
-                },
-            )
+            (Strategy::Strided, copies, copies, pick.strided_reason())
         } else if self.device.is_none() {
             (
                 Strategy::PerCopy,
@@ -291,27 +269,7 @@ impl<'t> BlockMover<'t> {
                 Strategy::Batched,
                 copies,
                 calls,
-                match pick {
-                    Pick::Timing(_) => {
-                        "the copy engines move the merged runs in batched calls (CUDA 12.8+); \
-                         this move is timed on the GPU (a mover's first moves of 8 MiB or more \
-                         of each direction and copy size go both ways, 2D copies and a batch, to \
-                         find the faster on this device)"
-                    }
-                    Pick::Measured { .. } => {
-                        "the copy engines move the merged runs in batched calls (CUDA 12.8+), \
-                         timed faster than 2D copies across the tensors on this device for moves \
-                         like this: see choice"
-                    }
-                    Pick::Table if share < copies => {
-                        "the copy engines move the merged runs in batched calls (CUDA 12.8+), \
-                         issued from several threads at once, each on its own stream (the driver \
-                         takes a batch of many small copies only as fast as one queue drains)"
-                    }
-                    Pick::Table => {
-                        "the copy engines move the merged runs in one batched call (CUDA 12.8+)"
-                    }
-                },
+                pick.batched_reason(share < copies),
             )
         } else {
             (

@@ -124,6 +124,65 @@ pub(super) enum Pick {
     },
 }
 
+/// The plan's reasons: one sentence per strategy and a tail per way it was chosen.
+macro_rules! strided {
+    ($tail:expr) => {
+        concat!(
+            "the tensors sit at one stride within one allocation: one 2D copy per run and part \
+             crosses every tensor",
+            $tail
+        )
+    };
+}
+macro_rules! batched {
+    ($tail:expr) => {
+        concat!(
+            "the copy engines move the merged runs in batched calls (CUDA 12.8+)",
+            $tail
+        )
+    };
+}
+macro_rules! timed {
+    () => {
+        "; this move is timed on the GPU (a mover's first moves of 8 MiB or more of each \
+         direction and copy size go both ways, 2D copies and a batch, to find the faster on \
+         this device)"
+    };
+}
+
+impl Pick {
+    /// Why a move goes as 2D copies across the tensors.
+    pub(super) fn strided_reason(&self) -> &'static str {
+        match self {
+            Pick::Table => strided!(
+                " (faster than a batch at this direction and size on the H200, where measured)"
+            ),
+            Pick::Timing(_) => strided!(timed!()),
+            Pick::Measured { .. } => {
+                strided!(
+                    " (timed faster than a batch on this device for moves like this: see choice)"
+                )
+            }
+        }
+    }
+
+    /// Why a move goes as a batch; `split`: its copies are issued from several threads.
+    pub(super) fn batched_reason(&self, split: bool) -> &'static str {
+        match self {
+            Pick::Timing(_) => batched!(timed!()),
+            Pick::Measured { .. } => batched!(
+                ", timed faster than 2D copies across the tensors on this device for moves like \
+                 this: see choice"
+            ),
+            Pick::Table if split => batched!(
+                ", issued from several threads at once, each on its own stream (the driver takes \
+                 a batch of many small copies only as fast as one queue drains)"
+            ),
+            Pick::Table => "the copy engines move the merged runs in one batched call (CUDA 12.8+)",
+        }
+    }
+}
+
 impl Pick {
     pub(super) fn way(&self) -> Option<Way> {
         match *self {
@@ -277,6 +336,40 @@ impl Tuning {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each way a move was chosen has its own reason, and each starts with its strategy's.
+    #[test]
+    fn each_pick_has_its_own_reason() {
+        let measured = Pick::Measured {
+            way: Way::Strided,
+            strided: 2.0,
+            batched: 1.0,
+        };
+        let picks = [Pick::Table, Pick::Timing(Way::Strided), measured];
+        let mut seen = std::collections::HashSet::new();
+        for p in &picks {
+            let r = p.strided_reason();
+            assert!(r.starts_with("the tensors sit at one stride"), "{r}");
+            assert!(seen.insert(r), "{r}");
+            for split in [false, true] {
+                let r = p.batched_reason(split);
+                assert!(
+                    r.starts_with("the copy engines move the merged runs"),
+                    "{r}"
+                );
+                seen.insert(r);
+            }
+        }
+        // Table alone tells a split batch from one call.
+        assert_eq!(seen.len(), 3 + 4, "{seen:#?}");
+        assert!(
+            Pick::Timing(Way::Batched)
+                .batched_reason(false)
+                .contains("timed on the GPU")
+        );
+        assert!(measured.strided_reason().contains("see choice"));
+        assert!(measured.batched_reason(true).contains("see choice"));
+    }
 
     #[test]
     fn classes_are_powers_of_two() {
