@@ -315,6 +315,97 @@ fn a_wait_swaps_the_capture_mode_once_however_often_it_asks() {
 /// and the questions any copy asks (the thread's context, the stream's capture state): no event
 /// made or destroyed (the device's spare events serve) and no copy on the caller's thread; its
 /// wait makes or destroys no event either. Every block checked after every move.
+/// `T` tensors of `NB` blocks of `W` u32 words each, at one stride in one device allocation and
+/// in one pinned buffer, under one mover; word `i` of the device side holds `3 * i + 1`.
+struct Blocks {
+    /// First, so it is dropped before the memory its views point into.
+    mover: pinstage::blocks::BlockMover<'static>,
+    _device: DeviceBuffer,
+    host: pinstage::PinnedBuffer,
+    values: Vec<u32>,
+    shape: (usize, usize, usize),
+}
+
+impl Blocks {
+    fn new(dev: &Device, stream: &Stream, t: usize, nb: usize, w: usize) -> Blocks {
+        let bytes = t * nb * w * 4;
+        let device = DeviceBuffer::new(dev, bytes).unwrap();
+        let host =
+            pinstage::PinnedBuffer::new(dev, bytes, pinstage::host::PinnedFlags::PORTABLE).unwrap();
+        let view = |ptr: u64, cuda: bool| {
+            // SAFETY: the buffers outlive the mover and every view (fields of one value, the
+            // mover dropped first).
+            unsafe {
+                pinstage::testing::bytes_view(
+                    ptr,
+                    cuda.then_some(0),
+                    &[nb as i64, (w * 4) as i64],
+                    false,
+                )
+            }
+        };
+        let at = |i: usize| (i * nb * w * 4) as u64;
+        let devs: Vec<_> = (0..t).map(|i| view(device.ptr() + at(i), true)).collect();
+        let hosts: Vec<_> = (0..t)
+            .map(|i| view(host.as_ptr() as u64 + at(i), false))
+            .collect();
+        let mover = pinstage::blocks::BlockMover::new(&devs, &hosts, 0).unwrap();
+        let values: Vec<u32> = (0..(t * nb * w) as u32).map(|i| 3 * i + 1).collect();
+        pinstage::copy_h2d(
+            &device.view(DType::U8),
+            bytemuck::cast_slice(&values),
+            stream.handle(),
+        )
+        .unwrap();
+        Blocks {
+            mover,
+            _device: device,
+            host,
+            values,
+            shape: (t, nb, w),
+        }
+    }
+
+    /// The host side's words.
+    #[allow(clippy::mut_from_ref)]
+    fn host_words(&self) -> &mut [u32] {
+        // SAFETY: the pinned buffer is ours; no copy touches it between moves (the tests wait
+        // for each before they look).
+        unsafe { std::slice::from_raw_parts_mut(self.host.as_ptr() as *mut u32, self.values.len()) }
+    }
+
+    /// Poisons the host side before a move.
+    fn poison(&self) {
+        self.host_words().fill(0xDEAD_BEEF);
+    }
+
+    /// After an offload of device blocks `d` into host blocks `h`: every host block `h[i]` of
+    /// every tensor holds device block `d[i]`, every other host block the poison.
+    fn check(&self, d: &[usize], h: &[usize], round: impl std::fmt::Debug) {
+        let (t, nb, w) = self.shape;
+        let host = self.host_words();
+        for ti in 0..t {
+            for b in 0..nb {
+                let words = &host[(ti * nb + b) * w..(ti * nb + b + 1) * w];
+                match h.iter().position(|&x| x == b) {
+                    Some(i) => {
+                        let from = (ti * nb + d[i]) * w;
+                        assert_eq!(
+                            words,
+                            &self.values[from..from + w],
+                            "round {round:?}, tensor {ti}, block {b}"
+                        );
+                    }
+                    None => assert!(
+                        words.iter().all(|&x| x == 0xDEAD_BEEF),
+                        "round {round:?}, tensor {ti}, block {b} written"
+                    ),
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn a_warm_background_move_makes_no_event() {
     let Some((dev, calls)) = fake("a_warm_background_move_makes_no_event") else {
@@ -323,36 +414,11 @@ fn a_warm_background_move_makes_no_event() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let _cur = dev.enter().unwrap();
     let stream = Stream::new(&dev).unwrap();
-    const T: usize = 4;
     const NB: usize = 64;
-    let device = DeviceBuffer::new(&dev, T * NB * 4).unwrap();
-    let host = pinstage::PinnedBuffer::new(&dev, T * NB * 4, pinstage::host::PinnedFlags::PORTABLE)
-        .unwrap();
-    let view = |ptr: u64, cuda: bool| {
-        // SAFETY: the buffers outlive the mover and every view.
-        unsafe { pinstage::testing::bytes_view(ptr, cuda.then_some(0), &[NB as i64, 4], false) }
-    };
-    let devs: Vec<_> = (0..T)
-        .map(|t| view(device.ptr() + (t * NB * 4) as u64, true))
-        .collect();
-    let hosts: Vec<_> = (0..T)
-        .map(|t| view(host.as_ptr() as u64 + (t * NB * 4) as u64, false))
-        .collect();
-    let mover = pinstage::blocks::BlockMover::new(&devs, &hosts, 0).unwrap();
-    // Device block b of tensor t holds 7 * (t * NB + b) + 1; the host side is poisoned before
-    // every move and checked after it.
-    let values: Vec<u32> = (0..(T * NB) as u32).map(|i| 7 * i + 1).collect();
-    pinstage::copy_h2d(
-        &device.view(DType::U8),
-        bytemuck::cast_slice(&values),
-        stream.handle(),
-    )
-    .unwrap();
-    // SAFETY: the pinned buffer is ours; no copy touches it between moves.
-    let host_words =
-        || unsafe { std::slice::from_raw_parts_mut(host.as_ptr() as *mut u32, T * NB) };
+    let blocks = Blocks::new(&dev, &stream, 4, NB, 1);
+    let mover = &blocks.mover;
     for round in 0..6usize {
-        host_words().fill(0xDEAD_BEEF);
+        blocks.poison();
         // Runs of 1, 2 and 3 ids adjacent on both sides (merged by the mover's thread), and
         // singles, in no order.
         let d: Vec<usize> = [0, 1, 2, 9, 10, 30, 17, 40]
@@ -369,19 +435,7 @@ fn a_warm_background_move_makes_no_event() {
             m = Some(unsafe { mover.offload_in_background(&d, &h, stream.handle()) }.unwrap())
         });
         let wait = calls_of(calls, || m.take().unwrap().wait().unwrap());
-        for t in 0..T {
-            for b in 0..NB {
-                let want = match h.iter().position(|&x| x == b) {
-                    Some(i) => values[t * NB + d[i]],
-                    None => 0xDEAD_BEEF,
-                };
-                assert_eq!(
-                    host_words()[t * NB + b],
-                    want,
-                    "round {round}, tensor {t}, block {b}"
-                );
-            }
-        }
+        blocks.check(&d, &h, round);
         if round < 2 {
             continue; // the first moves make the events later ones reuse
         }
@@ -430,44 +484,12 @@ fn a_timed_move_issues_the_way_its_plan_says() {
     let stream = Stream::new(&dev).unwrap();
     // 8 tensors at one stride in one allocation, blocks of 16 KiB: 2D copies and a batch can
     // both carry a move, and 64 ids carry 8 MiB, the least a timed move carries.
-    const T: usize = 8;
     const NB: usize = 96;
-    const W: usize = 4096; // u32 words per block
-    let device = DeviceBuffer::new(&dev, T * NB * W * 4).unwrap();
-    let host =
-        pinstage::PinnedBuffer::new(&dev, T * NB * W * 4, pinstage::host::PinnedFlags::PORTABLE)
-            .unwrap();
-    let view = |ptr: u64, cuda: bool| {
-        // SAFETY: the buffers outlive the mover and every view.
-        unsafe {
-            pinstage::testing::bytes_view(
-                ptr,
-                cuda.then_some(0),
-                &[NB as i64, (W * 4) as i64],
-                false,
-            )
-        }
-    };
-    let at = |t: usize| (t * NB * W * 4) as u64;
-    let devs: Vec<_> = (0..T).map(|t| view(device.ptr() + at(t), true)).collect();
-    let hosts: Vec<_> = (0..T)
-        .map(|t| view(host.as_ptr() as u64 + at(t), false))
-        .collect();
-    let mover = pinstage::blocks::BlockMover::new(&devs, &hosts, 0).unwrap();
-    // Word i of the device side holds 3 * i + 1; the host side is poisoned before every move.
-    let values: Vec<u32> = (0..(T * NB * W) as u32).map(|i| 3 * i + 1).collect();
-    pinstage::copy_h2d(
-        &device.view(DType::U8),
-        bytemuck::cast_slice(&values),
-        stream.handle(),
-    )
-    .unwrap();
-    // SAFETY: the pinned buffer is ours; no copy touches it between moves.
-    let host_words =
-        || unsafe { std::slice::from_raw_parts_mut(host.as_ptr() as *mut u32, T * NB * W) };
+    let blocks = Blocks::new(&dev, &stream, 8, NB, 4096);
+    let mover = &blocks.mover;
     let mut ways = Vec::new();
     for round in 0..6u64 {
-        host_words().fill(0xDEAD_BEEF);
+        blocks.poison();
         let d = pinstage::testing::shuffled_ids(64, NB, 3 + round);
         let h = pinstage::testing::shuffled_ids(64, NB, 30 + round);
         let plan = mover
@@ -492,18 +514,7 @@ fn a_timed_move_issues_the_way_its_plan_says() {
         };
         assert_eq!(issued, want, "round {round}: {plan:?}");
         ways.push((plan.strategy, plan.choice));
-        for t in 0..T {
-            for b in 0..NB {
-                let words = &host_words()[(t * NB + b) * W..(t * NB + b + 1) * W];
-                match h.iter().position(|&x| x == b) {
-                    Some(i) => {
-                        let from = (t * NB + d[i]) * W;
-                        assert_eq!(words, &values[from..from + W], "round {round} t {t} b {b}");
-                    }
-                    None => assert!(words.iter().all(|&w| w == 0xDEAD_BEEF), "round {round}"),
-                }
-            }
-        }
+        blocks.check(&d, &h, round);
     }
     // Both ways were timed, then one kept.
     let timed: Vec<_> = ways[..4].iter().map(|&(s, _)| s).collect();
