@@ -6,12 +6,15 @@
 // with a HOST_NUMA location, drivers 12.6+) free with cuMemFreeAsync instead. This probe asks:
 // 1. does the driver make such a pool here, and what does cuPointerGetAttribute say its memory is;
 // 2. do H2D and D2H copies of 64 MiB from / into it run at the rate of cuMemHostAlloc memory
-//    (5 reps each, event-timed, every copy's bytes checked against a poisoned destination);
+//    (5 reps each, event-timed, every copy checked at one byte per 4 KiB, each odd, against a
+//    destination poisoned with 0xEE);
 // 3. with stream S1 held 300 ms by a host function, thread A frees (cuMemFreeAsync of a pool
-//    block on an idle stream; the same then cuMemPoolTrimTo(0); the same then a synchronize of
-//    A's stream; control: cuMemFreeHost of cuMemHostAlloc memory) and thread B, 50 ms later,
-//    issues a 64 KiB copy on S2 and records an event: how long A's calls and B's two calls take.
-//    Rows with S1 idle too; 3 reps each; B's copy checked.
+//    block on an idle stream, the pool keeping its memory (release threshold: all); the same
+//    then a synchronize of A's stream; the same then cuMemPoolTrimTo(0), which gives the memory
+//    back to the OS; control: cuMemFreeHost of cuMemHostAlloc memory) and thread B, 50 ms later,
+//    issues a 64 KiB copy on S2 and records an event: how long A's calls and B's two calls take,
+//    and the pool's reserved bytes after the row. Rows with S1 idle too; 3 reps each; B's copy
+//    checked. A driver that makes no host pool, or refuses its first uses, is reported (exit 0).
 // Usage: host_pool [numa node id (default: the device's, else 0)]
 #include "probe.h"
 #include <pthread.h>
@@ -22,9 +25,14 @@
 static CUcontext ctx;
 static CUmemoryPool pool;
 
-enum kind { POOL_FREE, POOL_FREE_TRIM, POOL_FREE_SYNC, FREE_HOST, NONE };
-static const char *names[] = {"pool cuMemFreeAsync", "  + cuMemPoolTrimTo(0)", "  + cuStreamSynchronize",
+enum kind { POOL_FREE, POOL_FREE_SYNC, POOL_FREE_TRIM, FREE_HOST, NONE };
+static const char *names[] = {"pool cuMemFreeAsync", "  + cuStreamSynchronize", "  + cuMemPoolTrimTo(0)",
                               "cuMemFreeHost (control)", "(no free)"};
+
+// A call whose refusal answers the probe's question: reported, and the probe ends (exit 0).
+#define SOFT(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *s_ = NULL; \
+    cuGetErrorName(r_, &s_); printf("%s: %s: the driver refuses (no host pool here)\n", #x, \
+    s_ ? s_ : "unknown error"); exit(0); } } while (0)
 
 struct job { enum kind k; void *host; CUdeviceptr pooled; CUstream s3; double took; };
 
@@ -34,8 +42,12 @@ static void *freer(void *p) {
     double t0 = now_ms();
     switch (j->k) {
     case POOL_FREE: CHECK(cuMemFreeAsync(j->pooled, j->s3)); break;
-    case POOL_FREE_TRIM: CHECK(cuMemFreeAsync(j->pooled, j->s3)); CHECK(cuMemPoolTrimTo(pool, 0)); break;
     case POOL_FREE_SYNC: CHECK(cuMemFreeAsync(j->pooled, j->s3)); CHECK(cuStreamSynchronize(j->s3)); break;
+    case POOL_FREE_TRIM:
+        CHECK(cuMemFreeAsync(j->pooled, j->s3));
+        CHECK(cuStreamSynchronize(j->s3));  // a free not yet seen complete is not trimmed
+        CHECK(cuMemPoolTrimTo(pool, 0));
+        break;
     case FREE_HOST: CHECK(cuMemFreeHost(j->host)); break;
     case NONE: break;
     }
@@ -45,7 +57,7 @@ static void *freer(void *p) {
 
 // A pool block of n bytes, usable from the host once this returns.
 static unsigned char *pool_alloc(size_t n, CUstream s, CUdeviceptr *d) {
-    CHECK(cuMemAllocFromPoolAsync(d, n, pool, s));
+    SOFT(cuMemAllocFromPoolAsync(d, n, pool, s));
     CHECK(cuStreamSynchronize(s));
     return (unsigned char *)(uintptr_t)*d;
 }
@@ -59,13 +71,15 @@ static void rate(const char *what, unsigned char *host, CUdeviceptr dev, CUstrea
     for (int dir = 0; dir < 2; dir++) {
         double gbs[5];
         for (int rep = 0; rep < 5; rep++) {
-            for (size_t i = 0; i < MB64; i += 4096) check[i] = (unsigned char)(i / 4096 * 31 + rep * 7 + dir + 1);
+            // Odd values: never the poison 0xEE.
+            for (size_t i = 0; i < MB64; i += 4096) check[i] = (unsigned char)((i / 4096 * 31 + rep * 7 + dir) | 1);
             if (dir == 0) {  // H2D: host holds the values, the device is poisoned
                 for (size_t i = 0; i < MB64; i += 4096) host[i] = check[i];
                 CHECK(cuMemsetD8(dev, 0xEE, MB64));
             } else {  // D2H: the device holds the values, the host is poisoned
                 for (size_t i = 0; i < MB64; i += 4096) host[i] = check[i];
                 CHECK(cuMemcpyHtoD(dev, host, MB64));
+                CHECK(cuCtxSynchronize());  // pool memory may count as device memory: no implicit wait
                 memset(host, 0xEE, MB64);
             }
             CHECK(cuCtxSynchronize());
@@ -111,9 +125,9 @@ int main(int argc, char **argv) {
     props.location.id = numa;
     CUresult r = cuMemPoolCreate(&pool, &props);
     if (r != CUDA_SUCCESS) {
-        const char *s;
+        const char *s = NULL;
         cuGetErrorName(r, &s);
-        printf("cuMemPoolCreate(HOST_NUMA %d): %s: no host pool on this driver\n", numa, s);
+        printf("cuMemPoolCreate(HOST_NUMA %d): %s: no host pool on this driver\n", numa, s ? s : "unknown error");
         return 0;
     }
     CUmemAccessDesc acc;
@@ -121,7 +135,10 @@ int main(int argc, char **argv) {
     acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     acc.location.id = dev;
     acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    CHECK(cuMemPoolSetAccess(pool, &acc, 1));
+    SOFT(cuMemPoolSetAccess(pool, &acc, 1));
+    // The pool keeps freed memory until trimmed: a free alone gives nothing back to the OS.
+    cuuint64_t keep = ~(cuuint64_t)0;
+    CHECK(cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep));
 
     CUstream s1, s2, s3;
     CHECK(cuStreamCreate(&s1, CU_STREAM_NON_BLOCKING));
@@ -132,7 +149,7 @@ int main(int argc, char **argv) {
     CUdeviceptr pd;
     unsigned char *ph = pool_alloc(MB64, s3, &pd);
     unsigned int mt = 0;
-    CHECK(cuPointerGetAttribute(&mt, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, pd));
+    SOFT(cuPointerGetAttribute(&mt, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, pd));
     printf("pool block at %p: memory type %u (1 host, 2 device, 3 array, 4 unified)\n", (void *)ph, mt);
 
     // 2. Copy rates, against cuMemHostAlloc memory.
@@ -158,7 +175,7 @@ int main(int argc, char **argv) {
     CUevent ev;
     CHECK(cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
     unsigned char *back = malloc(NB);
-    printf("%-26s %-10s %12s %16s\n", "free on thread A", "S1", "A's calls ms", "B's copy+rec ms");
+    printf("%-26s %-10s %12s %16s %14s\n", "free on thread A", "S1", "A's calls ms", "B's copy+rec ms", "pool MiB after");
     for (int busy = 1; busy >= 0; busy--) {
         for (int k = POOL_FREE; k <= NONE; k++) {
             for (int rep = 0; rep < 3; rep++) {
@@ -175,7 +192,7 @@ int main(int argc, char **argv) {
                 if (busy) CHECK(cuLaunchHostFunc(s1, probe_holder, NULL));
                 usleep(2000);
                 pthread_t th;
-                pthread_create(&th, NULL, freer, &j);
+                if (pthread_create(&th, NULL, freer, &j) != 0) { fprintf(stderr, "pthread_create failed\n"); return 1; }
                 usleep(50000);
                 double t0 = now_ms();
                 CHECK(cuMemcpyHtoDAsync(dst, src, NB, s2));
@@ -185,7 +202,10 @@ int main(int argc, char **argv) {
                 CHECK(cuCtxSynchronize());
                 CHECK(cuMemcpyDtoH(back, dst, NB));
                 if (memcmp(back, src, NB) != 0) bad++;
-                printf("%-26s %-10s %12.2f %16.3f\n", names[k], busy ? "held 300ms" : "idle", j.took, b);
+                cuuint64_t reserved = 0;
+                CHECK(cuMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &reserved));
+                printf("%-26s %-10s %12.2f %16.3f %14.1f\n", names[k], busy ? "held 300ms" : "idle", j.took, b,
+                       reserved / 1048576.0);
                 fflush(stdout);
             }
         }
