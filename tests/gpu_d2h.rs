@@ -23,6 +23,11 @@ fn view(buf: &DeviceBuffer) -> DeviceView<'_> {
     buf.view(DType::U8)
 }
 
+/// Taken by every test here: one of them stalls a stream, and another test's buffer freed
+/// meanwhile (on the reaper's thread, after a device synchronize that may come just before the
+/// stall) would wait for the stall inside the driver and hold up the staller's calls.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[rstest]
 #[case::one(1)]
 #[case::odd(4097)]
@@ -34,6 +39,7 @@ fn gpu_d2h_pinned_and_pageable(#[case] bytes: usize) {
     let Some(dev) = gpu_or_skip("gpu_d2h_pinned_and_pageable") else {
         return;
     };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (src, data) = filled(&dev, bytes, bytes as u64);
     // pinned destination, one byte longer than needed: the tail must stay poisoned
     let mut pinned = PinnedBuffer::new(&dev, bytes + 1, PinnedFlags::PORTABLE).unwrap();
@@ -58,6 +64,7 @@ fn gpu_d2h_async_and_pool() {
     let Some(dev) = gpu_or_skip("gpu_d2h_async_and_pool") else {
         return;
     };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let bytes = 3 << 20;
     let (src, data) = filled(&dev, bytes, 99);
     let pool = PinnedPool::new(&dev, 16 << 20);
@@ -81,6 +88,11 @@ fn gpu_d2h_async_and_pool() {
     drop((again, big));
     pool.empty_cache();
     assert_eq!(pool.stats().pooled_bytes, 0);
+    // Every block let go so far (here and by the tests before) is freed before the stall: a
+    // free whose synchronize came just before the stall was queued waits for the stall inside
+    // the driver and holds up this thread's calls meanwhile (the copy below took 20 s to
+    // issue, the stall's bound, on an H200, 4 test threads).
+    pinstage::host::wait_for_frees();
     // Dropping a pending copy never blocks, and its block stays out of the pool until the copy
     // completed (the reaper thread lets it go then): with the stream stalled for 300 ms by a
     // host function, the drop returns at once, the block is still in use during the stall, and
@@ -106,8 +118,8 @@ fn gpu_d2h_async_and_pool() {
     let t_issue = std::time::Instant::now();
     let pending = copy_d2h_async(&view(&src), block, stream.handle()).unwrap();
     let issued_in = t_issue.elapsed();
-    // Seen once (2026-12-05, an H100, 4 test threads; not again in 3 reruns): the message says
-    // which path the copy took and how long issuing it took (a bounce would wait for the stall).
+    // The message says which path the copy took and how long issuing it took (a bounce would
+    // wait for the stall, and so would a call held up by a free waiting for it).
     assert!(
         !pending.is_done(),
         "the copy waits behind the stalled stream: {pending:?}, issued in {issued_in:?}"
@@ -138,6 +150,7 @@ fn gpu_d2h_refusals() {
     let Some(dev) = gpu_or_skip("gpu_d2h_refusals") else {
         return;
     };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (src, _) = filled(&dev, 64, 1);
     let mut small = vec![POISON; 63];
     let err = copy_d2h(&view(&src), &mut small, StreamHandle::LEGACY).unwrap_err();
