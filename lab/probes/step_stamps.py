@@ -4,7 +4,8 @@
 With the lab variant `stamps` (`PINSTAGE_VARIANTS=stamps scripts/gpu-build`, `gpu-run
 variant-stamps`) each call's timestamps are read after it (`pinstage._lab._stamps`) and the median
 ns between consecutive stamps is printed per row; in any other build only the wall times are. Rows:
-"loop" (calls back to back) and "paced" (30 us of spinning between calls), 5 rounds of 2000
+"loop" (calls one after the other, each followed by its untimed snapshot's six copy launches)
+and "paced" (30 us of spinning between calls), 5 rounds of 2000
 calls each, median of the rounds' medians with their range. Every step is checked: after each
 timed call (untimed) the arena's fields are copied on the same stream into that step's own
 snapshot, and after each round every snapshot is compared with the values staged (distinct in
@@ -12,6 +13,7 @@ every step of a round: step i's values are the base values + i).
 Run on the GPU machine with the wheel (or a variant's) first on PYTHONPATH.
 """
 
+import gc
 import time
 
 import numpy as np
@@ -65,6 +67,7 @@ def one_round(paced):
         snaps[n].fill_(-1)  # poison (no staged value is negative)
     torch.cuda.synchronize()
     walls, parts = [], []
+    gc.disable()  # as bench_step.py: no collection inside a timed call
     with torch.cuda.stream(s):
         for i in range(N):
             if paced:
@@ -77,6 +80,7 @@ def one_round(paced):
             for n, (dt, cap, u) in ENGINE.items():  # untimed: this step's snapshot
                 snaps[n][i].copy_(views[n][:u], non_blocking=True)
     s.synchronize()
+    gc.enable()
     bad = 0
     for n in ENGINE:
         got = snaps[n].cpu().numpy()
