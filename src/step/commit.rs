@@ -65,6 +65,7 @@ impl StepStager {
                 }
             }
         }
+        crate::stamps::stamp!("planned");
         // `sc` is the slot's scratch: not read once `send` released the slot.
         let result = self.send(s.claim, sc, base, stream);
         if result.is_err()
@@ -172,6 +173,7 @@ impl StepStager {
             Ok(c) => c,
             Err(e) => return release_idle(e),
         };
+        crate::stamps::stamp!("entered");
         let (dst, block) = match &self.target {
             Target::Device(d) => (d.ptr(), None),
             Target::Bound { ptr, .. } => (*ptr, None),
@@ -205,6 +207,7 @@ impl StepStager {
             &claim,
             &mut self.core.owner(&cur, stream, &mut no_wait, &mut send),
         )?;
+        crate::stamps::stamp!("recorded");
         Ok((send.calls, send.batched, block))
     }
 }

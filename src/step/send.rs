@@ -39,6 +39,7 @@ impl SlotIo for SendJob<'_> {
         // Seeded bug (scripts/seeded.tsv): the commit copies nothing.
         #[cfg(pinstage_seeded_bug = "step_skip_copy")]
         return Ok(());
+        crate::stamps::stamp!("send begins");
         let stream = self.stream;
         if self.segs.len() > 1 && self.batch {
             self.dsts.clear();
@@ -60,6 +61,7 @@ impl SlotIo for SendJob<'_> {
             self.stats.batch_entries.add(self.segs.len() as u64);
             self.calls = 1;
             self.batched = true;
+            crate::stamps::stamp!("copied");
             return Ok(());
         }
         for (k, &(start, len)) in self.segs.iter().enumerate() {
@@ -83,6 +85,7 @@ impl SlotIo for SendJob<'_> {
             self.calls += 1;
             self.stats.copies.add(1);
         }
+        crate::stamps::stamp!("copied");
         Ok(())
     }
 

@@ -294,6 +294,7 @@ impl PyStepStager {
         stream: Option<&Bound<'_, PyAny>>,
         pad_values: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<Py<DeviceArray>>> {
+        crate::stamps::stamp!(">stage");
         crate::python::linger::reap(slf.py());
         let pad_value = match (pad_value, pad_values.filter(|p| !p.is_none())) {
             (Some(p), Some(_)) if !p.is_none() => {
@@ -337,6 +338,7 @@ impl PyStepStager {
         let stream = me.stream_of(stream)?;
         let st = &me.inner;
         let mut raw = claim(py, &me.inner, &me.open_steps)?;
+        crate::stamps::stamp!("claimed");
         let mut hint = 0usize;
         // Off the exact-numpy fast path a value's conversion may run Python code (`__array__`,
         // `__index__`) that opens steps of this stager: while it runs, this slot counts as held
@@ -384,7 +386,9 @@ impl PyStepStager {
             st.abort_raw(raw);
             return Err(e);
         }
+        crate::stamps::stamp!("written");
         let committed = commit_detached(py, st, raw, stream)?;
+        crate::stamps::stamp!("committed");
         match committed.block {
             Some(b) => Ok(Some(Py::new(py, DeviceArray::of_block(b))?)),
             None => Ok(None),
