@@ -131,7 +131,7 @@ int main(void) {
     printf("2. lives of a 4 MiB block: alloc, D2H into it, check, free, trim\n");
     CUdeviceptr src;
     CHECK(cuMemAlloc(&src, 4u << 20));
-    unsigned char *want = malloc(4u << 20);
+    unsigned char *want = calloc(4u << 20, 1);
     if (!want) return 1;
     int same = 0;
     long bad = lives(200, ps, cs, src, want, &same);
