@@ -16,6 +16,8 @@
 //    with a second thread trimming the pool in a loop meanwhile (the branch trims on its reaper
 //    thread while other threads allocate). Printed: rounds done, wrong bytes, and how often the
 //    block came back at the address of the round before.
+// 1b. Do 2D copies accept host rows spread over a whole pool block (what the strided way of
+//    the block mover issues), both ways, every row checked and the byte past each row untouched?
 // A driver without host pools is reported (exit 0). Usage: host_pool_range
 #include "probe.h"
 #include <pthread.h>
@@ -127,6 +129,57 @@ int main(void) {
         CHECK(cuStreamSynchronize(ps));
         CHECK(cuMemPoolTrimTo(pool, 0));
     }
+
+    printf("1b. 2D copies whose host rows span a whole pool block (64 rows of 16 KiB, the pitch\n"
+           "    the block's 64th part: the block mover's strided way)\n");
+    CUdeviceptr dsrc, dback;
+    CHECK(cuMemAlloc(&dsrc, 1u << 20));
+    CHECK(cuMemAlloc(&dback, 1u << 20));
+    unsigned char *rows = malloc(1u << 20), *got = malloc(1u << 20);
+    if (!rows || !got) return 1;
+    for (size_t i = 0; i < (1u << 20); i++) rows[i] = (unsigned char)((i * 31 + 7) | 1);
+    CHECK(cuMemcpyHtoD(dsrc, rows, 1u << 20));
+    size_t blocks[] = {64u << 20, 1u << 30};
+    for (int b = 0; b < 2; b++) {
+        size_t n = blocks[b], pitch = n / 64, w = 16384;
+        CUdeviceptr d;
+        CHECK(cuMemAllocFromPoolAsync(&d, n, pool, ps));
+        CHECK(cuStreamSynchronize(ps));
+        unsigned char *h = (unsigned char *)(uintptr_t)d;
+        memset(h, 0xEE, n);
+        CUDA_MEMCPY2D c;
+        memset(&c, 0, sizeof c);
+        c.srcMemoryType = CU_MEMORYTYPE_DEVICE; c.srcDevice = dsrc; c.srcPitch = w;
+        c.dstMemoryType = CU_MEMORYTYPE_HOST; c.dstHost = h; c.dstPitch = pitch;
+        c.WidthInBytes = w; c.Height = 64;
+        CUresult r1 = cuMemcpy2DAsync(&c, cs);
+        if (r1 == CUDA_SUCCESS) CHECK(cuStreamSynchronize(cs));
+        long wrong = 0;
+        for (int row = 0; r1 == CUDA_SUCCESS && row < 64; row++) {
+            wrong += memcmp(h + row * pitch, rows + row * w, w) != 0;
+            wrong += h[row * pitch + w] != 0xEE;  // past the row: untouched
+        }
+        CHECK(cuMemsetD8(dback, 0xEE, 1u << 20));
+        memset(&c, 0, sizeof c);
+        c.srcMemoryType = CU_MEMORYTYPE_HOST; c.srcHost = h; c.srcPitch = pitch;
+        c.dstMemoryType = CU_MEMORYTYPE_DEVICE; c.dstDevice = dback; c.dstPitch = w;
+        c.WidthInBytes = w; c.Height = 64;
+        CUresult r2 = r1 == CUDA_SUCCESS ? cuMemcpy2DAsync(&c, cs) : r1;
+        if (r2 == CUDA_SUCCESS) {
+            CHECK(cuStreamSynchronize(cs));
+            CHECK(cuMemcpyDtoH(got, dback, 1u << 20));
+            wrong += memcmp(got, rows, 1u << 20) != 0;
+        }
+        const char *e1 = NULL, *e2 = NULL;
+        cuGetErrorName(r1, &e1);
+        cuGetErrorName(r2, &e2);
+        printf("  block %5zu MiB: D2H 2D %s, H2D 2D %s, %ld wrong rows\n", n >> 20, e1 ? e1 : "?", e2 ? e2 : "?", wrong);
+        CHECK(cuMemFreeAsync(d, ps));
+        CHECK(cuStreamSynchronize(ps));
+        CHECK(cuMemPoolTrimTo(pool, 0));
+    }
+    free(rows);
+    free(got);
 
     printf("2. lives of a 4 MiB block: alloc, D2H into it, check, free, trim\n");
     CUdeviceptr src;
