@@ -34,14 +34,15 @@ is copied to the device for the comparison). A round is one call of every varian
 order; figures are medians over --rounds rounds (min-max). Ratios: pinstage / peer.
 
 Also: offload and load at once (pinstage, two streams, disjoint ids; issued from two threads, and
-in the background from one) against either alone; host time per pinstage call (issue only, on
-the calling thread and in the background); and a ~4 ms CUDA graph (matmuls) replayed while
-pinstage moves blocks on another stream (4 moves back to back, disjoint host ids, each checked),
-against the same replays alone and beside the sm-gather peer (4 gathers into one packed staging
-buffer: only the last can be checked, the graph figure is not a copy figure). Replays right after
-an idle GPU run
-faster (clocks), so the graph's figures compare replays of the same positions in their sequence:
-those that ran inside the moves, and the same positions of the sequence just before, alone.
+in the background from one) against either alone, and its control, one contiguous copy each way of
+the same bytes at once (what the link carries both ways with nothing scattered); host time per
+pinstage call (issue only, on the calling thread and in the background); and a ~4 ms CUDA graph
+(matmuls) replayed while pinstage moves blocks on another stream (4 moves back to back, disjoint
+host ids, each checked), against the same replays alone and beside the sm-gather peer (4 gathers
+into one packed staging buffer: only the last can be checked, the graph figure is not a copy
+figure). Replays right after an idle GPU run faster (clocks), so the graph's figures compare
+replays of the same positions in their sequence: those that ran inside the moves, and the same
+positions of the sequence just before, alone.
 
     python3 benches/bench_blocks.py [--rounds 5] [--sizes 4,16,32,64,256] [--graph-kib 32] [--out DIR]
 
@@ -413,6 +414,39 @@ def both_at_once(case, s, s2, rounds, background=False):
     return out
 
 
+def contiguous_both(case, s, s2, rounds):
+    """The control of both at once: one contiguous copy each way of a move's bytes, at once (the
+    packed device blocks into the packed pinned blocks on s; the first bytes of the host tensor
+    into the first bytes of the device tensor on s2); both destinations poisoned before, checked
+    after. What the link carries both ways with nothing scattered."""
+    out = []
+    m = case.gdev.numel()
+    dflat = case.dev.reshape(-1)[:m]
+    hflat = case.host.reshape(-1)[:m]
+    hdflat = case.hdev.reshape(-1)[:m]
+    rflat = case.rand.reshape(-1)[:m]
+    for _ in range(rounds):
+        case.salt += 1
+        torch.add(rflat, case.salt, out=case.gdev.reshape(-1))
+        torch.add(rflat, case.salt + 1000, out=hdflat)
+        hflat.copy_(hdflat)
+        case.stage.fill_(POISON)
+        dflat.fill_(POISON)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        with torch.cuda.stream(s):
+            case.stage.copy_(case.gdev, non_blocking=True)
+        with torch.cuda.stream(s2):
+            dflat.copy_(hflat, non_blocking=True)
+        s.synchronize()
+        s2.synchronize()
+        t2 = time.perf_counter_ns()
+        out.append(2 * case.bytes / (t2 - t0))
+        if not (torch.equal(case.stage.cuda(), case.gdev) and torch.equal(dflat, hdflat)):
+            fail(f"contiguous both at once {case.B >> 10} KiB: WRONG")
+    return out
+
+
 def graph_beside(case, s, rounds):
     """Replay time of a ~4 ms graph alone, beside pinstage moves, beside the sm-gather peer."""
     g_stream = torch.cuda.Stream()
@@ -602,6 +636,10 @@ def main():
             results[(B, key)] = med(both)
             print(f"  {key:8s} at once {med(both)[0]:.2f} GB/s "
                   f"({med(both)[1]:.2f}-{med(both)[2]:.2f})", flush=True)
+        cb = contiguous_both(case, s, s2, args.rounds)
+        results[(B, "contig-both")] = med(cb)
+        print(f"  contiguous both at once {med(cb)[0]:.2f} GB/s "
+              f"({med(cb)[1]:.2f}-{med(cb)[2]:.2f})", flush=True)
         if B == args.graph_kib << 10:
             results["graph"] = graph_beside(case, s, args.rounds)
         del case
@@ -643,6 +681,13 @@ def main():
                    f"direction alone ({v})")
             print(row)
             summary.append(row)
+        cb = results[(B, "contig-both")][0]
+        calone = max(results[(B, "offload")]["contiguous"][0][0],
+                     results[(B, "load")]["contiguous"][0][0])
+        row = (f"{B >> 10:>4} KiB contig-both {cb:6.2f}   = {cb / calone:.2f}x one contiguous copy "
+               f"alone (control: the most both at once can reach over the faster alone)")
+        print(row)
+        summary.append(row)
     if "graph" in results:
         g = results["graph"]
         for peer_name in ("pinstage", "sm-gather"):
