@@ -117,28 +117,15 @@ int main(int argc, char **argv) {
     CHECK(cuDriverGetVersion(&drv));
     printf("host_pool: driver API %d, host NUMA node %d\n", drv, numa);
 
-    CUmemPoolProps props;
-    memset(&props, 0, sizeof props);
-    props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
-    props.handleTypes = CU_MEM_HANDLE_TYPE_NONE;
-    props.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
-    props.location.id = numa;
-    CUresult r = cuMemPoolCreate(&pool, &props);
+    // The pool keeps freed memory until trimmed: a free alone gives nothing back to the OS.
+    const char *call = NULL;
+    CUresult r = probe_host_pool(&pool, numa, dev, &call);
     if (r != CUDA_SUCCESS) {
         const char *s = NULL;
         cuGetErrorName(r, &s);
-        printf("cuMemPoolCreate(HOST_NUMA %d): %s: no host pool on this driver\n", numa, s ? s : "unknown error");
+        printf("%s (HOST_NUMA %d): %s: no host pool on this driver\n", call, numa, s ? s : "unknown error");
         return 0;
     }
-    CUmemAccessDesc acc;
-    memset(&acc, 0, sizeof acc);
-    acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    acc.location.id = dev;
-    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    SOFT(cuMemPoolSetAccess(pool, &acc, 1));
-    // The pool keeps freed memory until trimmed: a free alone gives nothing back to the OS.
-    cuuint64_t keep = ~(cuuint64_t)0;
-    CHECK(cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep));
 
     CUstream s1, s2, s3;
     CHECK(cuStreamCreate(&s1, CU_STREAM_NON_BLOCKING));

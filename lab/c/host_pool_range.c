@@ -92,27 +92,14 @@ int main(void) {
     CHECK(cuCtxGetDevice(&dev));
     int numa = 0;
     if (cuDeviceGetAttribute(&numa, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, dev) != CUDA_SUCCESS || numa < 0) numa = 0;
-    CUmemPoolProps props;
-    memset(&props, 0, sizeof props);
-    props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
-    props.handleTypes = CU_MEM_HANDLE_TYPE_NONE;
-    props.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
-    props.location.id = numa;
-    if (cuMemPoolCreate(&pool, &props) != CUDA_SUCCESS) {
-        printf("host_pool_range: no host pool on this driver\n");
+    const char *call = NULL;
+    CUresult made = probe_host_pool(&pool, numa, dev, &call);
+    if (made != CUDA_SUCCESS) {
+        const char *s = NULL;
+        cuGetErrorName(made, &s);
+        printf("host_pool_range: %s: %s: no usable host pool on this driver\n", call, s ? s : "unknown error");
         return 0;
     }
-    CUmemAccessDesc acc;
-    memset(&acc, 0, sizeof acc);
-    acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    acc.location.id = dev;
-    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    if (cuMemPoolSetAccess(pool, &acc, 1) != CUDA_SUCCESS) {
-        printf("host_pool_range: cuMemPoolSetAccess refused (no usable host pool here)\n");
-        return 0;
-    }
-    cuuint64_t keep = ~(cuuint64_t)0;
-    CHECK(cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep));
     CUstream ps, cs;
     CHECK(cuStreamCreate(&ps, CU_STREAM_NON_BLOCKING));
     CHECK(cuStreamCreate(&cs, CU_STREAM_NON_BLOCKING));

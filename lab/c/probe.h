@@ -87,4 +87,30 @@ static CUcontext probe_init(void) {
     return ctx;
 }
 
+/* A pool of page-locked HOST memory on NUMA node `numa` (cuMemPoolCreate with a HOST_NUMA
+ * location, drivers 12.6+), mapped for device `dev`, keeping freed memory until trimmed (release
+ * threshold: all). Returns CUDA_SUCCESS, or the first refusal with its call's name in *call (a
+ * driver without host pools refuses the first). host_pool.c, host_pool_range.c. */
+static CUresult probe_host_pool(CUmemoryPool *pool, int numa, CUdevice dev, const char **call) {
+    CUmemPoolProps props;
+    memset(&props, 0, sizeof props);
+    props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.handleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    props.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    props.location.id = numa;
+    CUresult r = cuMemPoolCreate(pool, &props);
+    *call = "cuMemPoolCreate";
+    if (r != CUDA_SUCCESS) return r;
+    CUmemAccessDesc acc;
+    memset(&acc, 0, sizeof acc);
+    acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    acc.location.id = dev;
+    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    *call = "cuMemPoolSetAccess";
+    if ((r = cuMemPoolSetAccess(*pool, &acc, 1)) != CUDA_SUCCESS) return r;
+    cuuint64_t keep = ~(cuuint64_t)0;
+    *call = "cuMemPoolSetAttribute(RELEASE_THRESHOLD)";
+    return cuMemPoolSetAttribute(*pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep);
+}
+
 #endif

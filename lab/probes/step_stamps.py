@@ -14,6 +14,8 @@ Run on the GPU machine with the wheel (or a variant's) first on PYTHONPATH.
 """
 
 import gc
+import pathlib
+import sys
 import time
 
 import numpy as np
@@ -28,14 +30,9 @@ try:
 except ImportError:
     STAMPS = None
 
-ENGINE = {  # name: (dtype, capacity, used rows) as benches/bench_step.py's ENGINE
-    "input_ids": ("int32", 8192, 256),
-    "positions": ("int64", 8192, 256),
-    "slot_mapping": ("int64", 8192, 256),
-    "seq_lens": ("int32", 256, 64),
-    "query_start_loc": ("int32", 257, 65),
-    "block_table": ("int32", (256, 128), 64),
-}
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benches"))
+from bench_step import ENGINE  # noqa: E402  (name: (dtype, capacity, used rows), the bench's step)
+
 N, ROUNDS, PACE_NS = 2000, 5, 30_000
 
 
