@@ -1,10 +1,11 @@
-"""Probe: what pinned memory costs to get, `cuMemHostAlloc` against pinstage's registered pages
+"""Probe: what pinned memory costs to get, a block of a host memory pool (pinstage's default
+where the driver makes one) and `cuMemHostAlloc` against pinstage's registered pages
 (mapped with transparent huge pages, populated by several threads, `cuMemHostRegister`), and
 what that does to the calls that grow pinned memory: a cold `copy_d2h_async` of 4 MiB (the
 pool empty), `empty_pinned`, the first pageable `copy_h2d` (bounce slots made), and the copy
 rate from each kind of memory.
 
-Needs the lab wheel (`_pinned_costs`, `_set_pin_by_register`).
+Needs the lab wheel (`_pinned_costs`, `_set_pin_by_register`, `_set_pin_from_pool`).
 Usage: python3 lab/probes/probe_pinned.py
 """
 
@@ -32,9 +33,9 @@ ref = src.cpu().numpy()
 big = torch.arange(256 * MiB, dtype=torch.int32, device="cuda")  # 1 GiB
 vals = np.random.default_rng(1).integers(0, 1 << 30, 64 * MiB, dtype=np.int32)  # 256 MiB
 dst = torch.empty(64 * MiB, dtype=torch.int32, device="cuda")
-for mode in (True, False):
-    lab._set_pin_by_register(mode)
-    name = "registered pages" if mode else "cuMemHostAlloc"
+for name in ("host pool", "registered pages", "cuMemHostAlloc"):
+    lab._set_pin_from_pool(name == "host pool")
+    lab._set_pin_by_register(name != "cuMemHostAlloc")
     print(f"== {name}")
     ts = []
     for _ in range(10):
@@ -89,3 +90,4 @@ for mode in (True, False):
     print(f"  copy_h2d 256 MiB from empty_pinned {vals.nbytes / statistics.median(ts) / 1e9:.2f} GB/s")
     del out, pin
 lab._set_pin_by_register(True)
+lab._set_pin_from_pool(True)

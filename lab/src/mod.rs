@@ -630,6 +630,16 @@ pub fn pinned_costs(sizes: &[usize]) -> Result<Vec<(String, f64)>> {
             ));
             unregister(&pages)?;
             drop(pages);
+            // A block of the device's host pool, fresh (the pool trimmed) and then freed the
+            // way a drop frees it (cuMemFreeAsync, a synchronize of the pool's own stream, trim).
+            if let Some(pool) = crate::host::host_pool::HostPool::of(&dev) {
+                let t = Instant::now();
+                let (p, _) = pool.alloc(&dev, n)?;
+                out.push((format!("{mib} MiB host pool block ms"), ms(t)));
+                let t = Instant::now();
+                pool.free(&dev, p);
+                out.push((format!("{mib} MiB host pool free + trim ms"), ms(t)));
+            }
             reps.push(out);
         }
         // The median of each figure over the repetitions.

@@ -132,6 +132,14 @@ fn set_pin_by_register(on: bool) -> bool {
     crate::host::set_pin_by_register(on)
 }
 
+/// Whether pinstage's pools, bounce slots and pinned arrays come from host memory pools where
+/// the driver makes them (True, the default); returns the previous setting.
+#[pyfunction]
+#[pyo3(name = "_set_pin_from_pool")]
+fn set_pin_from_pool(on: bool) -> bool {
+    crate::host::host_pool::set_pin_from_pool(on)
+}
+
 /// Starts (clearing it) or stops the pageable H2D path's trace.
 #[pyfunction]
 #[pyo3(name = "_h2d_trace_set")]
@@ -168,6 +176,7 @@ fn _lab(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(h2d_trace, m)?)?;
     m.add_function(wrap_pyfunction!(pinned_costs, m)?)?;
     m.add_function(wrap_pyfunction!(set_pin_by_register, m)?)?;
+    m.add_function(wrap_pyfunction!(set_pin_from_pool, m)?)?;
     m.add_function(wrap_pyfunction!(set_h2d_tuning, m)?)?;
     m.add_function(wrap_pyfunction!(set_d2h_tuning, m)?)?;
     m.add_function(wrap_pyfunction!(driver_costs, m)?)?;

@@ -42,6 +42,59 @@ pub(crate) unsafe fn pool_create(ordinal: i32) -> DResult<CUmemoryPool> {
     Ok(pool)
 }
 
+/// [cuMemPoolCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+/// of page-locked HOST memory on NUMA node `numa` (drivers 12.6+), mapped for devices
+/// `0..count` (`cuMemPoolSetAccess`), keeping the memory it holds until [`pool_trim`] as
+/// [`pool_create`] does. Its blocks are freed with [`free_async`], which unlike
+/// `cuMemFreeHost` does not wait for the device's work (`lab/c/host_pool.c`).
+///
+/// # Safety
+/// 1. A context must be current on this thread.
+pub(crate) unsafe fn host_pool_create(numa: i32, count: i32) -> DResult<CUmemoryPool> {
+    // SAFETY: plain C data; all-zero is "no handle types, no flags" for every other field.
+    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+    props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    props.location.id = numa;
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: valid out-pointer and properties; a context is current (caller).
+    check("cuMemPoolCreate", unsafe {
+        sys::cuMemPoolCreate(&mut pool, &props)
+    })?;
+    let descs: Vec<sys::CUmemAccessDesc> = (0..count)
+        .map(|d| {
+            // SAFETY: plain C data, every field set below.
+            let mut a: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+            a.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            a.location.id = d;
+            a.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            a
+        })
+        .collect();
+    let mut keep: u64 = u64::MAX;
+    // SAFETY: our live pool, `descs.len()` descriptors; the attribute takes a cuuint64_t.
+    let set = check("cuMemPoolSetAccess", unsafe {
+        sys::cuMemPoolSetAccess(pool, descs.as_ptr(), descs.len())
+    })
+    .and_then(|()| {
+        // SAFETY: as above.
+        check("cuMemPoolSetAttribute", unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&raw mut keep).cast(),
+            )
+        })
+    });
+    if let Err(e) = set {
+        // SAFETY: nothing was allocated from the pool.
+        let _ = unsafe { sys::cuMemPoolDestroy(pool) };
+        return Err(e);
+    }
+    Ok(pool)
+}
+
 /// [cuMemPoolSetAccess](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
 /// for every other device that can access `ordinal`'s memory (`cuDeviceCanAccessPeer`): a
 /// pool's memory is mapped for its own device only, so without this a framework copying an
@@ -109,6 +162,15 @@ pub(crate) unsafe fn free_async(ptr: CUdeviceptr, stream: CUstream) -> DResult<(
     check("cuMemFreeAsync", unsafe {
         sys::cuMemFreeAsync(ptr, stream)
     })
+}
+
+/// [cuMemPoolDestroy](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
+///
+/// # Safety
+/// 1. `pool` is live, destroyed once, and nothing allocated from it is in use.
+pub(crate) unsafe fn pool_destroy(pool: CUmemoryPool) -> DResult<()> {
+    // SAFETY: caller's contract.
+    check("cuMemPoolDestroy", unsafe { sys::cuMemPoolDestroy(pool) })
 }
 
 /// [cuMemPoolTrimTo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html):

@@ -1,9 +1,11 @@
 //! Host memory: page-locked blocks ([`PinnedBuffer`]), a pool of them ([`PinnedPool`]), memory
 //! pinned in place ([`Registered`]), and what a copy between host and device hands back
 //! ([`CopyPath`], [`PendingCopy`]). Pinned memory pinstage lets go is freed on a background
-//! thread once the device drained ([`wait_for_frees`]).
+//! thread: blocks of a host memory pool at once, other pinned memory once the device drained
+//! ([`wait_for_frees`]).
 
 pub(crate) mod bounce;
+pub(crate) mod host_pool;
 pub(crate) mod mapped;
 pub(crate) mod numa;
 mod pinned;

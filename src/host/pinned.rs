@@ -1,5 +1,7 @@
-//! Page-locked host memory: from `cuMemHostAlloc`, or pages pinstage maps itself and registers
-//! with `cuMemHostRegister` (several times cheaper to get, at the page-rounded size).
+//! Page-locked host memory: from a host memory pool (freed without waiting for the device:
+//! [`super::host_pool`]), from `cuMemHostAlloc`, or pages pinstage maps itself and registers
+//! with `cuMemHostRegister` (several times cheaper to get than `cuMemHostAlloc`, at the
+//! page-rounded size).
 
 use std::ptr::NonNull;
 
@@ -79,9 +81,10 @@ impl PinnedFlags {
     }
 }
 
-/// An owned block of pinned host memory. Dropping it frees the block with `cuMemFreeHost`; the
-/// owner must make sure no copy still reads or writes it (the stager, the pool and pending
-/// copies do, by waiting on their events first).
+/// An owned block of pinned host memory. Dropping it hands the block back (`cuMemFreeAsync` to
+/// its host pool, `cuMemHostUnregister` or `cuMemFreeHost`) off the caller's thread; the owner
+/// must make sure no copy still reads or writes it (the stager, the pool and pending copies do,
+/// by waiting on their events first).
 ///
 /// `Send + Sync`: it owns plain memory; `&PinnedBuffer` only reads, writes need `&mut`.
 pub struct PinnedBuffer {
@@ -90,8 +93,28 @@ pub struct PinnedBuffer {
     flags: PinnedFlags,
     /// Keeps the primary context (which owns the pinned mapping) alive.
     device: Device,
-    /// Registered pages (`None`: `cuMemHostAlloc` memory).
-    pages: Option<super::mapped::MappedPages>,
+    backing: Backing,
+}
+
+/// Where a [`PinnedBuffer`]'s memory comes from, which says how it is given back.
+enum Backing {
+    /// `cuMemHostAlloc` (or nothing, for 0 bytes).
+    HostAlloc,
+    /// Pages pinstage mapped and registered.
+    Registered(super::mapped::MappedPages),
+    /// A block of the device's host pool, `len` rounded up to whole pages.
+    Pool(&'static super::host_pool::HostPool, usize),
+}
+
+impl Backing {
+    /// The bytes pinned for a buffer of `len` bytes.
+    fn pinned_len(&self, len: usize) -> usize {
+        match self {
+            Backing::HostAlloc => len,
+            Backing::Registered(p) => p.len(),
+            Backing::Pool(_, n) => *n,
+        }
+    }
 }
 
 // SAFETY: the buffer is uniquely owned host memory; the driver lets it be freed from any thread.
@@ -126,7 +149,7 @@ impl PinnedBuffer {
             len,
             flags,
             device: device.clone(),
-            pages: None,
+            backing: Backing::HostAlloc,
         })
     }
 
@@ -136,7 +159,7 @@ impl PinnedBuffer {
             len: 0,
             flags,
             device: device.clone(),
-            pages: None,
+            backing: Backing::HostAlloc,
         }
     }
 
@@ -177,13 +200,15 @@ impl PinnedBuffer {
             len,
             flags,
             device: device.clone(),
-            pages: Some(pages),
+            backing: Backing::Registered(pages),
         })
     }
 
     /// `len` bytes of pinned memory the way pinstage gets it for its pools, bounce slots and
-    /// pinned arrays: registered pages ([`PinnedBuffer::new_registered`]), or `cuMemHostAlloc`
-    /// when pages cannot be registered (or registration is switched off).
+    /// pinned arrays: a block of the device's host memory pool, whose free never waits for the
+    /// device (plain [`PinnedFlags::PORTABLE`] memory, where the driver makes such pools: 12.6
+    /// and later); else registered pages ([`PinnedBuffer::new_registered`]), or
+    /// `cuMemHostAlloc` when pages cannot be registered (or registration is switched off).
     ///
     /// Waits for pending frees as [`PinnedBuffer::new`] does (once, whichever way it pins).
     ///
@@ -196,6 +221,11 @@ impl PinnedBuffer {
     /// [`PinnedBuffer::alloc`] without the wait for pending frees: for callers that serve the
     /// request with pageable memory when it cannot be pinned at once.
     pub(crate) fn alloc_now(device: &Device, len: usize, flags: PinnedFlags) -> Result<Self> {
+        if len > 0 && flags == PinnedFlags::PORTABLE {
+            if let Some(b) = Self::new_pooled_now(device, len) {
+                return Ok(b);
+            }
+        }
         if PIN_BY_REGISTER.load(std::sync::atomic::Ordering::Relaxed) && !flags.write_combined {
             match Self::new_registered_now(device, len, flags) {
                 Ok(b) => return Ok(b),
@@ -207,9 +237,30 @@ impl PinnedBuffer {
         Self::new_now(device, len, flags)
     }
 
-    /// Whether the memory is registered pages (`false`: `cuMemHostAlloc`).
+    /// A block of the device's host pool; `None` where there is no pool or it refused (the
+    /// caller pins memory another way).
+    fn new_pooled_now(device: &Device, len: usize) -> Option<Self> {
+        let pool = super::host_pool::HostPool::of(device)?;
+        let (ptr, pinned) = pool.alloc(device, len).ok()?;
+        LIVE_BYTES.fetch_add(pinned, std::sync::atomic::Ordering::Relaxed);
+        Some(Self {
+            ptr: NonNull::new(ptr)?,
+            len,
+            flags: PinnedFlags::PORTABLE,
+            device: device.clone(),
+            backing: Backing::Pool(pool, pinned),
+        })
+    }
+
+    /// Whether the memory is registered pages.
     pub fn is_registered(&self) -> bool {
-        self.pages.is_some()
+        matches!(self.backing, Backing::Registered(_))
+    }
+
+    /// Whether the memory is a block of a host memory pool (freed without waiting for the
+    /// device).
+    pub fn is_pooled(&self) -> bool {
+        matches!(self.backing, Backing::Pool(..))
     }
 
     /// Length in bytes.
@@ -294,12 +345,33 @@ impl Drop for PinnedBuffer {
         if self.len == 0 {
             return;
         }
-        let counted = self.pages.as_ref().map_or(self.len, |p| p.len());
-        LIVE_BYTES.fetch_sub(counted, std::sync::atomic::Ordering::Relaxed);
+        LIVE_BYTES.fetch_sub(
+            self.backing.pinned_len(self.len),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        let backing = std::mem::replace(&mut self.backing, Backing::HostAlloc);
+        if let Backing::Pool(pool, _) = backing {
+            // The pool's free waits for nothing: no device synchronize first.
+            let (ptr, device) = (self.ptr.as_ptr() as usize, self.device.clone());
+            // The seeded bug (`pool_free_waits`, scripts/seeded.tsv): the device drained first,
+            // as for the other frees.
+            if cfg!(pinstage_seeded_bug = "pool_free_waits") {
+                super::reaper::defer(move || {
+                    super::reaper::free_when_idle(&device, || pool.free(&device, ptr as *mut u8))
+                });
+            } else {
+                super::reaper::defer(move || pool.free(&device, ptr as *mut u8));
+            }
+            return;
+        }
+        let pages = match backing {
+            Backing::Registered(p) => Some(p),
+            _ => None,
+        };
         let doomed = Doomed {
             ptr: self.ptr.as_ptr() as usize,
             device: self.device.clone(),
-            pages: self.pages.take(),
+            pages,
         };
         super::reaper::defer(move || doomed.free());
     }
@@ -350,7 +422,8 @@ impl std::fmt::Debug for PinnedBuffer {
         f.debug_struct("PinnedBuffer")
             .field("len", &self.len)
             .field("flags", &self.flags)
-            .field("registered", &self.pages.is_some())
+            .field("registered", &self.is_registered())
+            .field("pooled", &self.is_pooled())
             .field("device", &self.device)
             .finish()
     }

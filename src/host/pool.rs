@@ -1,6 +1,6 @@
 //! A pool of pinned blocks, so repeated D2H results do not pay for pinning each time.
 //!
-//! Blocks are registered pages ([`PinnedBuffer::alloc`]) at the request's size rounded up to
+//! Blocks are [`PinnedBuffer::alloc`]'s memory (host pool blocks, else registered pages) at the request's size rounded up to
 //! whole 4 KiB pages (less than a page of waste); a cached block serves the next request of the
 //! same page count. A byte budget bounds the pinned bytes the pool holds (cached and in use);
 //! past it, cached blocks are evicted (largest first), and if that is not enough the request is

@@ -18,6 +18,9 @@
 //! ran up to seconds late on busy cores (`lab/c/idle_class_latency.c`), and a lock it held
 //! meanwhile (the driver's, inside a free) would hold up other threads' calls as long.
 //!
+//! Blocks of a host memory pool ([`super::host_pool`]) need none of this: their free waits for
+//! nothing, so their job frees at once, without the synchronize.
+//!
 //! A job runs on the caller's thread instead when no reaper can serve it: in a forked child
 //! (the parent's thread is not there; CUDA is unusable there anyway, so the job frees no driver
 //! memory), when the thread cannot be started, and on the reaper's own thread (a job whose drop

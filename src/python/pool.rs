@@ -261,9 +261,10 @@ fn pool_stats<'py>(
 
 /// Frees the pools' cached blocks (results' and ``alloc_pinned_numpy``'s; blocks in use stay),
 /// the bounce buffers, and the device memory ``to_device`` keeps for reuse, on every device, and
-/// waits (GIL released) until the pinned memory pinstage let go so far is back with the OS:
-/// freeing page-locked memory waits for the work queued on the GPU, which every other call
-/// leaves to pinstage's background thread. Works without a driver. Never raises.
+/// waits (GIL released) until the memory pinstage let go so far is back with the OS: freeing
+/// device memory, and page-locked memory that is not a host pool block (drivers before 12.6,
+/// stager slots), waits for the work queued on the GPU, which every other call leaves to
+/// pinstage's background thread. Works without a driver. Never raises.
 #[pyfunction]
 fn empty_cache(py: Python<'_>) {
     super::linger::reap(py);

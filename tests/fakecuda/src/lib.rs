@@ -116,6 +116,9 @@ struct Event {
 /// A memory pool: blocks freed into it stay reserved (and are handed out again) until trimmed.
 #[derive(Default)]
 struct Pool {
+    /// A pool of page-locked host memory (location `HOST`, `HOST_NUMA` or `HOST_NUMA_CURRENT`):
+    /// its blocks are host memory to the pointer queries and not counted as device memory.
+    host: bool,
     live: u64,
     cached: u64,
     /// Freed blocks, each with the point of its stream after which it is free (another stream

@@ -3,12 +3,23 @@
 use super::*;
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPoolCreate(out: *mut Ptr, _props: *const c_void) -> CUresult {
+pub unsafe extern "C" fn cuMemPoolCreate(out: *mut Ptr, props: *const c_void) -> CUresult {
     called(c"cuMemPoolCreate");
     tri!(ready());
+    if props.is_null() {
+        return INVALID_VALUE;
+    }
+    // CUmemPoolProps: allocType, handleTypes, then the location's type (u32 each).
+    let location = unsafe { *props.cast::<u32>().add(2) };
     let mut st = state();
     let h = st.handle();
-    st.pools.insert(h, Pool::default());
+    st.pools.insert(
+        h,
+        Pool {
+            host: (2..=4).contains(&location),
+            ..Pool::default()
+        },
+    );
     unsafe { *out = h as Ptr };
     SUCCESS
 }
@@ -85,7 +96,9 @@ pub extern "C" fn cuMemPoolTrimTo(p: Ptr, keep: usize) -> CUresult {
         gone.push(a);
     }
     for a in gone {
-        st.device_bytes -= a.len;
+        if a.kind == Kind::Device {
+            st.device_bytes -= a.len;
+        }
         release(a.owned.expect("pool blocks are owned"));
     }
     SUCCESS
@@ -131,6 +144,26 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
     if bytes == 0 {
         return INVALID_VALUE;
     }
+    if pool.host {
+        let Some((h, owned)) = zeroed(bytes, 4096) else {
+            return OUT_OF_MEMORY;
+        };
+        pattern(h, bytes);
+        pool.live += bytes as u64;
+        st.allocs.insert(
+            h as u64,
+            Alloc {
+                len: bytes,
+                kind: Kind::Host,
+                owned: Some(owned),
+                read_only: false,
+                device: dev,
+                pool: Some(p as usize),
+            },
+        );
+        unsafe { *out = h as u64 };
+        return SUCCESS;
+    }
     match alloc_device(&mut st, bytes, dev, Some(p as usize)) {
         Ok(ptr) => {
             st.pools.get_mut(&(p as usize)).expect("above").live += bytes as u64;
@@ -148,7 +181,7 @@ pub extern "C" fn cuMemFreeAsync(ptr: u64, s: Ptr) -> CUresult {
     let s = tri!(stream(s));
     let mut st = state();
     let pool = match st.allocs.get(&ptr) {
-        Some(a) if a.kind == Kind::Device => a.pool,
+        Some(a) if a.kind == Kind::Device || a.pool.is_some() => a.pool,
         _ => return INVALID_VALUE,
     };
     if let Some(p) = pool {
