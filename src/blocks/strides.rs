@@ -39,7 +39,9 @@ pub(super) fn one_allocation(device: &Device, pairs: &[Pair]) -> bool {
     let within = |side: fn(&Pair) -> &BlockLayout| {
         let (first, last) = (side(&pairs[0]), side(&pairs[pairs.len() - 1]));
         let end = last.base + (last.outer * last.num_blocks * last.bytes) as u64;
-        driver::mem::allocation_range(first.base)
+        // pinstage's own host pool blocks first: the driver does not answer for them.
+        crate::host::host_pool::block_holding(first.base)
+            .or_else(|| driver::mem::allocation_range(first.base))
             .is_some_and(|(start, size)| first.base >= start && end <= start + size as u64)
     };
     within(|p| &p.device) && within(|p| &p.host)

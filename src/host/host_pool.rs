@@ -40,6 +40,11 @@ pub(crate) struct HostPool {
     /// pinstage's own stream in the device's primary context: nothing else runs on it, so its
     /// synchronize returns at once.
     stream: CUstream,
+    /// Keeps that context, and with it the stream, alive as long as the pool (the process): the
+    /// last `Device` dropped releases the primary context, which destroys its streams (run
+    /// 2026-12-06-h100-f: a probe whose only `Device` had made the pool, then dropped, crashed
+    /// at its next pooled allocation).
+    _device: Device,
 }
 
 // SAFETY: driver handles, usable from any thread with the device's context current (every use
@@ -47,6 +52,21 @@ pub(crate) struct HostPool {
 unsafe impl Send for HostPool {}
 // SAFETY: as Send; the driver serializes calls on one pool and stream.
 unsafe impl Sync for HostPool {}
+
+/// Every live pool block, start to length (page-rounded): the driver's range attributes do not
+/// answer for a pool block as for other allocations (run 2026-12-06-h100-f: the block mover
+/// never found its host tensors in one allocation), so pinstage answers for its own.
+static BLOCKS: parking_lot::Mutex<std::collections::BTreeMap<usize, usize>> =
+    parking_lot::Mutex::new(std::collections::BTreeMap::new());
+
+/// The pool block holding `addr` (start, length), if one of pinstage's host pools handed it out
+/// and it is alive.
+pub(crate) fn block_holding(addr: u64) -> Option<(u64, usize)> {
+    let addr = usize::try_from(addr).ok()?;
+    let blocks = BLOCKS.lock();
+    let (&start, &len) = blocks.range(..=addr).next_back()?;
+    (addr < start + len).then_some((start as u64, len))
+}
 
 /// Each device's pool once asked for (`None`: the driver made none), by ordinal.
 static POOLS: parking_lot::Mutex<Vec<(i32, Option<&'static HostPool>)>> =
@@ -84,7 +104,11 @@ impl HostPool {
                 return Err(e.into());
             }
         };
-        Ok(Box::leak(Box::new(HostPool { pool, stream })))
+        Ok(Box::leak(Box::new(HostPool {
+            pool,
+            stream,
+            _device: device.clone(),
+        })))
     }
 
     /// `len` bytes (rounded up to whole pages), usable by the host once this returns.
@@ -107,12 +131,13 @@ impl HostPool {
             }
         })?;
         if ptr as usize % driver::mem::PAGE != 0 {
-            self.free(device, ptr as *mut u8);
+            self.release(device, ptr as *mut u8);
             return Err(crate::Error::OutOfMemory {
                 what: "page-aligned memory from the host pool",
                 bytes: len,
             });
         }
+        BLOCKS.lock().insert(ptr as usize, len);
         Ok((ptr as *mut u8, len))
     }
 
@@ -122,6 +147,12 @@ impl HostPool {
     ///
     /// The caller makes sure no copy still reads or writes the block.
     pub(crate) fn free(&self, device: &Device, ptr: *mut u8) {
+        BLOCKS.lock().remove(&(ptr as usize));
+        self.release(device, ptr);
+    }
+
+    /// [`HostPool::free`] of a block not in [`BLOCKS`].
+    fn release(&self, device: &Device, ptr: *mut u8) {
         let Ok(_cur) = device.enter() else {
             // A forked child or a driver gone: nothing to free.
             return;
