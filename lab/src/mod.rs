@@ -633,12 +633,21 @@ pub fn pinned_costs(sizes: &[usize]) -> Result<Vec<(String, f64)>> {
             // A block of the device's host pool, fresh (the pool trimmed) and then freed the
             // way a drop frees it (cuMemFreeAsync, a synchronize of the pool's own stream, trim).
             if let Some(pool) = crate::host::host_pool::HostPool::of(&dev) {
+                pool.trim();
                 let t = Instant::now();
                 let (p, _) = pool.alloc(&dev, n)?;
-                out.push((format!("{mib} MiB host pool block ms"), ms(t)));
+                out.push((format!("{mib} MiB host pool block, fresh ms"), ms(t)));
                 let t = Instant::now();
                 pool.free(&dev, p);
-                out.push((format!("{mib} MiB host pool free + trim ms"), ms(t)));
+                out.push((format!("{mib} MiB host pool free ms"), ms(t)));
+                // What the pool kept (up to its KEEP) serves the next block.
+                let t = Instant::now();
+                let (p, _) = pool.alloc(&dev, n)?;
+                out.push((format!("{mib} MiB host pool block, after a free ms"), ms(t)));
+                pool.free(&dev, p);
+                let t = Instant::now();
+                pool.trim();
+                out.push((format!("{mib} MiB host pool trim ms"), ms(t)));
             }
             reps.push(out);
         }

@@ -7,7 +7,8 @@
 //! reaper synchronizes the device before such a free, but work queued between its synchronize
 //! and the free still holds everyone up, and in a busy engine work is always being queued. A
 //! pool block is freed with `cuMemFreeAsync` on a stream of pinstage's own where nothing else
-//! runs, and the pool then hands the memory back with `cuMemPoolTrimTo`: neither waits for the
+//! runs, and the pool then hands the memory back with `cuMemPoolTrimTo` (beyond [`KEEP`] bytes it
+//! keeps for the next allocations): neither waits for the
 //! device (`lab/c/host_pool.c`, an H100, a stream held 300 ms: the free and trim took 0.02-2.6
 //! ms and another thread's copy + record 0.02-0.03 ms, against 304 ms and 254 ms for
 //! `cuMemFreeHost`). The memory is host memory to the driver and copies at the rate of
@@ -44,7 +45,7 @@ pub(crate) struct HostPool {
     /// last `Device` dropped releases the primary context, which destroys its streams (run
     /// 2026-12-06-h100-f: a probe whose only `Device` had made the pool, then dropped, crashed
     /// at its next pooled allocation).
-    _device: Device,
+    device: Device,
 }
 
 // SAFETY: driver handles, usable from any thread with the device's context current (every use
@@ -52,6 +53,12 @@ pub(crate) struct HostPool {
 unsafe impl Send for HostPool {}
 // SAFETY: as Send; the driver serializes calls on one pool and stream.
 unsafe impl Sync for HostPool {}
+
+/// Freed memory each pool keeps for the next allocations; a free gives the rest back to the
+/// system at once, and [`super::wait_for_frees`] all of it. A fresh pool block costs 3-14x
+/// registered pages (4 MiB 5.0 ms against 0.36, 1 GiB 173 ms against 32; run
+/// 2026-12-06-h100-f), a block from memory the pool kept should cost far less (not measured yet).
+const KEEP: usize = 64 << 20;
 
 /// Every live pool block, start to length (page-rounded): the driver's range attributes do not
 /// answer for a pool block as for other allocations (run 2026-12-06-h100-f: the block mover
@@ -107,7 +114,7 @@ impl HostPool {
         Ok(Box::leak(Box::new(HostPool {
             pool,
             stream,
-            _device: device.clone(),
+            device: device.clone(),
         })))
     }
 
@@ -141,9 +148,9 @@ impl HostPool {
         Ok((ptr as *mut u8, len))
     }
 
-    /// Frees a block of [`HostPool::alloc`] and gives the pool's unused memory back to the
-    /// system, without waiting for the device's work. Never panics: errors are recorded
-    /// ([`crate::drop_errors`]).
+    /// Frees a block of [`HostPool::alloc`] and gives the pool's unused memory beyond [`KEEP`]
+    /// back to the system, without waiting for the device's work. Never panics: errors are
+    /// recorded ([`crate::drop_errors`]).
     ///
     /// The caller makes sure no copy still reads or writes the block.
     pub(crate) fn free(&self, device: &Device, ptr: *mut u8) {
@@ -165,8 +172,26 @@ impl HostPool {
             // SAFETY: our live stream.
             unsafe { driver::stream::stream_synchronize(self.stream) }?;
             // SAFETY: our live pool.
-            unsafe { driver::pool::pool_trim(self.pool, 0) }
+            unsafe { driver::pool::pool_trim(self.pool, KEEP) }
         });
         crate::error::on_drop(freed);
+    }
+
+    /// Gives all the pool's unused memory back to the system. Never panics: errors are recorded.
+    pub(crate) fn trim(&self) {
+        let Ok(_cur) = self.device.enter() else {
+            return;
+        };
+        // SAFETY: our live pool.
+        crate::error::on_drop(unsafe { driver::pool::pool_trim(self.pool, 0) });
+    }
+}
+
+/// [`HostPool::trim`] of every pool made so far ([`super::wait_for_frees`]: the memory
+/// pinstage let go is back with the system).
+pub(crate) fn trim_all() {
+    let pools: Vec<&'static HostPool> = POOLS.lock().iter().filter_map(|(_, p)| *p).collect();
+    for p in pools {
+        p.trim();
     }
 }

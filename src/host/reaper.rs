@@ -201,6 +201,8 @@ unsafe impl<T> Send for Owned<T> {}
 /// tests and for callers that want the memory back now.
 pub fn wait_for_frees() {
     wait_until(None);
+    // The memory host pools kept for reuse goes back too.
+    super::host_pool::trim_all();
 }
 
 /// [`wait_for_frees`] for at most `limit`.
