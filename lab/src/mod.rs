@@ -640,7 +640,8 @@ pub fn pinned_costs(sizes: &[usize]) -> Result<Vec<(String, f64)>> {
                 let t = Instant::now();
                 pool.free(&dev, p);
                 out.push((format!("{mib} MiB host pool free ms"), ms(t)));
-                // What the pool kept (up to its KEEP) serves the next block.
+                // What the pool kept serves the next block (up to its KEEP of 64 MiB beyond the
+                // blocks in use: a larger block is fresh again).
                 let t = Instant::now();
                 let (p, _) = pool.alloc(&dev, n)?;
                 out.push((format!("{mib} MiB host pool block, after a free ms"), ms(t)));

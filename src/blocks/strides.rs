@@ -36,15 +36,16 @@ pub(super) fn one_allocation(device: &Device, pairs: &[Pair]) -> bool {
     let Ok(_cur) = device.enter() else {
         return false;
     };
-    let within = |side: fn(&Pair) -> &BlockLayout| {
+    let within = |side: fn(&Pair) -> &BlockLayout, host: bool| {
         let (first, last) = (side(&pairs[0]), side(&pairs[pairs.len() - 1]));
         let end = last.base + (last.outer * last.num_blocks * last.bytes) as u64;
         // pinstage's own host pool blocks first: the driver does not answer for them.
-        crate::host::host_pool::block_holding(first.base)
+        host.then(|| crate::host::host_pool::block_holding(first.base))
+            .flatten()
             .or_else(|| driver::mem::allocation_range(first.base))
             .is_some_and(|(start, size)| first.base >= start && end <= start + size as u64)
     };
-    within(|p| &p.device) && within(|p| &p.host)
+    within(|p| &p.device, false) && within(|p| &p.host, true)
 }
 
 /// The address strides (device, host) between consecutive pairs when there are several pairs,

@@ -57,6 +57,11 @@ impl DriverError {
         self.code == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
     }
 
+    /// Whether the driver calls an argument invalid (`CUDA_ERROR_INVALID_VALUE`).
+    pub(crate) fn is_invalid_value(&self) -> bool {
+        self.code == sys::CUresult::CUDA_ERROR_INVALID_VALUE
+    }
+
     /// Whether the driver ran out of memory (`CUDA_ERROR_OUT_OF_MEMORY`).
     pub fn is_out_of_memory(&self) -> bool {
         self.code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY

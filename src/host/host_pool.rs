@@ -18,7 +18,7 @@
 //! the life of the process (as the driver keeps its default pools). Where the driver refuses a
 //! pool, or an allocation from it, the caller pins memory the older ways.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crate::cuda::Device;
 use crate::driver::pool::CUmemoryPool;
@@ -41,6 +41,9 @@ pub(crate) struct HostPool {
     /// pinstage's own stream in the device's primary context: nothing else runs on it, so its
     /// synchronize returns at once.
     stream: CUstream,
+    /// Bytes of the pool's blocks in use: a trim counts them as held, so a free trims to these
+    /// plus [`KEEP`].
+    live: AtomicUsize,
     /// Keeps that context, and with it the stream, alive as long as the pool (the process): the
     /// last `Device` dropped releases the primary context, which destroys its streams (run
     /// 2026-12-06-h100-f: a probe whose only `Device` had made the pool, then dropped, crashed
@@ -54,8 +57,9 @@ unsafe impl Send for HostPool {}
 // SAFETY: as Send; the driver serializes calls on one pool and stream.
 unsafe impl Sync for HostPool {}
 
-/// Freed memory each pool keeps for the next allocations; a free gives the rest back to the
-/// system at once, and [`super::wait_for_frees`] all of it. A fresh pool block costs 3-14x
+/// Freed memory each pool keeps for the next allocations (beyond the blocks in use, which a trim
+/// counts too); a free gives the rest back to the system at once, [`super::wait_for_frees`] all
+/// of it, and an allocation refused for memory all of it before its second try. A fresh pool block costs 3-14x
 /// registered pages (4 MiB 5.0 ms against 0.36, 1 GiB 173 ms against 32; run
 /// 2026-12-06-h100-f), a block from memory the pool kept should cost far less (not measured yet).
 const KEEP: usize = 64 << 20;
@@ -83,7 +87,8 @@ impl HostPool {
     /// The host pool for `device`, made at the first call; `None` where the driver makes none
     /// (before 12.6, or refused) or pools are switched off.
     pub(crate) fn of(device: &Device) -> Option<&'static HostPool> {
-        if !ENABLED.load(Ordering::Relaxed) {
+        // A forked child: no CUDA, and a lock a parent's thread held at the fork stays held.
+        if !ENABLED.load(Ordering::Relaxed) || driver::forked() {
             return None;
         }
         let ordinal = device.ordinal();
@@ -91,9 +96,20 @@ impl HostPool {
         if let Some((_, p)) = pools.iter().find(|(o, _)| *o == ordinal) {
             return *p;
         }
-        let made = Self::create(device).ok();
-        pools.push((ordinal, made));
-        made
+        // Relaxed: a capture on another thread must not refuse the pool for good.
+        match driver::relaxed(|| Self::create(device)) {
+            Ok(p) => {
+                pools.push((ordinal, Some(p)));
+                Some(p)
+            }
+            // The driver makes no such pool (before 12.6): asked once.
+            Err(crate::Error::Driver(e)) if e.is_not_supported() || e.is_invalid_value() => {
+                pools.push((ordinal, None));
+                None
+            }
+            // Anything else may pass: asked again at the next allocation.
+            Err(_) => None,
+        }
     }
 
     fn create(device: &Device) -> Result<&'static HostPool> {
@@ -114,6 +130,7 @@ impl HostPool {
         Ok(Box::leak(Box::new(HostPool {
             pool,
             stream,
+            live: AtomicUsize::new(0),
             device: device.clone(),
         })))
     }
@@ -145,6 +162,7 @@ impl HostPool {
             });
         }
         BLOCKS.lock().insert(ptr as usize, len);
+        self.live.fetch_add(len, Ordering::Relaxed);
         Ok((ptr as *mut u8, len))
     }
 
@@ -154,7 +172,12 @@ impl HostPool {
     ///
     /// The caller makes sure no copy still reads or writes the block.
     pub(crate) fn free(&self, device: &Device, ptr: *mut u8) {
-        BLOCKS.lock().remove(&(ptr as usize));
+        if driver::forked() {
+            return; // no CUDA in a forked child; the registry's lock may be a parent thread's
+        }
+        if let Some(len) = BLOCKS.lock().remove(&(ptr as usize)) {
+            self.live.fetch_sub(len, Ordering::Relaxed);
+        }
         self.release(device, ptr);
     }
 
@@ -171,8 +194,9 @@ impl HostPool {
             // A free the pool has not seen complete is not trimmed.
             // SAFETY: our live stream.
             unsafe { driver::stream::stream_synchronize(self.stream) }?;
+            let keep = self.live.load(Ordering::Relaxed) + KEEP;
             // SAFETY: our live pool.
-            unsafe { driver::pool::pool_trim(self.pool, KEEP) }
+            unsafe { driver::pool::pool_trim(self.pool, keep) }
         });
         crate::error::on_drop(freed);
     }
@@ -182,14 +206,19 @@ impl HostPool {
         let Ok(_cur) = self.device.enter() else {
             return;
         };
-        // SAFETY: our live pool.
-        crate::error::on_drop(unsafe { driver::pool::pool_trim(self.pool, 0) });
+        crate::error::on_drop(driver::capture_relaxed(|| {
+            // SAFETY: our live pool.
+            unsafe { driver::pool::pool_trim(self.pool, 0) }
+        }));
     }
 }
 
 /// [`HostPool::trim`] of every pool made so far ([`super::wait_for_frees`]: the memory
 /// pinstage let go is back with the system).
 pub(crate) fn trim_all() {
+    if driver::forked() {
+        return;
+    }
     let pools: Vec<&'static HostPool> = POOLS.lock().iter().filter_map(|(_, p)| *p).collect();
     for p in pools {
         p.trim();

@@ -242,9 +242,10 @@ impl PinnedBuffer {
     fn new_pooled_now(device: &Device, len: usize) -> Option<Self> {
         let pool = super::host_pool::HostPool::of(device)?;
         let (ptr, pinned) = pool.alloc(device, len).ok()?;
+        let ptr = NonNull::new(ptr)?;
         LIVE_BYTES.fetch_add(pinned, std::sync::atomic::Ordering::Relaxed);
         Some(Self {
-            ptr: NonNull::new(ptr)?,
+            ptr,
             len,
             flags: PinnedFlags::PORTABLE,
             device: device.clone(),

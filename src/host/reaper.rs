@@ -253,6 +253,8 @@ fn retry_within<T>(
     match alloc() {
         Err(e) if is_out_of_memory(&e) && (frees_pending() || finished() != before) => {
             wait_for_frees_within(limit);
+            // The memory host pools keep for reuse goes back too.
+            super::host_pool::trim_all();
             alloc()
         }
         r => r,
