@@ -47,8 +47,8 @@ pub(crate) struct HostPool {
     /// Keeps that context, and with it the stream, alive as long as the pool (the process): the
     /// last `Device` dropped releases the primary context, which destroys its streams (run
     /// 2026-12-06-h100-f: a probe whose only `Device` had made the pool, then dropped, crashed
-    /// at its next pooled allocation).
-    device: Device,
+    /// at its next pooled allocation). `None` only in the seeded `pool_drops_context` build.
+    device: Option<Device>,
 }
 
 // SAFETY: driver handles, usable from any thread with the device's context current (every use
@@ -131,7 +131,7 @@ impl HostPool {
             pool,
             stream,
             live: AtomicUsize::new(0),
-            device: device.clone(),
+            device: (!cfg!(pinstage_seeded_bug = "pool_drops_context")).then(|| device.clone()),
         })))
     }
 
@@ -203,7 +203,8 @@ impl HostPool {
 
     /// Gives all the pool's unused memory back to the system. Never panics: errors are recorded.
     pub(crate) fn trim(&self) {
-        let Ok(_cur) = self.device.enter() else {
+        // (`None`: the seeded build, whose pool cannot enter its context on its own.)
+        let Some(Ok(_cur)) = self.device.as_ref().map(Device::enter) else {
             return;
         };
         crate::error::on_drop(driver::capture_relaxed(|| {
