@@ -611,6 +611,9 @@ def main():
             d_ids, h_ids = case.draw()
             a, b = (d_ids, h_ids) if direction == "offload" else (h_ids, d_ids)
             settled = case.mover.plan(direction, a, b)
+            # The summary names the way the timed moves run (the plan before the warm-up said
+            # only that the first moves would be timed).
+            results[(B, direction, "strategy")] = settled["strategy"]
             print(f"  pinstage's plan after the warm-up: {settled['strategy']}, "
                   f"{settled['choice']} {settled.get('measured_gbps', '')}", flush=True)
             for r in range(args.rounds):
