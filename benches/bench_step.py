@@ -50,6 +50,9 @@ STAGE, PUT, VIEWS = "pinstage StepStager.stage (1 call)", "pinstage step + 6 put
 TPACK, TSIX, CUB = "torch packed ring (1 copy_)", "torch ring, 6 copy_ (old peer)", "cuda.bindings packed ring"
 TGT = "pinstage PinnedStager, 6 targets (ref.)"
 JST, JPK, JSIX = "pinstage fresh + from_dlpack + jit unpack", "packed jax.device_put + jit unpack", "six jax.device_put (ref.)"
+# The controls: JAX's own part of each path, its input made before the clock (pinstage's block
+# staged, the peer's packed array put): what is left for the staging or the put to win.
+JCST, JCPK = "control: from_dlpack + jit unpack (block staged before)", "control: jit unpack (packed array put before)"
 R = {"config": {}, "engine": {}, "ksweep": {}, "ksweep_device_us": {}, "zero_copy": {}, "graph": {}, "jax": {},
      "goals": [], "failed": [], "notes": []}
 clock = time.perf_counter_ns
@@ -463,9 +466,14 @@ def bench_jax(args):
                 for nm, a, b, dt, shape in dense}
 
     dunpack = jax.jit(dense_unpack)
+    packed = lambda v: np.concatenate([x.reshape(-1).view(np.uint8) for x in v.values()])  # noqa: E731
     fns = {JST: lambda v: unpack(jax.dlpack.from_dlpack(st.stage(v))),
-           JPK: lambda v: dunpack(jax.device_put(np.concatenate([x.reshape(-1).view(np.uint8) for x in v.values()]), gpu)),
-           JSIX: lambda v: [jax.device_put(x, gpu) for x in v.values()]}
+           JPK: lambda v: dunpack(jax.device_put(packed(v), gpu)),
+           JSIX: lambda v: [jax.device_put(x, gpu) for x in v.values()],
+           JCST: lambda b: unpack(jax.dlpack.from_dlpack(b)),
+           JCPK: dunpack}
+    # The controls' inputs, made per step before the clock starts (the batch's whole list).
+    before = {JCST: st.stage, JCPK: lambda v: jax.block_until_ready(jax.device_put(packed(v), gpu))}
 
     def row(h):  # a step's used bytes; jit returns dicts with sorted keys: index by name
         parts = [h[nm] for nm in names] if isinstance(h, dict) else h
@@ -476,13 +484,15 @@ def bench_jax(args):
         steps, warm, E = make(r)
         for name, fn in fns.items():
             for mode in ("loop", "paced"):
+                prep = before.get(name, lambda v: v)
                 for v in warm:
-                    jax.block_until_ready(fn(v))
+                    jax.block_until_ready(fn(prep(v)))
+                inputs = [prep(v) for v in steps]
                 res, ts = [None] * n, np.empty(n, np.int64)
                 gc.collect()
                 gc.disable()
                 try:
-                    for i, v in enumerate(steps):
+                    for i, v in enumerate(inputs):
                         if mode == "paced" and i:
                             jax.block_until_ready(res[i - 1])
                         t0 = clock()
@@ -494,7 +504,7 @@ def bench_jax(args):
                 if not ok:
                     fail(f"JAX {name} ({mode}, round {r}): {msg}")
                 record(R["jax"], name, mode, ts, ok)
-                del res
+                del res, inputs
 
 
 # ---------------------------------------------------------------- summary and goals
@@ -527,6 +537,11 @@ def summary(args):
     lines += table("k fields of 1 KiB, stage", K, "k=1", "k=1", " copy engine us/step |",
                    lambda nm: f" {dev[int(nm[2:])]['median']:.2f} |" if dev.get(int(nm[2:])) else " n/a |")
     lines += table("JAX: the engine step into fresh arrays", J, JST, "pinstage")
+    for mode in ("loop", "paced"):
+        ceil = ratio(med(J, JPK, mode), med(J, JCST, mode))
+        if ceil is not None:
+            lines.append(f"  {mode}: the packed peer / JAX's own part of pinstage's path (the control) = {ceil:.2f}x: "
+                         "the most any staging that ends in from_dlpack + jit unpack can reach against this peer")
     lines += table("zero-copy (slot read in place)", R["zero_copy"], "zero-copy step + 6 put + commit", "6 put")
     alone = summ(G.get("graph alone ms", []))
     if alone:
