@@ -297,10 +297,14 @@ impl<'t> BlockMover<'t> {
                 Pick::Table => Choice::Table,
                 Pick::Timing(_) => Choice::Timing,
                 Pick::Measured {
-                    strided, batched, ..
+                    strided,
+                    batched,
+                    batched_one_thread,
+                    ..
                 } => Choice::Measured {
                     strided: strided as u64,
                     batched: batched as u64,
+                    batched_one_thread: batched_one_thread.map(|r| r as u64),
                 },
             },
         })
