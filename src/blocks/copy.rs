@@ -81,7 +81,7 @@ pub struct MovePlan {
 #[non_exhaustive]
 pub enum Choice {
     /// One way only, or the table measured on an H200 (moves under 8 MiB, or moves of a size
-    /// this mover has yet to time both ways).
+    /// this mover has yet to time every way).
     Table,
     /// This move is timed on the GPU (one of the first moves of its direction and copy size).
     Timing,

@@ -137,6 +137,7 @@ impl Class {
         if self.failed >= MAX_FAILED {
             return None;
         }
+        debug_assert!(ways.contains(&first), "{first:?} is not among {ways:?}");
         let n = |w: Way| self.timed[w as usize] + self.out[w as usize];
         std::iter::once(first)
             .chain(ways.iter().copied().filter(|&w| w != first))
@@ -208,6 +209,13 @@ impl Pick {
     pub(super) fn batched_reason(&self, split: bool) -> &'static str {
         match self {
             Pick::Timing(_) => batched!(timed!()),
+            Pick::Measured {
+                way: Way::BatchedOne,
+                ..
+            } => batched!(
+                " from one thread, timed faster than 2D copies across the tensors and than the \
+                 batch split over threads on this device for moves like this: see choice"
+            ),
             Pick::Measured { .. } => batched!(
                 ", timed faster than 2D copies across the tensors on this device for moves like \
                  this: see choice"

@@ -35,6 +35,15 @@ fn each_pick_has_its_own_reason() {
     );
     assert!(measured.strided_reason().contains("see choice"));
     assert!(measured.batched_reason(true).contains("see choice"));
+    // The batch from one thread says so.
+    let one = Pick::Measured {
+        way: Way::BatchedOne,
+        strided: 1.0,
+        batched: 1.0,
+        batched_one_thread: Some(2.0),
+    };
+    assert!(one.batched_reason(false).contains("from one thread"));
+    assert!(!measured.batched_reason(false).contains("from one thread"));
 }
 
 #[test]
