@@ -603,10 +603,10 @@ def main():
             hus = {v: [] for v in variants}
             for v in variants:  # warm-up, figures dropped (every call checked all the same)
                 one_call(case, v, direction, s, peer, [], [], peer2d)
-            # The mover times its first moves of a kind both ways before it settles on the
-            # faster (plan()["choice"]): those moves are warm-up too, as in an engine's first
-            # steps.
-            for _ in range(4):
+            # The mover times its first moves of a kind every way (twice each; three ways where
+            # the batch is split over threads) before it settles on the faster
+            # (plan()["choice"]): those moves are warm-up too, as in an engine's first steps.
+            for _ in range(6):
                 one_call(case, "pinstage", direction, s, peer, [], [], peer2d)
             d_ids, h_ids = case.draw()
             a, b = (d_ids, h_ids) if direction == "offload" else (h_ids, d_ids)

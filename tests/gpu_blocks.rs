@@ -956,10 +956,17 @@ fn gpu_blocks_large_moves_are_timed_both_ways_then_take_the_faster() {
         assert_eq!((ways[0], ways[1]), (ways[2], ways[3]), "{what}");
         // Then every move takes the faster by the rates timed.
         for &(st, c) in &seen[4..] {
-            let Choice::Measured { strided, batched } = c else {
+            let Choice::Measured {
+                strided,
+                batched,
+                batched_one_thread,
+            } = c
+            else {
                 panic!("{what}: not decided after four timed moves");
             };
             assert!(strided > 0 && batched > 0, "{what}");
+            // 512 copies: a batch from one thread only, nothing more to time.
+            assert_eq!(batched_one_thread, None, "{what}");
             // The batch takes the class only when it beats the 2D copies by 5%
             // (src/blocks/tuning.rs, BATCH_MARGIN).
             let faster = if batched as f64 > strided as f64 * 1.05 {
@@ -973,4 +980,92 @@ fn gpu_blocks_large_moves_are_timed_both_ways_then_take_the_faster() {
     // A small move is not timed.
     let plan = mover.plan(Direction::Load, &[1, 2], &[3, 4]).unwrap();
     assert_eq!(plan.choice, Choice::Table);
+}
+
+/// Where a move's batch would be issued from several threads (4096 copies or more), the mover
+/// times the same batch from one thread too: its first six large loads take the three ways in
+/// turn (2D copies, the split batch, the batch from one thread), then every load takes the
+/// fastest by the mean rates `plan()` reports, a batch only by the margin. Every move checked.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_blocks_a_split_batch_is_timed_against_the_batch_from_one_thread() {
+    let Some(d) =
+        gpu_or_skip("gpu_blocks_a_split_batch_is_timed_against_the_batch_from_one_thread")
+    else {
+        return;
+    };
+    let _gpu = shared();
+    let own = Stream::new(&d).unwrap();
+    // 64 tensors at one stride, blocks of 2 KiB, 64 ids with no two device ids adjacent (no
+    // runs merge): 4096 copies, 8 MiB a move.
+    let (tensors, blocks, bytes, n) = (64, 256, 1 << 10, 64);
+    let mut s = Sides::with(
+        &d,
+        Layout::BlocksFirst,
+        tensors,
+        bytes,
+        blocks,
+        blocks,
+        true,
+    );
+    let (dv, hv, dim) = s.views();
+    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    let mut seen = Vec::new();
+    for m in 0..9u32 {
+        let dev_ids: Vec<usize> = ids(n, blocks / 2, 7 + u64::from(m))
+            .into_iter()
+            .map(|i| 2 * i)
+            .collect();
+        let host_ids = ids(n, blocks, 70 + u64::from(m));
+        let plan = mover.plan(Direction::Load, &host_ids, &dev_ids).unwrap();
+        assert_eq!((plan.bytes, plan.runs), (8 << 20, n), "{plan:?}");
+        move_checked(
+            &mut s,
+            &mover,
+            Direction::Load,
+            &dev_ids,
+            &host_ids,
+            own.handle(),
+            m % 2 == 1,
+            m,
+        );
+        seen.push((plan.strategy, plan.threads, plan.choice));
+    }
+    let what = format!("{seen:?}");
+    // Six timed moves: the three ways, twice in the same order.
+    assert!(
+        seen[..6].iter().all(|&(_, _, c)| c == Choice::Timing),
+        "{what}"
+    );
+    let ways: Vec<_> = seen[..6].iter().map(|&(st, t, _)| (st, t > 1)).collect();
+    assert_eq!(ways[..3], ways[3..], "{what}");
+    for way in [
+        (Strategy::Strided, false),
+        (Strategy::Batched, true),
+        (Strategy::Batched, false),
+    ] {
+        assert!(ways[..3].contains(&way), "{what}: {way:?} never timed");
+    }
+    for &(st, threads, c) in &seen[6..] {
+        let Choice::Measured {
+            strided,
+            batched,
+            batched_one_thread: Some(one),
+        } = c
+        else {
+            panic!("{what}: not decided with the batch from one thread after six timed moves");
+        };
+        assert!(strided > 0 && batched > 0 && one > 0, "{what}");
+        let (batch, rate) = if one > batched {
+            ((Strategy::Batched, 1), one)
+        } else {
+            ((Strategy::Batched, 4), batched)
+        };
+        let want = if rate as f64 > strided as f64 * 1.05 {
+            batch
+        } else {
+            (Strategy::Strided, 1)
+        };
+        assert_eq!((st, threads), want, "{what}");
+    }
 }

@@ -9,7 +9,7 @@
 - Device to host: ``copy_d2h`` / ``copy_d2h_async`` (into pinned memory; a numpy fallback
   without a driver).
 - KV-cache blocks: ``BlockMover`` (lists of block ids between device tensors and pinned host
-  tensors, one batched copy-engine call per move).
+  tensors: 2D copies across the tensors or batched copies, copy engines only).
 - Pinned memory: ``empty_pinned``, ``empty_host``, ``alloc_pinned_numpy``, ``PinnedPool``,
   ``pin``.
 

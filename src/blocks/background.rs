@@ -19,7 +19,7 @@ use std::sync::{Arc, OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
 use super::copy::{Direction, Ticket};
-use super::issue::{Issue, Lists, issue_on};
+use super::issue::{Issue, Lists, helper_streams, issue_on};
 use super::plan::{Segment, segments_of};
 use super::tensors::Tensors;
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
@@ -196,6 +196,9 @@ unsafe fn run(
         #[cfg(not(pinstage_seeded_bug = "background_no_fork"))]
         job.fork.wait_on_in(cur, stream).map_err(driver_error)?;
         forked = true;
+        if let Issue::Batched { threads: 2.. } = how {
+            helper_streams(cur, helpers).map_err(driver_error)?;
+        }
         tensors
             .issue_timed(cur, stream, job.direction, (blocks, n_runs), pick, || {
                 // SAFETY: the sender's contract 1; `stream` is our side stream (not the legacy

@@ -76,21 +76,24 @@ pub struct MovePlan {
 
 /// What chose between 2D copies across the tensors and a batch for a move between tensors at one
 /// stride ([`MovePlan::choice`]): a mover times its first moves of 8 MiB or more of each
-/// direction and copy size both ways on the GPU, and takes the faster from then on.
+/// direction and copy size every way on the GPU, and takes the faster from then on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Choice {
     /// One way only, or the table measured on an H200 (moves under 8 MiB, or moves of a size
-    /// this mover has yet to time both ways).
+    /// this mover has yet to time every way).
     Table,
     /// This move is timed on the GPU (one of the first moves of its direction and copy size).
     Timing,
-    /// Both ways timed on this device: the best rate of each, bytes per second.
+    /// Every way timed on this device: the mean rate of each, bytes per second.
     Measured {
         /// 2D copies across the tensors.
         strided: u64,
-        /// Batched copies.
+        /// Batched copies (issued from several threads where [`MovePlan::threads`] would be
+        /// more than one for a batch).
         batched: u64,
+        /// The same batch issued from one thread, timed where the batch is split over threads.
+        batched_one_thread: Option<u64>,
     },
 }
 

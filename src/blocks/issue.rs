@@ -100,6 +100,22 @@ pub(super) unsafe fn issue(
     Ok(())
 }
 
+/// The helper streams a split batch issues on, made at the first call (before a timed move's
+/// start is recorded, so that making them is not timed as part of a move).
+pub(super) fn helper_streams<'h>(
+    cur: &Current<'_>,
+    helpers: &'h OnceLock<Vec<Stream>>,
+) -> Result<&'h [Stream]> {
+    if let Some(h) = helpers.get() {
+        return Ok(h);
+    }
+    let made = (1..MAX_THREADS)
+        .map(|_| Stream::new(cur.device()))
+        .collect::<Result<Vec<_>>>()?;
+    let _ = helpers.set(made);
+    Ok(helpers.get().expect("set above"))
+}
+
 /// Issues a batched move's `segments` from `threads` threads at once, each share on its own
 /// stream: the first share on `stream` from this thread, the others on helper streams (made
 /// once, kept in `helpers`) after a fork from `stream`, which then waits for them. The driver
@@ -127,16 +143,7 @@ pub(super) unsafe fn issue_split(
         // SAFETY: the caller's contract.
         return Ok(unsafe { issue(first, Issue::Batched { threads: 1 }, stream, lists) }?);
     }
-    let helpers = match helpers.get() {
-        Some(h) => h,
-        None => {
-            let made = (1..MAX_THREADS)
-                .map(|_| Stream::new(cur.device()))
-                .collect::<Result<Vec<_>>>()?;
-            let _ = helpers.set(made);
-            helpers.get().expect("set above")
-        }
-    };
+    let helpers = helper_streams(cur, helpers)?;
     let fork = Event::new_in(cur)?;
     fork.record_in(cur, stream)?;
     for h in &helpers[..rest.len()] {

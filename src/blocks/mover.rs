@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 
 use super::background::Issuer;
 use super::copy::{BlockCopy, Choice, Direction, InFlight, MAX_BATCH, MovePlan, Strategy};
-use super::issue::{Issue, Lists, issue_on, share};
+use super::issue::{Issue, Lists, helper_streams, issue_on, share};
 use super::plan::{BlockLayout, Pair, Run, Segment, segments, segments_of};
 use super::strides::{one_allocation, strides};
 use super::tensors::Tensors;
@@ -297,10 +297,14 @@ impl<'t> BlockMover<'t> {
                 Pick::Table => Choice::Table,
                 Pick::Timing(_) => Choice::Timing,
                 Pick::Measured {
-                    strided, batched, ..
+                    strided,
+                    batched,
+                    batched_one_thread,
+                    ..
                 } => Choice::Measured {
                     strided: strided as u64,
                     batched: batched as u64,
+                    batched_one_thread: batched_one_thread.map(|r| r as u64),
                 },
             },
         })
@@ -516,6 +520,9 @@ impl<'t> BlockMover<'t> {
     ) -> Result<()> {
         let Scratch { segments, lists } = scratch;
         let helpers = &self.helpers[direction as usize];
+        if let Issue::Batched { threads: 2.. } = how {
+            helper_streams(cur, helpers)?;
+        }
         let timed = |s: StreamHandle, lists: &mut Lists| {
             let shape = (blocks, runs);
             self.tensors

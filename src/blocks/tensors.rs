@@ -127,6 +127,10 @@ impl Tensors {
                     to_host: direction == Direction::Offload,
                 }
             }
+            // The batch from one thread where the timings chose it over the split batch.
+            _ if self.batched && pick.way() == Some(Way::BatchedOne) => {
+                Issue::Batched { threads: 1 }
+            }
             _ if self.batched => Issue::Batched {
                 threads: batch_threads(direction, runs * self.parts, self.copy_bytes(blocks, runs)),
             },

@@ -1,12 +1,15 @@
 //! Which way a move between tensors at one stride goes, 2D copies across the tensors or batched
-//! copies, measured on this device. [`two_d_wins`](super::strides::two_d_wins)' table was
-//! measured on one H200; other machines rank the two ways otherwise at some copy sizes (an H100:
-//! benches/RESULTS.md, KV-cache blocks). So a mover's first moves of [`MIN_BYTES`] or more of
-//! each class (direction, copy size, a batch issued from one thread or several) alternate
-//! between the two ways, the table's first, each timed on the GPU by a pair of events around its
-//! copies; once each way has [`SAMPLES`] timings, the faster by its best rate (interference only
-//! slows a move) takes every later move of the class of [`MIN_BYTES`] or more, the batch only
-//! when it beats the 2D copies by [`BATCH_MARGIN`]. Smaller moves,
+//! copies (from the threads [`batch_threads`](super::strides::batch_threads) gives, or from one),
+//! measured on this device. [`two_d_wins`](super::strides::two_d_wins)' table and the thread
+//! counts were measured on one H200; other machines rank the ways otherwise at some copy sizes
+//! (H100s: benches/RESULTS.md, KV-cache blocks). So a mover's first moves of [`MIN_BYTES`] or
+//! more of each class (direction, copy size, a batch issued from one thread or several)
+//! take the class's ways in turn (2D copies and a batch; where the batch would be split over
+//! threads, also the batch from one thread), the table's first, each timed on the GPU by a pair
+//! of events around its copies; once each way has [`SAMPLES`] timings, the faster by its mean
+//! rate takes every later move of the class of [`MIN_BYTES`] or more, a batch only when it beats
+//! the 2D copies by [`BATCH_MARGIN`]. (Not the best rate of each way: that favours the batch,
+//! whose rate spreads from call to call more than the 2D copies'.) Smaller moves,
 //! classes whose timings are all in flight, and classes whose timings keep failing follow the
 //! table. A span starts when the stream reaches the move: on an idle stream while the host still
 //! issues the copies, which then counts, as it delays the move's completion as much.
@@ -18,13 +21,29 @@ use parking_lot::Mutex;
 use super::copy::Direction;
 use crate::cuda::{Current, StreamHandle, TimedEvent};
 
-/// The two ways a move between tensors at one stride can go.
+/// The ways a move between tensors at one stride can go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Way {
     /// One 2D copy per run across every tensor.
     Strided = 0,
-    /// The (tensor, run) copies in batched calls.
+    /// The (tensor, run) copies in batched calls, from the threads
+    /// [`batch_threads`](super::strides::batch_threads) gives.
     Batched = 1,
+    /// The same batch issued from one thread, where `batch_threads` gives several (which
+    /// H100s ran slower than one batch for some loads: benches/RESULTS.md, KV-cache blocks).
+    BatchedOne = 2,
+}
+
+/// How many ways there are.
+const WAYS: usize = 3;
+
+/// The ways a class times: a split batch's class also times the batch from one thread.
+fn ways(split: bool) -> &'static [Way] {
+    if split {
+        &[Way::Strided, Way::Batched, Way::BatchedOne]
+    } else {
+        &[Way::Strided, Way::Batched]
+    }
 }
 
 /// Copy size classes: under 2 KiB, then one per power of two, the last taking all above.
@@ -42,10 +61,8 @@ pub(super) const SAMPLES: usize = 2;
 pub(super) const MIN_BYTES: usize = 8 << 20;
 
 /// How much faster than the 2D copies a batch must time to take a class. The 2D copies' rate
-/// holds from call to call and a batch's spreads, so a batch that wins a near tie by its best
-/// timing runs slower on average (an H100, run 2026-12-06-h100-d, 64 KiB blocks: the 2D peer
-/// 49.0-49.4 GB/s, the batch peer 40.4-48.6; a batch timed 3% faster was kept and the moves ran
-/// 0.94x the 2D peer).
+/// holds from call to call and a batch's spreads, so a batch that wins a near tie in a few
+/// timings may run slower on average (64 KiB blocks on H100s: benches/RESULTS.md).
 pub(super) const BATCH_MARGIN: f64 = 1.05;
 
 /// Timings of a class that may fail (refused, or a zero span) before the class stops timing
@@ -63,12 +80,12 @@ fn class(copy_bytes: usize, split: bool) -> usize {
 
 #[derive(Clone, Copy, Default, Debug)]
 struct Class {
-    /// The best rate timed per way (bytes per second).
-    best: [f64; 2],
+    /// The sum of the rates timed per way (bytes per second).
+    sum: [f64; WAYS],
     /// Timings harvested per way.
-    timed: [usize; 2],
+    timed: [usize; WAYS],
     /// Timed moves in flight per way.
-    out: [usize; 2],
+    out: [usize; WAYS],
     /// Timings that gave no rate.
     failed: usize,
 }
@@ -86,34 +103,46 @@ fn faster(a: f64, b: f64) -> bool {
 }
 
 impl Class {
-    fn decided(&self) -> Option<Way> {
-        (self.timed[0] >= SAMPLES && self.timed[1] >= SAMPLES).then_some(
-            if faster(self.best[1], self.best[0] * BATCH_MARGIN) {
-                Way::Batched
+    /// The mean rate timed for `way` (0 before any timing).
+    fn mean(&self, way: Way) -> f64 {
+        let w = way as usize;
+        self.sum[w] / self.timed[w].max(1) as f64
+    }
+
+    /// The way this class keeps once each of its `ways` has its timings: the faster batch, if
+    /// it beats the 2D copies by the margin, else the 2D copies.
+    fn decided(&self, ways: &[Way]) -> Option<Way> {
+        if ways.iter().any(|&w| self.timed[w as usize] < SAMPLES) {
+            return None;
+        }
+        let batch = ways[1..].iter().copied().reduce(|a, b| {
+            if faster(self.mean(b), self.mean(a)) {
+                b
+            } else {
+                a
+            }
+        })?;
+        Some(
+            if faster(self.mean(batch), self.mean(Way::Strided) * BATCH_MARGIN) {
+                batch
             } else {
                 Way::Strided
             },
         )
     }
 
-    /// The way that needs timing next (fewer timings, those in flight counted; `first` on a
-    /// tie), if any.
-    fn next_timed(&self, first: Way) -> Option<Way> {
+    /// The way of `ways` that needs timing next (the fewest timings, those in flight counted;
+    /// `first` on a tie, then the order of `ways`), if any.
+    fn next_timed(&self, first: Way, ways: &[Way]) -> Option<Way> {
         if self.failed >= MAX_FAILED {
             return None;
         }
+        debug_assert!(ways.contains(&first), "{first:?} is not among {ways:?}");
         let n = |w: Way| self.timed[w as usize] + self.out[w as usize];
-        let other = match first {
-            Way::Strided => Way::Batched,
-            Way::Batched => Way::Strided,
-        };
-        match (n(first) < SAMPLES, n(other) < SAMPLES) {
-            (false, false) => None,
-            (true, false) => Some(first),
-            (false, true) => Some(other),
-            (true, true) if n(other) < n(first) => Some(other),
-            (true, true) => Some(first),
-        }
+        std::iter::once(first)
+            .chain(ways.iter().copied().filter(|&w| w != first))
+            .filter(|&w| n(w) < SAMPLES)
+            .min_by_key(|&w| n(w))
     }
 }
 
@@ -124,11 +153,13 @@ pub(super) enum Pick {
     Table,
     /// This move is timed, going `Way`.
     Timing(Way),
-    /// Decided by the timings: the best rates (bytes per second) of the 2D copies and the batch.
+    /// Decided by the timings: the mean rates (bytes per second) of the 2D copies, the batch,
+    /// and the batch from one thread where the batch is split over threads.
     Measured {
         way: Way,
         strided: f64,
         batched: f64,
+        batched_one_thread: Option<f64>,
     },
 }
 
@@ -153,8 +184,8 @@ macro_rules! batched {
 macro_rules! timed {
     () => {
         "; this move is timed on the GPU (a mover's first moves of 8 MiB or more of each \
-         direction and copy size go both ways, 2D copies and a batch, to find the faster on \
-         this device)"
+         direction and copy size go every way, 2D copies and a batch, and where the batch is \
+         split over threads the batch from one thread, to find the faster on this device)"
     };
 }
 
@@ -178,6 +209,13 @@ impl Pick {
     pub(super) fn batched_reason(&self, split: bool) -> &'static str {
         match self {
             Pick::Timing(_) => batched!(timed!()),
+            Pick::Measured {
+                way: Way::BatchedOne,
+                ..
+            } => batched!(
+                " from one thread, timed faster than 2D copies across the tensors and than the \
+                 batch split over threads on this device for moves like this: see choice"
+            ),
             Pick::Measured { .. } => batched!(
                 ", timed faster than 2D copies across the tensors on this device for moves like \
                  this: see choice"
@@ -267,7 +305,7 @@ impl Tuning {
             let w = o.way as usize;
             match span {
                 Some(d) => {
-                    c.best[w] = c.best[w].max(o.bytes as f64 / d.as_secs_f64());
+                    c.sum[w] += o.bytes as f64 / d.as_secs_f64();
                     c.timed[w] += 1;
                 }
                 // A zero span or a refused query: not counted.
@@ -292,14 +330,16 @@ impl Tuning {
         }
         let st = self.state.lock();
         let c = &st.classes[direction as usize][class(copy_bytes, split)];
-        if let Some(way) = c.decided() {
+        if let Some(way) = c.decided(ways(split)) {
             return Pick::Measured {
                 way,
-                strided: c.best[0],
-                batched: c.best[1],
+                strided: c.mean(Way::Strided),
+                batched: c.mean(Way::Batched),
+                batched_one_thread: split.then(|| c.mean(Way::BatchedOne)),
             };
         }
-        c.next_timed(table).map_or(Pick::Table, Pick::Timing)
+        c.next_timed(table, ways(split))
+            .map_or(Pick::Table, Pick::Timing)
     }
 
     /// Records the start of a timed move (`pick` said [`Pick::Timing`]) on `stream`, before its
@@ -342,146 +382,4 @@ impl Tuning {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Each way a move was chosen has its own reason, and each starts with its strategy's.
-    #[test]
-    fn each_pick_has_its_own_reason() {
-        let measured = Pick::Measured {
-            way: Way::Strided,
-            strided: 2.0,
-            batched: 1.0,
-        };
-        let picks = [Pick::Table, Pick::Timing(Way::Strided), measured];
-        let mut seen = std::collections::HashSet::new();
-        for p in &picks {
-            let r = p.strided_reason();
-            assert!(r.starts_with("the tensors sit at one stride"), "{r}");
-            assert!(seen.insert(r), "{r}");
-            for split in [false, true] {
-                let r = p.batched_reason(split);
-                assert!(
-                    r.starts_with("the copy engines move the merged runs"),
-                    "{r}"
-                );
-                seen.insert(r);
-            }
-        }
-        // Table alone tells a split batch from one call.
-        assert_eq!(seen.len(), 3 + 4, "{seen:#?}");
-        assert!(
-            Pick::Timing(Way::Batched)
-                .batched_reason(false)
-                .contains("timed on the GPU")
-        );
-        assert!(measured.strided_reason().contains("see choice"));
-        assert!(measured.batched_reason(true).contains("see choice"));
-    }
-
-    #[test]
-    fn classes_are_powers_of_two() {
-        let c = |b| class(b, false);
-        assert_eq!(c(0), 0);
-        assert_eq!(c(1), 0);
-        assert_eq!(c(2047), 0);
-        assert_eq!(c(2048), 2);
-        assert_eq!(c(16 << 10), 8);
-        assert_eq!(c(16 << 10), c((16 << 10) * 64 / 63));
-        assert_eq!(c((32 << 10) - 1), 8);
-        assert_eq!(c(32 << 10), 10);
-        assert_eq!(c(usize::MAX), CLASSES - 2);
-        assert_eq!(class(16 << 10, true), 9);
-        assert_eq!(class(usize::MAX, true), CLASSES - 1);
-    }
-
-    #[test]
-    fn a_class_times_both_ways_then_keeps_the_faster() {
-        let mut c = Class::default();
-        let mut seen = Vec::new();
-        // Two timings of each way, handed out and harvested one at a time.
-        while let Some(w) = c.next_timed(Way::Strided) {
-            seen.push(w);
-            c.timed[w as usize] += 1;
-            c.best[w as usize] = if w == Way::Batched { 2.0 } else { 1.0 };
-            assert!(seen.len() <= 2 * SAMPLES, "{seen:?}");
-        }
-        assert_eq!(
-            seen,
-            [Way::Strided, Way::Batched, Way::Strided, Way::Batched]
-        );
-        assert_eq!(c.decided(), Some(Way::Batched));
-        c.best = [3.0, 2.0];
-        assert_eq!(c.decided(), Some(Way::Strided));
-        // A near tie keeps the 2D copies: the batch must win by the margin.
-        c.best = [1.0, BATCH_MARGIN - 0.01];
-        assert_eq!(c.decided(), Some(Way::Strided));
-        c.best = [1.0, BATCH_MARGIN + 0.01];
-        assert_eq!(c.decided(), Some(Way::Batched));
-    }
-
-    #[test]
-    fn timings_in_flight_count_against_more_timing() {
-        let mut c = Class {
-            out: [SAMPLES, SAMPLES],
-            ..Class::default()
-        };
-        assert_eq!(c.next_timed(Way::Strided), None);
-        assert_eq!(c.decided(), None);
-        c.out = [SAMPLES, 1];
-        assert_eq!(c.next_timed(Way::Strided), Some(Way::Batched));
-        // The table's way first on a tie.
-        c.out = [1, 1];
-        assert_eq!(c.next_timed(Way::Batched), Some(Way::Batched));
-        assert_eq!(c.next_timed(Way::Strided), Some(Way::Strided));
-        // A class whose timings keep failing stops timing.
-        c.failed = MAX_FAILED;
-        assert_eq!(c.next_timed(Way::Strided), None);
-    }
-
-    #[test]
-    fn small_moves_and_undecided_classes_follow_the_table() {
-        let t = Tuning::default();
-        let s = Way::Strided;
-        assert_eq!(
-            t.pick(Direction::Load, (16 << 10, false), MIN_BYTES - 1, s),
-            Pick::Table
-        );
-        assert_eq!(
-            t.pick(Direction::Load, (16 << 10, false), MIN_BYTES, s),
-            Pick::Timing(Way::Strided)
-        );
-        assert_eq!(
-            t.pick(Direction::Load, (16 << 10, false), MIN_BYTES, Way::Batched),
-            Pick::Timing(Way::Batched)
-        );
-        // Decided for loads of 16 KiB copies: offloads, and other sizes, still time.
-        {
-            let mut st = t.state.lock();
-            let c = &mut st.classes[Direction::Load as usize][class(16 << 10, false)];
-            c.timed = [SAMPLES, SAMPLES];
-            c.best = [1e9, 3e9];
-        }
-        assert_eq!(
-            t.pick(Direction::Load, (24 << 10, false), MIN_BYTES, s),
-            Pick::Measured {
-                way: Way::Batched,
-                strided: 1e9,
-                batched: 3e9
-            }
-        );
-        // A small move of a decided class follows the table all the same.
-        assert_eq!(
-            t.pick(Direction::Load, (24 << 10, false), MIN_BYTES - 1, s),
-            Pick::Table
-        );
-        assert_eq!(
-            t.pick(Direction::Offload, (16 << 10, false), MIN_BYTES, s),
-            Pick::Timing(Way::Strided)
-        );
-        assert_eq!(
-            t.pick(Direction::Load, (64 << 10, false), MIN_BYTES, s),
-            Pick::Timing(Way::Strided)
-        );
-    }
-}
+mod tests;

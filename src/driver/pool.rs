@@ -14,32 +14,16 @@ pub(crate) use sys::CUmemoryPool;
 /// # Safety
 /// 1. A context must be current on this thread.
 pub(crate) unsafe fn pool_create(ordinal: i32) -> DResult<CUmemoryPool> {
-    // SAFETY: plain C data; all-zero is "no handle types, no flags" for every other field.
-    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
-    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
-    props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-    props.location.id = ordinal;
-    let mut pool = std::ptr::null_mut();
-    // SAFETY: valid out-pointer and properties; a context is current (caller).
-    check("cuMemPoolCreate", unsafe {
-        sys::cuMemPoolCreate(&mut pool, &props)
-    })?;
-    let mut keep: u64 = u64::MAX;
-    // SAFETY: our live pool; the attribute takes a cuuint64_t.
-    let set = check("cuMemPoolSetAttribute", unsafe {
-        sys::cuMemPoolSetAttribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            (&raw mut keep).cast(),
+    // SAFETY: `create_with` gives the pool just made.
+    let setup = |pool| unsafe { keep_all(pool) };
+    // SAFETY: a context is current (caller).
+    unsafe {
+        create_with(
+            sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            ordinal,
+            setup,
         )
-    });
-    if let Err(e) = set {
-        // SAFETY: nothing was allocated from the pool.
-        let _ = unsafe { sys::cuMemPoolDestroy(pool) };
-        return Err(e);
     }
-    Ok(pool)
 }
 
 /// [cuMemPoolCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)
@@ -51,17 +35,6 @@ pub(crate) unsafe fn pool_create(ordinal: i32) -> DResult<CUmemoryPool> {
 /// # Safety
 /// 1. A context must be current on this thread.
 pub(crate) unsafe fn host_pool_create(numa: i32, count: i32) -> DResult<CUmemoryPool> {
-    // SAFETY: plain C data; all-zero is "no handle types, no flags" for every other field.
-    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
-    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
-    props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
-    props.location.id = numa;
-    let mut pool = std::ptr::null_mut();
-    // SAFETY: valid out-pointer and properties; a context is current (caller).
-    check("cuMemPoolCreate", unsafe {
-        sys::cuMemPoolCreate(&mut pool, &props)
-    })?;
     let descs: Vec<sys::CUmemAccessDesc> = (0..count)
         .map(|d| {
             // SAFETY: plain C data, every field set below.
@@ -72,27 +45,68 @@ pub(crate) unsafe fn host_pool_create(numa: i32, count: i32) -> DResult<CUmemory
             a
         })
         .collect();
-    let mut keep: u64 = u64::MAX;
-    // SAFETY: our live pool, `descs.len()` descriptors; the attribute takes a cuuint64_t.
-    let set = check("cuMemPoolSetAccess", unsafe {
-        sys::cuMemPoolSetAccess(pool, descs.as_ptr(), descs.len())
-    })
-    .and_then(|()| {
-        // SAFETY: as above.
-        check("cuMemPoolSetAttribute", unsafe {
-            sys::cuMemPoolSetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&raw mut keep).cast(),
-            )
+    let setup = |pool| {
+        // SAFETY: our live pool, `descs.len()` descriptors.
+        check("cuMemPoolSetAccess", unsafe {
+            sys::cuMemPoolSetAccess(pool, descs.as_ptr(), descs.len())
         })
-    });
-    if let Err(e) = set {
+        // SAFETY: as above.
+        .and_then(|()| unsafe { keep_all(pool) })
+    };
+    // SAFETY: a context is current (caller); the setup is given the pool just made.
+    unsafe {
+        create_with(
+            sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA,
+            numa,
+            setup,
+        )
+    }
+}
+
+/// A pinned memory pool at (`location`, `id`), then `setup` run on it; destroyed again if the
+/// setup fails.
+///
+/// # Safety
+/// 1. A context must be current on this thread.
+unsafe fn create_with(
+    location: sys::CUmemLocationType,
+    id: i32,
+    setup: impl FnOnce(CUmemoryPool) -> DResult<()>,
+) -> DResult<CUmemoryPool> {
+    // SAFETY: plain C data; all-zero is "no handle types, no flags" for every other field.
+    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+    props.location.type_ = location;
+    props.location.id = id;
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: valid out-pointer and properties; a context is current (caller).
+    check("cuMemPoolCreate", unsafe {
+        sys::cuMemPoolCreate(&mut pool, &props)
+    })?;
+    if let Err(e) = setup(pool) {
         // SAFETY: nothing was allocated from the pool.
         let _ = unsafe { sys::cuMemPoolDestroy(pool) };
         return Err(e);
     }
     Ok(pool)
+}
+
+/// Sets `pool`'s release threshold to keep every byte it holds (freed memory stays in the pool
+/// for the next allocation until [`pool_trim`]).
+///
+/// # Safety
+/// 1. `pool` must be a live pool.
+unsafe fn keep_all(pool: CUmemoryPool) -> DResult<()> {
+    let mut keep: u64 = u64::MAX;
+    // SAFETY: a live pool (caller); the attribute takes a cuuint64_t.
+    check("cuMemPoolSetAttribute", unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&raw mut keep).cast(),
+        )
+    })
 }
 
 /// [cuMemPoolSetAccess](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html)

@@ -181,9 +181,11 @@ impl BlockMover {
     ///     calls), ``threads`` (issuing at once, each on its own stream), ``bytes``, ``reason``,
     ///     ``choice``: what chose between 2D copies and a batch where the tensors allow both:
     ///     ``"table"`` (measured on an H200), ``"timing"`` (this move would be timed: a mover's
-    ///     first moves of 8 MiB or more of each direction and copy size go both ways, timed on
+    ///     first moves of 8 MiB or more of each direction and copy size go every way, timed on
     ///     the GPU) or ``"measured"`` (the faster timed on this device; ``measured_gbps``:
-    ///     ``{"strided": GB/s, "batched": GB/s}``, the best of each).
+    ///     ``{"strided": GB/s, "batched": GB/s}``, the mean of each, with
+    ///     ``"batched_one_thread"`` where a batch would be issued from several threads and the
+    ///     same batch from one thread was timed too).
     fn plan<'py>(
         &self,
         py: Python<'py>,
@@ -224,11 +226,18 @@ impl BlockMover {
         match p.choice {
             Choice::Table => d.set_item("choice", "table")?,
             Choice::Timing => d.set_item("choice", "timing")?,
-            Choice::Measured { strided, batched } => {
+            Choice::Measured {
+                strided,
+                batched,
+                batched_one_thread,
+            } => {
                 d.set_item("choice", "measured")?;
                 let rates = PyDict::new(py);
                 rates.set_item("strided", strided as f64 / 1e9)?;
                 rates.set_item("batched", batched as f64 / 1e9)?;
+                if let Some(one) = batched_one_thread {
+                    rates.set_item("batched_one_thread", one as f64 / 1e9)?;
+                }
                 d.set_item("measured_gbps", rates)?;
             }
         }
