@@ -480,9 +480,12 @@ def bench_jax(args):
         return np.concatenate([np.asarray(p)[: spec[nm][1][0]].reshape(-1).view(np.uint8) for nm, p in zip(names, parts)])
 
     make = maker(spec, n, 7)
+    order = list(fns.items())
     for r in range(args.rounds):
         steps, warm, E = make(r)
-        for name, fn in fns.items():
+        # Each round starts at the next row: a row's place in the round (first after the
+        # round's value arrays are made, or after another row's JAX work) is not its figure.
+        for name, fn in order[r % len(order):] + order[: r % len(order)]:
             for mode in ("loop", "paced"):
                 prep = before.get(name, lambda v: v)
                 for v in warm:
