@@ -15,6 +15,8 @@ the per-round mean us a step, min-max):
   stage+wait+full    `stage(v)`, `.wait()`, unpack(from_dlpack(...))
   dlpack-call        `b.__dlpack__(stream=<JAX's external-ready stream>)` of a staged block (the
                      export alone, as JAX calls it; capsule dropped)
+PACED=1: each step starts once the step before finished (JAX's results waited, a fresh block
+waited on the host), as bench_step.py's paced rows.
 Every full row's arrays are compared with the values staged, every step. Lab wheel first on
 PYTHONPATH; jax, numpy.
 """
@@ -81,6 +83,18 @@ ROWS = {
     "stage+wait+full": (None, lambda v: unpack(jax.dlpack.from_dlpack(waited(v))), True),
     "dlpack-call": (waited, lambda b: b.__dlpack__(stream=JS), False),
 }
+PACED = os.environ.get("PACED") == "1"
+
+
+def settle(o):
+    """Paced: the step before has finished on the GPU (JAX results waited; a DeviceArray waited
+    on the host; an arena step: the device synchronized)."""
+    if hasattr(o, "block_until_ready") or isinstance(o, dict):
+        jax.block_until_ready(o)
+    elif hasattr(o, "wait"):
+        o.wait()
+
+
 res_us = {k: [] for k in ROWS}
 bad = 0
 for r in range(ROUNDS):
@@ -96,6 +110,8 @@ for r in range(ROUNDS):
         gc.disable()
         try:
             for i, v in enumerate(inputs):
+                if PACED and i:
+                    settle(out[i - 1])
                 t0 = clock()
                 out[i] = fn(v)
                 ts[i] = clock() - t0
@@ -114,7 +130,7 @@ for r in range(ROUNDS):
         res_us[name].append(ts.mean() / 1e3)
         del out, inputs
 
-print(f"\nloop, us per step: median of {ROUNDS} rounds' means (min-max); {N} steps a round")
+print(f"\n{'paced' if PACED else 'loop'}, us per step: median of {ROUNDS} rounds' means (min-max); {N} steps a round")
 for name, xs in res_us.items():
     if xs:
         print(f"  {name:20s} {statistics.median(xs):8.2f} ({min(xs):.2f}-{max(xs):.2f})")
