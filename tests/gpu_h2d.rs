@@ -225,6 +225,122 @@ fn gpu_h2d_pageable_source_may_change_at_once() {
     check(&buf, &data);
 }
 
+/// `to_device`'s order for torch and cupy arrays: the destination is made by the calling thread
+/// while the copy threads fill the first bounce slots (a pageable source), or first (pinned);
+/// every byte lands in it and nothing past it, and the maker runs once, on the calling thread.
+#[rstest]
+#[case::pageable_more_pieces_than_slots((60 << 20) + 4097, false)]
+#[case::pageable_one_piece(4097, false)]
+#[case::pinned(1 << 20, true)]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_h2d_a_destination_made_meanwhile_gets_every_byte(
+    #[case] bytes: usize,
+    #[case] pinned: bool,
+) {
+    let Some(dev) = gpu_or_skip("gpu_h2d_a_destination_made_meanwhile_gets_every_byte") else {
+        return;
+    };
+    let _serial = serial();
+    let stream = pinstage::Stream::new(&dev).unwrap();
+    let data = values(DType::U8, bytes, bytes as u64 + 31);
+    let mut pin = pinned.then(|| PinnedBuffer::new(&dev, bytes, PinnedFlags::PORTABLE).unwrap());
+    let src: &[u8] = match &mut pin {
+        Some(p) => {
+            p.as_mut_slice().copy_from_slice(&data);
+            p.as_slice()
+        }
+        None => &data,
+    };
+    let me = std::thread::current().id();
+    let (mut made, mut calls, mut on) = (None, 0, None);
+    let mut make = || {
+        calls += 1;
+        on = Some(std::thread::current().id());
+        // The copy threads fill meanwhile: this maker takes its time.
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let buf = poisoned(&dev, bytes);
+        let addr = buf.view_at(0, DType::U8, bytes).ptr();
+        made = Some(buf);
+        Some(addr)
+    };
+    // SAFETY: `src` lives until the event completed; the maker's address is `bytes` bytes of
+    // the buffer it keeps in `made`.
+    let (path, ev) = unsafe {
+        pinstage::testing::start_h2d_made_meanwhile(
+            &dev,
+            src.as_ptr(),
+            bytes,
+            stream.handle(),
+            &mut make,
+        )
+    }
+    .unwrap()
+    .expect("the destination was made");
+    let want = if pinned {
+        CopyPath::Pinned
+    } else {
+        CopyPath::Bounced
+    };
+    assert_eq!(path, want);
+    ev.expect("a copy's event").synchronize().unwrap();
+    assert_eq!(
+        (calls, on),
+        (1, Some(me)),
+        "made once, on the calling thread"
+    );
+    check(made.as_ref().unwrap(), &data);
+}
+
+/// A maker that gives up, or panics, while the copy threads fill: nothing is issued, the call
+/// returns (no copy thread waits for the address forever), and the next copy goes through.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_h2d_a_destination_given_up_issues_nothing() {
+    let Some(dev) = gpu_or_skip("gpu_h2d_a_destination_given_up_issues_nothing") else {
+        return;
+    };
+    let _serial = serial();
+    let stream = pinstage::Stream::new(&dev).unwrap();
+    let bytes = (60 << 20) + 12345;
+    let data = values(DType::U8, bytes, 93);
+    // SAFETY: `data` outlives the call; no address is given.
+    let r = unsafe {
+        pinstage::testing::start_h2d_made_meanwhile(
+            &dev,
+            data.as_ptr(),
+            bytes,
+            stream.handle(),
+            &mut || {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+                None
+            },
+        )
+    }
+    .unwrap();
+    assert!(r.is_none(), "a copy without a destination");
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: as above.
+        unsafe {
+            pinstage::testing::start_h2d_made_meanwhile(
+                &dev,
+                data.as_ptr(),
+                bytes,
+                stream.handle(),
+                &mut || -> Option<u64> { panic!("the maker failed") },
+            )
+        }
+    }));
+    assert!(panicked.is_err(), "the maker's panic was lost");
+    stream.synchronize().unwrap();
+    let buf = poisoned(&dev, bytes);
+    let dst = buf.view_at(0, DType::U8, bytes);
+    assert_eq!(
+        copy_h2d(&dst, &data, stream.handle()).unwrap(),
+        CopyPath::Bounced
+    );
+    check(&buf, &data);
+}
+
 fn read_fresh(dev: &pinstage::Device, mem: &pinstage::h2d::FreshMem) -> Vec<u8> {
     mem.ready().synchronize().unwrap();
     // SAFETY: `mem` holds `len` bytes of this device, filled (ready) and alive while we read.

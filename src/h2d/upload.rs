@@ -2,7 +2,7 @@
 //! pageable one through pinned bounce slots, several threads filling slots while the copy
 //! engine drains others.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use crossbeam_utils::CachePadded;
 
@@ -77,8 +77,55 @@ pub unsafe fn start_h2d(
     }
     // SAFETY: caller's contract: `len` readable bytes, unchanged until we return.
     let src = unsafe { std::slice::from_raw_parts(src, len) };
-    let done = upload_bounced(&cur, src, dst.ptr(), stream)?;
-    Ok((CopyPath::Bounced, Some(done)))
+    let done = upload_bounced(&cur, src, Dst::Known(dst.ptr()), stream)?;
+    Ok((CopyPath::Bounced, done))
+}
+
+/// As [`start_h2d`] into device memory that `make_dst` makes while the source is read: it runs
+/// once on the calling thread, after pinstage's copy threads began filling bounce slots from a
+/// pageable source (first, for any other source), and returns the address of `len` writable
+/// bytes of `device`'s memory that stay valid until the copy completed, or `None` to give up.
+/// No copy is issued before it returned, and none once it gave up: then this returns `Ok(None)`
+/// when the copy threads stopped. (`to_device` makes the framework's array meanwhile: its
+/// allocator's call then costs the copy nothing.)
+///
+/// # Errors
+/// [`Error::CudaUnavailable`], [`Error::StreamCapturing`], [`Error::Driver`].
+///
+/// # Safety
+/// As [`start_h2d`]'s; and `make_dst`'s address holds `len` bytes of `device`'s memory.
+pub unsafe fn start_h2d_made_meanwhile(
+    device: &Device,
+    src: *const u8,
+    len: usize,
+    stream: StreamHandle,
+    make_dst: &mut dyn FnMut() -> Option<u64>,
+) -> Result<Option<(CopyPath, Option<Event>)>> {
+    let _range = crate::nvtx::NvtxRange::new(c"pinstage.copy_h2d");
+    if len == 0 {
+        return Ok(make_dst().map(|_| (CopyPath::Empty, None)));
+    }
+    let cur = stream.enter_for_copy(device)?;
+    if driver::mem::is_pinned_range(src.cast(), len) {
+        let Some(dst) = make_dst() else {
+            return Ok(None);
+        };
+        let ev = Event::new_in(&cur)?;
+        // SAFETY: as in `start_h2d`; `dst` holds `len` bytes of this device (caller).
+        unsafe { issue(&cur, &ev, dst, src, len, stream) }?;
+        return Ok(Some((CopyPath::Pinned, Some(ev))));
+    }
+    // SAFETY: caller's contract: `len` readable bytes, unchanged until we return.
+    let src = unsafe { std::slice::from_raw_parts(src, len) };
+    Ok(upload_bounced(&cur, src, Dst::Later(make_dst), stream)?
+        .map(|done| (CopyPath::Bounced, Some(done))))
+}
+
+/// A pageable upload's destination: known, or made by the caller's thread while the copy
+/// threads fill the first slots.
+enum Dst<'f> {
+    Known(u64),
+    Later(&'f mut dyn FnMut() -> Option<u64>),
 }
 
 /// Issues one H2D copy and records `ev` after it.
@@ -111,8 +158,14 @@ unsafe fn issue(
 /// unit's piece (and, once the ring comes round, that piece's slot) while the others fill on.
 /// Returns once every unit was read from `src`; the last copies may still be in flight: the
 /// returned event completes after all of them (the slots go back to the cache guarded by their
-/// own events). On an error the stream is drained first, so no copy still writes into `dst`.
-fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle) -> Result<Event> {
+/// own events); `None` when a [`Dst::Later`] gave up (nothing was issued). On an error the
+/// stream is drained first, so no copy still writes into `dst`.
+fn upload_bounced(
+    cur: &Current<'_>,
+    src: &[u8],
+    dst: Dst<'_>,
+    stream: StreamHandle,
+) -> Result<Option<Event>> {
     #[cfg(feature = "lab")]
     let t0 = std::time::Instant::now();
     let tune = super::tuning::h2d_tuning();
@@ -130,12 +183,19 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
         } else {
             tune.workers_for(src.len()).min(threads)
         };
+    let (known, mut later) = match dst {
+        Dst::Known(a) => (a, None),
+        Dst::Later(f) => (0, Some(f)),
+    };
     if src.len() < tune.driver_below {
+        let Some(dst) = later.map_or(Some(known), |f| f()) else {
+            return Ok(None);
+        };
         let done = Event::new_in(cur)?;
         // SAFETY: `src` pageable: the driver stages it before returning; `dst` holds `len`
         // bytes of this device (checked by the caller).
         unsafe { issue(cur, &done, dst, src.as_ptr(), src.len(), stream) }?;
-        return Ok(done);
+        return Ok(Some(done));
     }
     let pieces = tune.cut(src.len(), workers);
     let units = tune.units(&pieces);
@@ -156,7 +216,8 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
     }
     let job = Upload {
         src,
-        dst,
+        dst: AtomicU64::new(known),
+        dst_ready: AtomicBool::new(later.is_none()),
         pieces: &pieces,
         units: &units,
         nt: src.len() <= tune.nt_upto,
@@ -172,6 +233,20 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
         t0,
     };
     let device = cur.device();
+    // The destination made meanwhile (the copy threads fill slots; a piece filled first waits
+    // for it), or given up: nothing is issued then.
+    let mut make = || {
+        if let Some(f) = later.as_mut() {
+            // Gives the upload up unless the address was published (also when `f` panics), so
+            // no copy thread waits for it forever.
+            let _give_up = GiveUp(&job.dst_ready, &job.failed);
+            if let Some(a) = f() {
+                job.dst.store(a, Ordering::Relaxed);
+                // Release: pairs with the Acquire in `Upload::dst`.
+                job.dst_ready.store(true, Ordering::Release);
+            }
+        }
+    };
     match pool {
         Some(pool) if workers > 1 && units.len() > 1 => pool.in_place_scope(|scope| {
             for _ in 1..workers.min(units.len()) {
@@ -183,24 +258,37 @@ fn upload_bounced(cur: &Current<'_>, src: &[u8], dst: u64, stream: StreamHandle)
                     }
                 });
             }
+            make();
             job.work(cur);
         }),
-        _ => job.work(cur),
+        _ => {
+            make();
+            job.work(cur)
+        }
     }
     #[cfg(feature = "lab")]
     super::trace::piece(t0, usize::MAX, 0, std::time::Instant::now());
     let error = job.error.into_inner();
+    let gave_up = !job.dst_ready.load(Ordering::Acquire);
     drop(lent);
+    if gave_up && error.is_none() {
+        // No destination: no piece was issued (their issuers found the upload failed).
+        return Ok(None);
+    }
     // A failure (copies issued before it may still write into `dst`), or copies that cannot
     // be tracked: the stream is waited for before the error returns.
     let tracked = error.map_or_else(|| done.record_in(cur, stream), Err);
-    stream.drained_on_err(cur, tracked).map(|()| done)
+    stream.drained_on_err(cur, tracked).map(|()| Some(done))
 }
 
 /// One pageable upload shared by its workers.
 struct Upload<'a, 's> {
     src: &'a [u8],
-    dst: u64,
+    /// The destination's address, valid once `dst_ready`.
+    dst: AtomicU64,
+    /// Whether `dst` holds the address (at once, or once the caller's thread made it:
+    /// [`Dst::Later`]).
+    dst_ready: AtomicBool,
     /// (offset, bytes) of each piece.
     pieces: &'a [(usize, usize)],
     /// (piece, offset, bytes) of each unit, in address order.
@@ -260,6 +348,17 @@ impl Drop for UnitDone<'_, '_, '_, '_> {
         }
         #[cfg(feature = "lab")]
         super::trace::piece(job.t0, self.p, job.pieces[self.p].1, filled);
+    }
+}
+
+/// Marks an upload failed when dropped unless its destination was published (`.0`).
+struct GiveUp<'a>(&'a AtomicBool, &'a AtomicBool);
+
+impl Drop for GiveUp<'_> {
+    fn drop(&mut self) {
+        if !self.0.load(Ordering::Relaxed) {
+            self.1.store(true, Ordering::Relaxed);
+        }
     }
 }
 
@@ -356,17 +455,41 @@ impl Upload<'_, '_> {
         Ok(())
     }
 
-    /// Issues piece `p`'s copy out of slot `s` (filled) and records the slot's event after it.
+    /// The destination's address once the caller's thread made it; `None` once the upload
+    /// failed (or the caller gave up).
+    fn dst(&self) -> Option<u64> {
+        let backoff = crossbeam_utils::Backoff::new();
+        loop {
+            // Acquire: pairs with the Release that published the address. (The seeded-bug
+            // harness, `dst_not_waited`: a piece issued before the destination was made must
+            // fail the GPU tests.)
+            if cfg!(pinstage_seeded_bug = "dst_not_waited")
+                || self.dst_ready.load(Ordering::Acquire)
+            {
+                return Some(self.dst.load(Ordering::Relaxed));
+            }
+            if self.failed.load(Ordering::Relaxed) {
+                return None;
+            }
+            backoff.snooze();
+        }
+    }
+
+    /// Issues piece `p`'s copy out of slot `s` (filled) and records the slot's event after it;
+    /// nothing once the upload failed while the destination was being made.
     fn send(&self, cur: &Current<'_>, p: usize, s: usize) -> Result<()> {
         let slot = &self.slots[s];
         let (off, n) = self.pieces[p];
+        let Some(dst) = self.dst() else {
+            return Ok(());
+        };
         // SAFETY: the slot stays untouched until its event completed (recorded next, or the
         // stream is synchronized); dst + off..+n lies within the destination (sizes checked).
         unsafe {
             issue(
                 cur,
                 &slot.busy,
-                self.dst + off as u64,
+                dst + off as u64,
                 slot.buf.shared_mut_ptr(),
                 n,
                 self.stream,
