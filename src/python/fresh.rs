@@ -243,14 +243,7 @@ fn to_device<'py>(
             let stream = s.unwrap_or(to.stream);
             let (path, event) = start(py, &from, &to, stream)?;
             drop(to);
-            // Only a pinned source is still read after the call (one DMA in flight).
-            if let (CopyPath::Pinned, Some(ev)) = (path, event) {
-                linger(Lingering {
-                    until: Until::Event(Arc::new(ev)),
-                    array: None,
-                    src: Some(from),
-                });
-            }
+            keep_pinned_source(path, event, from);
             Ok(dst)
         }
         Framework::Jax | Framework::Dlpack => {
@@ -344,7 +337,13 @@ fn made_meanwhile<'py>(
     let dst = made
         .ok_or_else(|| value_err("to_device: no destination (a pinstage bug)"))?
         .into_bound(py);
-    // Only a pinned source is still read after the call (one DMA in flight).
+    keep_pinned_source(path, event, from);
+    Ok(dst)
+}
+
+/// Only a pinned source is still read after the call (one DMA in flight): it lingers until its
+/// copy completed.
+fn keep_pinned_source(path: CopyPath, event: Option<crate::cuda::Event>, from: Imported) {
     if let (CopyPath::Pinned, Some(ev)) = (path, event) {
         linger(Lingering {
             until: Until::Event(Arc::new(ev)),
@@ -352,7 +351,6 @@ fn made_meanwhile<'py>(
             src: Some(from),
         });
     }
-    Ok(dst)
 }
 
 /// Makes the framework's array for [`made_meanwhile`] and returns it with its address, after
