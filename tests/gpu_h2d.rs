@@ -4,6 +4,7 @@
 mod common;
 
 use std::sync::Mutex;
+use std::sync::atomic::Ordering::Relaxed;
 
 use common::{POISON, gpu_or_skip, values};
 use pinstage::dlpack::TensorMeta;
@@ -252,16 +253,24 @@ fn gpu_h2d_a_destination_made_meanwhile_gets_every_byte(
         None => &data,
     };
     let me = std::thread::current().id();
-    let (mut made, mut calls, mut on) = (None, 0, None);
+    let inside = std::sync::atomic::AtomicBool::new(false);
+    let (mut made, mut calls, mut on, mut unlocks) = (None, 0, None, 0);
     let mut make = || {
         calls += 1;
         on = Some(std::thread::current().id());
+        assert!(!inside.load(Relaxed), "the maker ran inside `unlocked`");
         // The copy threads fill meanwhile: this maker takes its time.
         std::thread::sleep(std::time::Duration::from_millis(5));
         let buf = poisoned(&dev, bytes);
         let addr = buf.view_at(0, DType::U8, bytes).ptr();
         made = Some(buf);
         Some(addr)
+    };
+    let mut unlocked = |f: &mut (dyn FnMut() + Send)| {
+        unlocks += 1;
+        inside.store(true, Relaxed);
+        f();
+        inside.store(false, Relaxed);
     };
     // SAFETY: `src` lives until the event completed; the maker's address is `bytes` bytes of
     // the buffer it keeps in `made`.
@@ -272,6 +281,7 @@ fn gpu_h2d_a_destination_made_meanwhile_gets_every_byte(
             bytes,
             stream.handle(),
             &mut make,
+            &mut unlocked,
         )
     }
     .unwrap()
@@ -288,7 +298,54 @@ fn gpu_h2d_a_destination_made_meanwhile_gets_every_byte(
         (1, Some(me)),
         "made once, on the calling thread"
     );
+    // A pageable copy finishes inside `unlocked` (Python: the GIL released), a pinned one is
+    // one call issued at once.
+    assert_eq!(unlocks, usize::from(!pinned), "`unlocked` calls");
     check(made.as_ref().unwrap(), &data);
+}
+
+/// A maker that starts a pageable copy of its own (Python code run by the framework's
+/// allocator could) while the copy threads wait for its address: a pool thread is left free
+/// for it, and both copies land.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_h2d_a_maker_may_copy_through_the_bounce_slots_itself() {
+    let Some(dev) = gpu_or_skip("gpu_h2d_a_maker_may_copy_through_the_bounce_slots_itself") else {
+        return;
+    };
+    let _serial = serial();
+    let stream = pinstage::Stream::new(&dev).unwrap();
+    // Far more pieces than copy threads: every spawned thread finishes a piece and waits.
+    let bytes = (96 << 20) + 333;
+    let (outer, inner) = (values(DType::U8, bytes, 5), values(DType::U8, bytes, 6));
+    let (mut made, mut nested) = (None, None);
+    let mut make = || {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let n = poisoned(&dev, bytes);
+        let path = copy_h2d(&n.view_at(0, DType::U8, bytes), &inner, stream.handle()).unwrap();
+        assert_eq!(path, CopyPath::Bounced);
+        nested = Some(n);
+        let buf = poisoned(&dev, bytes);
+        let addr = buf.view_at(0, DType::U8, bytes).ptr();
+        made = Some(buf);
+        Some(addr)
+    };
+    // SAFETY: as in the test above.
+    let (_, ev) = unsafe {
+        pinstage::testing::start_h2d_made_meanwhile(
+            &dev,
+            outer.as_ptr(),
+            bytes,
+            stream.handle(),
+            &mut make,
+            &mut |f: &mut (dyn FnMut() + Send)| f(),
+        )
+    }
+    .unwrap()
+    .expect("the destination was made");
+    ev.expect("a copy's event").synchronize().unwrap();
+    check(nested.as_ref().unwrap(), &inner);
+    check(made.as_ref().unwrap(), &outer);
 }
 
 /// A maker that gives up, or panics, while the copy threads fill: nothing is issued, the call
@@ -314,6 +371,7 @@ fn gpu_h2d_a_destination_given_up_issues_nothing() {
                 std::thread::sleep(std::time::Duration::from_millis(5));
                 None
             },
+            &mut |f: &mut (dyn FnMut() + Send)| f(),
         )
     }
     .unwrap();
@@ -327,6 +385,7 @@ fn gpu_h2d_a_destination_given_up_issues_nothing() {
                 bytes,
                 stream.handle(),
                 &mut || -> Option<u64> { panic!("the maker failed") },
+                &mut |f: &mut (dyn FnMut() + Send)| f(),
             )
         }
     }));

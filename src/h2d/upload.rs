@@ -86,8 +86,12 @@ pub unsafe fn start_h2d(
 /// pageable source (first, for any other source), and returns the address of `len` writable
 /// bytes of `device`'s memory that stay valid until the copy completed, or `None` to give up.
 /// No copy is issued before it returned, and none once it gave up: then this returns `Ok(None)`
-/// when the copy threads stopped. (`to_device` makes the framework's array meanwhile: its
-/// allocator's call then costs the copy nothing.)
+/// when the copy threads stopped. The rest of a pageable copy (the calling thread's share of
+/// the fill, and the wait for the copy threads) runs inside `unlocked`, which must call its
+/// argument once: Python releases the GIL there, and holds it around `make_dst`, which then
+/// costs the copy threads only the allocator's own time (`to_device` makes the framework's
+/// array so). `make_dst` must not start a pageable copy itself (the copy threads it would
+/// need may be waiting for its address): one pool thread is left free for such a copy.
 ///
 /// # Errors
 /// [`Error::CudaUnavailable`], [`Error::StreamCapturing`], [`Error::Driver`].
@@ -100,6 +104,7 @@ pub unsafe fn start_h2d_made_meanwhile(
     len: usize,
     stream: StreamHandle,
     make_dst: &mut dyn FnMut() -> Option<u64>,
+    unlocked: &mut dyn FnMut(&mut (dyn FnMut() + Send)),
 ) -> Result<Option<(CopyPath, Option<Event>)>> {
     let _range = crate::nvtx::NvtxRange::new(c"pinstage.copy_h2d");
     if len == 0 {
@@ -117,15 +122,21 @@ pub unsafe fn start_h2d_made_meanwhile(
     }
     // SAFETY: caller's contract: `len` readable bytes, unchanged until we return.
     let src = unsafe { std::slice::from_raw_parts(src, len) };
-    Ok(upload_bounced(&cur, src, Dst::Later(make_dst), stream)?
-        .map(|done| (CopyPath::Bounced, Some(done))))
+    let later = Dst::Later {
+        make: make_dst,
+        unlocked,
+    };
+    Ok(upload_bounced(&cur, src, later, stream)?.map(|done| (CopyPath::Bounced, Some(done))))
 }
 
 /// A pageable upload's destination: known, or made by the caller's thread while the copy
-/// threads fill the first slots.
+/// threads fill the first slots (the rest of the caller's part then runs inside `unlocked`).
 enum Dst<'f> {
     Known(u64),
-    Later(&'f mut dyn FnMut() -> Option<u64>),
+    Later {
+        make: &'f mut dyn FnMut() -> Option<u64>,
+        unlocked: &'f mut dyn FnMut(&mut (dyn FnMut() + Send)),
+    },
 }
 
 /// Issues one H2D copy and records `ev` after it.
@@ -183,12 +194,12 @@ fn upload_bounced(
         } else {
             tune.workers_for(src.len()).min(threads)
         };
-    let (known, mut later) = match dst {
+    let (known, later) = match dst {
         Dst::Known(a) => (a, None),
-        Dst::Later(f) => (0, Some(f)),
+        Dst::Later { make, unlocked } => (0, Some((make, unlocked))),
     };
     if src.len() < tune.driver_below {
-        let Some(dst) = later.map_or(Some(known), |f| f()) else {
+        let Some(dst) = later.map_or(Some(known), |(f, _)| f()) else {
             return Ok(None);
         };
         let done = Event::new_in(cur)?;
@@ -233,10 +244,14 @@ fn upload_bounced(
         t0,
     };
     let device = cur.device();
+    let (mut make, unlocked) = match later {
+        Some((make, unlocked)) => (Some(make), Some(unlocked)),
+        None => (None, None),
+    };
     // The destination made meanwhile (the copy threads fill slots; a piece filled first waits
     // for it), or given up: nothing is issued then.
     let mut make = || {
-        if let Some(f) = later.as_mut() {
+        if let Some(f) = make.as_mut() {
             // Gives the upload up unless the address was published (also when `f` panics), so
             // no copy thread waits for it forever.
             let _give_up = GiveUp(&job.dst_ready, &job.failed);
@@ -247,23 +262,46 @@ fn upload_bounced(
             }
         }
     };
+    // The caller's share of the fill: here, or (a destination made meanwhile) inside the
+    // caller's `unlocked`, on a context entered there, then waiting until every copy thread
+    // left the job (the scope's own wait then finds them gone).
+    let running = AtomicUsize::new(0);
+    // While a destination is made, one pool thread stays free for other copies.
+    let free = usize::from(unlocked.is_some());
+    let rest = |cur: &Current<'_>| match unlocked {
+        None => job.work(cur),
+        Some(u) => u(&mut || {
+            match device.enter() {
+                Ok(c) => job.work(&c),
+                Err(e) => job.fail(e),
+            }
+            let backoff = crossbeam_utils::Backoff::new();
+            // Acquire: the copy threads' fills and issues happened before their leaving.
+            while running.load(Ordering::Acquire) != 0 {
+                backoff.snooze();
+            }
+        }),
+    };
     match pool {
         Some(pool) if workers > 1 && units.len() > 1 => pool.in_place_scope(|scope| {
-            for _ in 1..workers.min(units.len()) {
+            let spawn = (workers.min(units.len()) - 1).min(threads - 1 - free);
+            for _ in 0..spawn {
+                running.fetch_add(1, Ordering::Relaxed);
                 // A worker that cannot make the context current leaves the units to the others
                 // (the caller alone can finish them).
                 scope.spawn(|_| {
+                    let _left = Leave(&running);
                     if let Ok(c) = device.enter() {
                         job.work(&c);
                     }
                 });
             }
             make();
-            job.work(cur);
+            rest(cur);
         }),
         _ => {
             make();
-            job.work(cur)
+            rest(cur)
         }
     }
     #[cfg(feature = "lab")]
@@ -348,6 +386,16 @@ impl Drop for UnitDone<'_, '_, '_, '_> {
         }
         #[cfg(feature = "lab")]
         super::trace::piece(job.t0, self.p, job.pieces[self.p].1, filled);
+    }
+}
+
+/// Counts a copy thread out of a job when dropped (also by a panic).
+struct Leave<'a>(&'a AtomicUsize);
+
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        // Release: pairs with the Acquire of the caller's wait.
+        self.0.fetch_sub(1, Ordering::Release);
     }
 }
 
@@ -537,56 +585,4 @@ pub fn copy_h2d_async<B: HostRegion>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::time::{Duration, Instant};
-
-    #[test]
-    fn pieces_take_the_slots_in_turn() {
-        assert_eq!(slot_and_round(0, 12), (0, 0));
-        assert_eq!(slot_and_round(11, 12), (11, 0));
-        assert_eq!(slot_and_round(13, 12), (1, 1));
-        assert_eq!(slot_and_round(37, 12), (1, 3));
-        assert_eq!(slot_and_round(5, 1), (0, 5));
-    }
-
-    /// A fill of a slot's third use waits until the slot's two earlier uses were issued; a
-    /// failed upload stops the wait.
-    #[test]
-    fn a_fill_waits_until_the_slots_earlier_uses_were_issued() {
-        let (issued, failed) = (AtomicUsize::new(1), AtomicBool::new(false));
-        assert!(wait_issued(&issued, 0, &failed));
-        assert!(wait_issued(&issued, 1, &failed));
-        let t0 = Instant::now();
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                std::thread::sleep(Duration::from_millis(30));
-                issued.store(2, Ordering::Release);
-            });
-            assert!(wait_issued(&issued, 2, &failed));
-        });
-        assert!(
-            t0.elapsed() >= Duration::from_millis(30),
-            "{:?}",
-            t0.elapsed()
-        );
-        let t0 = Instant::now();
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                std::thread::sleep(Duration::from_millis(30));
-                failed.store(true, Ordering::Relaxed);
-            });
-            assert!(
-                !wait_issued(&issued, 5, &failed),
-                "a failed upload still filled"
-            );
-        });
-        assert!(
-            t0.elapsed() >= Duration::from_millis(30),
-            "{:?}",
-            t0.elapsed()
-        );
-        // Failed before: nothing is filled even where the slot is free.
-        assert!(!wait_issued(&issued, 0, &failed));
-    }
-}
+mod tests;

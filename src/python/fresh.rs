@@ -297,46 +297,37 @@ fn made_meanwhile<'py>(
     on: Option<(&Bound<'py, PyAny>, usize)>,
     stream: StreamHandle<'static>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let on = on.map(|(o, h)| (o.clone().unbind(), h));
-    let (ptr, len) = (SendPtr(from.view.ptr() as *const u8), from.view.nbytes());
-    let shape = site.shape.to_vec();
-    let mut made: Option<Py<PyAny>> = None;
+    let (ptr, len) = (from.view.ptr() as *const u8, from.view.nbytes());
+    let mut made: Option<Bound<'py, PyAny>> = None;
     let mut failure: Option<PyErr> = None;
-    let started = py.detach(|| {
-        let ptr = ptr;
-        let mut make = || {
-            Python::attach(|py| {
-                let on = on.as_ref().map(|(o, h)| (o.bind(py), *h));
-                let site = Site {
-                    shape: &shape,
-                    ..site
-                };
-                match make_destination(py, site, on, stream, len) {
-                    Ok((arr, addr)) => {
-                        made = Some(arr.unbind());
-                        Some(addr)
-                    }
-                    Err(e) => {
-                        failure = Some(e);
-                        None
-                    }
-                }
-            })
-        };
-        // SAFETY: the source is host memory of `len` bytes kept alive by `from` (a pinned one
-        // lingers below until its copy completed, as documented); the address `make` returns
-        // is `len` writable bytes of the array it keeps in `made` (checked there).
-        unsafe { crate::h2d::start_h2d_made_meanwhile(dev, ptr.0, len, stream, &mut make) }
-    });
+    // With the GIL held: the copy threads fill while the framework makes the array, with no
+    // hand-over of the GIL in between.
+    let mut make = || match make_destination(py, site, on, stream, len) {
+        Ok((arr, addr)) => {
+            made = Some(arr);
+            Some(addr)
+        }
+        Err(e) => {
+            failure = Some(e);
+            None
+        }
+    };
+    // The rest of the copy (the caller's share of the fill, the wait for the copy threads)
+    // with the GIL released.
+    let mut unlocked = |f: &mut (dyn FnMut() + Send)| py.detach(&mut *f);
+    // SAFETY: the source is host memory of `len` bytes kept alive by `from` (a pinned one
+    // lingers below until its copy completed, as documented); the address `make` returns is
+    // `len` writable bytes of the array it keeps in `made` (checked there).
+    let started = unsafe {
+        crate::h2d::start_h2d_made_meanwhile(dev, ptr, len, stream, &mut make, &mut unlocked)
+    };
     if let Some(e) = failure {
         // The array could not be made: nothing was issued.
         return Err(e);
     }
     let (path, event) = started?
         .ok_or_else(|| value_err("to_device: the destination was not made (a pinstage bug)"))?;
-    let dst = made
-        .ok_or_else(|| value_err("to_device: no destination (a pinstage bug)"))?
-        .into_bound(py);
+    let dst = made.ok_or_else(|| value_err("to_device: no destination (a pinstage bug)"))?;
     keep_pinned_source(path, event, from);
     Ok(dst)
 }
