@@ -227,22 +227,29 @@ fn gpu_h2d_pageable_source_may_change_at_once() {
 }
 
 /// `to_device`'s order for torch and cupy arrays: the destination is made by the calling thread
-/// while the copy threads fill the first bounce slots (a pageable source), or first (pinned);
+/// while the copy threads fill the first bounce slots (a pageable source), or first (pinned, or
+/// no bounce slots cached);
 /// every byte lands in it and nothing past it, and the maker runs once, on the calling thread.
 #[rstest]
-#[case::pageable_more_pieces_than_slots((60 << 20) + 4097, false)]
-#[case::pageable_one_piece(4097, false)]
-#[case::pinned(1 << 20, true)]
+#[case::pageable_more_pieces_than_slots((60 << 20) + 4097, false, false)]
+#[case::pageable_one_piece(4097, false, false)]
+#[case::pinned(1 << 20, true, false)]
+#[case::pageable_no_slots_cached((60 << 20) + 4097, false, true)]
 #[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_h2d_a_destination_made_meanwhile_gets_every_byte(
     #[case] bytes: usize,
     #[case] pinned: bool,
+    #[case] cold: bool,
 ) {
     let Some(dev) = gpu_or_skip("gpu_h2d_a_destination_made_meanwhile_gets_every_byte") else {
         return;
     };
     let _serial = serial();
     let stream = pinstage::Stream::new(&dev).unwrap();
+    if cold {
+        // No slot cached: the array is made first, the slots allocated unlocked.
+        pinstage::host::release_bounce_buffers();
+    }
     let data = values(DType::U8, bytes, bytes as u64 + 31);
     let mut pin = pinned.then(|| PinnedBuffer::new(&dev, bytes, PinnedFlags::PORTABLE).unwrap());
     let src: &[u8] = match &mut pin {
@@ -302,6 +309,52 @@ fn gpu_h2d_a_destination_made_meanwhile_gets_every_byte(
     // one call issued at once.
     assert_eq!(unlocks, usize::from(!pinned), "`unlocked` calls");
     check(made.as_ref().unwrap(), &data);
+}
+
+/// Once `unlocked` returns, no copy thread reads the source any more: a source changed right
+/// after it does not change what lands (the caller's wait for the copy threads removed, a
+/// thread still filling its last unit shows as a wrong byte). Several rounds.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_h2d_the_source_is_read_when_unlocked_returns() {
+    let Some(dev) = gpu_or_skip("gpu_h2d_the_source_is_read_when_unlocked_returns") else {
+        return;
+    };
+    let _serial = serial();
+    let stream = pinstage::Stream::new(&dev).unwrap();
+    let bytes = 96 << 20;
+    // The slots in the cache first: a maker with slots to allocate runs before any fill.
+    let warm = values(DType::U8, bytes, 1);
+    let buf = poisoned(&dev, bytes);
+    copy_h2d(&buf.view_at(0, DType::U8, bytes), &warm, stream.handle()).unwrap();
+    for round in 0..3u64 {
+        let data = values(DType::U8, bytes, 40 + round);
+        let mut src = data.clone();
+        let tail = src[bytes - (1 << 20)..].as_mut_ptr();
+        let buf = poisoned(&dev, bytes);
+        let mut make = || Some(buf.view_at(0, DType::U8, bytes).ptr());
+        let mut unlocked = |f: &mut (dyn FnMut() + Send)| {
+            f();
+            // SAFETY: the source's last MiB, which no copy thread reads once `f` returned.
+            unsafe { std::ptr::write_bytes(tail, 0x11, 1 << 20) };
+        };
+        // SAFETY: `src` outlives the call; the address is `bytes` bytes of `buf`.
+        let (_, ev) = unsafe {
+            pinstage::testing::start_h2d_made_meanwhile(
+                &dev,
+                src.as_ptr(),
+                bytes,
+                stream.handle(),
+                &mut make,
+                &mut unlocked,
+            )
+        }
+        .unwrap()
+        .expect("the destination was made");
+        ev.expect("a copy's event").synchronize().unwrap();
+        check(&buf, &data);
+        drop(src);
+    }
 }
 
 /// A maker that starts a pageable copy of its own (Python code run by the framework's

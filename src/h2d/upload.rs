@@ -14,6 +14,8 @@ use crate::error::{Error, Result};
 use crate::host::bounce::{self, BounceSlot};
 use crate::host::{CopyPath, HostRegion, PendingCopy};
 
+pub(crate) mod meanwhile;
+
 /// Starts copying `src` into `dst` (all of it: the sizes must be equal). A pinned source gets
 /// one truly asynchronous DMA and the event that says when the source may change; a pageable
 /// one is copied through pinned bounce slots and read completely before this returns (its event
@@ -79,54 +81,6 @@ pub unsafe fn start_h2d(
     let src = unsafe { std::slice::from_raw_parts(src, len) };
     let done = upload_bounced(&cur, src, Dst::Known(dst.ptr()), stream)?;
     Ok((CopyPath::Bounced, done))
-}
-
-/// As [`start_h2d`] into device memory that `make_dst` makes while the source is read: it runs
-/// once on the calling thread, after pinstage's copy threads began filling bounce slots from a
-/// pageable source (first, for any other source), and returns the address of `len` writable
-/// bytes of `device`'s memory that stay valid until the copy completed, or `None` to give up.
-/// No copy is issued before it returned, and none once it gave up: then this returns `Ok(None)`
-/// when the copy threads stopped. The rest of a pageable copy (the calling thread's share of
-/// the fill, and the wait for the copy threads) runs inside `unlocked`, which must call its
-/// argument once: Python releases the GIL there, and holds it around `make_dst`, which then
-/// costs the copy threads only the allocator's own time (`to_device` makes the framework's
-/// array so). `make_dst` must not start a pageable copy itself (the copy threads it would
-/// need may be waiting for its address): one pool thread is left free for such a copy.
-///
-/// # Errors
-/// [`Error::CudaUnavailable`], [`Error::StreamCapturing`], [`Error::Driver`].
-///
-/// # Safety
-/// As [`start_h2d`]'s; and `make_dst`'s address holds `len` bytes of `device`'s memory.
-pub unsafe fn start_h2d_made_meanwhile(
-    device: &Device,
-    src: *const u8,
-    len: usize,
-    stream: StreamHandle,
-    make_dst: &mut dyn FnMut() -> Option<u64>,
-    unlocked: &mut dyn FnMut(&mut (dyn FnMut() + Send)),
-) -> Result<Option<(CopyPath, Option<Event>)>> {
-    let _range = crate::nvtx::NvtxRange::new(c"pinstage.copy_h2d");
-    if len == 0 {
-        return Ok(make_dst().map(|_| (CopyPath::Empty, None)));
-    }
-    let cur = stream.enter_for_copy(device)?;
-    if driver::mem::is_pinned_range(src.cast(), len) {
-        let Some(dst) = make_dst() else {
-            return Ok(None);
-        };
-        let ev = Event::new_in(&cur)?;
-        // SAFETY: as in `start_h2d`; `dst` holds `len` bytes of this device (caller).
-        unsafe { issue(&cur, &ev, dst, src, len, stream) }?;
-        return Ok(Some((CopyPath::Pinned, Some(ev))));
-    }
-    // SAFETY: caller's contract: `len` readable bytes, unchanged until we return.
-    let src = unsafe { std::slice::from_raw_parts(src, len) };
-    let later = Dst::Later {
-        make: make_dst,
-        unlocked,
-    };
-    Ok(upload_bounced(&cur, src, later, stream)?.map(|done| (CopyPath::Bounced, Some(done))))
 }
 
 /// A pageable upload's destination: known, or made by the caller's thread while the copy
@@ -212,7 +166,15 @@ fn upload_bounced(
     let units = tune.units(&pieces);
     let nslots = tune.slots.min(pieces.len());
     let done = Event::new_in(cur)?;
-    let lent = bounce::Lent::take(cur, nslots, tune.max_piece)?;
+    let (lent, later) = match later {
+        None => (bounce::Lent::take(cur, nslots, tune.max_piece)?, None),
+        Some(l) => match bounce::Lent::take_cached(cur, nslots, tune.max_piece) {
+            Some(lent) => (lent, Some(l)),
+            // Slots to allocate (a first copy, or many at once): pinned allocation may wait
+            // long, so the destination first and the whole copy unlocked, as without a maker.
+            None => return made_first(cur, src, l, stream),
+        },
+    };
     let slots = &lent.slots;
     let zeros = |n: usize| -> Vec<AtomicUsize> { (0..n).map(|_| AtomicUsize::new(0)).collect() };
     // The per-slot words are spun on: one cache line each.
@@ -280,6 +242,13 @@ fn upload_bounced(
             while running.load(Ordering::Acquire) != 0 {
                 backoff.snooze();
             }
+            if job.failed.load(Ordering::Relaxed) {
+                // Copies issued before the failure may still write into `dst`: waited for
+                // here, unlocked (the drain below then finds the stream idle).
+                if let Ok(c) = device.enter() {
+                    let _ = stream.synchronize(&c);
+                }
+            }
         }),
     };
     match pool {
@@ -318,6 +287,39 @@ fn upload_bounced(
     let tracked = error.map_or_else(|| done.record_in(cur, stream), Err);
     stream.drained_on_err(cur, tracked).map(|()| Some(done))
 }
+
+/// A [`Dst::Later`] upload without overlap: the destination made first, then the copy (the
+/// bounce slots allocated as needed) inside `unlocked`.
+fn made_first(
+    cur: &Current<'_>,
+    src: &[u8],
+    (make, unlocked): Maker<'_>,
+    stream: StreamHandle,
+) -> Result<Option<Event>> {
+    let Some(dst) = make() else {
+        return Ok(None);
+    };
+    let device = cur.device();
+    let mut out = None;
+    unlocked(&mut || {
+        out = Some(
+            device
+                .enter()
+                .and_then(|c| upload_bounced(&c, src, Dst::Known(dst), stream)),
+        );
+    });
+    out.unwrap_or_else(|| {
+        Err(Error::unavailable(
+            "the copy's unlocked section did not run it",
+        ))
+    })
+}
+
+/// A destination's maker and the caller's unlocked section ([`Dst::Later`]).
+type Maker<'f> = (
+    &'f mut dyn FnMut() -> Option<u64>,
+    &'f mut dyn FnMut(&mut (dyn FnMut() + Send)),
+);
 
 /// One pageable upload shared by its workers.
 struct Upload<'a, 's> {
