@@ -226,6 +226,19 @@ fn gpu_h2d_pageable_source_may_change_at_once() {
     check(&buf, &data);
 }
 
+/// Caches every bounce slot a pageable copy of `bytes` takes: a destination made meanwhile
+/// overlaps the fill only with slots cached (a test run alone starts with none).
+fn warm_slots(dev: &pinstage::Device, bytes: usize) {
+    let warm = values(DType::U8, bytes, 3);
+    let buf = poisoned(dev, bytes);
+    copy_h2d(
+        &buf.view_at(0, DType::U8, bytes),
+        &warm,
+        StreamHandle::LEGACY,
+    )
+    .unwrap();
+}
+
 /// `to_device`'s order for torch and cupy arrays: the destination is made by the calling thread
 /// while the copy threads fill the first bounce slots (a pageable source), or first (pinned, or
 /// no bounce slots cached);
@@ -249,6 +262,8 @@ fn gpu_h2d_a_destination_made_meanwhile_gets_every_byte(
     if cold {
         // No slot cached: the array is made first, the slots allocated unlocked.
         pinstage::host::release_bounce_buffers();
+    } else {
+        warm_slots(&dev, bytes);
     }
     let data = values(DType::U8, bytes, bytes as u64 + 31);
     let mut pin = pinned.then(|| PinnedBuffer::new(&dev, bytes, PinnedFlags::PORTABLE).unwrap());
@@ -311,6 +326,59 @@ fn gpu_h2d_a_destination_made_meanwhile_gets_every_byte(
     check(made.as_ref().unwrap(), &data);
 }
 
+/// Two uploads at once whose makers each copy through the bounce slots themselves: no copy
+/// thread waits for an address (pieces filled before it are left for the caller), so neither
+/// maker's copy waits for the other upload's copy threads; all four copies land.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_h2d_two_makers_copying_at_once_both_land() {
+    let Some(dev) = gpu_or_skip("gpu_h2d_two_makers_copying_at_once_both_land") else {
+        return;
+    };
+    let _serial = serial();
+    let bytes = (96 << 20) + 77;
+    warm_slots(&dev, bytes);
+    std::thread::scope(|sc| {
+        for k in 0..2u64 {
+            let dev = &dev;
+            sc.spawn(move || {
+                let stream = pinstage::Stream::new(dev).unwrap();
+                let (outer, inner) = (
+                    values(DType::U8, bytes, 70 + k),
+                    values(DType::U8, bytes, 80 + k),
+                );
+                let (mut made, mut nested) = (None, None);
+                let mut make = || {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    let n = poisoned(dev, bytes);
+                    copy_h2d(&n.view_at(0, DType::U8, bytes), &inner, stream.handle()).unwrap();
+                    nested = Some(n);
+                    let buf = poisoned(dev, bytes);
+                    let addr = buf.view_at(0, DType::U8, bytes).ptr();
+                    made = Some(buf);
+                    Some(addr)
+                };
+                // SAFETY: as in the tests above.
+                let (_, ev) = unsafe {
+                    pinstage::testing::start_h2d_made_meanwhile(
+                        dev,
+                        outer.as_ptr(),
+                        bytes,
+                        stream.handle(),
+                        &mut make,
+                        &mut |f: &mut (dyn FnMut() + Send)| f(),
+                    )
+                }
+                .unwrap()
+                .expect("the destination was made");
+                ev.expect("a copy's event").synchronize().unwrap();
+                check(nested.as_ref().unwrap(), &inner);
+                check(made.as_ref().unwrap(), &outer);
+            });
+        }
+    });
+}
+
 /// Once `unlocked` returns, no copy thread reads the source any more: a source changed right
 /// after it does not change what lands (the caller's wait for the copy threads removed, a
 /// thread still filling its last unit shows as a wrong byte). Several rounds.
@@ -323,10 +391,7 @@ fn gpu_h2d_the_source_is_read_when_unlocked_returns() {
     let _serial = serial();
     let stream = pinstage::Stream::new(&dev).unwrap();
     let bytes = 96 << 20;
-    // The slots in the cache first: a maker with slots to allocate runs before any fill.
-    let warm = values(DType::U8, bytes, 1);
-    let buf = poisoned(&dev, bytes);
-    copy_h2d(&buf.view_at(0, DType::U8, bytes), &warm, stream.handle()).unwrap();
+    warm_slots(&dev, bytes);
     for round in 0..3u64 {
         let data = values(DType::U8, bytes, 40 + round);
         let mut src = data.clone();
@@ -370,6 +435,7 @@ fn gpu_h2d_a_maker_may_copy_through_the_bounce_slots_itself() {
     let stream = pinstage::Stream::new(&dev).unwrap();
     // Far more pieces than copy threads: every spawned thread finishes a piece and waits.
     let bytes = (96 << 20) + 333;
+    warm_slots(&dev, bytes);
     let (outer, inner) = (values(DType::U8, bytes, 5), values(DType::U8, bytes, 6));
     let (mut made, mut nested) = (None, None);
     let mut make = || {
@@ -412,6 +478,7 @@ fn gpu_h2d_a_destination_given_up_issues_nothing() {
     let _serial = serial();
     let stream = pinstage::Stream::new(&dev).unwrap();
     let bytes = (60 << 20) + 12345;
+    warm_slots(&dev, bytes);
     let data = values(DType::U8, bytes, 93);
     // SAFETY: `data` outlives the call; no address is given.
     let r = unsafe {

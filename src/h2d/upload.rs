@@ -2,7 +2,7 @@
 //! pageable one through pinned bounce slots, several threads filling slots while the copy
 //! engine drains others.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 
 use crossbeam_utils::CachePadded;
 
@@ -11,10 +11,13 @@ use crate::cuda::{Current, Device, Event, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
 use crate::error::{Error, Result};
-use crate::host::bounce::{self, BounceSlot};
+use crate::host::bounce;
 use crate::host::{CopyPath, HostRegion, PendingCopy};
 
+mod job;
 pub(crate) mod meanwhile;
+
+use job::{GiveUp, Leave, Upload, issue};
 
 /// Starts copying `src` into `dst` (all of it: the sizes must be equal). A pinned source gets
 /// one truly asynchronous DMA and the event that says when the source may change; a pageable
@@ -91,26 +94,6 @@ enum Dst<'f> {
         make: &'f mut dyn FnMut() -> Option<u64>,
         unlocked: &'f mut dyn FnMut(&mut (dyn FnMut() + Send)),
     },
-}
-
-/// Issues one H2D copy and records `ev` after it.
-///
-/// # Safety
-/// 1. `src..src+n` pinned host memory unchanged until `ev` completed; `dst` device memory of the
-///    current device of `n` bytes.
-unsafe fn issue(
-    cur: &Current<'_>,
-    ev: &Event,
-    dst: u64,
-    src: *const u8,
-    n: usize,
-    stream: StreamHandle,
-) -> Result<()> {
-    // SAFETY: caller's contract; context current (`cur`); the stream is a special handle, ours,
-    // or vouched for by its maker.
-    unsafe { driver::mem::memcpy_htod_async(dst, src.cast(), n, stream.raw()) }?;
-    // Untracked, the copy is waited for: the source is free when the error returns.
-    stream.drained_on_err(cur, ev.record_in(cur, stream))
 }
 
 /// The pageable path. Piece `i` of the source goes through bounce slot `i % slots` once piece
@@ -191,6 +174,7 @@ fn upload_bounced(
         src,
         dst: AtomicU64::new(known),
         dst_ready: AtomicBool::new(later.is_none()),
+        pending: (0..pieces.len()).map(|_| AtomicU8::new(0)).collect(),
         pieces: &pieces,
         units: &units,
         nt: src.len() <= tune.nt_upto,
@@ -210,31 +194,36 @@ fn upload_bounced(
         Some((make, unlocked)) => (Some(make), Some(unlocked)),
         None => (None, None),
     };
-    // The destination made meanwhile (the copy threads fill slots; a piece filled first waits
-    // for it), or given up: nothing is issued then.
+    // The destination made meanwhile (the copy threads fill the first round of the slots and
+    // leave the pieces they filled pending), or given up: nothing is issued then.
     let mut make = || {
         if let Some(f) = make.as_mut() {
-            // Gives the upload up unless the address was published (also when `f` panics), so
-            // no copy thread waits for it forever.
+            // Gives the upload up unless the address was published (also when `f` panics).
             let _give_up = GiveUp(&job.dst_ready, &job.failed);
             if let Some(a) = f() {
                 job.dst.store(a, Ordering::Relaxed);
-                // Release: pairs with the Acquire in `Upload::dst`.
-                job.dst_ready.store(true, Ordering::Release);
+                // SeqCst: see `Upload::issue_now`.
+                job.dst_ready.store(true, Ordering::SeqCst);
             }
         }
     };
-    // The caller's share of the fill: here, or (a destination made meanwhile) inside the
-    // caller's `unlocked`, on a context entered there, then waiting until every copy thread
-    // left the job (the scope's own wait then finds them gone).
     let running = AtomicUsize::new(0);
-    // While a destination is made, one pool thread stays free for other copies.
-    let free = usize::from(unlocked.is_some());
-    let rest = |cur: &Current<'_>| match unlocked {
+    let want = workers.min(units.len()).saturating_sub(1);
+    // The caller's share of the fill: here, or (a destination made meanwhile) inside the
+    // caller's `unlocked`, on a context entered there: the pending pieces issued, the copy
+    // threads that left for want of the address replaced, the fill, then a wait until every
+    // copy thread left the job (the scope's own wait then finds them gone).
+    let rest = |cur: &Current<'_>, staff: Option<&(dyn Fn() + Sync)>| match unlocked {
         None => job.work(cur),
         Some(u) => u(&mut || {
             match device.enter() {
-                Ok(c) => job.work(&c),
+                Ok(c) => {
+                    job.issue_pending(&c);
+                    if let Some(staff) = staff {
+                        staff();
+                    }
+                    job.work(&c)
+                }
                 Err(e) => job.fail(e),
             }
             let backoff = crossbeam_utils::Backoff::new();
@@ -242,7 +231,7 @@ fn upload_bounced(
             while running.load(Ordering::Acquire) != 0 {
                 backoff.snooze();
             }
-            if job.failed.load(Ordering::Relaxed) {
+            if job.failed.load(Ordering::Relaxed) && job.dst_ready.load(Ordering::Relaxed) {
                 // Copies issued before the failure may still write into `dst`: waited for
                 // here, unlocked (the drain below then finds the stream idle).
                 if let Ok(c) = device.enter() {
@@ -252,25 +241,27 @@ fn upload_bounced(
         }),
     };
     match pool {
-        Some(pool) if workers > 1 && units.len() > 1 => pool.in_place_scope(|scope| {
-            let spawn = (workers.min(units.len()) - 1).min(threads - 1 - free);
-            for _ in 0..spawn {
-                running.fetch_add(1, Ordering::Relaxed);
-                // A worker that cannot make the context current leaves the units to the others
-                // (the caller alone can finish them).
-                scope.spawn(|_| {
-                    let _left = Leave(&running);
-                    if let Ok(c) = device.enter() {
-                        job.work(&c);
-                    }
-                });
-            }
+        Some(pool) if want > 0 => pool.in_place_scope(|scope| {
+            // Starts copy threads until `want` are in the job (one that cannot make the context
+            // current leaves the units to the others; the caller alone can finish them).
+            let staff = || {
+                while running.load(Ordering::Relaxed) < want {
+                    running.fetch_add(1, Ordering::Relaxed);
+                    scope.spawn(|_| {
+                        let _left = Leave(&running);
+                        if let Ok(c) = device.enter() {
+                            job.work(&c);
+                        }
+                    });
+                }
+            };
+            staff();
             make();
-            rest(cur);
+            rest(cur, Some(&staff));
         }),
         _ => {
             make();
-            rest(cur)
+            rest(cur, None)
         }
     }
     #[cfg(feature = "lab")]
@@ -320,233 +311,6 @@ type Maker<'f> = (
     &'f mut dyn FnMut() -> Option<u64>,
     &'f mut dyn FnMut(&mut (dyn FnMut() + Send)),
 );
-
-/// One pageable upload shared by its workers.
-struct Upload<'a, 's> {
-    src: &'a [u8],
-    /// The destination's address, valid once `dst_ready`.
-    dst: AtomicU64,
-    /// Whether `dst` holds the address (at once, or once the caller's thread made it:
-    /// [`Dst::Later`]).
-    dst_ready: AtomicBool,
-    /// (offset, bytes) of each piece.
-    pieces: &'a [(usize, usize)],
-    /// (piece, offset, bytes) of each unit, in address order.
-    units: &'a [(usize, usize, usize)],
-    nt: bool,
-    slots: &'a [BounceSlot],
-    /// Per piece: its units not yet done (filled, or given up after a failure). Whoever takes
-    /// it to zero issues the piece's copy.
-    left: Vec<AtomicUsize>,
-    /// Per slot: one more than the latest use issued (or given up after a failure). Piece `i`
-    /// is slot `i % slots`'s use number `i / slots`; its units wait until the use before it
-    /// was issued, then for that copy's event.
-    issued: Vec<CachePadded<AtomicUsize>>,
-    /// Per slot: the uses known free to fill (a worker saw the event of the use before them
-    /// complete), so the other units of a piece skip the driver query.
-    free: Vec<CachePadded<AtomicUsize>>,
-    next: AtomicUsize,
-    failed: AtomicBool,
-    error: parking_lot::Mutex<Option<Error>>,
-    stream: StreamHandle<'s>,
-    /// When the upload started (the laboratory's trace).
-    #[cfg(feature = "lab")]
-    t0: std::time::Instant,
-}
-
-/// Marks one unit of piece `p` done when dropped (even by a panic unwinding its worker, so no
-/// other worker waits forever): the last one issues the piece's copy unless the upload failed,
-/// then marks the slot's use issued.
-struct UnitDone<'j, 'a, 's, 'c> {
-    job: &'j Upload<'a, 's>,
-    cur: &'j Current<'c>,
-    p: usize,
-}
-
-impl Drop for UnitDone<'_, '_, '_, '_> {
-    fn drop(&mut self) {
-        let job = self.job;
-        if std::thread::panicking() {
-            // This unit may not be filled: its piece must not be issued.
-            job.failed.store(true, Ordering::Relaxed);
-        }
-        // AcqRel: the other units' fills happen before the copy the last one issues.
-        if job.left[self.p].fetch_sub(1, Ordering::AcqRel) != 1 {
-            return;
-        }
-        let n = job.slots.len();
-        let (s, round) = slot_and_round(self.p, n);
-        // Marks the use issued however this ends (a panic in `send` included), so no unit
-        // waits for it forever.
-        let _mark = MarkIssued(&job.issued[s], round + 1, &job.failed);
-        #[cfg(feature = "lab")]
-        let filled = std::time::Instant::now();
-        if !job.failed.load(Ordering::Relaxed)
-            && let Err(e) = job.send(self.cur, self.p, s)
-        {
-            job.fail(e);
-        }
-        #[cfg(feature = "lab")]
-        super::trace::piece(job.t0, self.p, job.pieces[self.p].1, filled);
-    }
-}
-
-/// Counts a copy thread out of a job when dropped (also by a panic).
-struct Leave<'a>(&'a AtomicUsize);
-
-impl Drop for Leave<'_> {
-    fn drop(&mut self) {
-        // Release: pairs with the Acquire of the caller's wait.
-        self.0.fetch_sub(1, Ordering::Release);
-    }
-}
-
-/// Marks an upload failed when dropped unless its destination was published (`.0`).
-struct GiveUp<'a>(&'a AtomicBool, &'a AtomicBool);
-
-impl Drop for GiveUp<'_> {
-    fn drop(&mut self) {
-        if !self.0.load(Ordering::Relaxed) {
-            self.1.store(true, Ordering::Relaxed);
-        }
-    }
-}
-
-/// Piece `p`'s bounce slot among `n` and how many uses of that slot come before it (the
-/// pieces take the slots in turn).
-fn slot_and_round(p: usize, n: usize) -> (usize, usize) {
-    (p % n, p / n)
-}
-
-/// Waits until a slot's `issued` mark reaches `round` (every earlier use of the slot was
-/// issued); `false` once the upload failed (the caller gives up).
-fn wait_issued(issued: &AtomicUsize, round: usize, failed: &AtomicBool) -> bool {
-    let backoff = crossbeam_utils::Backoff::new();
-    // Acquire: pairs with the Release in `MarkIssued`; the earlier use's record happened before.
-    while issued.load(Ordering::Acquire) < round {
-        if failed.load(Ordering::Relaxed) {
-            return false;
-        }
-        backoff.snooze();
-    }
-    !failed.load(Ordering::Relaxed)
-}
-
-/// Raises a slot's issued mark to `.1` when dropped; by a panic, it marks the upload failed
-/// first.
-struct MarkIssued<'a>(&'a AtomicUsize, usize, &'a AtomicBool);
-
-impl Drop for MarkIssued<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.2.store(true, Ordering::Relaxed);
-        }
-        // Release: pairs with the Acquire of the units waiting for this use; the record
-        // happened before. fetch_max: a failed upload's units skip their waits, so the uses of
-        // a slot may be given up out of order (whoever sees such a mark also sees the failure:
-        // the unit that set it had read the flag before).
-        self.0.fetch_max(self.1, Ordering::Release);
-    }
-}
-
-impl Upload<'_, '_> {
-    fn fail(&self, e: Error) {
-        self.failed.store(true, Ordering::Relaxed);
-        self.error.lock().get_or_insert(e);
-    }
-
-    /// Claims units until none is left (or one failed). Every claimed unit counts as done
-    /// when its iteration ends, even after a failure, so no worker waits forever for it.
-    fn work(&self, cur: &Current<'_>) {
-        let n = self.slots.len();
-        // Relaxed: the failure flag stops new claims early; the error itself is under a lock.
-        // (Units that skip their waits after a failure fill nothing: see `MarkIssued`.)
-        while !self.failed.load(Ordering::Relaxed) {
-            let u = self.next.fetch_add(1, Ordering::Relaxed);
-            let Some(&(p, off, len)) = self.units.get(u) else {
-                break;
-            };
-            let _done = UnitDone { job: self, cur, p };
-            let (s, round) = slot_and_round(p, n);
-            if let Err(e) = self.fill(s, round, off - self.pieces[p].0, off, len) {
-                self.fail(e);
-            }
-        }
-    }
-
-    /// Fills `len` bytes of the source at `off` into slot `s` at `at`, once the slot's use
-    /// before `round` was issued and its copy completed. Gives up (Ok) once the upload failed.
-    fn fill(&self, s: usize, round: usize, at: usize, off: usize, len: usize) -> Result<()> {
-        let slot = &self.slots[s];
-        if !wait_issued(&self.issued[s], round, &self.failed) {
-            return Ok(());
-        }
-        // Acquire: a worker saw that use's copy complete before storing this. (The seeded-bug
-        // harness (`units_no_wait`, scripts/seeded.tsv): a fill that does not wait for the slot's
-        // last copy must fail the GPU tests.)
-        #[cfg(not(pinstage_seeded_bug = "units_no_wait"))]
-        if self.free[s].load(Ordering::Acquire) <= round {
-            // The copy waited for is of at most a slot's bytes.
-            slot.busy.wait_expecting(copy_time(slot.buf.len()))?;
-            self.free[s].fetch_max(round + 1, Ordering::Release);
-        }
-        // SAFETY: this range of slot `s` (`at..at+len`, 64 KiB-aligned, within the slot's
-        // `max_piece >= piece` bytes) is this worker's alone: units do not overlap, and the
-        // slot's previous copy completed (above) while its next use waits for this piece to be
-        // issued. The source range lies within `src`.
-        unsafe {
-            bounce::fill(
-                slot.buf.shared_mut_ptr().add(at),
-                self.src.as_ptr().add(off),
-                len,
-                self.nt,
-            )
-        };
-        Ok(())
-    }
-
-    /// The destination's address once the caller's thread made it; `None` once the upload
-    /// failed (or the caller gave up).
-    fn dst(&self) -> Option<u64> {
-        let backoff = crossbeam_utils::Backoff::new();
-        loop {
-            // Acquire: pairs with the Release that published the address. (The seeded-bug
-            // harness, `dst_not_waited`: a piece issued before the destination was made must
-            // fail the GPU tests.)
-            if cfg!(pinstage_seeded_bug = "dst_not_waited")
-                || self.dst_ready.load(Ordering::Acquire)
-            {
-                return Some(self.dst.load(Ordering::Relaxed));
-            }
-            if self.failed.load(Ordering::Relaxed) {
-                return None;
-            }
-            backoff.snooze();
-        }
-    }
-
-    /// Issues piece `p`'s copy out of slot `s` (filled) and records the slot's event after it;
-    /// nothing once the upload failed while the destination was being made.
-    fn send(&self, cur: &Current<'_>, p: usize, s: usize) -> Result<()> {
-        let slot = &self.slots[s];
-        let (off, n) = self.pieces[p];
-        let Some(dst) = self.dst() else {
-            return Ok(());
-        };
-        // SAFETY: the slot stays untouched until its event completed (recorded next, or the
-        // stream is synchronized); dst + off..+n lies within the destination (sizes checked).
-        unsafe {
-            issue(
-                cur,
-                &slot.busy,
-                dst + off as u64,
-                slot.buf.shared_mut_ptr(),
-                n,
-                self.stream,
-            )
-        }
-    }
-}
 
 /// Copies `src` into `dst` (equal sizes) and waits until the source may change: a pinned source
 /// as one DMA (waited for), a pageable one through the bounce ring, a host destination by memcpy.

@@ -1,7 +1,8 @@
 //! A pageable upload into device memory made while the copy threads already fill bounce slots
 //! (`to_device`'s framework arrays).
 
-use super::{Dst, issue, upload_bounced};
+use super::job::issue;
+use super::{Dst, upload_bounced};
 use crate::cuda::{Device, Event, StreamHandle};
 use crate::driver;
 use crate::error::Result;

@@ -1,5 +1,6 @@
 //! The pageable path's slot bookkeeping, without a GPU.
-use super::*;
+use super::job::{slot_and_round, wait_issued};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 #[test]
