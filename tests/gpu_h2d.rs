@@ -226,17 +226,19 @@ fn gpu_h2d_pageable_source_may_change_at_once() {
     check(&buf, &data);
 }
 
-/// Caches every bounce slot a pageable copy of `bytes` takes: a destination made meanwhile
-/// overlaps the fill only with slots cached (a test run alone starts with none).
-fn warm_slots(dev: &pinstage::Device, bytes: usize) {
+/// Caches every bounce slot `uploads` pageable copies of `bytes` at once take: a destination
+/// made meanwhile overlaps the fill only with slots cached (a test run alone starts with none).
+fn warm_slots(dev: &pinstage::Device, bytes: usize, uploads: usize) {
     let warm = values(DType::U8, bytes, 3);
-    let buf = poisoned(dev, bytes);
-    copy_h2d(
-        &buf.view_at(0, DType::U8, bytes),
-        &warm,
-        StreamHandle::LEGACY,
-    )
-    .unwrap();
+    std::thread::scope(|sc| {
+        for _ in 0..uploads {
+            sc.spawn(|| {
+                let buf = poisoned(dev, bytes);
+                let stream = pinstage::Stream::new(dev).unwrap();
+                copy_h2d(&buf.view_at(0, DType::U8, bytes), &warm, stream.handle()).unwrap();
+            });
+        }
+    });
 }
 
 /// `to_device`'s order for torch and cupy arrays: the destination is made by the calling thread
@@ -263,7 +265,7 @@ fn gpu_h2d_a_destination_made_meanwhile_gets_every_byte(
         // No slot cached: the array is made first, the slots allocated unlocked.
         pinstage::host::release_bounce_buffers();
     } else {
-        warm_slots(&dev, bytes);
+        warm_slots(&dev, bytes, 1);
     }
     let data = values(DType::U8, bytes, bytes as u64 + 31);
     let mut pin = pinned.then(|| PinnedBuffer::new(&dev, bytes, PinnedFlags::PORTABLE).unwrap());
@@ -337,7 +339,7 @@ fn gpu_h2d_two_makers_copying_at_once_both_land() {
     };
     let _serial = serial();
     let bytes = (96 << 20) + 77;
-    warm_slots(&dev, bytes);
+    warm_slots(&dev, bytes, 2);
     std::thread::scope(|sc| {
         for k in 0..2u64 {
             let dev = &dev;
@@ -391,7 +393,7 @@ fn gpu_h2d_the_source_is_read_when_unlocked_returns() {
     let _serial = serial();
     let stream = pinstage::Stream::new(&dev).unwrap();
     let bytes = 96 << 20;
-    warm_slots(&dev, bytes);
+    warm_slots(&dev, bytes, 1);
     for round in 0..3u64 {
         let data = values(DType::U8, bytes, 40 + round);
         let mut src = data.clone();
@@ -435,7 +437,7 @@ fn gpu_h2d_a_maker_may_copy_through_the_bounce_slots_itself() {
     let stream = pinstage::Stream::new(&dev).unwrap();
     // Far more pieces than copy threads: every spawned thread finishes a piece and waits.
     let bytes = (96 << 20) + 333;
-    warm_slots(&dev, bytes);
+    warm_slots(&dev, bytes, 1);
     let (outer, inner) = (values(DType::U8, bytes, 5), values(DType::U8, bytes, 6));
     let (mut made, mut nested) = (None, None);
     let mut make = || {
@@ -478,7 +480,7 @@ fn gpu_h2d_a_destination_given_up_issues_nothing() {
     let _serial = serial();
     let stream = pinstage::Stream::new(&dev).unwrap();
     let bytes = (60 << 20) + 12345;
-    warm_slots(&dev, bytes);
+    warm_slots(&dev, bytes, 1);
     let data = values(DType::U8, bytes, 93);
     // SAFETY: `data` outlives the call; no address is given.
     let r = unsafe {

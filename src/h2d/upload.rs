@@ -17,7 +17,7 @@ use crate::host::{CopyPath, HostRegion, PendingCopy};
 mod job;
 pub(crate) mod meanwhile;
 
-use job::{GiveUp, Leave, Upload, issue};
+use job::{GiveUp, Leave, PENDING as PENDING_MARK, Upload, issue};
 
 /// Starts copying `src` into `dst` (all of it: the sizes must be equal). A pinned source gets
 /// one truly asynchronous DMA and the event that says when the source may change; a pageable
@@ -213,17 +213,21 @@ fn upload_bounced(
     // caller's `unlocked`, on a context entered there: the pending pieces issued, the copy
     // threads that left for want of the address replaced, the fill, then a wait until every
     // copy thread left the job (the scope's own wait then finds them gone).
+    let ran = AtomicBool::new(false);
+    let later_mode = unlocked.is_some();
     let rest = |cur: &Current<'_>, staff: Option<&(dyn Fn() + Sync)>| match unlocked {
         None => job.work(cur),
         Some(u) => u(&mut || {
+            ran.store(true, Ordering::Relaxed);
             match device.enter() {
-                Ok(c) => {
+                Ok(c) if !job.failed.load(Ordering::Relaxed) => {
                     job.issue_pending(&c);
                     if let Some(staff) = staff {
                         staff();
                     }
                     job.work(&c)
                 }
+                Ok(_) => {}
                 Err(e) => job.fail(e),
             }
             let backoff = crossbeam_utils::Backoff::new();
@@ -245,7 +249,7 @@ fn upload_bounced(
             // Starts copy threads until `want` are in the job (one that cannot make the context
             // current leaves the units to the others; the caller alone can finish them).
             let staff = || {
-                while running.load(Ordering::Relaxed) < want {
+                for _ in running.load(Ordering::Relaxed)..want {
                     running.fetch_add(1, Ordering::Relaxed);
                     scope.spawn(|_| {
                         let _left = Leave(&running);
@@ -266,12 +270,30 @@ fn upload_bounced(
     }
     #[cfg(feature = "lab")]
     super::trace::piece(t0, usize::MAX, 0, std::time::Instant::now());
+    if later_mode && !ran.load(Ordering::Relaxed) {
+        // The caller's part never ran: pieces may be pending and units unclaimed.
+        job.fail(Error::unavailable(
+            "the copy's unlocked section did not run it",
+        ));
+    }
+    if !job.failed.load(Ordering::Relaxed)
+        && job
+            .pending
+            .iter()
+            .any(|p| p.load(Ordering::SeqCst) == PENDING_MARK)
+    {
+        // A piece filled but never issued: a broken handshake, not a copy to report as done.
+        job.fail(Error::unavailable(
+            "pinstage: a filled piece was never issued (a bug)",
+        ));
+    }
     let error = job.error.into_inner();
     let gave_up = !job.dst_ready.load(Ordering::Acquire);
     drop(lent);
-    if gave_up && error.is_none() {
-        // No destination: no piece was issued (their issuers found the upload failed).
-        return Ok(None);
+    if gave_up {
+        // No destination: no piece was issued (their issuers found the upload failed), so
+        // nothing needs draining.
+        return error.map_or(Ok(None), Err);
     }
     // A failure (copies issued before it may still write into `dst`), or copies that cannot
     // be tracked: the stream is waited for before the error returns.

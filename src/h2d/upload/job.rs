@@ -110,7 +110,7 @@ impl Drop for UnitDone<'_, '_, '_, '_> {
 }
 
 /// A piece's [`Upload::pending`] states (0: not filled, or issued at once).
-const PENDING: u8 = 1;
+pub(super) const PENDING: u8 = 1;
 const CLAIMED: u8 = 2;
 
 /// Counts a copy thread out of a job when dropped (also by a panic).
