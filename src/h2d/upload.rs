@@ -174,6 +174,7 @@ fn upload_bounced(
         src,
         dst: AtomicU64::new(known),
         dst_ready: AtomicBool::new(later.is_none()),
+        flushed: AtomicBool::new(later.is_none()),
         pending: (0..pieces.len()).map(|_| AtomicU8::new(0)).collect(),
         pieces: &pieces,
         units: &units,
@@ -222,6 +223,8 @@ fn upload_bounced(
             match device.enter() {
                 Ok(c) if !job.failed.load(Ordering::Relaxed) => {
                     job.issue_pending(&c);
+                    // Release: the pending pieces' issued marks before any later-round claim.
+                    job.flushed.store(true, Ordering::Release);
                     if let Some(staff) = staff {
                         staff();
                     }

@@ -40,6 +40,10 @@ pub(super) struct Upload<'a, 's> {
     /// Whether `dst` holds the address (from the start, or once the caller's thread made the
     /// destination).
     pub(super) dst_ready: AtomicBool,
+    /// Whether the pieces filled before the address existed were issued (from the start
+    /// without a maker). Until then a copy thread claims no unit past the slots' first round:
+    /// its fill would wait for a copy only the caller issues.
+    pub(super) flushed: AtomicBool,
     /// Per piece: filled before the address existed and not yet issued ([`PENDING`]), then
     /// claimed by whoever issues it ([`CLAIMED`]).
     pub(super) pending: Vec<AtomicU8>,
@@ -188,9 +192,10 @@ impl Upload<'_, '_> {
             let Some(&(p, off, len)) = self.units.get(u) else {
                 break;
             };
-            // Before the destination exists, a piece past the slots' first round would wait
-            // for a copy only the caller can issue: this thread leaves it to those after.
-            if p >= n && !self.dst_ready.load(Ordering::Relaxed) {
+            // Before the caller issued the pieces filled ahead of the destination, a piece past
+            // the slots' first round would wait for one of those copies: this thread leaves it
+            // to those after.
+            if p >= n && !self.flushed.load(Ordering::Acquire) {
                 break;
             }
             if self
