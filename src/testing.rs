@@ -15,6 +15,7 @@ pub use crate::d2h::{
 pub use crate::driver::fault;
 pub use crate::h2d::mirror::CopyKey;
 pub use crate::h2d::slot::row_shape;
+pub use crate::h2d::upload::meanwhile::start_h2d_made_meanwhile;
 pub use crate::h2d::upload::start_h2d;
 pub use crate::ring::protocol as ring;
 pub use crate::ring::write::PARALLEL_WRITE_MIN;

@@ -4,6 +4,7 @@
 mod common;
 
 use std::sync::Mutex;
+use std::sync::atomic::Ordering::Relaxed;
 
 use common::{POISON, gpu_or_skip, values};
 use pinstage::dlpack::TensorMeta;
@@ -222,6 +223,302 @@ fn gpu_h2d_pageable_source_may_change_at_once() {
     src.fill(0x11);
     gate.release();
     ev.expect("a bounced copy's event").synchronize().unwrap();
+    check(&buf, &data);
+}
+
+/// Caches every bounce slot `uploads` pageable copies of `bytes` at once take: a destination
+/// made meanwhile overlaps the fill only with slots cached (a test run alone starts with none).
+fn warm_slots(dev: &pinstage::Device, bytes: usize, uploads: usize) {
+    let warm = values(DType::U8, bytes, 3);
+    std::thread::scope(|sc| {
+        for _ in 0..uploads {
+            sc.spawn(|| {
+                let buf = poisoned(dev, bytes);
+                let stream = pinstage::Stream::new(dev).unwrap();
+                copy_h2d(&buf.view_at(0, DType::U8, bytes), &warm, stream.handle()).unwrap();
+            });
+        }
+    });
+}
+
+/// `to_device`'s order for torch and cupy arrays: the destination is made by the calling thread
+/// while the copy threads fill the first bounce slots (a pageable source), or first (pinned, or
+/// no bounce slots cached);
+/// every byte lands in it and nothing past it, and the maker runs once, on the calling thread.
+#[rstest]
+#[case::pageable_more_pieces_than_slots((60 << 20) + 4097, false, false)]
+#[case::pageable_one_piece(4097, false, false)]
+#[case::pinned(1 << 20, true, false)]
+#[case::pageable_no_slots_cached((60 << 20) + 4097, false, true)]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_h2d_a_destination_made_meanwhile_gets_every_byte(
+    #[case] bytes: usize,
+    #[case] pinned: bool,
+    #[case] cold: bool,
+) {
+    let Some(dev) = gpu_or_skip("gpu_h2d_a_destination_made_meanwhile_gets_every_byte") else {
+        return;
+    };
+    let _serial = serial();
+    let stream = pinstage::Stream::new(&dev).unwrap();
+    if cold {
+        // No slot cached: the array is made first, the slots allocated unlocked.
+        pinstage::host::release_bounce_buffers();
+    } else {
+        warm_slots(&dev, bytes, 1);
+    }
+    let data = values(DType::U8, bytes, bytes as u64 + 31);
+    let mut pin = pinned.then(|| PinnedBuffer::new(&dev, bytes, PinnedFlags::PORTABLE).unwrap());
+    let src: &[u8] = match &mut pin {
+        Some(p) => {
+            p.as_mut_slice().copy_from_slice(&data);
+            p.as_slice()
+        }
+        None => &data,
+    };
+    let me = std::thread::current().id();
+    let inside = std::sync::atomic::AtomicBool::new(false);
+    let (mut made, mut calls, mut on, mut unlocks) = (None, 0, None, 0);
+    let mut make = || {
+        calls += 1;
+        on = Some(std::thread::current().id());
+        assert!(!inside.load(Relaxed), "the maker ran inside `unlocked`");
+        // The copy threads fill meanwhile: this maker takes its time.
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let buf = poisoned(&dev, bytes);
+        let addr = buf.view_at(0, DType::U8, bytes).ptr();
+        made = Some(buf);
+        Some(addr)
+    };
+    let mut unlocked = |f: &mut (dyn FnMut() + Send)| {
+        unlocks += 1;
+        inside.store(true, Relaxed);
+        f();
+        inside.store(false, Relaxed);
+    };
+    // SAFETY: `src` lives until the event completed; the maker's address is `bytes` bytes of
+    // the buffer it keeps in `made`.
+    let (path, ev) = unsafe {
+        pinstage::testing::start_h2d_made_meanwhile(
+            &dev,
+            src.as_ptr(),
+            bytes,
+            stream.handle(),
+            &mut make,
+            &mut unlocked,
+        )
+    }
+    .unwrap()
+    .expect("the destination was made");
+    let want = if pinned {
+        CopyPath::Pinned
+    } else {
+        CopyPath::Bounced
+    };
+    assert_eq!(path, want);
+    ev.expect("a copy's event").synchronize().unwrap();
+    assert_eq!(
+        (calls, on),
+        (1, Some(me)),
+        "made once, on the calling thread"
+    );
+    // A pageable copy finishes inside `unlocked` (Python: the GIL released), a pinned one is
+    // one call issued at once.
+    assert_eq!(unlocks, usize::from(!pinned), "`unlocked` calls");
+    check(made.as_ref().unwrap(), &data);
+}
+
+/// Two uploads at once whose makers each copy through the bounce slots themselves: no copy
+/// thread waits for an address (pieces filled before it are left for the caller), so neither
+/// maker's copy waits for the other upload's copy threads; all four copies land.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_h2d_two_makers_copying_at_once_both_land() {
+    let Some(dev) = gpu_or_skip("gpu_h2d_two_makers_copying_at_once_both_land") else {
+        return;
+    };
+    let _serial = serial();
+    let bytes = (96 << 20) + 77;
+    warm_slots(&dev, bytes, 2);
+    std::thread::scope(|sc| {
+        for k in 0..2u64 {
+            let dev = &dev;
+            sc.spawn(move || {
+                let stream = pinstage::Stream::new(dev).unwrap();
+                let (outer, inner) = (
+                    values(DType::U8, bytes, 70 + k),
+                    values(DType::U8, bytes, 80 + k),
+                );
+                let (mut made, mut nested) = (None, None);
+                let mut make = || {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    let n = poisoned(dev, bytes);
+                    copy_h2d(&n.view_at(0, DType::U8, bytes), &inner, stream.handle()).unwrap();
+                    nested = Some(n);
+                    let buf = poisoned(dev, bytes);
+                    let addr = buf.view_at(0, DType::U8, bytes).ptr();
+                    made = Some(buf);
+                    Some(addr)
+                };
+                // SAFETY: as in the tests above.
+                let (_, ev) = unsafe {
+                    pinstage::testing::start_h2d_made_meanwhile(
+                        dev,
+                        outer.as_ptr(),
+                        bytes,
+                        stream.handle(),
+                        &mut make,
+                        &mut |f: &mut (dyn FnMut() + Send)| f(),
+                    )
+                }
+                .unwrap()
+                .expect("the destination was made");
+                ev.expect("a copy's event").synchronize().unwrap();
+                check(nested.as_ref().unwrap(), &inner);
+                check(made.as_ref().unwrap(), &outer);
+            });
+        }
+    });
+}
+
+/// Once `unlocked` returns, no copy thread reads the source any more: a source changed right
+/// after it does not change what lands (the caller's wait for the copy threads removed, a
+/// thread still filling its last unit shows as a wrong byte). Several rounds.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_h2d_the_source_is_read_when_unlocked_returns() {
+    let Some(dev) = gpu_or_skip("gpu_h2d_the_source_is_read_when_unlocked_returns") else {
+        return;
+    };
+    let _serial = serial();
+    let stream = pinstage::Stream::new(&dev).unwrap();
+    let bytes = 96 << 20;
+    warm_slots(&dev, bytes, 1);
+    for round in 0..3u64 {
+        let data = values(DType::U8, bytes, 40 + round);
+        let mut src = data.clone();
+        let tail = src[bytes - (1 << 20)..].as_mut_ptr();
+        let buf = poisoned(&dev, bytes);
+        let mut make = || Some(buf.view_at(0, DType::U8, bytes).ptr());
+        let mut unlocked = |f: &mut (dyn FnMut() + Send)| {
+            f();
+            // SAFETY: the source's last MiB, which no copy thread reads once `f` returned.
+            unsafe { std::ptr::write_bytes(tail, 0x11, 1 << 20) };
+        };
+        // SAFETY: `src` outlives the call; the address is `bytes` bytes of `buf`.
+        let (_, ev) = unsafe {
+            pinstage::testing::start_h2d_made_meanwhile(
+                &dev,
+                src.as_ptr(),
+                bytes,
+                stream.handle(),
+                &mut make,
+                &mut unlocked,
+            )
+        }
+        .unwrap()
+        .expect("the destination was made");
+        ev.expect("a copy's event").synchronize().unwrap();
+        check(&buf, &data);
+        drop(src);
+    }
+}
+
+/// A maker that starts a pageable copy of its own (Python code run by the framework's
+/// allocator could) while the copy threads wait for its address: a pool thread is left free
+/// for it, and both copies land.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_h2d_a_maker_may_copy_through_the_bounce_slots_itself() {
+    let Some(dev) = gpu_or_skip("gpu_h2d_a_maker_may_copy_through_the_bounce_slots_itself") else {
+        return;
+    };
+    let _serial = serial();
+    let stream = pinstage::Stream::new(&dev).unwrap();
+    // Far more pieces than copy threads: every spawned thread finishes a piece and waits.
+    let bytes = (96 << 20) + 333;
+    warm_slots(&dev, bytes, 1);
+    let (outer, inner) = (values(DType::U8, bytes, 5), values(DType::U8, bytes, 6));
+    let (mut made, mut nested) = (None, None);
+    let mut make = || {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let n = poisoned(&dev, bytes);
+        let path = copy_h2d(&n.view_at(0, DType::U8, bytes), &inner, stream.handle()).unwrap();
+        assert_eq!(path, CopyPath::Bounced);
+        nested = Some(n);
+        let buf = poisoned(&dev, bytes);
+        let addr = buf.view_at(0, DType::U8, bytes).ptr();
+        made = Some(buf);
+        Some(addr)
+    };
+    // SAFETY: as in the test above.
+    let (_, ev) = unsafe {
+        pinstage::testing::start_h2d_made_meanwhile(
+            &dev,
+            outer.as_ptr(),
+            bytes,
+            stream.handle(),
+            &mut make,
+            &mut |f: &mut (dyn FnMut() + Send)| f(),
+        )
+    }
+    .unwrap()
+    .expect("the destination was made");
+    ev.expect("a copy's event").synchronize().unwrap();
+    check(nested.as_ref().unwrap(), &inner);
+    check(made.as_ref().unwrap(), &outer);
+}
+
+/// A maker that gives up, or panics, while the copy threads fill: nothing is issued, the call
+/// returns (no copy thread waits for the address forever), and the next copy goes through.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_h2d_a_destination_given_up_issues_nothing() {
+    let Some(dev) = gpu_or_skip("gpu_h2d_a_destination_given_up_issues_nothing") else {
+        return;
+    };
+    let _serial = serial();
+    let stream = pinstage::Stream::new(&dev).unwrap();
+    let bytes = (60 << 20) + 12345;
+    warm_slots(&dev, bytes, 1);
+    let data = values(DType::U8, bytes, 93);
+    // SAFETY: `data` outlives the call; no address is given.
+    let r = unsafe {
+        pinstage::testing::start_h2d_made_meanwhile(
+            &dev,
+            data.as_ptr(),
+            bytes,
+            stream.handle(),
+            &mut || {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+                None
+            },
+            &mut |f: &mut (dyn FnMut() + Send)| f(),
+        )
+    }
+    .unwrap();
+    assert!(r.is_none(), "a copy without a destination");
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: as above.
+        unsafe {
+            pinstage::testing::start_h2d_made_meanwhile(
+                &dev,
+                data.as_ptr(),
+                bytes,
+                stream.handle(),
+                &mut || -> Option<u64> { panic!("the maker failed") },
+                &mut |f: &mut (dyn FnMut() + Send)| f(),
+            )
+        }
+    }));
+    assert!(panicked.is_err(), "the maker's panic was lost");
+    stream.synchronize().unwrap();
+    let buf = poisoned(&dev, bytes);
+    let dst = buf.view_at(0, DType::U8, bytes);
+    assert_eq!(
+        copy_h2d(&dst, &data, stream.handle()).unwrap(),
+        CopyPath::Bounced
+    );
     check(&buf, &data);
 }
 

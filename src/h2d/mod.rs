@@ -23,5 +23,7 @@ pub use stager::{CopyOutcome, DEFAULT_DEPTH, DEFAULT_NUMEL, MAX_DEPTH, PinnedSta
 pub use stager::{RawStager, RawStagerBuilder};
 pub use typed::{PinnedStager, PinnedStagerBuilder, StagedCopy};
 #[cfg(feature = "python")]
+pub(crate) use upload::meanwhile::start_h2d_made_meanwhile;
+#[cfg(feature = "python")]
 pub(crate) use upload::start_h2d;
 pub use upload::{copy_h2d, copy_h2d_async};

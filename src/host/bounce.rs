@@ -73,6 +73,27 @@ pub(crate) struct Lent<'d> {
 }
 
 impl<'d> Lent<'d> {
+    /// `count` slots of `size` bytes from the cache alone (no allocation, nothing waited for),
+    /// or `None` (the cache keeps what it had) where it holds fewer.
+    pub(crate) fn take_cached(cur: &Current<'d>, count: usize, size: usize) -> Option<Self> {
+        let device = cur.device();
+        let mut cache = CACHE.lock();
+        let fits = |e: &(i32, BounceSlot)| e.0 == device.ordinal() && e.1.len() == size;
+        if cache.iter().filter(|e| fits(e)).count() < count {
+            return None;
+        }
+        let mut slots = Vec::with_capacity(count);
+        let mut i = 0;
+        while slots.len() < count {
+            if fits(&cache[i]) {
+                slots.push(cache.swap_remove(i).1);
+            } else {
+                i += 1;
+            }
+        }
+        Some(Self { device, slots })
+    }
+
     /// [`take`]s `count` slots of `size` bytes, lent until dropped.
     pub(crate) fn take(cur: &Current<'d>, count: usize, size: usize) -> Result<Self> {
         Ok(Self {

@@ -4,17 +4,18 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyModule, PyString, PyTuple};
+use pyo3::types::{PyDict, PyModule, PyString, PyTuple, PyType};
 
 use super::errors::{describe, type_name};
 use super::errors::{type_err, value_err};
 use super::h2d::start;
 use super::import::import_host_source;
-use super::import::{Imported, import_destination};
+use super::import::{Exchange, Imported, import_destination};
 use super::linger::{Lingering, Until, linger};
 use super::pending::SendPtr;
 use super::stream::parse_stream;
-use crate::dlpack::DType;
+use crate::cuda::StreamHandle;
+use crate::dlpack::{DType, MemoryKind};
 use crate::host::CopyPath;
 use crate::python::export::DeviceArray;
 
@@ -220,19 +221,29 @@ fn to_device<'py>(
                 }
                 _ => None,
             };
+            // The stream the fill goes on, when it is known before the array exists
+            // (`stream=`, or torch's current stream through its DLPack exchange table): the
+            // array is then made while pinstage's copy threads read the source.
+            let early = match s {
+                Some(h) => Some(h),
+                None if fw == Framework::Torch => torch_current_stream(py, ordinal)?,
+                None => None,
+            };
+            if let Some(stream) = early {
+                let site = Site {
+                    fw,
+                    dtype,
+                    shape: &shape,
+                    ordinal,
+                };
+                return made_meanwhile(py, dev, from, site, on, stream);
+            }
             let dst = empty_like_framework(py, fw, dtype, &shape, ordinal, on)?;
             let to = import_destination(&dst, s)?;
             let stream = s.unwrap_or(to.stream);
             let (path, event) = start(py, &from, &to, stream)?;
             drop(to);
-            // Only a pinned source is still read after the call (one DMA in flight).
-            if let (CopyPath::Pinned, Some(ev)) = (path, event) {
-                linger(Lingering {
-                    until: Until::Event(Arc::new(ev)),
-                    array: None,
-                    src: Some(from),
-                });
-            }
+            keep_pinned_source(path, event, from);
             Ok(dst)
         }
         Framework::Jax | Framework::Dlpack => {
@@ -246,6 +257,115 @@ fn to_device<'py>(
                 .call_method1("from_dlpack", (arr,))
         }
     }
+}
+
+/// The torch or cupy array `to_device` makes: its framework, dtype, shape and device.
+#[derive(Clone, Copy)]
+struct Site<'a> {
+    fw: Framework,
+    dtype: DType,
+    shape: &'a [i64],
+    ordinal: i32,
+}
+
+/// torch's current stream on device `ordinal` (its DLPack exchange table's
+/// `current_work_stream`), `None` where torch offers no table.
+fn torch_current_stream(py: Python<'_>, ordinal: i32) -> PyResult<Option<StreamHandle<'static>>> {
+    let tensor = py.import("torch")?.getattr("Tensor")?;
+    let Ok(ty) = tensor.cast::<PyType>() else {
+        return Ok(None);
+    };
+    match Exchange::of_type(ty)? {
+        Some(ex) => Ok(Some(ex.current_stream(
+            py,
+            crate::dlpack::DL_CUDA,
+            ordinal,
+        )?)),
+        None => Ok(None),
+    }
+}
+
+/// `to_device` into a torch or cupy array made (by the framework's allocator, on this thread)
+/// while pinstage's copy threads fill the first bounce slots from a pageable source: the
+/// allocator's call costs the copy nothing. No copy is issued before the array exists, none if
+/// it cannot be made (that error is raised).
+fn made_meanwhile<'py>(
+    py: Python<'py>,
+    dev: &crate::Device,
+    from: Imported,
+    site: Site<'_>,
+    on: Option<(&Bound<'py, PyAny>, usize)>,
+    stream: StreamHandle<'static>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (ptr, len) = (from.view.ptr() as *const u8, from.view.nbytes());
+    let mut made: Option<Bound<'py, PyAny>> = None;
+    let mut failure: Option<PyErr> = None;
+    // With the GIL held: the copy threads fill while the framework makes the array, with no
+    // hand-over of the GIL in between.
+    let mut make = || match make_destination(py, site, on, stream, len) {
+        Ok((arr, addr)) => {
+            made = Some(arr);
+            Some(addr)
+        }
+        Err(e) => {
+            failure = Some(e);
+            None
+        }
+    };
+    // The rest of the copy (the caller's share of the fill, the wait for the copy threads)
+    // with the GIL released.
+    let mut unlocked = |f: &mut (dyn FnMut() + Send)| py.detach(&mut *f);
+    // SAFETY: the source is host memory of `len` bytes kept alive by `from` (a pinned one
+    // lingers below until its copy completed, as documented); the address `make` returns is
+    // `len` writable bytes of the array it keeps in `made` (checked there).
+    let started = unsafe {
+        crate::h2d::start_h2d_made_meanwhile(dev, ptr, len, stream, &mut make, &mut unlocked)
+    };
+    if let Some(e) = failure {
+        // The array could not be made: nothing was issued.
+        return Err(e);
+    }
+    let (path, event) = started?
+        .ok_or_else(|| value_err("to_device: the destination was not made (a pinstage bug)"))?;
+    let dst = made.ok_or_else(|| value_err("to_device: no destination (a pinstage bug)"))?;
+    keep_pinned_source(path, event, from);
+    Ok(dst)
+}
+
+/// Only a pinned source is still read after the call (one DMA in flight): it lingers until its
+/// copy completed.
+fn keep_pinned_source(path: CopyPath, event: Option<crate::cuda::Event>, from: Imported) {
+    if let (CopyPath::Pinned, Some(ev)) = (path, event) {
+        linger(Lingering {
+            until: Until::Event(Arc::new(ev)),
+            array: None,
+            src: Some(from),
+        });
+    }
+}
+
+/// Makes the framework's array for [`made_meanwhile`] and returns it with its address, after
+/// checking that it is `len` writable bytes of the device.
+fn make_destination<'py>(
+    py: Python<'py>,
+    site: Site<'_>,
+    on: Option<(&Bound<'py, PyAny>, usize)>,
+    stream: StreamHandle<'static>,
+    len: usize,
+) -> PyResult<(Bound<'py, PyAny>, u64)> {
+    let dst = empty_like_framework(py, site.fw, site.dtype, site.shape, site.ordinal, on)?;
+    let to = import_destination(&dst, Some(stream))?;
+    if to.view.nbytes() != len || to.view.memory() != MemoryKind::Cuda(site.ordinal) {
+        return Err(value_err(format!(
+            "to_device: the {} array made for the copy is {} bytes of {:?}, not {len} of \
+             cuda:{} (a pinstage bug)",
+            site.fw.name(),
+            to.view.nbytes(),
+            to.view.memory(),
+            site.ordinal
+        )));
+    }
+    Ok((dst, to.view.ptr()))
 }
 
 /// Fills fresh pool memory from `from` (pinstage's stream); a pinned source lingers until its

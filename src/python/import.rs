@@ -65,11 +65,13 @@ unsafe impl Sync for Exchange {}
 
 impl Exchange {
     fn of(obj: &Bound<'_, PyAny>) -> PyResult<Option<Self>> {
-        let py = obj.py();
-        let cap = match obj
-            .get_type()
-            .getattr(pyo3::intern!(py, "__dlpack_c_exchange_api__"))
-        {
+        Self::of_type(&obj.get_type())
+    }
+
+    /// The table the arrays of type `ty` offer (torch: `torch.Tensor`), if any.
+    pub(crate) fn of_type(ty: &Bound<'_, pyo3::types::PyType>) -> PyResult<Option<Self>> {
+        let py = ty.py();
+        let cap = match ty.getattr(pyo3::intern!(py, "__dlpack_c_exchange_api__")) {
             Ok(c) => c,
             Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => {
                 return Ok(None);

@@ -217,6 +217,37 @@ def test_torch_result_is_ordered_on_the_current_stream(gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pinned", [False, True])
+def test_the_frameworks_allocation_failing_raises_its_error(gpu, monkeypatch, pinned):
+    """torch's array is made while pinstage's copy threads read a pageable source (first, for a
+    pinned one): when torch cannot make it, torch's error is raised (no copy has a destination,
+    no copy thread waits for one), and the next call lands every value."""
+    torch = pytest.importorskip("torch")
+    n = (24 << 20) // 4  # several pieces
+    vals = np.arange(n, dtype=np.float32) + 3
+    src = vals
+    if pinned:
+        src = pinstage.empty_pinned(n, np.float32)
+        src[:] = vals
+    real = torch.empty
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (a test's allocator)")
+
+    monkeypatch.setattr(torch, "empty", no_memory)
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"out of memory \(a test's allocator\)"):
+        pinstage.to_device(src, "torch")
+    assert time.perf_counter() - t0 < 5, "the failed call hung"
+    monkeypatch.setattr(torch, "empty", real)
+    at = poison_pool("torch", n * 4)
+    x = pinstage.to_device(src, "torch")
+    assert x.data_ptr() == at, "the result did not reuse the poisoned block: nothing proven"
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(x.cpu().numpy(), vals)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("as_int", [False, True, "default"])
 def test_a_result_freed_before_its_fill_on_another_stream_is_not_reused_under_it(gpu, as_int):
     """stream=s fills the torch result on s, not on the stream torch allocated it on: the
