@@ -894,6 +894,20 @@ fn gpu_blocks_stream_order_holds_without_a_wait(
     }
 }
 
+/// Blocks-first sides of `tensors` tensors at one stride (2D copies possible), `blocks` blocks
+/// each side, the host side pooled, and their mover: the timing tests' setup.
+fn pooled_mover(
+    d: &pinstage::Device,
+    tensors: usize,
+    bytes: usize,
+    blocks: usize,
+) -> (Sides, BlockMover<'static>) {
+    let s = Sides::with(d, Layout::BlocksFirst, tensors, bytes, blocks, blocks, true);
+    let (dv, hv, dim) = s.views();
+    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    (s, mover)
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_blocks_large_moves_are_timed_both_ways_then_take_the_faster() {
@@ -906,17 +920,7 @@ fn gpu_blocks_large_moves_are_timed_both_ways_then_take_the_faster() {
     // 8 tensors at one stride (2D copies possible), blocks of 16 KiB: a move of 64 ids carries
     // 8 MiB, the least a timed move carries.
     let (tensors, blocks, bytes, n) = (8, 96, 8 << 10, 64);
-    let mut s = Sides::with(
-        &d,
-        Layout::BlocksFirst,
-        tensors,
-        bytes,
-        blocks,
-        blocks,
-        true,
-    );
-    let (dv, hv, dim) = s.views();
-    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    let (mut s, mover) = pooled_mover(&d, tensors, bytes, blocks);
     for (k, direction) in [Direction::Load, Direction::Offload]
         .into_iter()
         .enumerate()
@@ -999,17 +1003,7 @@ fn gpu_blocks_a_split_batch_is_timed_against_the_batch_from_one_thread() {
     // 64 tensors at one stride, blocks of 2 KiB, 64 ids with no two device ids adjacent (no
     // runs merge): 4096 copies, 8 MiB a move.
     let (tensors, blocks, bytes, n) = (64, 256, 1 << 10, 64);
-    let mut s = Sides::with(
-        &d,
-        Layout::BlocksFirst,
-        tensors,
-        bytes,
-        blocks,
-        blocks,
-        true,
-    );
-    let (dv, hv, dim) = s.views();
-    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    let (mut s, mover) = pooled_mover(&d, tensors, bytes, blocks);
     let mut seen = Vec::new();
     for m in 0..9u32 {
         let dev_ids: Vec<usize> = ids(n, blocks / 2, 7 + u64::from(m))

@@ -227,9 +227,8 @@ impl Pick {
             Pick::Table => "the copy engines move the merged runs in one batched call (CUDA 12.8+)",
         }
     }
-}
 
-impl Pick {
+    /// The way a timing or a measurement chose; `None` for the table's choice.
     pub(super) fn way(&self) -> Option<Way> {
         match *self {
             Pick::Table => None,

@@ -212,14 +212,20 @@ fn upload_bounced(
     let want = workers.min(units.len()).saturating_sub(1);
     // The caller's share of the fill: here, or (a destination made meanwhile) inside the
     // caller's `unlocked`, on a context entered there: the pending pieces issued, the copy
-    // threads that left for want of the address replaced, the fill, then a wait until every
-    // copy thread left the job (the scope's own wait then finds them gone).
+    // threads that left for want of the address replaced, the fill, then `Finish`.
     let ran = AtomicBool::new(false);
     let later_mode = unlocked.is_some();
     let rest = |cur: &Current<'_>, staff: Option<&(dyn Fn() + Sync)>| match unlocked {
         None => job.work(cur),
         Some(u) => u(&mut || {
             ran.store(true, Ordering::Relaxed);
+            // Waits for the copy threads and drains a failed copy when dropped, also when the
+            // fill below panics (the caller's array may be freed right after).
+            let _finish = Finish {
+                job: &job,
+                running: &running,
+                device,
+            };
             match device.enter() {
                 Ok(c) if !job.failed.load(Ordering::Relaxed) => {
                     job.issue_pending(&c);
@@ -232,18 +238,6 @@ fn upload_bounced(
                 }
                 Ok(_) => {}
                 Err(e) => job.fail(e),
-            }
-            let backoff = crossbeam_utils::Backoff::new();
-            // Acquire: the copy threads' fills and issues happened before their leaving.
-            while running.load(Ordering::Acquire) != 0 {
-                backoff.snooze();
-            }
-            if job.failed.load(Ordering::Relaxed) && job.dst_ready.load(Ordering::Relaxed) {
-                // Copies issued before the failure may still write into `dst`: waited for
-                // here, unlocked (the drain below then finds the stream idle).
-                if let Ok(c) = device.enter() {
-                    let _ = stream.synchronize(&c);
-                }
             }
         }),
     };
@@ -302,6 +296,34 @@ fn upload_bounced(
     // be tracked: the stream is waited for before the error returns.
     let tracked = error.map_or_else(|| done.record_in(cur, stream), Err);
     stream.drained_on_err(cur, tracked).map(|()| Some(done))
+}
+
+/// The end of the caller's part of a [`Dst::Later`] upload, when dropped: a wait until every
+/// copy thread left the job (the scope's own wait then finds them gone) and, for a failed or
+/// panicking one whose destination was published, a wait for the copies already issued (here,
+/// unlocked: the drain after it then finds the stream idle).
+struct Finish<'j, 'a, 's, 'd> {
+    job: &'j Upload<'a, 's>,
+    running: &'j AtomicUsize,
+    device: &'d Device,
+}
+
+impl Drop for Finish<'_, '_, '_, '_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.job.failed.store(true, Ordering::Relaxed);
+        }
+        let backoff = crossbeam_utils::Backoff::new();
+        // Acquire: the copy threads' fills and issues happened before their leaving.
+        while self.running.load(Ordering::Acquire) != 0 {
+            backoff.snooze();
+        }
+        if self.job.failed.load(Ordering::Relaxed) && self.job.dst_ready.load(Ordering::Relaxed) {
+            if let Ok(c) = self.device.enter() {
+                let _ = self.job.stream.synchronize(&c);
+            }
+        }
+    }
 }
 
 /// A [`Dst::Later`] upload without overlap: the destination made first, then the copy (the

@@ -17,9 +17,9 @@ use crate::host::CopyPath;
 /// stopped. The rest of a pageable copy (the slots' allocation, the calling thread's share of
 /// the fill, the wait for the copy threads) runs inside `unlocked`, which must call its argument
 /// once: Python releases the GIL there and holds it around `make_dst`, which then costs the copy
-/// threads only the allocator's own time (`to_device` makes the framework's array so). A
-/// `make_dst` that starts a pageable copy of its own finds one pool thread left free for it
-/// (two such makers at once may wait for each other: not for framework allocators).
+/// threads only the allocator's own time (`to_device` makes the framework's array so). No copy
+/// thread waits for the address (before it, they fill only the slots' first round), so a
+/// `make_dst` may run pageable copies of its own.
 ///
 /// # Errors
 /// As [`start_h2d`](super::start_h2d)'s.
