@@ -153,7 +153,8 @@ fn only(c: &[(&str, u64)], allowed: &[&str]) {
 /// plus the three questions no cache can answer (the thread's current context and the stream's
 /// capture state may change between calls, and a destroyed stream's handle may come back as
 /// another stream); the claim enters the context because its slot's last copy must be known
-/// complete, which the watermark usually knows without asking the event.
+/// complete, which the watermark usually knows without asking the event (and which an earlier
+/// claim may have learned already: then the claim makes no call).
 #[test]
 fn a_warm_step_is_one_copy_and_one_record() {
     let Some((dev, calls)) = fake("a_warm_step_is_one_copy_and_one_record") else {
@@ -199,7 +200,9 @@ fn a_warm_step_is_one_copy_and_one_record() {
             "cuThreadExchangeStreamCaptureMode",
         ],
     );
-    assert_eq!(n(&claim, "cuCtxGetCurrent"), 1, "{claim:?}");
+    // None at all when an earlier claim's query already found this slot's copy complete and
+    // retired the slot (how fast the stream ran decides: seen under valgrind).
+    assert!(n(&claim, "cuCtxGetCurrent") <= 1, "{claim:?}");
     assert!(n(&claim, "cuEventQuery") <= 1, "{claim:?}");
     assert!(
         n(&claim, "cuThreadExchangeStreamCaptureMode") <= 2,

@@ -425,8 +425,8 @@ fn gpu_h2d_the_source_is_read_when_unlocked_returns() {
 }
 
 /// A maker that starts a pageable copy of its own (Python code run by the framework's
-/// allocator could) while the copy threads wait for its address: a pool thread is left free
-/// for it, and both copies land.
+/// allocator could) while the copy threads fill the first round of slots: no copy thread waits
+/// for the address, so the maker's copy finds the pool, and both copies land.
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_h2d_a_maker_may_copy_through_the_bounce_slots_itself() {
@@ -435,7 +435,7 @@ fn gpu_h2d_a_maker_may_copy_through_the_bounce_slots_itself() {
     };
     let _serial = serial();
     let stream = pinstage::Stream::new(&dev).unwrap();
-    // Far more pieces than copy threads: every spawned thread finishes a piece and waits.
+    // Far more pieces than slots: the copy threads fill the first round and leave the rest.
     let bytes = (96 << 20) + 333;
     warm_slots(&dev, bytes, 1);
     let (outer, inner) = (values(DType::U8, bytes, 5), values(DType::U8, bytes, 6));
