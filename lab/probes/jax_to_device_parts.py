@@ -6,6 +6,8 @@ to a `torch.cuda.synchronize()` after it) with the source hot, and split where i
   to_device torch   `to_device(x, "torch")`
   to_device dlpack  `to_device(x, "dlpack")` (pinstage's own part of the JAX path: pool memory,
                     the copy on pinstage's stream), then the synchronize
+  dlpack+torch      the same, then `torch.from_dlpack(arr)` (another consumer's import: is the
+                    gap JAX's?)
   dlpack+from       the same, then `jax.dlpack.from_dlpack(arr)` (no block_until_ready)
   to_device jax     `to_device(x, "jax").block_until_ready()` (the bench's row)
   jax parts         the bench's row cut by stamps: to_device(.., "dlpack") | from_dlpack |
@@ -78,6 +80,13 @@ def main():
             torch.cuda.synchronize()
             return [time.perf_counter() - t0], o
 
+        def t_dlpack_torch(x):
+            poison_jax()
+            t0 = time.perf_counter()
+            o = torch.from_dlpack(pinstage.to_device(x, "dlpack"))
+            torch.cuda.synchronize()
+            return [time.perf_counter() - t0], o
+
         def t_dlpack_from(x):
             poison_jax()
             t0 = time.perf_counter()
@@ -109,6 +118,7 @@ def main():
             "copy_h2d": t_copy,
             "to_device torch": t_torch,
             "to_device dlpack": t_dlpack,
+            "dlpack+torch": t_dlpack_torch,
             "dlpack+from": t_dlpack_from,
             "to_device jax": t_jax,
             "jax parts": t_parts,
