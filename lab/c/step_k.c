@@ -15,23 +15,9 @@
 // counted) per round, rounds round-robin over k so drift hits all alike; the figure is the median
 // over rounds of each round's median ns per step (min-max of the round medians).
 //
-// Build: nvcc -O2 -o step_k step_k.c -lcuda     Run: ./step_k [N [rounds [R]]]
-#define _GNU_SOURCE
-#include <cuda.h>
+// Build: nvcc -O2 -o step_k step_k.c -lcuda (probe.h beside it)     Run: ./step_k [N [rounds [R]]]
+#include "probe.h"
 #include <sched.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-
-static void cuda_fail(CUresult r, const char *what, int line) {
-    const char *s = "?";
-    cuGetErrorName(r, &s);
-    fprintf(stderr, "step_k.c:%d %s: %s (%d)\n", line, what, s, (int)r);
-    exit(1);
-}
-#define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) cuda_fail(r_, #x, __LINE__); } while (0)
 
 #define FB 1024          // a field's bytes
 #define KMAX 32
@@ -65,9 +51,9 @@ static unsigned char pat(size_t set, size_t f, size_t j) {
 static inline uint64_t word(uint64_t g, int f) { return (g * 64 + (uint64_t)f) ^ 0x5A3C000000000000ull; }
 static inline int done(CUevent e) {
     CUresult r = cuEventQuery(e);
-    if (r == CUDA_SUCCESS) return 1;
-    if (r != CUDA_ERROR_NOT_READY) cuda_fail(r, "cuEventQuery", __LINE__);
-    return 0;
+    if (r == CUDA_ERROR_NOT_READY) return 0;
+    CHECK(r);
+    return 1;
 }
 static void check(int k, int paced, const unsigned char *img, uint64_t g, int set) {
     for (int f = 0; f < k; f++) {
@@ -91,10 +77,6 @@ static void busy_ns(double ns) {
 }
 static int cmpu(const void *a, const void *b) {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
-}
-static int cmpd(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
 }
 
@@ -159,7 +141,7 @@ static void run(int ki, unsigned char *base, CUevent *ev, int paced, int rep) {
 static double over_rounds(int ki, int paced, int p, double *mn, double *mx) {
     double x[MAXREPS];
     for (int r = 0; r < REPS; r++) x[r] = med[ki][paced][r][p];
-    qsort(x, (size_t)REPS, sizeof x[0], cmpd);
+    qsort(x, (size_t)REPS, sizeof x[0], probe_cmp_double);
     if (mn) *mn = x[0];
     if (mx) *mx = x[REPS - 1];
     return x[REPS / 2];
