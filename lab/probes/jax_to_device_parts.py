@@ -66,40 +66,21 @@ def main():
             torch.cuda.synchronize()
             del p
 
-        def t_torch(x):
-            poison_torch()
-            t0 = time.perf_counter()
-            o = pinstage.to_device(x, "torch")
-            torch.cuda.synchronize()
-            return [time.perf_counter() - t0], o
+        def timed(poison, call):
+            """`call(x)` timed to a synchronize after it, its memory poisoned first."""
+            def t(x):
+                poison()
+                t0 = time.perf_counter()
+                o = call(x)
+                torch.cuda.synchronize()
+                return [time.perf_counter() - t0], o
+            return t
 
-        def t_dlpack(x):
-            poison_jax()
-            t0 = time.perf_counter()
-            o = pinstage.to_device(x, "dlpack")
-            torch.cuda.synchronize()
-            return [time.perf_counter() - t0], o
-
-        def t_dlpack_torch(x):
-            poison_jax()
-            t0 = time.perf_counter()
-            o = torch.from_dlpack(pinstage.to_device(x, "dlpack"))
-            torch.cuda.synchronize()
-            return [time.perf_counter() - t0], o
-
-        def t_dlpack_from(x):
-            poison_jax()
-            t0 = time.perf_counter()
-            o = jax.dlpack.from_dlpack(pinstage.to_device(x, "dlpack"))
-            torch.cuda.synchronize()
-            return [time.perf_counter() - t0], o
-
-        def t_jax(x):
-            poison_jax()
-            t0 = time.perf_counter()
-            o = pinstage.to_device(x, "jax").block_until_ready()
-            torch.cuda.synchronize()
-            return [time.perf_counter() - t0], o
+        t_torch = timed(poison_torch, lambda x: pinstage.to_device(x, "torch"))
+        t_dlpack = timed(poison_jax, lambda x: pinstage.to_device(x, "dlpack"))
+        t_dlpack_torch = timed(poison_jax, lambda x: torch.from_dlpack(pinstage.to_device(x, "dlpack")))
+        t_dlpack_from = timed(poison_jax, lambda x: jax.dlpack.from_dlpack(pinstage.to_device(x, "dlpack")))
+        t_jax = timed(poison_jax, lambda x: pinstage.to_device(x, "jax").block_until_ready())
 
         def t_parts(x):
             poison_jax()
