@@ -241,6 +241,13 @@ fn warm_slots(dev: &pinstage::Device, bytes: usize, uploads: usize) {
     });
 }
 
+/// A made-meanwhile upload that made its destination: waits for its copy, returns its path.
+fn landed(r: pinstage::Result<Option<(CopyPath, Option<pinstage::cuda::Event>)>>) -> CopyPath {
+    let (path, ev) = r.unwrap().expect("the destination was made");
+    ev.expect("a copy's event").synchronize().unwrap();
+    path
+}
+
 /// `to_device`'s order for torch and cupy arrays: the destination is made by the calling thread
 /// while the copy threads fill the first bounce slots (a pageable source), or first (pinned, or
 /// no bounce slots cached);
@@ -298,7 +305,7 @@ fn gpu_h2d_a_destination_made_meanwhile_gets_every_byte(
     };
     // SAFETY: `src` lives until the event completed; the maker's address is `bytes` bytes of
     // the buffer it keeps in `made`.
-    let (path, ev) = unsafe {
+    let path = landed(unsafe {
         pinstage::testing::start_h2d_made_meanwhile(
             &dev,
             src.as_ptr(),
@@ -307,16 +314,13 @@ fn gpu_h2d_a_destination_made_meanwhile_gets_every_byte(
             &mut make,
             &mut unlocked,
         )
-    }
-    .unwrap()
-    .expect("the destination was made");
+    });
     let want = if pinned {
         CopyPath::Pinned
     } else {
         CopyPath::Bounced
     };
     assert_eq!(path, want);
-    ev.expect("a copy's event").synchronize().unwrap();
     assert_eq!(
         (calls, on),
         (1, Some(me)),
@@ -361,7 +365,7 @@ fn gpu_h2d_two_makers_copying_at_once_both_land() {
                     Some(addr)
                 };
                 // SAFETY: as in the tests above.
-                let (_, ev) = unsafe {
+                landed(unsafe {
                     pinstage::testing::start_h2d_made_meanwhile(
                         dev,
                         outer.as_ptr(),
@@ -370,10 +374,7 @@ fn gpu_h2d_two_makers_copying_at_once_both_land() {
                         &mut make,
                         &mut |f: &mut (dyn FnMut() + Send)| f(),
                     )
-                }
-                .unwrap()
-                .expect("the destination was made");
-                ev.expect("a copy's event").synchronize().unwrap();
+                });
                 check(nested.as_ref().unwrap(), &inner);
                 check(made.as_ref().unwrap(), &outer);
             });
@@ -406,7 +407,7 @@ fn gpu_h2d_the_source_is_read_when_unlocked_returns() {
             unsafe { std::ptr::write_bytes(tail, 0x11, 1 << 20) };
         };
         // SAFETY: `src` outlives the call; the address is `bytes` bytes of `buf`.
-        let (_, ev) = unsafe {
+        landed(unsafe {
             pinstage::testing::start_h2d_made_meanwhile(
                 &dev,
                 src.as_ptr(),
@@ -415,10 +416,7 @@ fn gpu_h2d_the_source_is_read_when_unlocked_returns() {
                 &mut make,
                 &mut unlocked,
             )
-        }
-        .unwrap()
-        .expect("the destination was made");
-        ev.expect("a copy's event").synchronize().unwrap();
+        });
         check(&buf, &data);
         drop(src);
     }
@@ -452,7 +450,7 @@ fn gpu_h2d_a_maker_may_copy_through_the_bounce_slots_itself() {
         Some(addr)
     };
     // SAFETY: as in the test above.
-    let (_, ev) = unsafe {
+    landed(unsafe {
         pinstage::testing::start_h2d_made_meanwhile(
             &dev,
             outer.as_ptr(),
@@ -461,10 +459,7 @@ fn gpu_h2d_a_maker_may_copy_through_the_bounce_slots_itself() {
             &mut make,
             &mut |f: &mut (dyn FnMut() + Send)| f(),
         )
-    }
-    .unwrap()
-    .expect("the destination was made");
-    ev.expect("a copy's event").synchronize().unwrap();
+    });
     check(nested.as_ref().unwrap(), &inner);
     check(made.as_ref().unwrap(), &outer);
 }
