@@ -1,6 +1,6 @@
 // probe.h: what the probes of lab/c share (hostfn_*.c, bg_floor.c, slot_stores.c, h2d_floor.c,
 // blocks2d.c): the driver API, CHECK (exits naming the call and its error), monotonic clocks in
-// ms and ns, a qsort order, SSE2 non-temporal copies, a host function that holds the stream it
+// ms and ns, the time-stamp counter (calibrated, a busy wait on it), qsort orders, SSE2 non-temporal copies, a host function that holds the stream it
 // is launched on for `probe_hold_ms` milliseconds, device 0's context, and cuMemcpyBatchAsync of
 // the ABI pinstage calls.
 #ifndef PINSTAGE_PROBE_H
@@ -36,6 +36,29 @@ static double probe_now_ns(void) {
 
 static int probe_cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The time-stamp counter (x86) and its ticks per ns (probe_tsc_calibrate: 0.2 s against
+   CLOCK_MONOTONIC); a busy wait of `ns` on it; the order of uint64_t for qsort. */
+static double tsc_per_ns;
+static inline uint64_t tsc(void) { return __builtin_ia32_rdtsc(); }
+
+static void probe_tsc_calibrate(void) {
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    uint64_t t0 = tsc();
+    do clock_gettime(CLOCK_MONOTONIC, &b); while ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec) < 2e8);
+    tsc_per_ns = (tsc() - t0) / ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec));
+}
+
+static void busy_ns(double ns) {
+    uint64_t end = tsc() + (uint64_t)(ns * tsc_per_ns);
+    while (tsc() < end) __builtin_ia32_pause();
+}
+
+static int probe_cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return (x > y) - (x < y);
 }
 

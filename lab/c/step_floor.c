@@ -24,17 +24,10 @@
 // | prefetch of the next slot. Each row runs WARM + N steps (the WARM first ones not counted),
 // 5 rounds, round-robin over all rows so drift hits all alike. See README.md beside this file.
 //
-// Build: nvcc -O2 -o step_floor step_floor.c -lcuda     Run: ./step_floor [N [rounds]]
-#define _GNU_SOURCE
-#include <cuda.h>
+// Build: nvcc -O2 -o step_floor step_floor.c -lcuda (probe.h beside it)     Run: ./step_floor [N [rounds]]
+#include "probe.h"
 #include <sched.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 #include <sys/mman.h>
-#include <time.h>
-#include <unistd.h>
 
 static void cuda_fail(CUresult r, const char *what, int line) {
     const char *s = "?";
@@ -42,7 +35,6 @@ static void cuda_fail(CUresult r, const char *what, int line) {
     fprintf(stderr, "step_floor.c:%d %s: %s (%d)\n", line, what, s, (int)r);
     exit(1);
 }
-#define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) cuda_fail(r_, #x, __LINE__); } while (0)
 
 #define NF 6
 #define SLOT 198912      // the engine's slot (bytes)
@@ -110,7 +102,6 @@ static CUstream stream;
 static CUdeviceptr arenas;  // KAR arenas, astride(v) apart
 static unsigned char *back; // pinned: the arenas read back
 static unsigned char *vals; // NSETS value sets, PSTRIDE apart, fields at VOFF
-static double tsc_per_ns;
 static uint64_t gstep = 1;  // a number unique to each step of the whole program
 static int N = 2000, REPS = 5;
 static uint64_t *T[NP];     // per counted step, ticks
@@ -118,7 +109,6 @@ static uint64_t a_g[KAR];   // per arena: the step it got
 static int a_set[KAR], a_slot[KAR];
 static long checked;
 
-static inline uint64_t tsc(void) { return __builtin_ia32_rdtsc(); }
 static size_t round256(size_t n) { return (n + 255) & ~(size_t)255; }
 static inline size_t astride(const Var *v) { return round256(v->span); }
 static unsigned char pat(size_t set, size_t f, size_t j) {
@@ -177,19 +167,6 @@ static void check(const Var *v, int paced, const char *where, const unsigned cha
     checked++;
 }
 
-static void busy_ns(double ns) {
-    uint64_t end = tsc() + (uint64_t)(ns * tsc_per_ns);
-    while (tsc() < end) __builtin_ia32_pause();
-}
-
-static int cmpu(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
-}
-static int cmpd(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 static void run(Var *v, int paced, int rep) {
     const int R = v->R, total = WARM + N;
@@ -279,7 +256,7 @@ static void run(Var *v, int paced, int rep) {
     }
     Stat *st = &v->st[paced][rep];
     for (int p = 0; p < NP; p++) {
-        qsort(T[p], (size_t)N, sizeof(uint64_t), cmpu);
+        qsort(T[p], (size_t)N, sizeof(uint64_t), probe_cmp_u64);
         st->med[p] = T[p][N / 2] / tsc_per_ns;
         if (p == P_TOTAL) { st->p10 = T[p][N / 10] / tsc_per_ns; st->p90 = T[p][N * 9 / 10] / tsc_per_ns; }
     }
@@ -292,7 +269,7 @@ static void run(Var *v, int paced, int rep) {
 static double med_of(const Var *v, int paced, int p, double *mn, double *mx) {
     double x[MAXREPS];
     for (int r = 0; r < REPS; r++) x[r] = p < 0 ? (p == -1 ? v->st[paced][r].p10 : v->st[paced][r].p90) : v->st[paced][r].med[p];
-    qsort(x, (size_t)REPS, sizeof x[0], cmpd);
+    qsort(x, (size_t)REPS, sizeof x[0], probe_cmp_double);
     if (mn) *mn = x[0];
     if (mx) *mx = x[REPS - 1];
     return x[REPS / 2];
@@ -365,19 +342,14 @@ static void pin(CUdevice d) {
 }
 
 static void calibrate(void) {
-    struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
-    uint64_t t0 = tsc();
-    do clock_gettime(CLOCK_MONOTONIC, &b); while ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec) < 2e8);
-    uint64_t t1 = tsc();
-    tsc_per_ns = (t1 - t0) / ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec));
+    probe_tsc_calibrate();
     uint64_t d[1001];
     for (int i = 0; i < 1001; i++) {  // the timer's own cost inside a step: 6 reads, back to back
         uint64_t x0 = tsc(), x1 = tsc(), x2 = tsc(), x3 = tsc(), x4 = tsc(), x5 = tsc();
         (void)x1; (void)x2; (void)x3; (void)x4;
         d[i] = x5 - x0;
     }
-    qsort(d, 1001, sizeof d[0], cmpu);
+    qsort(d, 1001, sizeof d[0], probe_cmp_u64);
     printf("tsc %.3f GHz; the step's 6 timer reads cost ~%.0f ns (inside every step figure)\n", tsc_per_ns,
            d[500] / tsc_per_ns);
 }

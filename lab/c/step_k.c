@@ -34,7 +34,6 @@ static const int KS[NK] = {1, 2, 4, 8, 16, 32};
 static CUstream stream;
 static CUdeviceptr arenas;  // KAR arenas of KMAX * FB
 static unsigned char *back, *vals;
-static double tsc_per_ns;
 static uint64_t gstep = 1;
 static int N = 4000, REPS = 5, R = 8;
 static uint64_t *T[NP];
@@ -43,7 +42,6 @@ static int a_set[KAR];
 static long checked;
 static double med[NK][2][MAXREPS][NP];
 
-static inline uint64_t tsc(void) { return __builtin_ia32_rdtsc(); }
 static unsigned char pat(size_t set, size_t f, size_t j) {
     unsigned char b = (unsigned char)(set * 131u + f * 17u + j * 7u + 1u);
     return b == 0xEE ? 0x11 : b;
@@ -70,14 +68,6 @@ static void check(int k, int paced, const unsigned char *img, uint64_t g, int se
         }
     }
     checked++;
-}
-static void busy_ns(double ns) {
-    uint64_t end = tsc() + (uint64_t)(ns * tsc_per_ns);
-    while (tsc() < end) __builtin_ia32_pause();
-}
-static int cmpu(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
 }
 
 static void run(int ki, unsigned char *base, CUevent *ev, int paced, int rep) {
@@ -130,7 +120,7 @@ static void run(int ki, unsigned char *base, CUevent *ev, int paced, int rep) {
         }
     }
     for (int p = 0; p < NP; p++) {
-        qsort(T[p], (size_t)N, sizeof(uint64_t), cmpu);
+        qsort(T[p], (size_t)N, sizeof(uint64_t), probe_cmp_u64);
         med[ki][paced][rep][p] = T[p][N / 2] / tsc_per_ns;
     }
     printf("  round %d k=%-2d %-6s step %6.0f ns  claim %5.0f  writes %5.0f  copy+rec %5.0f\n", rep + 1, k,
@@ -155,7 +145,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: step_k [N>=10 [rounds 1..%d [slots 1..%d]]]\n", MAXREPS, MAXR);
         return 64;
     }
-    struct timespec w0, w1, c0, c1;
+    struct timespec w0, w1;
     clock_gettime(CLOCK_MONOTONIC, &w0);
     setvbuf(stdout, NULL, _IOLBF, 0);
     CUdevice d;
@@ -168,10 +158,7 @@ int main(int argc, char **argv) {
     CPU_ZERO(&one);
     CPU_SET(sched_getcpu(), &one);
     sched_setaffinity(0, sizeof one, &one);
-    clock_gettime(CLOCK_MONOTONIC, &c0);
-    uint64_t x0 = tsc();
-    do clock_gettime(CLOCK_MONOTONIC, &c1); while ((c1.tv_sec - c0.tv_sec) * 1e9 + (c1.tv_nsec - c0.tv_nsec) < 2e8);
-    tsc_per_ns = (tsc() - x0) / ((c1.tv_sec - c0.tv_sec) * 1e9 + (c1.tv_nsec - c0.tv_nsec));
+    probe_tsc_calibrate();
     printf("step_k: %s; tsc %.3f GHz; %d slots (FIFO), k fields of %d bytes, %d counted steps (+%d warm-up) x "
            "{loop, paced %.0f us} x %d rounds\n", name, tsc_per_ns, R, FB, N, WARM, PACE_NS / 1000, REPS);
     CHECK(cuDevicePrimaryCtxRetain(&ctx, d));
