@@ -1,8 +1,9 @@
 // probe.h: what the probes of lab/c share (hostfn_*.c, bg_floor.c, slot_stores.c, h2d_floor.c,
-// blocks2d.c): the driver API, CHECK (exits naming the call and its error), monotonic clocks in
-// ms and ns, the time-stamp counter (calibrated, a busy wait on it), qsort orders, SSE2 non-temporal copies, a host function that holds the stream it
-// is launched on for `probe_hold_ms` milliseconds, device 0's context, and cuMemcpyBatchAsync of
-// the ABI pinstage calls.
+// blocks2d.c, fill_dma.c, host_pool*.c, step_floor.c, step_k.c): the driver API, CHECK (exits
+// naming the call and its error), monotonic clocks in ms and ns, the time-stamp counter
+// (calibrated, a busy wait on it), qsort orders, SSE2 non-temporal copies, a host function that
+// holds the stream it is launched on for `probe_hold_ms` milliseconds, device 0's context, and
+// cuMemcpyBatchAsync of the ABI pinstage calls.
 #ifndef PINSTAGE_PROBE_H
 #define PINSTAGE_PROBE_H
 #ifndef _GNU_SOURCE
