@@ -15,14 +15,18 @@
 // counted) per round, rounds round-robin over k so drift hits all alike; the figure is the median
 // over rounds of each round's median ns per step (min-max of the round medians).
 //
-// Build: nvcc -O2 -o step_k step_k.c -lcuda (probe.h beside it)     Run: ./step_k [N [rounds [R]]]
+// The value sets: 64 by default (2 MiB, hot in the caches, as an engine's freshly computed values);
+// a fourth argument sets their number: 2100 makes k = 32's values 66 MiB, read from DRAM as
+// bench_step.py's pre-generated values are (2000 steps of k rows of 1 KiB: 64 MiB at k = 32, 2 MiB
+// at k = 1). Loop rows print the mean per step too (bench_step.py's loop figure is a mean).
+//
+// Build: nvcc -O2 -o step_k step_k.c -lcuda (probe.h beside it)  Run: ./step_k [N [rounds [R [sets]]]]
 #include "probe.h"
 #include <sched.h>
 
 #define FB 1024          // a field's bytes
 #define KMAX 32
 #define NK 6
-#define NSETS 64
 #define KAR 250
 #define WARM 100
 #define MAXREPS 9
@@ -35,12 +39,12 @@ static CUstream stream;
 static CUdeviceptr arenas;  // KAR arenas of KMAX * FB
 static unsigned char *back, *vals;
 static uint64_t gstep = 1;
-static int N = 4000, REPS = 5, R = 8;
+static int N = 4000, REPS = 5, R = 8, NSETS = 64;
 static uint64_t *T[NP];
 static uint64_t a_g[KAR];
 static int a_set[KAR];
 static long checked;
-static double med[NK][2][MAXREPS][NP];
+static double med[NK][2][MAXREPS][NP], mean[NK][2][MAXREPS];
 
 static unsigned char pat(size_t set, size_t f, size_t j) {
     unsigned char b = (unsigned char)(set * 131u + f * 17u + j * 7u + 1u);
@@ -119,6 +123,9 @@ static void run(int ki, unsigned char *base, CUevent *ev, int paced, int rep) {
             T[P_STEP][c] = t3 - t0; T[P_CLAIM][c] = t1 - t0; T[P_WRITE][c] = t2 - t1; T[P_COPY][c] = t3 - t2;
         }
     }
+    double sum = 0;
+    for (int c = 0; c < N; c++) sum += (double)T[P_STEP][c];
+    mean[ki][paced][rep] = sum / N / tsc_per_ns;
     for (int p = 0; p < NP; p++) {
         qsort(T[p], (size_t)N, sizeof(uint64_t), probe_cmp_u64);
         med[ki][paced][rep][p] = T[p][N / 2] / tsc_per_ns;
@@ -128,9 +135,9 @@ static void run(int ki, unsigned char *base, CUevent *ev, int paced, int rep) {
            med[ki][paced][rep][P_WRITE], med[ki][paced][rep][P_COPY]);
 }
 
-static double over_rounds(int ki, int paced, int p, double *mn, double *mx) {
+static double over_rounds(int ki, int paced, int p, double *mn, double *mx) {  // p = NP: the mean
     double x[MAXREPS];
-    for (int r = 0; r < REPS; r++) x[r] = med[ki][paced][r][p];
+    for (int r = 0; r < REPS; r++) x[r] = p == NP ? mean[ki][paced][r] : med[ki][paced][r][p];
     qsort(x, (size_t)REPS, sizeof x[0], probe_cmp_double);
     if (mn) *mn = x[0];
     if (mx) *mx = x[REPS - 1];
@@ -141,8 +148,10 @@ int main(int argc, char **argv) {
     if (argc > 1) N = atoi(argv[1]);
     if (argc > 2) REPS = atoi(argv[2]);
     if (argc > 3) R = atoi(argv[3]);
-    if (N < 10 || REPS < 1 || REPS > MAXREPS || R < 1 || R > MAXR) {
-        fprintf(stderr, "usage: step_k [N>=10 [rounds 1..%d [slots 1..%d]]]\n", MAXREPS, MAXR);
+    if (argc > 4) NSETS = atoi(argv[4]);
+    if (N < 10 || REPS < 1 || REPS > MAXREPS || R < 1 || R > MAXR || NSETS < 1 || NSETS > 100000) {
+        fprintf(stderr, "usage: step_k [N>=10 [rounds 1..%d [slots 1..%d [value sets 1..100000]]]]\n", MAXREPS,
+                MAXR);
         return 64;
     }
     struct timespec w0, w1;
@@ -160,7 +169,8 @@ int main(int argc, char **argv) {
     sched_setaffinity(0, sizeof one, &one);
     probe_tsc_calibrate();
     printf("step_k: %s; tsc %.3f GHz; %d slots (FIFO), k fields of %d bytes, %d counted steps (+%d warm-up) x "
-           "{loop, paced %.0f us} x %d rounds\n", name, tsc_per_ns, R, FB, N, WARM, PACE_NS / 1000, REPS);
+           "{loop, paced %.0f us} x %d rounds; %d value sets (%.1f MiB)\n", name, tsc_per_ns, R, FB, N, WARM,
+           PACE_NS / 1000, REPS, NSETS, NSETS * (double)KMAX * FB / (1 << 20));
     CHECK(cuDevicePrimaryCtxRetain(&ctx, d));
     CHECK(cuCtxSetCurrent(ctx));
     CHECK(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
@@ -201,6 +211,9 @@ int main(int argc, char **argv) {
         printf("%s: k=32 / k=1 = %.2fx (%.0f ns per further field)\n", paced ? "paced" : "loop", m32 / m1,
                (m32 - m1) / (KMAX - 1));
     }
+    printf("loop, mean ns per step (median over rounds):");
+    for (int ki = 0; ki < NK; ki++) printf(" k=%d %.0f", KS[ki], over_rounds(ki, 0, NP, 0, 0));
+    printf("; k=32 / k=1 = %.2fx\n", over_rounds(NK - 1, 0, NP, 0, 0) / over_rounds(0, 0, NP, 0, 0));
     for (int ki = 0; ki < NK; ki++) {
         for (int s = 0; s < R; s++) CHECK(cuEventDestroy(ev[ki][s]));
         CHECK(cuMemFreeHost(base[ki]));
