@@ -163,14 +163,21 @@ int main(int argc, char **argv) {
     CHECK(cuInit(0));
     CHECK(cuDeviceGet(&d, 0));
     CHECK(cuDeviceGetName(name, sizeof name, d));
-    cpu_set_t one;  // one core for the whole run: a migration would move the slots' lines
-    CPU_ZERO(&one);
-    CPU_SET(sched_getcpu(), &one);
-    sched_setaffinity(0, sizeof one, &one);
+    // One core for the whole run (a migration would move the slots' lines), unless STEP_K_NOPIN=1:
+    // free to migrate, as the Python bench runs.
+    const char *nopin = getenv("STEP_K_NOPIN");
+    const int pinned = !(nopin && nopin[0] == '1');
+    if (pinned) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(sched_getcpu(), &one);
+        sched_setaffinity(0, sizeof one, &one);
+    }
     probe_tsc_calibrate();
     printf("step_k: %s; tsc %.3f GHz; %d slots (FIFO), k fields of %d bytes, %d counted steps (+%d warm-up) x "
-           "{loop, paced %.0f us} x %d rounds; %d value sets (%.1f MiB)\n", name, tsc_per_ns, R, FB, N, WARM,
-           PACE_NS / 1000, REPS, NSETS, NSETS * (double)KMAX * FB / (1 << 20));
+           "{loop, paced %.0f us} x %d rounds; %d value sets (%.1f MiB); %s\n", name, tsc_per_ns, R, FB, N, WARM,
+           PACE_NS / 1000, REPS, NSETS, NSETS * (double)KMAX * FB / (1 << 20),
+           pinned ? "pinned to one core" : "not pinned");
     CHECK(cuDevicePrimaryCtxRetain(&ctx, d));
     CHECK(cuCtxSetCurrent(ctx));
     CHECK(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));

@@ -18,8 +18,12 @@ Every step of every batch is checked (arena and history poisoned with 0xA5 befor
 history row compared after it). Figures: the median over ROUNDS rounds (variants interleaved per
 round) of each batch's figure, min-max. With the lab variant `stamps` the median ns between the
 call's stamps (claimed / written / committed) is printed for the loop rows.
+Environment: VALUES (default "cold,hot"), CHECKS ("cat,one"), LAYOUTS ("k=1,k=8,k=32,one 32K"),
+PIN=1 (the calling thread kept on the core it starts on, as step_k.c keeps itself; default 0:
+free to migrate, as bench_step.py runs), N, ROUNDS.
 """
 
+import ctypes
 import gc
 import os
 import pathlib
@@ -44,6 +48,10 @@ from bench_step import POISON, gen, expected  # noqa: E402
 
 N, ROUNDS, DEPTH, SETS = int(os.environ.get("N", "2000")), int(os.environ.get("ROUNDS", "5")), 8, 64
 LAYOUTS = {"k=1": (1, 256), "k=8": (8, 256), "k=32": (32, 256), "one 32K": (1, 8192)}
+LAYOUTS = {n: LAYOUTS[n] for n in os.environ.get("LAYOUTS", ",".join(LAYOUTS)).split(",")}
+VALUES = os.environ.get("VALUES", "cold,hot").split(",")
+CHECKS = os.environ.get("CHECKS", "cat,one").split(",")
+PIN = os.environ.get("PIN", "0") == "1"
 
 
 def spec_of(k, rows):
@@ -134,13 +142,16 @@ def batch(lay, kind, check, paced, r):
 def main():
     s = torch.cuda.Stream()
     torch.cuda.set_stream(s)
+    if PIN:  # this thread only (torch's and pinstage's threads keep their cores)
+        os.sched_setaffinity(0, {ctypes.CDLL(None).sched_getcpu()})
     print(f"pinstage {pinstage.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}; "
-          f"N={N} calls a batch, {ROUNDS} rounds, depth {DEPTH}; stamps: {'yes' if STAMPS else 'no'}", flush=True)
+          f"N={N} calls a batch, {ROUNDS} rounds, depth {DEPTH}; stamps: {'yes' if STAMPS else 'no'}; "
+          f"pinned: {sorted(os.sched_getaffinity(0)) if PIN else 'no'}", flush=True)
     lays = [Layout(n, k, rows, s) for n, (k, rows) in LAYOUTS.items()]
     res, stamps, wrong, t0 = {}, {}, 0, time.time()
     for r in range(ROUNDS):
-        for kind in ("cold", "hot"):
-            for check in ("cat", "one"):
+        for kind in VALUES:
+            for check in CHECKS:
                 for lay in lays:
                     for paced in (False, True):
                         v, bad, st = batch(lay, kind, check, paced, r)
@@ -156,8 +167,8 @@ def main():
     med = {k: statistics.median(v) for k, v in res.items()}
     print("\nus per call: median over rounds [min..max]; loop: mean of the calls, paced: their median")
     print(f"{'layout':8s} {'values':6s} {'check':5s} {'loop':>22s} {'paced':>22s}")
-    for kind in ("cold", "hot"):
-        for check in ("cat", "one"):
+    for kind in VALUES:
+        for check in CHECKS:
             for lay in lays:
                 row = f"{lay.name:8s} {kind:6s} {check:5s}"
                 for mode in ("loop", "paced"):
@@ -166,8 +177,8 @@ def main():
                 print(row)
     print("\nratios (medians):  k=32 / k=1 | a further field beyond its bytes, (k=32 - one 32K) / 31 | "
           "31 KiB more in one field, one 32K - k=1")
-    for kind in ("cold", "hot"):
-        for check in ("cat", "one"):
+    for kind in VALUES:
+        for check in CHECKS:
             for mode in ("loop", "paced"):
                 g = lambda n: med.get((n, kind, check, mode))  # noqa: E731
                 if None in (g("k=1"), g("k=32"), g("one 32K")):
