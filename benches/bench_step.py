@@ -8,7 +8,9 @@ figure is the mean of its calls (loop: throughput, slot waits included) or their
 each figure is the median of --rounds runs (>= 5) with min..max; ratios are taken between
 medians; variants interleave within each round.
 Checked, untimed, alike for all: step values derive from the step index and never repeat within
-a batch (never 0, never the poison); the destination (arena, a peer's device buffer, a zero-copy
+a batch (never 0, never the poison); made before the batch (64 MiB at the k sweep's k=32, read
+from DRAM), and in the k sweep also hot (64 value sets reused, each step's number written into
+every field just before its call, as an engine's just-computed values and as lab/c/step_k.c); the destination (arena, a peer's device buffer, a zero-copy
 slot) and a device history are filled with 0xA5 before each batch; after each step's call, on
 its stream, one kernel (torch.cat) snapshots every field's used rows into that step's history
 row (zero-copy: from the slot's device view, before the commit); after the batch every row must
@@ -53,7 +55,7 @@ JST, JPK, JSIX = "pinstage fresh + from_dlpack + jit unpack", "packed jax.device
 # The controls: JAX's own part of each path, its input made before the clock (pinstage's block
 # staged, the peer's packed array put): what is left for the staging or the put to win.
 JCST, JCPK = "control: from_dlpack + jit unpack (block staged before)", "control: jit unpack (packed array put before)"
-R = {"config": {}, "engine": {}, "ksweep": {}, "ksweep_device_us": {}, "zero_copy": {}, "graph": {}, "jax": {},
+R = {"config": {}, "engine": {}, "ksweep": {}, "ksweep_hot": {}, "ksweep_device_us": {}, "zero_copy": {}, "graph": {}, "jax": {},
      "goals": [], "failed": [], "notes": []}
 clock = time.perf_counter_ns
 torch = None  # imported in main()
@@ -99,6 +101,32 @@ def maker(spec, n, tag):
     return make
 
 
+HOT_SETS = 64
+
+
+def hot_maker(spec, n, tag):
+    """As `maker`, with the values as an engine holds them when it stages a step (just computed,
+    in the CPU's caches) and as lab/c/step_k.c reads them: HOT_SETS value sets reused, each
+    step's own number written into the first two elements of every field just before its call
+    (untimed, by `HotVar`), so no two steps of a batch are alike. A step is (values, before)."""
+    def make(r):
+        vals, sets = gen(spec, HOT_SETS, salt=r * 100_003 + tag)
+        big, word = list(vals.values()), 1_000_000 + 10_000 * r  # below MOD: positive, never the poison
+
+        def step(i):
+            row = i % HOT_SETS
+
+            def before():
+                for a in big:
+                    a[row, 0], a[row, 1] = word + i, word - i
+            return sets[row], before
+        rows = np.arange(n) % HOT_SETS
+        E = np.concatenate([a[rows].reshape(n, 1, -1) for a in big], axis=1)  # (n, fields, elements)
+        E[:, :, 0], E[:, :, 1] = (word + np.arange(n))[:, None], (word - np.arange(n))[:, None]
+        return [step(i) for i in range(n)], [step(n + i) for i in range(WARM)], E.reshape(n, -1).view(np.uint8)
+    return make
+
+
 def used_views(base, L, spec):
     """uint8 views of each field's used bytes in `base` (a uint8 device tensor laid out as L)."""
     off = offsets(L)
@@ -129,6 +157,16 @@ class Var:
         t = clock() - t0
         torch.cat(self.srcs, out=hist[i])
         return t
+
+
+class HotVar(Var):
+    """A variant whose steps are (values, before): `before()` writes the step's values (untimed)
+    just before its timed call."""
+
+    def _run(self, i, v, hist):
+        values, before = v
+        before()
+        return Var._run(self, i, values, hist)
 
 
 def batch(var, steps, warm, hist, paced, sync):
@@ -202,10 +240,10 @@ def ring_var(name, L, spec, depth, stream, **kw):
     return Var(name, p.call, used_views(p.dev, L, spec), lambda: p.dev.fill_(POISON), bps=p.bps)
 
 
-def pinstage_var(name, L, spec, depth, mk_call):
+def pinstage_var(name, L, spec, depth, mk_call, cls=Var):
     st = pinstage.StepStager(L, depth=depth)
     A = torch.from_dlpack(st.arena())
-    var = Var(name, mk_call(st), used_views(A, L, spec), lambda: A.fill_(POISON))
+    var = cls(name, mk_call(st), used_views(A, L, spec), lambda: A.fill_(POISON))
     var.bps, var.stager = (lambda: st.stats()["bytes"] / max(1, st.stats()["steps"])), st
     return var
 
@@ -261,13 +299,17 @@ def kspec(k):
 
 
 def bench_ksweep(args):
-    s, groups = torch.cuda.Stream(), []
+    """Twice: with the values pre-generated for the whole batch (`maker`: 64 MiB at k=32, read
+    from DRAM) and hot (`hot_maker`, as an engine's step values and as the C control's)."""
+    s = torch.cuda.Stream()
     torch.cuda.set_stream(s)
-    for k in KS:
-        L, spec = kspec(k)
-        var = pinstage_var(f"k={k}", L, spec, args.depth, lambda st: (lambda v: st.stage(v, stream=s)))
-        groups.append(([var], maker(spec, args.steps, 1000 + k), torch.empty((args.steps, k * 1024), dtype=torch.uint8, device="cuda")))
-    run_rounds(R["ksweep"], groups, args.rounds, s.synchronize)
+    for store, make, cls in ((R["ksweep"], maker, Var), (R["ksweep_hot"], hot_maker, HotVar)):
+        groups = []
+        for k in KS:
+            L, spec = kspec(k)
+            var = pinstage_var(f"k={k}", L, spec, args.depth, lambda st: (lambda v: st.stage(v, stream=s)), cls)
+            groups.append(([var], make(spec, args.steps, 1000 + k), torch.empty((args.steps, k * 1024), dtype=torch.uint8, device="cuda")))
+        run_rounds(store, groups, args.rounds, s.synchronize)
     for k in KS:
         R["ksweep_device_us"][k] = ksweep_device_us(*kspec(k), k)
 
@@ -532,13 +574,14 @@ def table(title, S, base, blabel, extra_head="", extra=lambda name: ""):
 
 
 def summary(args):
-    E, K, J, G = R["engine"].get("rows", {}), R["ksweep"], R["jax"], R["graph"]
+    E, K, KH, J, G = R["engine"].get("rows", {}), R["ksweep"], R["ksweep_hot"], R["jax"], R["graph"]
     bps, dev = R["engine"].get("bytes_per_step", {}), R["ksweep_device_us"]
     lines = [f"\n== SUMMARY: host us per step, median of {args.rounds} runs [min..max]; a loop run's figure is the mean "
              "of its calls, a paced run's their median; every step of every timed batch checked"]
     lines += table("engine step (6 fields, 37.5 KiB used)", E, STAGE, "stage", " B sent/step |", lambda nm: f" {bps.get(nm, 0):.0f} |")
-    lines += table("k fields of 1 KiB, stage", K, "k=1", "k=1", " copy engine us/step |",
+    lines += table("k fields of 1 KiB, stage, values pre-generated", K, "k=1", "k=1", " copy engine us/step |",
                    lambda nm: f" {dev[int(nm[2:])]['median']:.2f} |" if dev.get(int(nm[2:])) else " n/a |")
+    lines += table("k fields of 1 KiB, stage, values hot", KH, "k=1", "k=1")
     lines += table("JAX: the engine step into fresh arrays", J, JST, "pinstage")
     for mode in ("loop", "paced"):
         ceil = ratio(med(J, JPK, mode), med(J, JCST, mode))
@@ -559,7 +602,8 @@ def summary(args):
               goal("stage, engine step, loop <= 6 us", gv(med(E, STAGE, "loop")), "<=", 6, " us")]
     for label, S, a, b, op, t in (("torch packed ring / stage", E, TPACK, STAGE, ">=", 4),
                                   ("cuda.bindings packed ring / stage", E, CUB, STAGE, ">=", 2),
-                                  ("k=32 / k=1", K, "k=32", "k=1", "<=", 2),
+                                  ("k=32 / k=1, values pre-generated", K, "k=32", "k=1", "<=", 2),
+                                  ("k=32 / k=1, values hot", KH, "k=32", "k=1", "<=", 2),
                                   ("JAX packed device_put / pinstage fresh", J, JPK, JST, ">=", 2.5)):
         for mode in ("loop", "paced"):
             lines.append(goal(f"{label}, {mode} {op} {t}x", gv(ratio(med(S, a, mode), med(S, b, mode))), op, t, "x"))
