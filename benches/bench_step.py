@@ -15,7 +15,8 @@ as an engine's just-computed values and as the C controls' in lab/c). The destin
 peer's device buffer, a zero-copy slot) and a device history are filled with 0xA5 before each
 batch; after each step's call, on its stream, one kernel (torch.cat) snapshots every field's
 used rows into that step's history row (zero-copy: from the slot's device view, before the
-commit); after the batch every row must equal its step's values. JAX: every step's arrays stay alive to the batch's end and are compared.
+commit); after the batch every row must equal its step's values. JAX: every step's arrays stay
+alive to the batch's end and are compared.
 Peers do the same work (values, depth, stream, layout offsets; a slot rewritten only after its
 copy's event): torch (pinned ring, ONE copy_ of the used extent, the bytes pinstage's one-span
 plan sends; the old six-copy_ peer for reference) and cuda.bindings (cuMemHostAlloc ring,
