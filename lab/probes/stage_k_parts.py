@@ -44,9 +44,9 @@ except ImportError:
     STAMPS = None
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benches"))
-from bench_step import POISON, gen, expected  # noqa: E402
+from bench_step import POISON, expected, gen, hot_maker  # noqa: E402
 
-N, ROUNDS, DEPTH, SETS = int(os.environ.get("N", "2000")), int(os.environ.get("ROUNDS", "5")), 8, 64
+N, ROUNDS, DEPTH = int(os.environ.get("N", "2000")), int(os.environ.get("ROUNDS", "5")), 8
 LAYOUTS = {"k=1": (1, 256), "k=8": (8, 256), "k=32": (32, 256), "one 32K": (1, 8192)}
 LAYOUTS = {n: LAYOUTS[n] for n in os.environ.get("LAYOUTS", ",".join(LAYOUTS)).split(",")}
 VALUES = os.environ.get("VALUES", "cold,hot").split(",")
@@ -74,34 +74,21 @@ class Layout:
 
 
 def values(lay, kind, r):
-    """(steps, before(i), E): the step dicts, the untimed hook run before call i, the expected rows."""
+    """(steps, warm, E): each step (its dict, the untimed hook run just before its call), the
+    warm-up's steps, the expected rows. Hot: bench_step.hot_maker, the bench's own."""
     if kind == "cold":
         vals, steps = gen(lay.spec, N, salt=r * 100_003 + 17)
-        return steps, None, expected(vals, N)
-    vals, sets = gen(lay.spec, SETS, salt=r * 100_003 + 29)
-    steps = [sets[i % SETS] for i in range(N)]
-    big = list(vals.values())  # (SETS, rows) per field; sets[j][name] is big[f][j]
-    word = 1_000_000 + r * 10_000  # + i: below gen's MOD, positive (never the poison)
-
-    def before(i):
-        row = i % SETS
-        for a in big:
-            a[row, 0] = word + i
-            a[row, 1] = word - i
-    E = np.concatenate([np.ascontiguousarray(a[np.arange(N) % SETS]) for a in big], axis=1)  # (N, k*rows)
-    E = E.reshape(N, len(big), -1)
-    E[:, :, 0] = (word + np.arange(N))[:, None]
-    E[:, :, 1] = (word - np.arange(N))[:, None]
-    return steps, before, E.reshape(N, -1).view(np.uint8)
+        steps = [(d, lambda: None) for d in steps]
+        return steps, steps[:64], expected(vals, N)
+    return hot_maker(lay.spec, N, 29)(r)
 
 
 def batch(lay, kind, check, paced, r):
-    steps, before, E = values(lay, kind, r)
+    steps, warm, E = values(lay, kind, r)
     st, s, hist = lay.st, lay.s, lay.hist
-    for i in range(64):  # warm-up (its own values; untimed, unchecked)
-        if before:
-            before(i)
-        st.stage(steps[i], stream=s)
+    for d, before in warm:  # untimed, unchecked
+        before()
+        st.stage(d, stream=s)
     s.synchronize()
     lay.A.fill_(POISON)
     hist.fill_(POISON)
@@ -112,13 +99,12 @@ def batch(lay, kind, check, paced, r):
     gc.collect()
     gc.disable()
     try:
-        for i in range(N):
-            if before:
-                before(i)
+        for i, (d, before) in enumerate(steps):
+            before()
             if paced:
                 s.synchronize()
             t0 = time.perf_counter_ns()
-            st.stage(steps[i], stream=s)
+            st.stage(d, stream=s)
             ts[i] = time.perf_counter_ns() - t0
             if STAMPS and not paced:
                 parts.append(STAMPS())
