@@ -8,7 +8,7 @@ use common::{POISON, Put, gpu_or_skip, poisoned, read};
 use pinstage::dlpack::TensorMeta;
 use pinstage::host::PinnedFlags;
 use pinstage::host::PinnedPool;
-use pinstage::testing::{DeviceBuffer, current_context, launch_host_fn};
+use pinstage::testing::{DeviceBuffer, current_context};
 use pinstage::{DType, DeviceView, Error, PinnedBuffer, Stream};
 
 /// These tests count process-wide pinned bytes: they run one at a time.
@@ -128,27 +128,21 @@ fn gpu_events_query_and_wait_on() {
         return;
     };
     let _serial = serial();
+    // Everything is allocated before the stall: an allocation (or a free on pinstage's reaper)
+    // may wait for the whole device, and the stall waits for this thread. `common::stall` also
+    // waits for the reaper's frees first and bounds the stall (a failure, not a hang).
     let a = Stream::new(&dev).unwrap();
     let b = Stream::new(&dev).unwrap();
     let ev = pinstage::cuda::Event::new(&dev).unwrap();
+    let done = pinstage::cuda::Event::new(&dev).unwrap();
+    let buf = poisoned(&dev, DType::U8, 64);
+    let st = common::stager::<u8>(0, 64, 2).unwrap();
     assert!(ev.query().unwrap(), "never recorded: complete");
-    let go = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let g = go.clone();
-    // SAFETY: the host function calls no CUDA function and drops only an Arc<AtomicBool>.
-    unsafe {
-        launch_host_fn(&a, move || {
-            while !g.load(std::sync::atomic::Ordering::Acquire) {
-                std::thread::sleep(std::time::Duration::from_micros(200));
-            }
-        })
-    }
-    .unwrap();
+    let stall = common::stall(&a);
     ev.record(a.handle()).unwrap();
     assert!(!ev.query().unwrap(), "recorded behind a stalled stream");
     // b waits for the event on the device: a copy on b lands only after a is released.
     ev.wait_on(b.handle()).unwrap();
-    let buf = poisoned(&dev, DType::U8, 64);
-    let st = common::stager::<u8>(0, 64, 2).unwrap();
     st.put(
         &buf.view_at(0, DType::U8, 64),
         &[9; 64],
@@ -157,11 +151,10 @@ fn gpu_events_query_and_wait_on() {
         b.handle(),
     )
     .unwrap();
-    let done = pinstage::cuda::Event::new(&dev).unwrap();
     done.record(b.handle()).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(50));
     assert!(!done.query().unwrap(), "b's copy waits for a's event");
-    go.store(true, std::sync::atomic::Ordering::Release);
+    stall.release();
     done.synchronize().unwrap();
     assert!(ev.query().unwrap());
     assert!(read(&buf)[..64].iter().all(|&x| x == 9));
