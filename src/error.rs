@@ -8,7 +8,10 @@ pub use crate::driver::DriverError;
 #[non_exhaustive]
 pub enum Error {
     /// No usable CUDA driver: library missing, `cuInit` failed, no device, disabled, or forked.
-    #[error("CUDA is unavailable: {reason}")]
+    #[error(
+        "CUDA is unavailable: {reason}; device copies and pinned memory need an NVIDIA driver and \
+         GPU (numpy destinations and host-mode stagers work without)"
+    )]
     CudaUnavailable {
         /// Why the probe failed.
         reason: String,
@@ -41,7 +44,9 @@ pub enum Error {
         got: i32,
     },
     /// Element type differs from the one expected.
-    #[error("dtype must be {expected}; got {got}")]
+    #[error(
+        "dtype must be {expected}; got {got}; convert one side first (numpy astype, torch .to)"
+    )]
     DtypeMismatch {
         /// Expected dtype.
         expected: DType,

@@ -70,6 +70,9 @@ def _cpu_demo():
 
 
 def _gpu_demo(fw, quick):
+    def n(k):  # repetitions: a tenth with --quick
+        return max(5, k // 10) if quick else k
+
     rows = []
     if "torch" in fw:
         torch = fw["torch"]
@@ -78,11 +81,11 @@ def _gpu_demo(fw, quick):
         st = pinstage.PinnedStager(torch.int32, numel=256, depth=8)
         target = st.target(dst, pad_value=0)
         sets = [np.random.default_rng(i).integers(1, 1 << 30, 256, dtype=np.int32) for i in range(16)]
-        for i in _progress(range(2000), "torch: padded H2D copies", 2000):
+        for i in _progress(range(n(2000)), "torch: padded H2D copies", n(2000)):
             target.copy_(sets[i % 16])
         sync()
         got = dst.cpu().numpy()
-        assert np.array_equal(got[:256], sets[1999 % 16]) and (got[256:] == 0).all()
+        assert np.array_equal(got[:256], sets[(n(2000) - 1) % 16]) and (got[256:] == 0).all()
         k = [0]
 
         def ours():
@@ -96,15 +99,15 @@ def _gpu_demo(fw, quick):
             head.copy_(torch.from_numpy(sets[k[0] % 16]), non_blocking=True)
             tail.fill_(0)
 
-        rows.append(("torch", "256 of 4096 int32, padded H2D (host us/call)", _median_us(ours), _median_us(theirs), "copy_ + fill_"))
+        rows.append(("torch", "256 of 4096 int32, padded H2D (host us/call)", _median_us(ours, n(200)), _median_us(theirs, n(200)), "copy_ + fill_"))
         n = (16 << 20) // 4
         src = torch.randint(-1000, 1000, (n,), dtype=torch.int32, device="cuda")
         ref = src.cpu().numpy()
-        for _ in _progress(range(20), "torch: copy_d2h 16 MiB", 20):
+        for _ in _progress(range(n(20)), "torch: copy_d2h 16 MiB", n(20)):
             out = pinstage.copy_d2h(src)
         assert np.array_equal(out, ref)
-        t_ours = _median_us(lambda: pinstage.copy_d2h(src), 20)
-        t_theirs = _median_us(lambda: src.cpu(), 20)
+        t_ours = _median_us(lambda: pinstage.copy_d2h(src), n(20))
+        t_theirs = _median_us(lambda: src.cpu(), n(20))
         rows.append(("torch", "16 MiB D2H (GB/s)", 16.78 / t_ours * 1e3, 16.78 / t_theirs * 1e3, ".cpu()"))
         pend = pinstage.copy_d2h_async(src)
         assert np.array_equal(pend.wait(), ref)
@@ -113,7 +116,7 @@ def _gpu_demo(fw, quick):
         try:
             x = jax.device_put(np.arange(4 << 20, dtype=np.float32), jax.devices("gpu")[0])
             ref = np.arange(4 << 20, dtype=np.float32)
-            for _ in _progress(range(10), "jax: copy_d2h 16 MiB", 10):
+            for _ in _progress(range(n(10)), "jax: copy_d2h 16 MiB", n(10)):
                 out = pinstage.copy_d2h(x)
             assert np.array_equal(out, ref)
             t_ours = _median_us(lambda: pinstage.copy_d2h(x), 10)
@@ -128,7 +131,7 @@ def _gpu_demo(fw, quick):
         dst = cp.full(4096, -1, dtype=cp.int32)
         st = pinstage.PinnedStager(cp.int32, 256, 8)
         vals = np.arange(1, 257, dtype=np.int32)
-        for _ in _progress(range(500), "cupy: padded H2D copies", 500):
+        for _ in _progress(range(n(500)), "cupy: padded H2D copies", n(500)):
             st.copy_(dst, vals, pad_value=9)
         cp.cuda.runtime.deviceSynchronize()
         got = cp.asnumpy(dst)
@@ -150,7 +153,7 @@ def _gpu_demo(fw, quick):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m pinstage", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--quick", action="store_true", help="a tenth of the repetitions")
     a = p.parse_args(argv)
     info = pinstage.driver_info()
     print(f"pinstage {pinstage.__version__}")

@@ -180,7 +180,8 @@ impl BlockMover {
     ///     ``blocks``, ``runs`` (merged runs of adjacent ids), ``copies``, ``calls`` (driver
     ///     calls), ``threads`` (issuing at once, each on its own stream), ``bytes``, ``reason``,
     ///     ``choice``: what chose between 2D copies and a batch where the tensors allow both:
-    ///     ``"table"`` (measured on an H200), ``"timing"`` (this move would be timed: a mover's
+    ///     ``"table"`` (one way only, as between host arrays, or the table measured on an H200),
+    ///     ``"timing"`` (this move would be timed: a mover's
     ///     first moves of 8 MiB or more of each direction and copy size go every way, timed on
     ///     the GPU) or ``"measured"`` (the faster timed on this device; ``measured_gbps``:
     ///     ``{"strided": GB/s, "batched": GB/s}``, the mean of each, with

@@ -224,7 +224,7 @@ pub(crate) fn empty_host<'py>(
 ///
 /// Example:
 ///     >>> with pinstage.pin(batch) as a:       # a is batch, pinned
-///     ...     pinstage.copy_h2d(dst, a).wait()
+///     ...     pinstage.copy_h2d(dst, a)
 #[pyclass(frozen, name = "PinnedRegion", module = "pinstage._native")]
 pub(crate) struct PinnedRegion {
     reg: parking_lot::Mutex<Option<crate::host::Registered>>,

@@ -76,7 +76,7 @@ impl StepStager {
             return Err(Error::arg(
                 "pad_value",
                 "None",
-                "a pad value: the values do not fill the rows written",
+                "given when the values do not fill the rows written (or the field's columns)",
             ));
         }
         // Seeded bug (scripts/seeded.tsv): the pad is never written.

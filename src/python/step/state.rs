@@ -193,9 +193,11 @@ impl StepState {
     /// Why an ended step refuses a call.
     pub(super) fn ended_why(&self) -> &'static str {
         match self.ended {
-            Ended::Committed => "this step was already committed",
+            Ended::Committed => {
+                "this step was already committed; open the next with step() or stage()"
+            }
             Ended::Failed => "this step's commit failed (its slot was released); open a new step",
-            Ended::Aborted => "this step was aborted",
+            Ended::Aborted => "this step was aborted; open a new step",
             Ended::ThreadExited => Ended::THREAD_EXITED,
         }
     }
