@@ -79,15 +79,26 @@ static void fill(unsigned char *d, const unsigned char *s, size_t n, int nt) {
     else memcpy(d, s, n);
 }
 
-// Pieces ramp from MINP up to PIECE; units of UNIT within each piece, in address order.
+// The call's cut: shape 0 (pinstage's): pieces ramp from MINP up to PIECE, units of UNIT
+// within each piece, in address order; shape s > 0: pieces of len / s (at most PIECE; s = 1:
+// the whole copy one piece), no ramp, each piece cut into `T` units so that all the call's
+// threads fill the first piece together, then the next (fill T x then one copy, halves,
+// quarters).
+static int shape_now, threads_now;
 static void cut(size_t len) {
-    size_t off = 0, size = MINP;
+    size_t first = MINP, unit = UNIT;
+    if (shape_now > 0) {
+        first = (len / (size_t)shape_now + 4095) & ~(size_t)4095;
+        if (first > PIECE) first = PIECE;
+        unit = (first / (size_t)threads_now + 4095) & ~(size_t)4095;
+    }
+    size_t off = 0, size = first;
     npieces = nunits = 0;
     while (off < len) {
         size_t n = size < len - off ? size : len - off;
         piece_off[npieces] = off; piece_len[npieces] = n; piece_units[npieces] = 0;
-        for (size_t a = 0; a < n; a += UNIT) {
-            units[nunits++] = (unit_t){npieces, a, (n - a) < UNIT ? n - a : UNIT};
+        for (size_t a = 0; a < n; a += unit) {
+            units[nunits++] = (unit_t){npieces, a, (n - a) < unit ? n - a : unit};
             piece_units[npieces]++;
         }
         atomic_store(&piece_done[npieces], 0);
@@ -96,7 +107,7 @@ static void cut(size_t len) {
         atomic_store(&poller[npieces], 0);
         npieces++;
         off += n;
-        size = size * 2 > PIECE ? PIECE : size * 2;
+        if (shape_now == 0) size = size * 2 > PIECE ? PIECE : size * 2;
     }
     atomic_store(&next_unit, 0);
 }
@@ -236,7 +247,7 @@ int main(int argc, char **argv) {
     }
     // Rows: pinned; fill T x nt|mc; pipe T x nt|mc x spin|park.
     enum { PINNED, FILL, PIPE };
-    struct { int kind, T, nt, park; const char *name; } rows[40];
+    struct { int kind, T, nt, park; const char *name; int shape; } rows[40];
     int nr = 0;
     rows[nr++] = (typeof(rows[0])){PINNED, 0, 0, 0, "pinned one copy"};
     const int Ts[] = {1, 4, 8, 12, 16};
@@ -246,6 +257,10 @@ int main(int argc, char **argv) {
         for (int nt = 1; nt >= 0; nt--) rows[nr++] = (typeof(rows[0])){PIPE, Ts[i], nt, 0, "pipe armed"};
     rows[nr++] = (typeof(rows[0])){PIPE, 12, 1, 1, "pipe park"};
     rows[nr++] = (typeof(rows[0])){PIPE, 12, 0, 1, "pipe park"};
+    // Other cuts of the copy (the control of the 1 MiB goal: is pinstage's ramp the best cut?).
+    const char *sname[] = {"", "whole, 1 copy", "halves", "quarters"};
+    for (int sh = 1; sh <= 3; sh++)
+        for (int T = 4; T <= 8; T += 4) rows[nr++] = (typeof(rows[0])){PIPE, T, 1, 0, sname[sh], sh};
     printf("h2d_floor: %d calls per row, source cold (1 GiB sweep before each call)\n", R);
     for (int zi = 0; zi < nsizes; zi++) {
         size_t len = sizes[zi];
@@ -274,6 +289,8 @@ int main(int argc, char **argv) {
                 CHECK(cuCtxSynchronize());
                 sweep();
                 if (rows[i].kind != PINNED) {
+                    shape_now = rows[i].shape;
+                    threads_now = rows[i].T;
                     cut(len);  // the call's pieces and units, before the clock
                     src_now = src[b]; dst_now = dst;
                     // Workers for this copy: at most one per unit beyond the caller's.

@@ -1,0 +1,112 @@
+"""Probe: `copy_h2d` from pageable memory at 1-4 MiB under other cuts of the copy, beside torch
+from pinned memory, source cold and hot (the 1 MiB goal's control from pinstage's side).
+
+`lab/c/h2d_floor.c` (run 2026-12-06-h100-zk) found the ramped pipeline pinstage uses (pieces of
+128 KiB, 256, 512, ..., each its own copy) the slowest cut at 1 MiB in C: 0.31-0.43x one pinned
+copy, against 0.52-0.62x for the whole copy filled by 4-8 threads together and sent as ONE copy,
+and 0.46-0.57x for two halves. Here the same cuts in pinstage (the lab's `_set_h2d_tuning`):
+  default   the product's tuning (ramp from 128 KiB, units of 256 KiB)
+  whole     no ramp: a copy up to 4 MiB is one piece, its units (64 KiB) filled by every worker
+  halves    no ramp, pieces of 512 KiB (units of 128 KiB): two copies at 1 MiB
+  driver    the driver's own pageable path (one cuMemcpyHtoDAsync from the pageable array)
+and the references: torch `copy_` from pinned (the goal's), `copy_h2d` from pinned (pinstage's
+fixed cost), torch `copy_` from pageable.
+
+Discipline as benches/bench_h2d.py: each call into a destination poisoned first, timed to a
+`torch.cuda.synchronize()`, compared on the device with its source's expected copy (K = 32
+sources per size, all distinct, rotated: a call that copied nothing or an earlier source fails);
+COLD: every CPU sweeps 1 GiB (read + write) before the call; HOT: the source is read just before.
+Variants interleave within each round (order rotated per round); median of ROUNDS calls, min-max.
+Usage (lab wheel): python3 lab/probes/h2d_small_cuts.py      (env ROUNDS, SIZES_MIB)
+"""
+
+import importlib.util
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+import pinstage
+from labmod import lab
+
+HERE = pathlib.Path(__file__).resolve()
+spec = importlib.util.spec_from_file_location("bench_h2d", HERE.parents[2] / "benches" / "bench_h2d.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+ROUNDS = int(os.environ.get("ROUNDS", "9"))
+SIZES = [int(s) << 20 for s in os.environ.get("SIZES_MIB", "1,2,4").split(",")]
+POISON = 0xA5
+K = 32
+CUTS = {
+    "default": {},
+    "whole": dict(ramp=False, unit=64 << 10),
+    "halves": dict(ramp=False, max_piece=512 << 10, unit=128 << 10),
+    "driver": dict(driver_below=64 << 20),
+}
+sweeper = bench.Sweeper(1 << 30)
+failures = 0
+
+
+def run(n):
+    global failures
+    rng = np.random.default_rng(n)
+    pg = rng.integers(1, 256, (K, n), dtype=np.uint8)
+    pg[pg == POISON] = 1
+    exp = torch.from_numpy(pg).cuda()
+    pin_t = torch.from_numpy(pg).pin_memory()
+    pin_np = pin_t.numpy()
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    rows = {}
+    for name, kw in CUTS.items():
+        rows[f"copy_h2d pageable, {name}"] = (kw, lambda k: pinstage.copy_h2d(dst, pg[k]), "pageable")
+    rows["copy_h2d pinned"] = ({}, lambda k: pinstage.copy_h2d(dst, pin_np[k]), "pinned")
+    rows["torch copy_ pinned"] = ({}, lambda k: dst.copy_(pin_t[k], non_blocking=True), "pinned")
+    rows["torch copy_ pageable"] = ({}, lambda k: dst.copy_(torch.from_numpy(pg[k])), "pageable")
+    names = list(rows)
+    times = {(s, m): [] for s in ("cold", "hot") for m in names}
+    call = 0
+    for r in range(ROUNDS + 1):  # round 0: warm-up, not counted
+        for state in ("cold", "hot"):
+            for j in range(len(names)):
+                m = names[(j + r) % len(names)]
+                kw, fn, kind = rows[m]
+                lab._set_h2d_tuning(**kw)
+                k = call % K
+                call += 1
+                dst.fill_(POISON)
+                torch.cuda.synchronize()
+                if state == "cold":
+                    sweeper()
+                else:
+                    int((pg[k] if kind == "pageable" else pin_np[k]).view(np.uint64).sum())
+                t0 = time.perf_counter()
+                fn(k)
+                torch.cuda.synchronize()
+                t = time.perf_counter() - t0
+                if not torch.equal(dst, exp[k]):
+                    failures += 1
+                    print(f"CHECK FAILED: {m} {state} {n} bytes, source {k}", flush=True)
+                    continue
+                if r > 0:
+                    times[(state, m)].append(t)
+    lab._set_h2d_tuning()
+    print(f"\n{n >> 20} MiB: GB/s, median of {ROUNDS} [min max] (us); x torch copy_ pinned in the same state")
+    for state in ("cold", "hot"):
+        ref = statistics.median(times[(state, "torch copy_ pinned")])
+        for m in names:
+            ts = times[(state, m)]
+            med = statistics.median(ts)
+            print(f"  {state:<4} {m:<30} {n / med / 1e9:6.2f} [{n / max(ts) / 1e9:6.2f} {n / min(ts) / 1e9:6.2f}]"
+                  f" ({med * 1e6:6.0f} us)  {ref / med:.3f}x", flush=True)
+
+
+print("defaults:", lab._set_h2d_tuning(), flush=True)
+for n in SIZES:
+    run(n)
+print(f"\nchecks: {failures} failures" + ("" if failures else " (every call checked)"))
+sys.exit(1 if failures else 0)
