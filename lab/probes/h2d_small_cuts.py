@@ -1,4 +1,4 @@
-"""Probe: `copy_h2d` from pageable memory at 1-4 MiB under other cuts of the copy, beside torch
+"""Probe: `copy_h2d` from pageable memory at 1-8 MiB under other cuts of the copy, beside torch
 from pinned memory, source cold and hot (the 1 MiB goal's control from pinstage's side).
 
 `lab/c/h2d_floor.c` (run 2026-12-06-h100-zk) found the ramped pipeline pinstage uses (pieces of
@@ -39,7 +39,7 @@ bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 
 ROUNDS = int(os.environ.get("ROUNDS", "9"))
-SIZES = [int(s) << 20 for s in os.environ.get("SIZES_MIB", "1,2,4").split(",")]
+SIZES = [int(s) << 20 for s in os.environ.get("SIZES_MIB", "1,2,4,8").split(",")]
 POISON = 0xA5
 K = 32
 CUTS = {
