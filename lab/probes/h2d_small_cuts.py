@@ -9,6 +9,7 @@ and 0.46-0.57x for two halves. Here the same cuts in pinstage (the lab's `_set_h
   whole     no ramp: a copy up to 4 MiB is one piece, its units (64 KiB) filled by every worker
   halves    no ramp, pieces of 512 KiB (units of 128 KiB): two copies at 1 MiB
   driver    the driver's own pageable path (one cuMemcpyHtoDAsync from the pageable array)
+  alone     the caller's thread alone (no copy thread woken), ramped; "alone, whole": one piece
 and the references: torch `copy_` from pinned (the goal's), `copy_h2d` from pinned (pinstage's
 fixed cost), torch `copy_` from pageable.
 
@@ -47,6 +48,8 @@ CUTS = {
     "whole": dict(ramp=False, unit=64 << 10),
     "halves": dict(ramp=False, max_piece=512 << 10, unit=128 << 10),
     "driver": dict(driver_below=64 << 20),
+    "alone": dict(workers=1),
+    "alone, whole": dict(workers=1, ramp=False),
 }
 sweeper = bench.Sweeper(1 << 30)
 failures = 0
