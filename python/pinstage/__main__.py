@@ -70,7 +70,7 @@ def _cpu_demo():
 
 
 def _gpu_demo(fw, quick):
-    def n(k):  # repetitions: a tenth with --quick
+    def reps(k):  # repetitions: a tenth with --quick
         return max(5, k // 10) if quick else k
 
     rows = []
@@ -81,11 +81,11 @@ def _gpu_demo(fw, quick):
         st = pinstage.PinnedStager(torch.int32, numel=256, depth=8)
         target = st.target(dst, pad_value=0)
         sets = [np.random.default_rng(i).integers(1, 1 << 30, 256, dtype=np.int32) for i in range(16)]
-        for i in _progress(range(n(2000)), "torch: padded H2D copies", n(2000)):
+        for i in _progress(range(reps(2000)), "torch: padded H2D copies", reps(2000)):
             target.copy_(sets[i % 16])
         sync()
         got = dst.cpu().numpy()
-        assert np.array_equal(got[:256], sets[(n(2000) - 1) % 16]) and (got[256:] == 0).all()
+        assert np.array_equal(got[:256], sets[(reps(2000) - 1) % 16]) and (got[256:] == 0).all()
         k = [0]
 
         def ours():
@@ -99,15 +99,15 @@ def _gpu_demo(fw, quick):
             head.copy_(torch.from_numpy(sets[k[0] % 16]), non_blocking=True)
             tail.fill_(0)
 
-        rows.append(("torch", "256 of 4096 int32, padded H2D (host us/call)", _median_us(ours, n(200)), _median_us(theirs, n(200)), "copy_ + fill_"))
+        rows.append(("torch", "256 of 4096 int32, padded H2D (host us/call)", _median_us(ours, reps(200)), _median_us(theirs, reps(200)), "copy_ + fill_"))
         n = (16 << 20) // 4
         src = torch.randint(-1000, 1000, (n,), dtype=torch.int32, device="cuda")
         ref = src.cpu().numpy()
-        for _ in _progress(range(n(20)), "torch: copy_d2h 16 MiB", n(20)):
+        for _ in _progress(range(reps(20)), "torch: copy_d2h 16 MiB", reps(20)):
             out = pinstage.copy_d2h(src)
         assert np.array_equal(out, ref)
-        t_ours = _median_us(lambda: pinstage.copy_d2h(src), n(20))
-        t_theirs = _median_us(lambda: src.cpu(), n(20))
+        t_ours = _median_us(lambda: pinstage.copy_d2h(src), reps(20))
+        t_theirs = _median_us(lambda: src.cpu(), reps(20))
         rows.append(("torch", "16 MiB D2H (GB/s)", 16.78 / t_ours * 1e3, 16.78 / t_theirs * 1e3, ".cpu()"))
         pend = pinstage.copy_d2h_async(src)
         assert np.array_equal(pend.wait(), ref)
@@ -116,7 +116,7 @@ def _gpu_demo(fw, quick):
         try:
             x = jax.device_put(np.arange(4 << 20, dtype=np.float32), jax.devices("gpu")[0])
             ref = np.arange(4 << 20, dtype=np.float32)
-            for _ in _progress(range(n(10)), "jax: copy_d2h 16 MiB", n(10)):
+            for _ in _progress(range(reps(10)), "jax: copy_d2h 16 MiB", reps(10)):
                 out = pinstage.copy_d2h(x)
             assert np.array_equal(out, ref)
             t_ours = _median_us(lambda: pinstage.copy_d2h(x), 10)
@@ -131,7 +131,7 @@ def _gpu_demo(fw, quick):
         dst = cp.full(4096, -1, dtype=cp.int32)
         st = pinstage.PinnedStager(cp.int32, 256, 8)
         vals = np.arange(1, 257, dtype=np.int32)
-        for _ in _progress(range(n(500)), "cupy: padded H2D copies", n(500)):
+        for _ in _progress(range(reps(500)), "cupy: padded H2D copies", reps(500)):
             st.copy_(dst, vals, pad_value=9)
         cp.cuda.runtime.deviceSynchronize()
         got = cp.asnumpy(dst)
