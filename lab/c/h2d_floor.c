@@ -20,6 +20,9 @@
 //              "workers already spinning when a copy is likely"); park: the call wakes them
 //              (pinstage's workers park). Fill rows wake their workers as armed rows do. A
 //              call wakes at most one worker per unit beyond the caller's (a 1 MiB copy: 4).
+//   whole|halves|quarters T x nt: other cuts (armed, non-temporal): the copy as 1, 2 or 4 pieces,
+//              no ramp, each piece cut into T units so all the call's threads fill it together
+//              before the next; run only where a piece fits a 4 MiB slot (copies of <= 4, 8, 16 MiB)
 // Run 2026-12-06-h200-a had the workers spin between calls instead: all 16 CPUs busy while the
 // driver and the sweep needed them, medians scattered 10-fold; only its park rows held.
 // Every call's result is checked (pipe and pinned rows): the destination poisoned (0xEE, untimed)
@@ -258,9 +261,11 @@ int main(int argc, char **argv) {
     rows[nr++] = (typeof(rows[0])){PIPE, 12, 1, 1, "pipe park"};
     rows[nr++] = (typeof(rows[0])){PIPE, 12, 0, 1, "pipe park"};
     // Other cuts of the copy (the control of the 1 MiB goal: is pinstage's ramp the best cut?).
-    const char *sname[] = {"", "whole, 1 copy", "halves", "quarters"};
-    for (int sh = 1; sh <= 3; sh++)
-        for (int T = 4; T <= 8; T += 4) rows[nr++] = (typeof(rows[0])){PIPE, T, 1, 0, sname[sh], sh};
+    // Only where len / shape fits a slot (4 MiB): beyond, every shape is 4 MiB pieces (skipped).
+    const int shp[] = {1, 2, 4};
+    const char *sname[] = {"whole, 1 copy", "halves", "quarters"};
+    for (int j = 0; j < 3; j++)
+        for (int T = 4; T <= 8; T += 4) rows[nr++] = (typeof(rows[0])){PIPE, T, 1, 0, sname[j], shp[j]};
     printf("h2d_floor: %d calls per row, source cold (1 GiB sweep before each call)\n", R);
     for (int zi = 0; zi < nsizes; zi++) {
         size_t len = sizes[zi];
@@ -277,6 +282,7 @@ int main(int argc, char **argv) {
         for (int r = 0; r < R; r++) {
             for (int q = 0; q < nr; q++) {
                 int i = (q + r) % nr;  // rotated order per round
+                if (rows[i].shape && len / (size_t)rows[i].shape > PIECE) continue;
                 int b = (int)(call_no % k);
                 call_no++;
                 // Stamp: the first 8 bytes of every 64 KiB and the last 8 unique to this call
@@ -325,6 +331,7 @@ int main(int argc, char **argv) {
         printf("\n%zu MiB (GB/s: median [min max]; x pinned: ratio of medians)\n", len >> 20);
         double ref = 0;
         for (int i = 0; i < nr; i++) {
+            if (rows[i].shape && len / (size_t)rows[i].shape > PIECE) continue;
             qsort(t[i], R, sizeof(double), probe_cmp_double);
             double med = t[i][R / 2], gbs = len / med, lo = len / t[i][R - 1], hi = len / t[i][0];
             if (i == 0) ref = gbs;

@@ -1,21 +1,27 @@
 """Probe: `copy_h2d` from pageable memory at 1-8 MiB under other cuts of the copy, beside torch
 from pinned memory, source cold and hot (the 1 MiB goal's control from pinstage's side).
 
-`lab/c/h2d_floor.c` (run 2026-12-06-h100-zk) found the ramped pipeline pinstage uses (pieces of
-128 KiB, 256, 512, ..., each its own copy) the slowest cut at 1 MiB in C: 0.31-0.43x one pinned
-copy, against 0.52-0.62x for the whole copy filled by 4-8 threads together and sent as ONE copy,
-and 0.46-0.57x for two halves. Here the same cuts in pinstage (the lab's `_set_h2d_tuning`):
+`lab/c/h2d_floor.c` (run 2026-12-06-h100-zk, two passes, threads spinning before each call)
+found the ramped pipeline pinstage uses (pieces of 128 KiB, 256, 512, ..., each its own copy) the
+slowest cut at 1 MiB in C: 0.26-0.43x one pinned copy (43-48 µs), against 0.46-0.62x for the whole
+copy filled by 4-8 threads together and sent as ONE copy, and 0.46-0.57x for two halves. Here the
+same cuts in pinstage (the lab's `_set_h2d_tuning`, per size n; pinstage wakes its parked copy
+threads, and `workers_for` gives a copy below 8 MiB 4 threads, the caller one of them):
   default   the product's tuning (ramp from 128 KiB, units of 256 KiB)
-  whole     no ramp: a copy up to 4 MiB is one piece, its units (64 KiB) filled by every worker
-  halves    no ramp, pieces of 512 KiB (units of 128 KiB): two copies at 1 MiB
+  whole     no ramp, one piece of n bytes in 4 units of n/4 (C's "whole, T=4"): ONE copy
+  halves    no ramp, two pieces of n/2 in units of n/8: two copies
   driver    the driver's own pageable path (one cuMemcpyHtoDAsync from the pageable array)
   alone     the caller's thread alone (no copy thread woken), ramped; "alone, whole": one piece
+Compare µs, not the ratios with C's: the cold reference here (torch from pinned, ~217 µs at 1 MiB
+in bench_h2d.py on that host) pays for torch's own cold code, C's pinned copy does not.
 and the references: torch `copy_` from pinned (the goal's), `copy_h2d` from pinned (pinstage's
 fixed cost), torch `copy_` from pageable.
 
 Discipline as benches/bench_h2d.py: each call into a destination poisoned first, timed to a
 `torch.cuda.synchronize()`, compared on the device with its source's expected copy (K = 32
-sources per size, all distinct, rotated: a call that copied nothing or an earlier source fails);
+sources per size, all distinct, rotated, and the first 8 bytes of every 64 KiB stamped with the
+call's number before the call: a call that copied nothing, an earlier source or a slot's stale
+bytes fails);
 COLD: every CPU sweeps 1 GiB (read + write) before the call; HOT: the source is read just before.
 Variants interleave within each round (order rotated per round); median of ROUNDS calls, min-max.
 Usage (lab wheel): python3 lab/probes/h2d_small_cuts.py      (env ROUNDS, SIZES_MIB)
@@ -43,14 +49,19 @@ ROUNDS = int(os.environ.get("ROUNDS", "9"))
 SIZES = [int(s) << 20 for s in os.environ.get("SIZES_MIB", "1,2,4,8").split(",")]
 POISON = 0xA5
 K = 32
-CUTS = {
-    "default": {},
-    "whole": dict(ramp=False, unit=64 << 10),
-    "halves": dict(ramp=False, max_piece=512 << 10, unit=128 << 10),
-    "driver": dict(driver_below=64 << 20),
-    "alone": dict(workers=1),
-    "alone, whole": dict(workers=1, ramp=False),
-}
+
+
+def cuts(n):
+    return {
+        "default": {},
+        "whole": dict(ramp=False, max_piece=n, unit=n // 4),
+        "halves": dict(ramp=False, max_piece=n // 2, unit=n // 8),
+        "driver": dict(driver_below=64 << 20),
+        "alone": dict(workers=1),
+        "alone, whole": dict(workers=1, ramp=False, max_piece=n),
+    }
+
+
 sweeper = bench.Sweeper(1 << 30)
 failures = 0
 
@@ -65,7 +76,7 @@ def run(n):
     pin_np = pin_t.numpy()
     dst = torch.empty(n, dtype=torch.uint8, device="cuda")
     rows = {}
-    for name, kw in CUTS.items():
+    for name, kw in cuts(n).items():
         rows[f"copy_h2d pageable, {name}"] = (kw, lambda k: pinstage.copy_h2d(dst, pg[k]), "pageable")
     rows["copy_h2d pinned"] = ({}, lambda k: pinstage.copy_h2d(dst, pin_np[k]), "pinned")
     rows["torch copy_ pinned"] = ({}, lambda k: dst.copy_(pin_t[k], non_blocking=True), "pinned")
@@ -81,6 +92,11 @@ def run(n):
                 lab._set_h2d_tuning(**kw)
                 k = call % K
                 call += 1
+                v = 1 + call % 254
+                word = np.full(8, 0xA6 if v == POISON else v, np.uint8)
+                pg[k].reshape(-1, 65536)[:, :8] = word
+                pin_np[k].reshape(-1, 65536)[:, :8] = word
+                exp[k].view(-1, 65536)[:, :8] = torch.from_numpy(word).cuda()
                 dst.fill_(POISON)
                 torch.cuda.synchronize()
                 if state == "cold":
@@ -100,9 +116,12 @@ def run(n):
     lab._set_h2d_tuning()
     print(f"\n{n >> 20} MiB: GB/s, median of {ROUNDS} [min max] (us); x torch copy_ pinned in the same state")
     for state in ("cold", "hot"):
-        ref = statistics.median(times[(state, "torch copy_ pinned")])
+        ref = statistics.median(times[(state, "torch copy_ pinned")] or [float("nan")])
         for m in names:
             ts = times[(state, m)]
+            if not ts:
+                print(f"  {state:<4} {m:<30} no call passed its check")
+                continue
             med = statistics.median(ts)
             print(f"  {state:<4} {m:<30} {n / med / 1e9:6.2f} [{n / max(ts) / 1e9:6.2f} {n / min(ts) / 1e9:6.2f}]"
                   f" ({med * 1e6:6.0f} us)  {ref / med:.3f}x", flush=True)
