@@ -281,8 +281,9 @@ fn empty_cache(py: Python<'_>) {
     });
 }
 
-/// Sets the pinned byte budget of the result pools (every device; default 4 GiB). Cached blocks
-/// beyond it are freed now; past it, results use pageable memory. Works without a driver.
+/// Sets the pinned byte budget of the result pools (every device; default 4 GiB): their
+/// ``max_outstanding_bytes`` in ``pool_stats()``. Cached blocks beyond it are freed now; past it,
+/// results use pageable memory. Works without a driver.
 ///
 /// Parameters:
 ///     nbytes (int): the budget, >= 0.
