@@ -32,7 +32,6 @@ import os
 import pathlib
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
@@ -44,6 +43,8 @@ HERE = pathlib.Path(__file__).resolve()
 spec = importlib.util.spec_from_file_location("bench_h2d", HERE.parents[2] / "benches" / "bench_h2d.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
+sys.path.insert(0, str(HERE.parents[2] / "benches"))
+import h2d_timing  # noqa: E402  (benches/h2d_timing.py: poison, synchronize, time, check)
 
 ROUNDS = int(os.environ.get("ROUNDS", "9"))
 SIZES = [int(s) << 20 for s in os.environ.get("SIZES_MIB", "1,2,4,8").split(",")]
@@ -97,17 +98,12 @@ def run(n):
                 pg[k].reshape(-1, 65536)[:, :8] = word
                 pin_np[k].reshape(-1, 65536)[:, :8] = word
                 exp[k].view(-1, 65536)[:, :8] = torch.from_numpy(word).cuda()
-                dst.fill_(POISON)
-                torch.cuda.synchronize()
-                if state == "cold":
-                    sweeper()
-                else:
-                    int((pg[k] if kind == "pageable" else pin_np[k]).view(np.uint64).sum())
-                t0 = time.perf_counter()
-                fn(k)
-                torch.cuda.synchronize()
-                t = time.perf_counter() - t0
-                if not torch.equal(dst, exp[k]):
+                src = pg[k] if kind == "pageable" else pin_np[k]
+                cache = sweeper if state == "cold" else (lambda s=src: int(s.view(np.uint64).sum()))
+                try:
+                    (t,) = h2d_timing.timed_into(torch, lambda: fn(k), dst, exp[k], 1,
+                                                 before=lambda _: cache(), what=m, poison=POISON)
+                except AssertionError:
                     failures += 1
                     print(f"CHECK FAILED: {m} {state} {n} bytes, source {k}", flush=True)
                     continue
