@@ -7,7 +7,8 @@ slowest cut at 1 MiB in C: 0.26-0.43x one pinned copy (43-48 µs), against 0.46-
 copy filled by 4-8 threads together and sent as ONE copy, and 0.46-0.57x for two halves. Here the
 same cuts in pinstage (the lab's `_set_h2d_tuning`, per size n; pinstage wakes its parked copy
 threads, and `workers_for` gives a copy below 8 MiB 4 threads, the caller one of them):
-  default   the product's tuning (ramp from 128 KiB, units of 256 KiB)
+  default   the product's tuning (since run 2026-12-06-h100-zl: halves up to 8 MiB, else the ramp)
+  ramp      the ramp from 128 KiB, units of 256 KiB (the product's cut at every size before)
   whole     no ramp, one piece of n bytes in 4 units of n/4 (C's "whole, T=4"): ONE copy
   halves    no ramp, two pieces of n/2 in units of n/8: two copies
   driver    the driver's own pageable path (one cuMemcpyHtoDAsync from the pageable array)
@@ -53,13 +54,15 @@ K = 32
 
 
 def cuts(n):
+    flat = dict(halves_upto=0)  # the cut as named, not the product's halves below 8 MiB
     return {
         "default": {},
-        "whole": dict(ramp=False, max_piece=n, unit=n // 4),
-        "halves": dict(ramp=False, max_piece=n // 2, unit=n // 8),
+        "ramp": flat,
+        "whole": dict(flat, ramp=False, max_piece=n, unit=n // 4),
+        "halves": dict(flat, ramp=False, max_piece=n // 2, unit=n // 8),
         "driver": dict(driver_below=64 << 20),
-        "alone": dict(workers=1),
-        "alone, whole": dict(workers=1, ramp=False, max_piece=n),
+        "alone": dict(flat, workers=1),
+        "alone, whole": dict(flat, workers=1, ramp=False, max_piece=n),
     }
 
 

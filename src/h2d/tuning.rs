@@ -32,6 +32,11 @@ pub(crate) struct H2DTuning {
     /// on the first while the rest fill) instead of all at once at the end of a wave. A unit
     /// of at least `max_piece` gives each piece to one worker.
     pub(crate) unit: usize,
+    /// Copies of at least two `min_piece`s and at most this many bytes (and two `max_piece`s)
+    /// are cut in two halves, no ramp, each filled in four units: two copies, the first issued
+    /// while the second half fills. Below a few MiB the ramp's many small copies and units
+    /// cost more than they overlap.
+    pub(crate) halves_upto: usize,
 }
 
 impl H2DTuning {
@@ -46,6 +51,7 @@ impl H2DTuning {
         nt_upto: 128 << 20,
         driver_below: 0,
         unit: 256 << 10,
+        halves_upto: 8 << 20,
     };
 
     /// Workers for a copy of `len` bytes: one per 2 MiB, at least 4 (waking more costs more
@@ -57,7 +63,12 @@ impl H2DTuning {
     /// The pieces (offset, bytes) of a copy of `len > 0` bytes: of `max_piece` bytes (or, with
     /// `per_worker`, about that many per worker, between `min_piece` and `max_piece`),
     /// multiples of 64 KiB (the last one excepted); with `ramp`, the first ones smaller.
+    /// With `halves_upto`, two halves (the first a multiple of 64 KiB).
     pub(crate) fn cut(&self, len: usize, workers: usize) -> Vec<(usize, usize)> {
+        if self.halved(len) {
+            let half = len.div_ceil(2).next_multiple_of(64 << 10);
+            return vec![(0, half), (half, len - half)];
+        }
         let want = match self.per_worker {
             0 => self.max_piece,
             k => len.div_ceil(k * workers.max(1)),
@@ -84,11 +95,26 @@ impl H2DTuning {
         out
     }
 
-    /// The fill units (piece index, offset, bytes) of `pieces`, in address order: each piece
-    /// cut into `unit`-byte units (the last one shorter), so every unit starts 64 KiB-aligned
-    /// within its slot.
+    /// Whether a copy of `len` bytes is cut in two halves.
+    fn halved(&self, len: usize) -> bool {
+        len >= 2 * self.min_piece && len <= self.halves_upto.min(2 * self.max_piece)
+    }
+
+    /// The fill unit of a copy of `len` bytes: `unit`, or for a halved copy an eighth of it
+    /// (a multiple of 64 KiB).
+    pub(crate) fn unit_for(&self, len: usize) -> usize {
+        if self.halved(len) {
+            len.div_ceil(8).next_multiple_of(64 << 10)
+        } else {
+            self.unit.max(1)
+        }
+    }
+
+    /// The fill units (piece index, offset, bytes) of `pieces` (a copy's [`cut`](Self::cut)),
+    /// in address order: each piece cut into units of [`unit_for`](Self::unit_for) bytes (the
+    /// last one shorter), so every unit starts 64 KiB-aligned within its slot.
     pub(crate) fn units(&self, pieces: &[(usize, usize)]) -> Vec<(usize, usize, usize)> {
-        let unit = self.unit.max(1);
+        let unit = self.unit_for(pieces.last().map_or(0, |&(o, n)| o + n));
         let mut out = Vec::with_capacity(pieces.iter().map(|p| p.1.div_ceil(unit)).sum());
         for (i, &(off, n)) in pieces.iter().enumerate() {
             let mut at = 0;
@@ -127,6 +153,7 @@ pub(crate) fn set_h2d_tuning(t: H2DTuning) {
             .next_multiple_of(64 << 10),
         slots: t.slots.clamp(2, 64),
         unit: t.unit.clamp(64 << 10, 64 << 20).next_multiple_of(64 << 10),
+        halves_upto: t.halves_upto.min(2 * max_piece),
         per_worker: t.per_worker.min(64),
         ..t
     };
@@ -151,6 +178,7 @@ mod tests {
         let t = H2DTuning {
             ramp: false,
             per_worker: 2,
+            halves_upto: 0,
             ..H2DTuning::DEFAULT
         };
         let sizes = |len, w| {
@@ -184,7 +212,41 @@ mod tests {
             assert!(sizes[5..5 + whole].iter().all(|&k| k == 4096), "{sizes:?}");
             assert_eq!(sizes.len(), 5 + whole + 1);
         }
-        assert_eq!(t.cut(1 << 20, 4).len(), 4, "128 + 256 + 512 + 128 KiB");
+        let no_halves = H2DTuning {
+            halves_upto: 0,
+            ..t
+        };
+        assert_eq!(no_halves.cut(1 << 20, 4).len(), 4, "128 + 256 + 512 + 128 KiB");
+    }
+
+    #[test]
+    fn copies_up_to_8_mib_are_cut_in_halves_of_four_units() {
+        let t = H2DTuning::DEFAULT;
+        assert_eq!(t.cut(1 << 20, 4), [(0, 512 << 10), (512 << 10, 512 << 10)]);
+        assert_eq!(t.cut(8 << 20, 4), [(0, 4 << 20), (4 << 20, 4 << 20)]);
+        let units = t.units(&t.cut(1 << 20, 4));
+        assert_eq!(units.len(), 8);
+        assert!(units.iter().all(|u| u.2 == 128 << 10));
+        assert_eq!((units[3].0, units[4].0), (0, 1), "four units per half");
+        // An odd size: the first half a multiple of 64 KiB, every piece within a slot.
+        for len in [(2 << 20) + 1, 3_000_001, (256 << 10) + 1, 256 << 10, (8 << 20) - 1] {
+            let p = t.cut(len, 4);
+            check(&p, len);
+            assert_eq!(p.len(), 2);
+            assert_eq!(p[0].1 % (64 << 10), 0);
+            assert!(p.iter().all(|&(_, n)| n <= t.max_piece));
+            assert!(t.units(&p).len() <= 8);
+        }
+        // Outside the range: the ramp (below two smallest pieces, above `halves_upto`), and
+        // never halves larger than a slot.
+        assert_eq!(t.cut((256 << 10) - 1, 4).len(), 2, "128 KiB + the rest");
+        assert_eq!(t.cut((8 << 20) + 1, 4)[0].1, 128 << 10);
+        let small_slots = H2DTuning {
+            max_piece: 1 << 20,
+            ..t
+        };
+        assert_eq!(small_slots.cut(4 << 20, 4)[0].1, 128 << 10);
+        assert_eq!(t.unit_for(64 << 20), t.unit);
     }
 
     #[test]
@@ -222,7 +284,7 @@ mod tests {
             let mut sums = vec![0; pieces.len()];
             for (k, &(p, o, n)) in units.iter().enumerate() {
                 assert_eq!(o, off, "units in address order");
-                assert!(n > 0 && n <= t.unit);
+                assert!(n > 0 && n <= t.unit_for(len));
                 assert_eq!(
                     (o - pieces[p].0) % (64 << 10),
                     0,
@@ -265,6 +327,7 @@ mod tests {
             nt_upto: 7,
             driver_below: 9,
             unit: 100_000,
+            halves_upto: 1 << 40,
         };
         assert_eq!(
             clamped(wild),
@@ -275,6 +338,7 @@ mod tests {
                 slots: 64,
                 per_worker: 64,
                 unit: 128 << 10,
+                halves_upto: 128 << 20,
                 ..wild
             }
         );
