@@ -30,8 +30,8 @@ Variants, one torch stream `s`, a call = issue + `s.synchronize()` (wall time, p
 Checks, outside the timing, after every call: the destination side was poisoned (0xEEEEEEEE)
 before it, sources changed per call (random int32 + call number); afterwards every moved block
 equals its source block and every other destination block still holds the poison (the host side
-is copied to the device for the comparison). A round is one call of every variant in rotated
-order; figures are medians over --rounds rounds (min-max). Ratios: pinstage / peer.
+is copied to the device for the comparison). A round is one call of every variant, in an
+order shuffled per round (seeded: no variant always follows the same one); figures are medians over --rounds rounds (min-max). Ratios: pinstage / peer.
 
 Also: offload and load at once (pinstage, two streams, disjoint ids; issued from two threads, and
 in the background from one) against either alone, and its control, one contiguous copy each way of
@@ -53,6 +53,7 @@ import argparse
 import ctypes
 import json
 import os
+import random
 import statistics
 import sys
 import threading
@@ -616,8 +617,10 @@ def main():
             results[(B, direction, "strategy")] = settled["strategy"]
             print(f"  pinstage's plan after the warm-up: {settled['strategy']}, "
                   f"{settled['choice']} {settled.get('measured_gbps', '')}", flush=True)
+            shuffle = random.Random(B)
             for r in range(args.rounds):
-                order = variants[r % len(variants):] + variants[: r % len(variants)]
+                order = variants[:]
+                shuffle.shuffle(order)  # no variant always follows the same one
                 for v in order:
                     if v == "copy-loop" and r >= args.loop_rounds:
                         continue

@@ -28,7 +28,8 @@ just before, so the allocator hands that memory to the call); sources hold nonze
 gets the same stamp), so every call copies contents no earlier call copied; after the call the
 result is compared with the expected copy on the device (torch.equal; JAX results through
 DLPack); a wrong call's time is dropped. Each figure is the median of `--rounds` calls (>= 5)
-with min-max; the variants are interleaved in each round (their order rotated per round).
+with min-max; the variants are interleaved in each round, in an order shuffled per round and state
+(seeded), so no variant always follows the same one.
 GB/s = bytes / time; ratios are of medians, against the peer in the same source state.
 
 Goals: copy_h2d from pageable, cold, / torch from pinned (cold): >= 0.5 at 1 MiB, >= 0.88 at
@@ -44,6 +45,7 @@ import gc
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -224,10 +226,12 @@ def bench_size(torch, jax, nbytes, args, sweep, failed):
 
     for i in range(len(vs)):  # warm-up (allocators, JAX programs), checked, untimed
         one(i, "hot", "warm-up")
-    for r in range(args.rounds):
+    order = random.Random(nbytes)  # a fresh order per round and state: no variant always
+    for r in range(args.rounds):  # follows the same one (the one before leaves its trace)
         for state in ("cold", "hot"):
-            rot = r % len(vs)
-            for i in list(range(rot, len(vs))) + list(range(rot)):
+            idx = list(range(len(vs)))
+            order.shuffle(idx)
+            for i in idx:
                 if i not in dead:
                     dt = one(i, state, f"round {r}")
                     if dt is not None:

@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import statistics
 import sys
 import threading
@@ -535,11 +536,14 @@ def bench_jax(args):
 
     make = maker(spec, n, 7)
     order = list(fns.items())
+    shuffle = random.Random(n)
     for r in range(args.rounds):
         steps, warm, E = make(r)
-        # Each round starts at the next row: a row's place in the round (first after the
-        # round's value arrays are made, or after another row's JAX work) is not its figure.
-        for name, fn in order[r % len(order):] + order[: r % len(order)]:
+        # A fresh order each round: a row's place in the round (first after the round's
+        # value arrays are made, or after another row's JAX work) is not its figure, and no
+        # row always follows the same one.
+        shuffle.shuffle(order)
+        for name, fn in order:
             for mode in ("loop", "paced"):
                 prep = before.get(name, lambda v: v)
                 for v in warm:

@@ -20,7 +20,7 @@ memory (torch pinned tensors; pinstage gets their numpy views). Before every bat
 destinations are poisoned (h2d: a device fill; d2h: a DMA from a device poison block), outside
 the timing; after it, EVERY call's destination is compared with its source on the device
 (torch.equal), outside the timing. A round runs `--batches` batches of every variant, the
-variants' order rotated per batch so drift hits all alike; a round's figure is the median call;
+variants' order shuffled per batch (seeded) so drift and the trace of the one before hit all alike; a round's figure is the median call;
 the printed figure the median over `--rounds` rounds, (min-max) over rounds. Goal (the issue):
 pinstage <= torch + 2 us at 64 KiB, 1 MiB and 16 MiB, both directions.
 
@@ -33,6 +33,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -182,12 +183,14 @@ def bench_size(torch, s, nbytes, args, failed):
             one_batch(idx, [], "warm-up")
         gc.collect()
         gc.disable()
+        shuffle = random.Random(nbytes)
         try:
             for r in range(args.rounds):
                 ns = {idx: [] for idx in range(len(vs))}
                 for b in range(batches):
-                    rot = (r * batches + b) % len(vs)
-                    for idx in list(range(len(vs)))[rot:] + list(range(len(vs)))[:rot]:
+                    order = list(range(len(vs)))
+                    shuffle.shuffle(order)
+                    for idx in order:
                         if idx not in dead:
                             one_batch(idx, ns[idx], f"round {r} batch {b}")
                 for idx, v in ns.items():

@@ -24,13 +24,15 @@ sources per size, all distinct, rotated, and the first 8 bytes of every 64 KiB s
 call's number before the call: a call that copied nothing, an earlier source or a slot's stale
 bytes fails);
 COLD: every CPU sweeps 1 GiB (read + write) before the call; HOT: the source is read just before.
-Variants interleave within each round (order rotated per round); median of ROUNDS calls, min-max.
+Variants interleave within each round, in an order shuffled per round and state (seeded; a
+fixed rotation made each variant always follow the same one, whose trace it then paid); median of ROUNDS calls, min-max.
 Usage (lab wheel): python3 lab/probes/h2d_small_cuts.py      (env ROUNDS, SIZES_MIB)
 """
 
 import importlib.util
 import os
 import pathlib
+import random
 import statistics
 import sys
 
@@ -88,10 +90,12 @@ def run(n):
     names = list(rows)
     times = {(s, m): [] for s in ("cold", "hot") for m in names}
     call = 0
+    shuffle = random.Random(n)
     for r in range(ROUNDS + 1):  # round 0: warm-up, not counted
         for state in ("cold", "hot"):
-            for j in range(len(names)):
-                m = names[(j + r) % len(names)]
+            order = names[:]
+            shuffle.shuffle(order)  # no variant always follows the same one
+            for m in order:
                 kw, fn, kind = rows[m]
                 lab._set_h2d_tuning(**kw)
                 k = call % K
