@@ -216,7 +216,11 @@ mod tests {
             halves_upto: 0,
             ..t
         };
-        assert_eq!(no_halves.cut(1 << 20, 4).len(), 4, "128 + 256 + 512 + 128 KiB");
+        assert_eq!(
+            no_halves.cut(1 << 20, 4).len(),
+            4,
+            "128 + 256 + 512 + 128 KiB"
+        );
     }
 
     #[test]
@@ -229,7 +233,13 @@ mod tests {
         assert!(units.iter().all(|u| u.2 == 128 << 10));
         assert_eq!((units[3].0, units[4].0), (0, 1), "four units per half");
         // An odd size: the first half a multiple of 64 KiB, every piece within a slot.
-        for len in [(2 << 20) + 1, 3_000_001, (256 << 10) + 1, 256 << 10, (8 << 20) - 1] {
+        for len in [
+            (2 << 20) + 1,
+            3_000_001,
+            (256 << 10) + 1,
+            256 << 10,
+            (8 << 20) - 1,
+        ] {
             let p = t.cut(len, 4);
             check(&p, len);
             assert_eq!(p.len(), 2);
