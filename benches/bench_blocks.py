@@ -31,7 +31,8 @@ Checks, outside the timing, after every call: the destination side was poisoned 
 before it, sources changed per call (random int32 + call number); afterwards every moved block
 equals its source block and every other destination block still holds the poison (the host side
 is copied to the device for the comparison). A round is one call of every variant, in an
-order shuffled per round (seeded: no variant always follows the same one); figures are medians over --rounds rounds (min-max). Ratios: pinstage / peer.
+order shuffled per round (seeded: no variant always follows the same one); figures are medians
+over --rounds rounds (min-max). Ratios: pinstage / peer.
 
 Also: offload and load at once (pinstage, two streams, disjoint ids; issued from two threads, and
 in the background from one) against either alone, and its control, one contiguous copy each way of

@@ -25,7 +25,8 @@ call's number before the call: a call that copied nothing, an earlier source or 
 bytes fails);
 COLD: every CPU sweeps 1 GiB (read + write) before the call; HOT: the source is read just before.
 Variants interleave within each round, in an order shuffled per round and state (seeded; a
-fixed rotation made each variant always follow the same one, whose trace it then paid); median of ROUNDS calls, min-max.
+fixed rotation made each variant always follow the same one, whose trace it then paid); median
+of ROUNDS calls, min-max.
 Usage (lab wheel): python3 lab/probes/h2d_small_cuts.py      (env ROUNDS, SIZES_MIB)
 """
 
