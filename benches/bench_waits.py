@@ -21,8 +21,9 @@ destinations are poisoned (h2d: a device fill; d2h: a DMA from a device poison b
 the timing; after it, EVERY call's destination is compared with its source on the device
 (torch.equal), outside the timing. A round runs `--batches` batches of every variant, the
 variants' order shuffled per batch (seeded) so drift and the trace of the one before hit all
-alike; a round's figure is the median call; the printed figure the median over `--rounds` rounds, (min-max) over rounds. Goal (the issue):
-pinstage <= torch + 2 us at 64 KiB, 1 MiB and 16 MiB, both directions.
+alike; a round's figure is the median call; the printed figure the median over `--rounds`
+rounds, (min-max) over rounds. Goal: pinstage <= torch + 2 us at 64 KiB, 1 MiB and 16 MiB, both
+directions.
 
     python3 benches/bench_waits.py [--rounds 7] [--batches N] [--out DIR]
 
