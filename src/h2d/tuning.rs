@@ -34,8 +34,8 @@ pub(crate) struct H2DTuning {
     pub(crate) unit: usize,
     /// Copies of at least two `min_piece`s and at most this many bytes (and two `max_piece`s)
     /// are cut in two halves, no ramp, each filled in four units: two copies, the first issued
-    /// while the second half fills. Below a few MiB the ramp's many small copies and units
-    /// cost more than they overlap.
+    /// while the second half fills. Below a few MiB the ramp's several small copies buy
+    /// little overlap for what each copy costs.
     pub(crate) halves_upto: usize,
 }
 
