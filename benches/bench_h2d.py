@@ -226,11 +226,13 @@ def bench_size(torch, jax, nbytes, args, sweep, failed):
 
     for i in range(len(vs)):  # warm-up (allocators, JAX programs), checked, untimed
         one(i, "hot", "warm-up")
-    order = random.Random(nbytes)  # a fresh order per round and state: no variant always
-    for r in range(args.rounds):  # follows the same one (the one before leaves its trace)
+    shuffle = random.Random(nbytes)
+    for r in range(args.rounds):
         for state in ("cold", "hot"):
+            # A fresh order per round and state: no variant always follows the same one (the
+            # one before leaves its trace).
             idx = list(range(len(vs)))
-            order.shuffle(idx)
+            shuffle.shuffle(idx)
             for i in idx:
                 if i not in dead:
                     dt = one(i, state, f"round {r}")
