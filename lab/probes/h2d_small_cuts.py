@@ -13,6 +13,8 @@ threads, and `workers_for` gives a copy below 8 MiB 4 threads, the caller one of
   halves    no ramp, two pieces of n/2 in units of n/8: two copies
   driver    the driver's own pageable path (one cuMemcpyHtoDAsync from the pageable array)
   alone     the caller's thread alone (no copy thread woken), ramped; "alone, whole": one piece
+  cached    the product's cut, the slots filled with ordinary (cached) stores instead of
+            non-temporal ones (`nt_upto=0`)
 Compare µs, not the ratios with C's: the cold reference here (torch from pinned, ~217 µs at 1 MiB
 in bench_h2d.py on that host) pays for torch's own cold code, C's pinned copy does not.
 and the references: torch `copy_` from pinned (the goal's), `copy_h2d` from pinned (pinstage's
@@ -23,11 +25,13 @@ Discipline as benches/bench_h2d.py: each call into a destination poisoned first,
 sources per size, all distinct, rotated, and the first 8 bytes of every 64 KiB stamped with the
 call's number before the call: a call that copied nothing, an earlier source or a slot's stale
 bytes fails);
-COLD: every CPU sweeps 1 GiB (read + write) before the call; HOT: the source is read just before.
+COLD: every CPU sweeps 1 GiB (read + write) before the call; CLEAN: the same sweep, read only
+(the caches hold no dirty lines); HOT: the source is read just before (env STATES, default
+cold,hot).
 Variants interleave within each round, in an order shuffled per round and state (seeded; a
 fixed rotation made each variant always follow the same one, whose trace it then paid); median
 of ROUNDS calls, min-max.
-Usage (lab wheel): python3 lab/probes/h2d_small_cuts.py      (env ROUNDS, SIZES_MIB)
+Usage (lab wheel): python3 lab/probes/h2d_small_cuts.py      (env ROUNDS, SIZES_MIB, STATES)
 """
 
 import importlib.util
@@ -52,6 +56,7 @@ import h2d_timing  # noqa: E402  (benches/h2d_timing.py: poison, synchronize, ti
 
 ROUNDS = int(os.environ.get("ROUNDS", "9"))
 SIZES = [int(s) << 20 for s in os.environ.get("SIZES_MIB", "1,2,4,8").split(",")]
+STATES = os.environ.get("STATES", "cold,hot").split(",")
 POISON = 0xA5
 K = 32
 
@@ -66,6 +71,7 @@ def cuts(n):
         "driver": dict(driver_below=64 << 20),
         "alone": dict(flat, workers=1),
         "alone, whole": dict(flat, workers=1, ramp=False, max_piece=n),
+        "cached": dict(nt_upto=0),
     }
 
 
@@ -89,11 +95,11 @@ def run(n):
     rows["torch copy_ pinned"] = ({}, lambda k: dst.copy_(pin_t[k], non_blocking=True), "pinned")
     rows["torch copy_ pageable"] = ({}, lambda k: dst.copy_(torch.from_numpy(pg[k])), "pageable")
     names = list(rows)
-    times = {(s, m): [] for s in ("cold", "hot") for m in names}
+    times = {(s, m): [] for s in STATES for m in names}
     call = 0
     shuffle = random.Random(n)
     for r in range(ROUNDS + 1):  # round 0: warm-up, not counted
-        for state in ("cold", "hot"):
+        for state in STATES:
             order = names[:]
             shuffle.shuffle(order)  # no variant always follows the same one
             for m in order:
@@ -107,7 +113,10 @@ def run(n):
                 pin_np[k].reshape(-1, 65536)[:, :8] = word
                 exp[k].view(-1, 65536)[:, :8] = torch.from_numpy(word).cuda()
                 src = pg[k] if kind == "pageable" else pin_np[k]
-                cache = sweeper if state == "cold" else (lambda s=src: int(s.view(np.uint64).sum()))
+                if state == "hot":
+                    cache = lambda s=src: int(s.view(np.uint64).sum())  # noqa: E731
+                else:
+                    cache = lambda clean=state == "clean": sweeper(clean=clean)  # noqa: E731
                 try:
                     (t,) = h2d_timing.timed_into(torch, lambda: fn(k), dst, exp[k], 1,
                                                  before=lambda _: cache(), what=m, poison=POISON)
@@ -119,7 +128,7 @@ def run(n):
                     times[(state, m)].append(t)
     lab._set_h2d_tuning()
     print(f"\n{n >> 20} MiB: GB/s, median of {ROUNDS} [min max] (us); x torch copy_ pinned in the same state")
-    for state in ("cold", "hot"):
+    for state in STATES:
         ref = statistics.median(times[(state, "torch copy_ pinned")] or [float("nan")])
         for m in names:
             ts = times[(state, m)]
