@@ -15,6 +15,10 @@ threads, and `workers_for` gives a copy below 8 MiB 4 threads, the caller one of
   alone     the caller's thread alone (no copy thread woken), ramped; "alone, whole": one piece
   cached    the product's cut, the slots filled with ordinary (cached) stores instead of
             non-temporal ones (`nt_upto=0`)
+  8 / 10 workers  the product's cut with fewer copy threads (12 by default from 24 MiB up; fewer
+            fill more slowly but take less of the memory bandwidth the copy engine reads with:
+            `fill_dma.c` on an H200 host, 12 threads fill at 54 GB/s while the DMA gets 47.8, 8 fill
+            at 45 while it gets 54)
 Compare µs, not the ratios with C's: the cold reference here (torch from pinned, ~217 µs at 1 MiB
 in bench_h2d.py on that host) pays for torch's own cold code, C's pinned copy does not.
 and the references: torch `copy_` from pinned (the goal's), `copy_h2d` from pinned (pinstage's
@@ -72,6 +76,8 @@ def cuts(n):
         "alone": dict(flat, workers=1),
         "alone, whole": dict(flat, workers=1, ramp=False, max_piece=n),
         "cached": dict(nt_upto=0),
+        "8 workers": dict(workers=8),
+        "10 workers": dict(workers=10),
     }
 
 
