@@ -33,9 +33,9 @@ pub(crate) struct H2DTuning {
     /// of at least `max_piece` gives each piece to one worker.
     pub(crate) unit: usize,
     /// Copies of at least two `min_piece`s and at most this many bytes (and two `max_piece`s)
-    /// are cut in two halves, no ramp, each filled in four units: two copies, the first issued
-    /// while the second half fills. Below a few MiB the ramp's several small copies buy
-    /// little overlap for what each copy costs.
+    /// are cut in two halves, no ramp, each filled in up to four units (an eighth of the copy,
+    /// at least 64 KiB): two copies, the first issued while the second half fills. Below a few
+    /// MiB the ramp's several small copies buy little overlap for what each copy costs.
     pub(crate) halves_upto: usize,
 }
 
