@@ -15,6 +15,11 @@ threads, and `workers_for` gives a copy below 8 MiB 4 threads, the caller one of
   alone     the caller's thread alone (no copy thread woken), ramped; "alone, whole": one piece
   cached    the product's cut, the slots filled with ordinary (cached) stores instead of
             non-temporal ones (`nt_upto=0`)
+  NT ring 8 x 1 MiB  non-temporal stores into 8 slots of 1 MiB (pieces of at most 1 MiB)
+  cached ring S x P  ordinary stores into a ring of S slots of P bytes small enough to stay in
+            the caches, so the copy engine reads the slots from the L3 instead of DRAM (the fill
+            then costs memory traffic for the source only); "demoted": each unit's lines moved
+            to the L3 by `cldemote` after the fill; "cached, demoted": the product's 12 x 4 MiB
   8 / 10 workers  the product's cut with fewer copy threads (12 by default from 24 MiB up; fewer
             fill more slowly but take less of the memory bandwidth the copy engine reads with:
             `fill_dma.c` on an H200 host, 12 threads fill at 54 GB/s while the DMA gets 47.8, 8 fill
@@ -35,7 +40,7 @@ cold,hot).
 Variants interleave within each round, in an order shuffled per round and state (seeded; a
 fixed rotation made each variant always follow the same one, whose trace it then paid); median
 of ROUNDS calls, min-max.
-Usage (lab wheel): python3 lab/probes/h2d_small_cuts.py      (env ROUNDS, SIZES_MIB, STATES)
+Usage (lab wheel): python3 lab/probes/h2d_small_cuts.py      (env ROUNDS, SIZES_MIB, STATES, CUTS)
 """
 
 import importlib.util
@@ -61,6 +66,7 @@ import h2d_timing  # noqa: E402  (benches/h2d_timing.py: poison, synchronize, ti
 ROUNDS = int(os.environ.get("ROUNDS", "9"))
 SIZES = [int(s) << 20 for s in os.environ.get("SIZES_MIB", "1,2,4,8").split(",")]
 STATES = os.environ.get("STATES", "cold,hot").split(",")
+CUTS = os.environ.get("CUTS")  # the cut rows to run, names separated by ";" (default: all)
 POISON = 0xA5
 K = 32
 
@@ -78,6 +84,12 @@ def cuts(n):
         "cached": dict(nt_upto=0),
         "8 workers": dict(workers=8),
         "10 workers": dict(workers=10),
+        "NT ring 8 x 1 MiB": dict(max_piece=1 << 20, slots=8),
+        "cached ring 4 x 1 MiB": dict(nt_upto=0, max_piece=1 << 20, slots=4),
+        "cached ring 8 x 1 MiB": dict(nt_upto=0, max_piece=1 << 20, slots=8),
+        "cached ring 8 x 1 MiB, demoted": dict(nt_upto=0, max_piece=1 << 20, slots=8, demote=True),
+        "cached ring 16 x 512K, demoted": dict(nt_upto=0, max_piece=512 << 10, slots=16, unit=128 << 10, demote=True),
+        "cached, demoted": dict(nt_upto=0, demote=True),
     }
 
 
@@ -96,6 +108,8 @@ def run(n):
     dst = torch.empty(n, dtype=torch.uint8, device="cuda")
     rows = {}
     for name, kw in cuts(n).items():
+        if CUTS and name not in CUTS.split(";") and name != "default":
+            continue
         rows[f"copy_h2d pageable, {name}"] = (kw, lambda k: pinstage.copy_h2d(dst, pg[k]), "pageable")
     rows["copy_h2d pinned"] = ({}, lambda k: pinstage.copy_h2d(dst, pin_np[k]), "pinned")
     rows["torch copy_ pinned"] = ({}, lambda k: dst.copy_(pin_t[k], non_blocking=True), "pinned")
