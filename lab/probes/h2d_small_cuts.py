@@ -20,6 +20,10 @@ threads, and `workers_for` gives a copy below 8 MiB 4 threads, the caller one of
             the caches, so the copy engine reads the slots from the L3 instead of DRAM (the fill
             then costs memory traffic for the source only); "demoted": each unit's lines moved
             to the L3 by `cldemote` after the fill; "cached, demoted": the product's 12 x 4 MiB
+  3 / 4 / 6 slots  the product's cut with fewer slots: the fill can run at most that many pieces
+            ahead of the copy engine, so it cannot take memory bandwidth from the engine's reads
+            for pieces the engine reaches only later (a fill far ahead gains nothing once the
+            engine bounds the copy)
   8 / 10 workers  the product's cut with fewer copy threads (12 by default from 24 MiB up; fewer
             fill more slowly but take less of the memory bandwidth the copy engine reads with:
             `fill_dma.c` on an H200 host, 12 threads fill at 54 GB/s while the DMA gets 47.8, 8 fill
@@ -90,6 +94,12 @@ def cuts(n):
         "cached ring 8 x 1 MiB, demoted": dict(nt_upto=0, max_piece=1 << 20, slots=8, demote=True),
         "cached ring 16 x 512K, demoted": dict(nt_upto=0, max_piece=512 << 10, slots=16, unit=128 << 10, demote=True),
         "cached, demoted": dict(nt_upto=0, demote=True),
+        "cached ring 6 x 2 MiB, demoted": dict(nt_upto=0, max_piece=2 << 20, slots=6, demote=True),
+        "3 slots": dict(slots=3),
+        "4 slots": dict(slots=4),
+        "6 slots": dict(slots=6),
+        "4 slots, 8 workers": dict(slots=4, workers=8),
+        "6 slots, 8 workers": dict(slots=6, workers=8),
     }
 
 
