@@ -7,9 +7,16 @@ destination poisoned first and checked after). Run y traced 12 and 8 workers (it
 tunings), run z those and 8 workers with regular stores into 512 KiB x 16 slots, run zb 12 and 8
 workers with 12 and with 4 slots (all with two pieces per worker, the rule until run zc).
 
-Usage: python3 lab/probes/probe_h2d_trace.py
+With COLD=1 every CPU sweeps 1 GiB (read + write, `bench_h2d.py`'s `Sweeper`) before each call
+(pinstage's and torch's alike, untimed), so the source comes from DRAM: the cold state the goal
+is judged in.
+
+Usage: python3 lab/probes/probe_h2d_trace.py      (env COLD=1, SIZES_MIB, default 16,64,1024)
 """
 
+import importlib.util
+import os
+import pathlib
 import statistics
 import time
 
@@ -21,6 +28,16 @@ from labmod import lab
 
 REPS = 9
 POISON = -7
+COLD = os.environ.get("COLD") == "1"
+SIZES = [int(m) << 20 for m in os.environ.get("SIZES_MIB", "16,64,1024").split(",")]
+if COLD:
+    _spec = importlib.util.spec_from_file_location(
+        "bench_h2d", pathlib.Path(__file__).resolve().parents[2] / "benches" / "bench_h2d.py")
+    _bench = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_bench)
+    sweep = _bench.Sweeper(1 << 30)
+else:
+    sweep = None
 TUNINGS = [
     ("12 workers, whole 4 MiB pieces (the default)", dict(workers=12)),
     ("8 workers", dict(workers=8)),
@@ -34,6 +51,8 @@ TUNINGS = [
 def one(fn, dst, ref, trace):
     dst.fill_(POISON)
     torch.cuda.synchronize()
+    if sweep is not None:
+        sweep()
     if trace:
         lab._h2d_trace_set(True)
     t0 = time.perf_counter()
@@ -48,7 +67,8 @@ def one(fn, dst, ref, trace):
     return (t2 - t0) * 1e6, (t1 - t0) * 1e6, tr
 
 
-for nb in (16 << 20, 64 << 20, 1 << 30):
+print("state:", "cold (1 GiB swept before each call)" if COLD else "hot (the same source every call)", flush=True)
+for nb in SIZES:
     n = nb // 4
     vals = np.random.default_rng(nb).integers(-(2**31), 2**31 - 1, n, dtype=np.int32)
     ref = torch.from_numpy(vals).cuda()
