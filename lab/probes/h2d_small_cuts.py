@@ -23,7 +23,8 @@ threads, and `workers_for` gives a copy below 8 MiB 4 threads, the caller one of
   3 / 4 / 6 slots  the product's cut with fewer slots: the fill can run at most that many pieces
             ahead of the copy engine, so it cannot take memory bandwidth from the engine's reads
             for pieces the engine reaches only later (a fill far ahead gains nothing once the
-            engine bounds the copy)
+            engine bounds the copy; run zb of 2026-12-01 found 4 slots no faster with the cut of
+            that time)
   8 / 10 workers  the product's cut with fewer copy threads (12 by default from 24 MiB up; fewer
             fill more slowly but take less of the memory bandwidth the copy engine reads with:
             `fill_dma.c` on an H200 host, 12 threads fill at 54 GB/s while the DMA gets 47.8, 8 fill
