@@ -20,6 +20,9 @@ threads, and `workers_for` gives a copy below 8 MiB 4 threads, the caller one of
             the caches, so the copy engine reads the slots from the L3 instead of DRAM (the fill
             then costs memory traffic for the source only); "demoted": each unit's lines moved
             to the L3 by `cldemote` after the fill; "cached, demoted": the product's 12 x 4 MiB
+  16 workers  (and the demoted ring with 16) more copy threads than the pool's 12: only in the
+            lab variant `copy16` (`PINSTAGE_VARIANTS=copy16 scripts/gpu-build`, `gpu-run
+            variant-copy16` with PINSTAGE_VARIANT_RUNS=h2d_small_cuts); elsewhere 13 (12 + the caller)
   3 / 4 / 6 slots  the product's cut with fewer slots: the fill can run at most that many pieces
             ahead of the copy engine, so it cannot take memory bandwidth from the engine's reads
             for pieces the engine reaches only later (a fill far ahead gains nothing once the
@@ -96,6 +99,9 @@ def cuts(n):
         "cached ring 16 x 512K, demoted": dict(nt_upto=0, max_piece=512 << 10, slots=16, unit=128 << 10, demote=True),
         "cached, demoted": dict(nt_upto=0, demote=True),
         "cached ring 6 x 2 MiB, demoted": dict(nt_upto=0, max_piece=2 << 20, slots=6, demote=True),
+        "cached ring 8 x 1 MiB, demoted, 16 workers": dict(nt_upto=0, max_piece=1 << 20, slots=8, demote=True,
+                                                           workers=16),
+        "16 workers": dict(workers=16),
         "3 slots": dict(slots=3),
         "4 slots": dict(slots=4),
         "6 slots": dict(slots=6),

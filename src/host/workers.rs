@@ -2,8 +2,13 @@
 
 use std::sync::OnceLock;
 
-/// Most threads pinstage's copy workers run on, per device.
-const MAX_WORKER_THREADS: usize = 12;
+/// Most threads pinstage's copy workers run on, per device. (The lab's variant `copy16` takes
+/// 16: more threads for fills that are slow per thread, such as cached stores.)
+const MAX_WORKER_THREADS: usize = if cfg!(pinstage_lab_variant = "copy16") {
+    16
+} else {
+    12
+};
 
 /// pinstage's own copy threads (not the global rayon pool, which the caller's code may keep
 /// busy). `None` when no thread could be started: the bounced paths then run on the caller's
