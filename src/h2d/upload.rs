@@ -90,6 +90,8 @@ pub unsafe fn start_h2d(
 /// threads fill the first slots (the rest of the caller's part then runs inside `unlocked`).
 enum Dst<'f> {
     Known(u64),
+    // Made only by `to_device` (the Python layer) and the test scaffolding.
+    #[cfg_attr(not(any(feature = "python", feature = "testing")), allow(dead_code))]
     Later {
         make: &'f mut dyn FnMut() -> Option<u64>,
         unlocked: &'f mut dyn FnMut(&mut (dyn FnMut() + Send)),

@@ -27,6 +27,7 @@ use crate::host::CopyPath;
 /// # Safety
 /// As [`start_h2d`](super::start_h2d)'s; and `make_dst`'s address holds `len` bytes of
 /// `device`'s memory.
+#[cfg_attr(not(any(feature = "python", feature = "testing")), allow(dead_code))]
 pub unsafe fn start_h2d_made_meanwhile(
     device: &Device,
     src: *const u8,
