@@ -199,12 +199,12 @@ pub(crate) unsafe fn fill(dst: *mut u8, src: *const u8, n: usize, nt: bool, demo
     // SAFETY: the caller's ranges.
     unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
     #[cfg(target_arch = "x86_64")]
-    if demote {
+    if demote && n > 0 {
         let mut line = dst as usize & !63;
         while line < dst as usize + n {
-            // SAFETY: `cldemote` is a hint on a line of `dst` (written above); it neither
-            // reads nor writes memory as the program sees it, and decodes as a NOP on CPUs
-            // without it.
+            // SAFETY: `cldemote` is a hint on a line holding at least one byte of `dst` (written
+            // above, so mapped); it neither reads nor writes memory as the program sees it, and
+            // decodes as a NOP on CPUs without it.
             unsafe {
                 std::arch::asm!("cldemote byte ptr [{0}]", in(reg) line, options(nostack, preserves_flags))
             };
