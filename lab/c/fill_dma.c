@@ -23,6 +23,12 @@
 // event syncs (no core spun); after `stop` each thread ends its 4 MiB step, and the fill's window
 // closes when all stopped. "dma alone" is measured first (3 rows), the T rows interleave fill
 // alone and both.
+// FILL=demote (environment): each thread fills a RING_KIB (default 1024) ring of its target with
+// ordinary stores (memcpy), then `cldemote`s every line written (the lines leave the core's L2 for
+// the shared L3), the way the `demote` knob of pinstage's fill does: what one thread's cached,
+// demoted stores into a ring that stays in the L3 cost against its non-temporal stores, and what
+// they leave to the DMA beside them. The traffic column then counts 1 byte a byte for the fill
+// (the source's read) where the ring stays in the L3.
 // Build: nvcc -O2 -o fill_dma fill_dma.c -lcuda -lpthread     Run: ./fill_dma [T...] (default 4 8 12 16)
 #define _GNU_SOURCE
 #include "probe.h"
@@ -44,6 +50,16 @@ static atomic_int go, stop;
 static int nthreads;
 static unsigned char stamp;
 static atomic_long filled, bad;
+static int demote;          // FILL=demote: cached stores + cldemote into a small ring
+static size_t piece = TGT;  // the bytes a thread writes before it starts its target again
+
+// Ordinary stores, then every written line demoted to the shared L3 (a no-op hint on a CPU
+// without CLDEMOTE: the instruction sits in the hint-NOP space).
+static void demoted_copy(unsigned char *dst, const unsigned char *s, size_t n) {
+    memcpy(dst, s, n);
+    for (size_t i = 0; i < n; i += 64) __asm__ volatile("cldemote (%0)" ::"r"(dst + i) : "memory");
+    __asm__ volatile("sfence" ::: "memory");
+}
 
 static unsigned char mark(size_t i, unsigned char salt) {
     return (unsigned char)((((i >> 12) * 0x9E3779B1u) >> 24) ^ salt) | 1;
@@ -58,8 +74,8 @@ static void *filler(void *arg) {
     while (!atomic_load(&go)) ;
     long mine = 0;
     while (!atomic_load(&stop)) {
-        for (size_t done = 0; done < part && !atomic_load(&stop); done += TGT) {
-            size_t n = part - done < TGT ? part - done : TGT;
+        for (size_t done = 0; done < part && !atomic_load(&stop); done += piece) {
+            size_t n = part - done < piece ? part - done : piece;
             // The checked bytes poisoned first: a pass that copied nothing fails even where the
             // piece is the one before (T = 16: every pass copies the same piece).
             for (size_t i = 0; i < n; i += 4096) tgt[t][i] = 0xEE;
@@ -67,7 +83,8 @@ static void *filler(void *arg) {
             size_t copied = 0;
             for (; copied < n && !atomic_load(&stop); copied += STEP) {
                 size_t m = n - copied < STEP ? n - copied : STEP;
-                probe_nt_copy(tgt[t] + copied, src + off + done + copied, m);
+                if (demote) demoted_copy(tgt[t] + copied, src + off + done + copied, m);
+                else probe_nt_copy(tgt[t] + copied, src + off + done + copied, m);
             }
             if (copied > n) copied = n;
             for (size_t i = 0; i < copied; i += 4096)
@@ -157,6 +174,14 @@ int main(int argc, char **argv) {
             if (v >= 1 && v <= MAXT) ts[nt++] = v;
         }
     }
+    const char *fill = getenv("FILL");
+    demote = fill && strcmp(fill, "demote") == 0;
+    if (demote) {
+        const char *rk = getenv("RING_KIB");
+        long kib = rk ? atol(rk) : 1024;
+        if (kib < 4 || (size_t)kib * 1024 > TGT) kib = 1024;
+        piece = (size_t)kib * 1024 & ~(size_t)4095;
+    }
     src = malloc(SRC);
     if (!src) return 1;
     memset(src, 0x11, SRC);  // every page present: pageable, not in cache once 1 GiB was read
@@ -166,6 +191,8 @@ int main(int argc, char **argv) {
     }
     CHECK(cuMemHostAlloc((void **)&pinned, DMA, CU_MEMHOSTALLOC_PORTABLE));
     CHECK(cuMemAlloc(&dev, DMA));
+    if (demote)
+        printf("fill_dma (FILL=demote): each thread's target a %zu KiB ring, ordinary stores + cldemote\n", piece >> 10);
     printf("fill_dma: fill = T threads, pageable 1 GiB source -> own pinned 64 MiB target (non-temporal);\n"
            "dma = a separate pinned 256 MiB buffer -> device, 4 deep; ~1 s a row, median of 3 [min max]\n");
     double dma_alone[3];
@@ -182,13 +209,13 @@ int main(int argc, char **argv) {
             double d;
             row(ts[k], 0, 1000, &fa[r], &d);
             row(ts[k], 1, 1000, &fb[r], &db[r]);
-            tot[r] = 2 * fb[r] + db[r];
+            tot[r] = (demote ? 1 : 2) * fb[r] + db[r];
         }
         qsort(fa, 3, sizeof(double), cmp);
         qsort(fb, 3, sizeof(double), cmp);
         qsort(db, 3, sizeof(double), cmp);
         qsort(tot, 3, sizeof(double), cmp);
-        printf("  T=%-2d fill alone           %6.2f [%6.2f %6.2f] GB/s  (traffic %6.2f)\n", ts[k], fa[1], fa[0], fa[2], 2 * fa[1]);
+        printf("  T=%-2d fill alone           %6.2f [%6.2f %6.2f] GB/s  (traffic %6.2f)\n", ts[k], fa[1], fa[0], fa[2], (demote ? 1 : 2) * fa[1]);
         printf("  T=%-2d both: fill           %6.2f [%6.2f %6.2f], dma %6.2f [%6.2f %6.2f] GB/s  (traffic %6.2f [%6.2f %6.2f]); "
                "fill kept %.2f, dma kept %.2f of alone\n",
                ts[k], fb[1], fb[0], fb[2], db[1], db[0], db[2], tot[1], tot[0], tot[2], fb[1] / fa[1], db[1] / dma_alone[1]);
