@@ -29,6 +29,14 @@
 // demoted stores into a ring that stays in the L3 cost against its non-temporal stores, and what
 // they leave to the DMA beside them. The traffic column then counts 1 byte a byte for the fill
 // (the source's read) where the ring stays in the L3.
+// DMA_SRC (environment) says what the DMA reads: `big` (default) the separate 256 MiB buffer in
+// 256 MiB copies; `pieces` the same buffer in RING_KIB copies (what a ring's copy count costs,
+// 16 deep); `ring` the fill threads' own rings, RING_KIB a copy, round robin over the threads
+// filling (over all 16 rings in the "dma alone" row, nothing writing them): the pipeline's DMA
+// without its hand-offs. With FILL=demote it says whether the engine reads lines the fill just
+// demoted to the L3 at the link's rate (then a pipeline's hand-offs are its loss) or not (then a
+// cached ring is bound by the host). A `ring` row's device bytes race the fill by design and are
+// not checked; the fill's checks still run.
 // Build: nvcc -O2 -o fill_dma fill_dma.c -lcuda -lpthread     Run: ./fill_dma [T...] (default 4 8 12 16)
 #define _GNU_SOURCE
 #include "probe.h"
@@ -38,7 +46,7 @@
 #define SRC (1ull << 30)
 #define TGT (64u << 20)
 #define DMA (256u << 20)
-#define DEPTH 4
+#define DEPTH 16  // the events; `big` copies keep 4 in flight, pieces all 16
 #define MAXT 16
 
 static unsigned char *src;
@@ -52,6 +60,8 @@ static unsigned char stamp;
 static atomic_long filled, bad;
 static int demote;          // FILL=demote: cached stores + cldemote into a small ring
 static size_t piece = TGT;  // the bytes a thread writes before it starts its target again
+static size_t ring_bytes = 1u << 20;  // RING_KIB: the demoted ring and a `pieces` / `ring` copy
+static int dma_src;         // DMA_SRC: 0 big, 1 pieces, 2 ring
 
 // Ordinary stores, then every written line demoted to the shared L3 (a no-op hint on a CPU
 // without CLDEMOTE: the instruction sits in the hint-NOP space).
@@ -125,10 +135,14 @@ static void row(int t, int dma, double ms, double *fill_gbs, double *dma_gbs) {
     atomic_store(&go, 1);
     if (dma) {
         CHECK(cuEventRecord(a, s));
+        int depth = dma_src ? DEPTH : 4, rings = t ? t : MAXT;
         while (now_ms() - t0 < ms) {
-            CUevent e = ev[copies % DEPTH];
-            if (copies >= DEPTH) CHECK(cuEventSynchronize(e));
-            CHECK(cuMemcpyHtoDAsync(dev, pinned, DMA, s));
+            CUevent e = ev[copies % depth];
+            if (copies >= depth) CHECK(cuEventSynchronize(e));
+            size_t off = (size_t)(copies % (long)(DMA / ring_bytes)) * ring_bytes;  // whole copies inside
+            if (dma_src == 0) CHECK(cuMemcpyHtoDAsync(dev, pinned, DMA, s));
+            else if (dma_src == 1) CHECK(cuMemcpyHtoDAsync(dev + off, pinned + off, ring_bytes, s));
+            else CHECK(cuMemcpyHtoDAsync(dev + off, tgt[copies % rings], ring_bytes, s));
             CHECK(cuEventRecord(e, s));
             copies++;
         }
@@ -148,12 +162,14 @@ static void row(int t, int dma, double ms, double *fill_gbs, double *dma_gbs) {
         CHECK(cuEventSynchronize(b));
         float gpu_ms;
         CHECK(cuEventElapsedTime(&gpu_ms, a, b));
-        *dma_gbs = (double)copies * DMA / (gpu_ms * 1e6);
+        *dma_gbs = (double)copies * (dma_src ? ring_bytes : DMA) / (gpu_ms * 1e6);
         unsigned char *back = malloc(DMA);
         if (!back) exit(1);
         CHECK(cuMemcpyDtoH(back, dev, DMA));
-        for (size_t i = 0; i < DMA; i += 4096)
-            if (back[i] != pinned[i]) atomic_fetch_add(&bad, 1);
+        // `pieces` rows cover the buffer many times over (~1 s at ~50 GB/s); `ring` rows race.
+        if (dma_src != 2)
+            for (size_t i = 0; i < DMA; i += 4096)
+                if (back[i] != pinned[i]) atomic_fetch_add(&bad, 1);
         free(back);
     }
     for (int i = 0; i < DEPTH; i++) CHECK(cuEventDestroy(ev[i]));
@@ -176,12 +192,15 @@ int main(int argc, char **argv) {
     }
     const char *fill = getenv("FILL");
     demote = fill && strcmp(fill, "demote") == 0;
-    if (demote) {
-        const char *rk = getenv("RING_KIB");
-        long kib = rk ? atol(rk) : 1024;
-        if (kib < 4 || (size_t)kib * 1024 > TGT) kib = 1024;
-        piece = (size_t)kib * 1024 & ~(size_t)4095;
-    }
+    const char *rk = getenv("RING_KIB");
+    long kib = rk ? atol(rk) : 1024;
+    if (kib < 4 || (size_t)kib * 1024 > TGT) kib = 1024;
+    ring_bytes = (size_t)kib * 1024 & ~(size_t)4095;
+    if (demote) piece = ring_bytes;
+    const char *ds = getenv("DMA_SRC");
+    dma_src = !ds ? 0 : strcmp(ds, "pieces") == 0 ? 1 : strcmp(ds, "ring") == 0 ? 2 : 0;
+    // A `ring` copy reads a thread's first ring_bytes: the ring itself with FILL=demote; with
+    // non-temporal stores the first ring_bytes of the 64 MiB target the thread walks through.
     src = malloc(SRC);
     if (!src) return 1;
     memset(src, 0x11, SRC);  // every page present: pageable, not in cache once 1 GiB was read
@@ -193,6 +212,9 @@ int main(int argc, char **argv) {
     CHECK(cuMemAlloc(&dev, DMA));
     if (demote)
         printf("fill_dma (FILL=demote): each thread's target a %zu KiB ring, ordinary stores + cldemote\n", piece >> 10);
+    if (dma_src)
+        printf("fill_dma (DMA_SRC=%s): the DMA copies %zu KiB at a time from %s\n", dma_src == 1 ? "pieces" : "ring",
+               ring_bytes >> 10, dma_src == 1 ? "the separate buffer, 16 deep" : "the fill threads' rings, round robin, 16 deep (not checked: they race the fill)");
     printf("fill_dma: fill = T threads, pageable 1 GiB source -> own pinned 64 MiB target (non-temporal);\n"
            "dma = a separate pinned 256 MiB buffer -> device, 4 deep; ~1 s a row, median of 3 [min max]\n");
     double dma_alone[3];
