@@ -33,9 +33,12 @@
 // 256 MiB copies; `pieces` the same buffer in RING_KIB copies (what a ring's copy count costs,
 // 16 deep); `ring` the fill threads' own rings, RING_KIB a copy, round robin over the threads
 // filling (over all 16 rings in the "dma alone" row, nothing writing them): the pipeline's DMA
-// without its hand-offs. With FILL=demote it says whether the engine reads lines the fill just
-// demoted to the L3 at the link's rate (then a pipeline's hand-offs are its loss) or not (then a
-// cached ring is bound by the host). A `ring` row's device bytes race the fill by design and are
+// without its hand-offs. With `ring` each thread rewrites a RING_KIB ring, with non-temporal
+// stores or (FILL=demote) cached ones: RING_KIB=4096 DMA_SRC=ring is pinstage's 64 MiB case (12
+// threads, 4 MiB slots) less the hand-offs; DMA_SRC=pieces RING_KIB=4096 its copy count alone.
+// With FILL=demote it says whether the engine reads lines the fill just demoted to the L3 at the
+// link's rate (then a pipeline's hand-offs are its loss) or not (then a cached ring is bound by
+// the host). A `ring` row's device bytes race the fill by design and are
 // not checked; the fill's checks still run.
 // Build: nvcc -O2 -o fill_dma fill_dma.c -lcuda -lpthread     Run: ./fill_dma [T...] (default 4 8 12 16)
 #define _GNU_SOURCE
@@ -196,11 +199,10 @@ int main(int argc, char **argv) {
     long kib = rk ? atol(rk) : 1024;
     if (kib < 4 || (size_t)kib * 1024 > TGT) kib = 1024;
     ring_bytes = (size_t)kib * 1024 & ~(size_t)4095;
-    if (demote) piece = ring_bytes;
     const char *ds = getenv("DMA_SRC");
     dma_src = !ds ? 0 : strcmp(ds, "pieces") == 0 ? 1 : strcmp(ds, "ring") == 0 ? 2 : 0;
-    // A `ring` copy reads a thread's first ring_bytes: the ring itself with FILL=demote; with
-    // non-temporal stores the first ring_bytes of the 64 MiB target the thread walks through.
+    if (demote || dma_src == 2) piece = ring_bytes;  // `ring`: each thread rewrites its ring
+
     src = malloc(SRC);
     if (!src) return 1;
     memset(src, 0x11, SRC);  // every page present: pageable, not in cache once 1 GiB was read
