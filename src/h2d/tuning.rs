@@ -41,6 +41,9 @@ pub(crate) struct H2DTuning {
     /// filling core's private caches to the shared L3 (`cldemote`, x86-64; a no-op where the
     /// CPU lacks it), where the copy engine's reads find them without a snoop of that core.
     pub(crate) demote: bool,
+    /// The caller wakes one copy thread, which wakes the others (the laboratory's knob: the
+    /// caller's own fill then starts after one wake instead of one per thread).
+    pub(crate) fanout: bool,
 }
 
 impl H2DTuning {
@@ -57,6 +60,7 @@ impl H2DTuning {
         unit: 256 << 10,
         halves_upto: 8 << 20,
         demote: false,
+        fanout: false,
     };
 
     /// Workers for a copy of `len` bytes: one per 2 MiB, at least 4 (waking more costs more
@@ -344,6 +348,7 @@ mod tests {
             unit: 100_000,
             halves_upto: 1 << 40,
             demote: true,
+            fanout: true,
         };
         assert_eq!(
             clamped(wild),

@@ -72,7 +72,9 @@ pub unsafe fn start_h2d(
     if len == 0 {
         return Ok((CopyPath::Empty, None));
     }
+    crate::stamps::stamp!("released");
     let cur = stream.enter_for_copy(device)?;
+    crate::stamps::stamp!("entered");
     if driver::mem::is_pinned_range(src.cast(), len) {
         let ev = Event::new_in(&cur)?;
         // SAFETY: the source is pinned and unchanged until the event completed (caller); `dst`
@@ -82,6 +84,7 @@ pub unsafe fn start_h2d(
     }
     // SAFETY: caller's contract: `len` readable bytes, unchanged until we return.
     let src = unsafe { std::slice::from_raw_parts(src, len) };
+    crate::stamps::stamp!("pageable");
     let done = upload_bounced(&cur, src, Dst::Known(dst.ptr()), stream)?;
     Ok((CopyPath::Bounced, done))
 }
@@ -150,7 +153,9 @@ fn upload_bounced(
     let pieces = tune.cut(src.len(), workers);
     let units = tune.units(&pieces);
     let nslots = tune.slots.min(pieces.len());
+    crate::stamps::stamp!("cut");
     let done = Event::new_in(cur)?;
+    crate::stamps::stamp!("event");
     let (lent, later) = match later {
         None => (bounce::Lent::take(cur, nslots, tune.max_piece)?, None),
         Some(l) => match bounce::Lent::take_cached(cur, nslots, tune.max_piece) {
@@ -160,6 +165,7 @@ fn upload_bounced(
             None => return made_first(cur, src, l, stream),
         },
     };
+    crate::stamps::stamp!("slots");
     let slots = &lent.slots;
     let zeros = |n: usize| -> Vec<AtomicUsize> { (0..n).map(|_| AtomicUsize::new(0)).collect() };
     // The per-slot words are spun on: one cache line each.
@@ -211,6 +217,7 @@ fn upload_bounced(
             }
         }
     };
+    crate::stamps::stamp!("job");
     let running = AtomicUsize::new(0);
     let want = workers.min(units.len()).saturating_sub(1);
     // The caller's share of the fill: here, or (a destination made meanwhile) inside the
@@ -259,9 +266,33 @@ fn upload_bounced(
                     });
                 }
             };
-            staff();
+            if tune.fanout {
+                // Lab knob: one copy thread woken here, the others by it (the caller's own fill
+                // starts after one wake instead of `want`).
+                running.fetch_add(1, Ordering::Relaxed);
+                scope.spawn(|scope| {
+                    let _left = Leave(&running);
+                    for _ in 1..want {
+                        // Counted before spawned: the count never reaches 0 while one is due.
+                        running.fetch_add(1, Ordering::Relaxed);
+                        scope.spawn(|_| {
+                            let _left = Leave(&running);
+                            if let Ok(c) = device.enter() {
+                                job.work(&c);
+                            }
+                        });
+                    }
+                    if let Ok(c) = device.enter() {
+                        job.work(&c);
+                    }
+                });
+            } else {
+                staff();
+            }
+            crate::stamps::stamp!("staffed");
             make();
             rest(cur, Some(&staff));
+            crate::stamps::stamp!("caller's part done");
         }),
         _ => {
             make();
@@ -297,7 +328,9 @@ fn upload_bounced(
     }
     // A failure (copies issued before it may still write into `dst`), or copies that cannot
     // be tracked: the stream is waited for before the error returns.
+    crate::stamps::stamp!("copy threads left");
     let tracked = error.map_or_else(|| done.record_in(cur, stream), Err);
+    crate::stamps::stamp!("recorded");
     stream.drained_on_err(cur, tracked).map(|()| Some(done))
 }
 

@@ -95,15 +95,22 @@ fn issue(
     src: &Bound<'_, PyAny>,
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(CopyPath, PendingCopy)> {
+    crate::stamps::stamp!(">h2d");
     super::linger::reap(py);
+    crate::stamps::stamp!("reaped");
     let s = parse_stream(stream)?;
     let to = import_destination(dst, s)?;
+    crate::stamps::stamp!("dst imported");
     let from = import_host_source(src)?;
+    crate::stamps::stamp!("src imported");
     check_match(&from, &to)?;
     let stream = s.unwrap_or(to.stream);
     let (path, event) = start(py, &from, &to, stream)?;
+    crate::stamps::stamp!("gil back");
     drop(to);
-    Ok((path, PendingCopy::new(event, dst.clone().unbind(), from)))
+    let pending = PendingCopy::new(event, dst.clone().unbind(), from);
+    crate::stamps::stamp!("pending made");
+    Ok((path, pending))
 }
 
 /// Refuses a source and a destination of different dtypes or sizes.

@@ -187,6 +187,8 @@ impl Upload<'_, '_> {
     /// when its iteration ends, even after a failure, so no worker waits forever for it.
     pub(super) fn work(&self, cur: &Current<'_>) {
         let n = self.slots.len();
+        #[cfg(pinstage_lab_variant = "stamps")]
+        let mut first = true;
         // Relaxed: the failure flag stops new claims early; the error itself is under a lock.
         // (Units that skip their waits after a failure fill nothing: see `MarkIssued`.)
         while !self.failed.load(Ordering::Relaxed) {
@@ -211,6 +213,10 @@ impl Upload<'_, '_> {
             let (s, round) = slot_and_round(p, n);
             if let Err(e) = self.fill(s, round, off - self.pieces[p].0, off, len) {
                 self.fail(e);
+            }
+            #[cfg(pinstage_lab_variant = "stamps")]
+            if std::mem::take(&mut first) {
+                crate::stamps::stamp!("first unit filled");
             }
         }
     }
