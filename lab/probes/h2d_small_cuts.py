@@ -32,6 +32,8 @@ threads, and `workers_for` gives a copy below 8 MiB 4 threads, the caller one of
             fill more slowly but take less of the memory bandwidth the copy engine reads with:
             `fill_dma.c` on an H200 host, 12 threads fill at 54 GB/s while the DMA gets 47.8, 8 fill
             at 45 while it gets 54)
+  fanout    the product's cut, its copy threads woken by one of them instead of by the caller
+            (one spawn on the caller, then its own fill; `benches/spawn_cost.rs`)
 Compare µs, not the ratios with C's: the cold reference here (torch from pinned, ~217 µs at 1 MiB
 in bench_h2d.py on that host) pays for torch's own cold code, C's pinned copy does not.
 and the references: torch `copy_` from pinned (the goal's), `copy_h2d` from pinned (pinstage's
@@ -107,6 +109,7 @@ def cuts(n):
         "6 slots": dict(slots=6),
         "4 slots, 8 workers": dict(slots=4, workers=8),
         "6 slots, 8 workers": dict(slots=6, workers=8),
+        "fanout": dict(fanout=True),
     }
 
 

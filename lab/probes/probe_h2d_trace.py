@@ -45,6 +45,7 @@ TUNINGS = [
     ("cached ring 8 x 1 MiB, demoted", dict(nt_upto=0, max_piece=1 << 20, slots=8, demote=True)),
     ("4 slots", dict(slots=4)),
     ("6 slots", dict(slots=6)),
+    ("fanout (one copy thread woken by the caller, the rest by it)", dict(fanout=True)),
 ]
 
 
