@@ -53,7 +53,6 @@ of ROUNDS calls, min-max.
 Usage (lab wheel): python3 lab/probes/h2d_small_cuts.py      (env ROUNDS, SIZES_MIB, STATES, CUTS)
 """
 
-import importlib.util
 import os
 import pathlib
 import random
@@ -64,12 +63,10 @@ import numpy as np
 import torch
 
 import pinstage
-from labmod import lab
+from labmod import bench_module, lab
 
 HERE = pathlib.Path(__file__).resolve()
-spec = importlib.util.spec_from_file_location("bench_h2d", HERE.parents[2] / "benches" / "bench_h2d.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+bench = bench_module("bench_h2d")
 sys.path.insert(0, str(HERE.parents[2] / "benches"))
 import h2d_timing  # noqa: E402  (benches/h2d_timing.py: poison, synchronize, time, check)
 

@@ -22,9 +22,7 @@ printed at the end, or an AssertionError). With COLD=1 every CPU sweeps 1 GiB (r
 Usage: python3 lab/probes/h2d_stamps.py      (env COLD=1, SIZES_MIB (default 1,64), REPS (9))
 """
 
-import importlib.util
 import os
-import pathlib
 import random
 import statistics
 import time
@@ -33,21 +31,14 @@ import numpy as np
 import torch
 
 import pinstage
-from labmod import lab
+from labmod import cold_sweep, lab
 
 STAMPS = getattr(lab, "_stamps", None)
 REPS = int(os.environ.get("REPS", "9"))
 POISON = -7
 COLD = os.environ.get("COLD") == "1"
 SIZES = [int(m) << 20 for m in os.environ.get("SIZES_MIB", "1,64").split(",")]
-if COLD:
-    _spec = importlib.util.spec_from_file_location(
-        "bench_h2d", pathlib.Path(__file__).resolve().parents[2] / "benches" / "bench_h2d.py")
-    _bench = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_bench)
-    sweep = _bench.Sweeper(1 << 30)
-else:
-    sweep = None
+sweep = cold_sweep()
 TUNINGS = [
     ("default", {}),
     ("fanout", dict(fanout=True)),

@@ -3,10 +3,15 @@ library (built with `--features python,lab`; `scripts/gpu-build` puts that wheel
 `.gpu/wheels-lab`). The product's module never holds these functions.
 
     from labmod import lab      # with lab/probes on sys.path (the probes' own folder)
+
+and two helpers the probes share: `bench_module(name)` (benches/NAME.py loaded as a module) and
+`cold_sweep()` (with COLD=1, bench_h2d.py's sweeper of 1 GiB; otherwise None).
 """
 
 import importlib.machinery
 import importlib.util
+import os
+import pathlib
 
 import pinstage._native as _native
 
@@ -23,3 +28,18 @@ def _load():
 
 
 lab = _load()
+
+
+def bench_module(name):
+    """benches/NAME.py of this repository, loaded as a module (its helpers reused by a probe)."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "benches" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cold_sweep():
+    """With COLD=1 in the environment, `bench_h2d.py`'s `Sweeper` of 1 GiB (every CPU reads and
+    writes it when called, so a source comes from DRAM); otherwise None."""
+    return bench_module("bench_h2d").Sweeper(1 << 30) if os.environ.get("COLD") == "1" else None

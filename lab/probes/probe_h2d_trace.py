@@ -14,9 +14,7 @@ is judged in.
 Usage: python3 lab/probes/probe_h2d_trace.py      (env COLD=1, SIZES_MIB, default 16,64,1024)
 """
 
-import importlib.util
 import os
-import pathlib
 import statistics
 import time
 
@@ -24,20 +22,13 @@ import numpy as np
 import torch
 
 import pinstage
-from labmod import lab
+from labmod import cold_sweep, lab
 
 REPS = 9
 POISON = -7
 COLD = os.environ.get("COLD") == "1"
 SIZES = [int(m) << 20 for m in os.environ.get("SIZES_MIB", "16,64,1024").split(",")]
-if COLD:
-    _spec = importlib.util.spec_from_file_location(
-        "bench_h2d", pathlib.Path(__file__).resolve().parents[2] / "benches" / "bench_h2d.py")
-    _bench = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_bench)
-    sweep = _bench.Sweeper(1 << 30)
-else:
-    sweep = None
+sweep = cold_sweep()
 TUNINGS = [
     ("12 workers, whole 4 MiB pieces (the default)", dict(workers=12)),
     ("8 workers", dict(workers=8)),
