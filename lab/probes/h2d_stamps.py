@@ -27,11 +27,10 @@ import random
 import statistics
 import time
 
-import numpy as np
 import torch
 
 import pinstage
-from labmod import cold_sweep, lab
+from labmod import cold_sweep, int32_copy_case, lab
 
 STAMPS = getattr(lab, "_stamps", None)
 REPS = int(os.environ.get("REPS", "9"))
@@ -69,11 +68,7 @@ print(f"pinstage {pinstage.__version__}, torch {torch.__version__}, {torch.cuda.
       f"stamps: {'yes' if STAMPS else 'no (not the stamps variant)'}", flush=True)
 checked = 0
 for nb in SIZES:
-    n = nb // 4
-    vals = np.random.default_rng(nb).integers(-(2**31), 2**31 - 1, n, dtype=np.int32)
-    ref = torch.from_numpy(vals).cuda()
-    dst = torch.empty(n, dtype=torch.int32, device="cuda")
-    tpin = torch.from_numpy(vals).pin_memory()
+    vals, ref, dst, tpin = int32_copy_case(nb)
     rows = [("torch copy_ from pinned", None, lambda: dst.copy_(tpin, non_blocking=True))]
     rows += [(name, kw, lambda: pinstage.copy_h2d(dst, vals)) for name, kw in TUNINGS]
     walls = {name: [] for name, _, _ in rows}

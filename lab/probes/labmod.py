@@ -4,8 +4,9 @@ library (built with `--features python,lab`; `scripts/gpu-build` puts that wheel
 
     from labmod import lab      # with lab/probes on sys.path (the probes' own folder)
 
-and two helpers the probes share: `bench_module(name)` (benches/NAME.py loaded as a module) and
-`cold_sweep()` (with COLD=1, bench_h2d.py's sweeper of 1 GiB; otherwise None).
+and helpers the probes share: `bench_module(name)` (benches/NAME.py loaded as a module),
+`cold_sweep()` (with COLD=1, bench_h2d.py's sweeper of 1 GiB; otherwise None) and
+`int32_copy_case(nbytes)` (an H2D copy's source, reference, destination and pinned twin).
 """
 
 import importlib.machinery
@@ -43,3 +44,16 @@ def cold_sweep():
     """With COLD=1 in the environment, `bench_h2d.py`'s `Sweeper` of 1 GiB (every CPU reads and
     writes it when called, so a source comes from DRAM); otherwise None."""
     return bench_module("bench_h2d").Sweeper(1 << 30) if os.environ.get("COLD") == "1" else None
+
+
+def int32_copy_case(nbytes):
+    """An H2D copy of `nbytes` of random int32 (seeded by the size): (the pageable numpy source,
+    the expected device tensor, a device destination, a pinned torch copy of the source)."""
+    import numpy as np
+    import torch
+
+    n = nbytes // 4
+    vals = np.random.default_rng(nbytes).integers(-(2**31), 2**31 - 1, n, dtype=np.int32)
+    ref = torch.from_numpy(vals).cuda()
+    dst = torch.empty(n, dtype=torch.int32, device="cuda")
+    return vals, ref, dst, torch.from_numpy(vals).pin_memory()

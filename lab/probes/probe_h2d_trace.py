@@ -18,11 +18,10 @@ import os
 import statistics
 import time
 
-import numpy as np
 import torch
 
 import pinstage
-from labmod import cold_sweep, lab
+from labmod import cold_sweep, int32_copy_case, lab
 
 REPS = 9
 POISON = -7
@@ -61,11 +60,7 @@ def one(fn, dst, ref, trace):
 
 print("state:", "cold (1 GiB swept before each call)" if COLD else "hot (the same source every call)", flush=True)
 for nb in SIZES:
-    n = nb // 4
-    vals = np.random.default_rng(nb).integers(-(2**31), 2**31 - 1, n, dtype=np.int32)
-    ref = torch.from_numpy(vals).cuda()
-    dst = torch.empty(n, dtype=torch.int32, device="cuda")
-    tpin = torch.from_numpy(vals).pin_memory()
+    vals, ref, dst, tpin = int32_copy_case(nb)
     for _ in range(2):
         one(lambda: dst.copy_(tpin, non_blocking=True), dst, ref, False)
     pin = statistics.median(one(lambda: dst.copy_(tpin, non_blocking=True), dst, ref, False)[0] for _ in range(REPS))
