@@ -7,8 +7,8 @@ the pool wakes a sleeping copy thread per spawn, on the caller, before the calle
 
 With the lab variant `stamps` (`PINSTAGE_VARIANTS=stamps scripts/gpu-build`, `gpu-run
 variant-stamps` with `PINSTAGE_VARIANT_RUNS=h2d_stamps`) each call's timestamps on the calling
-thread are read after it (`pinstage._lab._stamps`): the Python entry, the imports, the GIL
-released, the context entered, the cut, the event, the slots, the job, the copy threads staffed
+thread are read after it (`pinstage._lab._stamps`): the Python entry, the imports, `start_h2d`
+(the GIL released), the context entered, the cut, the event, the slots, the job, the copy threads staffed
 (11 wakes by default; one with `fanout`, which lets the first copy thread wake the others), the
 caller's first unit filled, its part done, the copy threads gone, the event recorded, the return.
 Printed per row: the median ns between consecutive stamps and the wall time (Python in,

@@ -72,7 +72,7 @@ pub unsafe fn start_h2d(
     if len == 0 {
         return Ok((CopyPath::Empty, None));
     }
-    crate::stamps::stamp!("released");
+    crate::stamps::stamp!("start_h2d");
     let cur = stream.enter_for_copy(device)?;
     crate::stamps::stamp!("entered");
     if driver::mem::is_pinned_range(src.cast(), len) {
