@@ -4,9 +4,11 @@
 //! each round, then from the calling thread (outside the pool) inside `in_place_scope`:
 //!   each      11 `spawn`s from the caller, one per copy thread (pinstage's default)
 //!   fanout    one `spawn` from the caller; that task spawns the other 10 (the lab's `fanout`)
-//! Printed per row and idle time: median [p10 p90] µs of 200 rounds of the caller's spawning
-//! (until it could start its own fill), of the first task's start and of the last task's start
-//! (each from the round's start). No GPU. Run: `cargo bench --features lab --bench spawn_cost`
+//! Each task holds its thread for 100 µs, as a fill would (the fanout task after its spawns), so
+//! the tasks must spread over the pool's threads. Printed per row and idle time: median [p10
+//! p90] µs of 200 rounds of the caller's spawning (until it could start its own fill), of the
+//! first task's start and of the last task's start (each from the round's start), and the median
+//! count of distinct pool threads that ran the round's tasks. No GPU. Run: `cargo bench --features lab --bench spawn_cost`
 //! (or `.gpu/bin/bench-spawn_cost`, `scripts/gpu-run bench-spawn_cost`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,6 +16,15 @@ use std::time::{Duration, Instant};
 
 const TASKS: usize = 11;
 const ROUNDS: usize = 200;
+const HOLD: Duration = Duration::from_micros(100);
+
+/// Spins for `HOLD` (a fill keeps its thread busy; a sleep would free it).
+fn hold() {
+    let t = Instant::now();
+    while t.elapsed() < HOLD {
+        std::hint::spin_loop();
+    }
+}
 
 fn pct(v: &mut [f64], p: usize) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -37,14 +48,18 @@ fn main() {
     let ns = |t: Instant| t.duration_since(base).as_nanos() as u64;
     for idle_us in [5000u64, 200, 20] {
         for fanout in [false, true] {
-            let (mut caller, mut first, mut last) = (vec![], vec![], vec![]);
+            let (mut caller, mut first, mut last, mut threads) = (vec![], vec![], vec![], vec![]);
             for _ in 0..ROUNDS {
                 std::thread::sleep(Duration::from_micros(idle_us));
                 let (lo, hi) = (AtomicU64::new(u64::MAX), AtomicU64::new(0));
+                let ran_on = AtomicU64::new(0);
                 let started = || {
                     let t = ns(Instant::now());
                     lo.fetch_min(t, Ordering::Relaxed);
                     hi.fetch_max(t, Ordering::Relaxed);
+                    if let Some(i) = rayon::current_thread_index() {
+                        ran_on.fetch_or(1 << (i % 64), Ordering::Relaxed);
+                    }
                 };
                 let t0 = Instant::now();
                 let mut t_spawned = t0;
@@ -53,12 +68,19 @@ fn main() {
                         s.spawn(|s| {
                             started();
                             for _ in 1..TASKS {
-                                s.spawn(|_| started());
+                                s.spawn(|_| {
+                                    started();
+                                    hold();
+                                });
                             }
+                            hold();
                         });
                     } else {
                         for _ in 0..TASKS {
-                            s.spawn(|_| started());
+                            s.spawn(|_| {
+                                started();
+                                hold();
+                            });
                         }
                     }
                     t_spawned = Instant::now();
@@ -67,16 +89,18 @@ fn main() {
                 caller.push(t_spawned.duration_since(t0).as_nanos() as f64 / 1e3);
                 first.push(us(lo.load(Ordering::Relaxed)));
                 last.push(us(hi.load(Ordering::Relaxed)));
+                threads.push(f64::from(ran_on.load(Ordering::Relaxed).count_ones()));
             }
             let row = |v: &mut Vec<f64>| {
                 format!("{:7.1} [{:6.1} {:7.1}]", pct(v, 50), pct(v, 10), pct(v, 90))
             };
             println!(
-                "  idle {idle_us:>5} us, {:<6}  caller spawned {}  first task {}  last task {}",
+                "  idle {idle_us:>5} us, {:<6}  caller spawned {}  first task {}  last task {}  threads {:.0}",
                 if fanout { "fanout" } else { "each" },
                 row(&mut caller),
                 row(&mut first),
-                row(&mut last)
+                row(&mut last),
+                pct(&mut threads, 50)
             );
         }
     }

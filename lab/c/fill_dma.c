@@ -39,7 +39,9 @@
 // With FILL=demote it says whether the engine reads lines the fill just demoted to the L3 at the
 // link's rate (then a pipeline's hand-offs are its loss) or not (then a cached ring is bound by
 // the host). A `ring` row's device bytes race the fill by design and are
-// not checked; the fill's checks still run.
+// not checked; the fill's checks still run. Each "both" line counts the issues that found the
+// copy before already done (the engine had run dry: the issuing thread came late, e.g. with 16
+// fill threads on 16 CPUs), which would lower the DMA's rate for a reason other than memory.
 // Build: nvcc -O2 -o fill_dma fill_dma.c -lcuda -lpthread     Run: ./fill_dma [T...] (default 4 8 12 16)
 #define _GNU_SOURCE
 #include "probe.h"
@@ -110,9 +112,10 @@ static void *filler(void *arg) {
 }
 
 // One row: fill with `t` threads (0: none), the DMA or not; for about `ms`. Writes GB/s.
-static void row(int t, int dma, double ms, double *fill_gbs, double *dma_gbs) {
+static void row(int t, int dma, double ms, double *fill_gbs, double *dma_gbs, long *idle_out) {
     CUstream s;
     CUevent a, b, ev[DEPTH];
+    *idle_out = 0;
     CHECK(cuCtxSetCurrent(ctx));
     CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
     CHECK(cuEventCreate(&a, 0));
@@ -139,9 +142,11 @@ static void row(int t, int dma, double ms, double *fill_gbs, double *dma_gbs) {
     if (dma) {
         CHECK(cuEventRecord(a, s));
         int depth = dma_src ? DEPTH : 4, rings = t ? t : MAXT;
+        long idle = 0;  // issues that found the copy before done: the engine had run dry
         while (now_ms() - t0 < ms) {
             CUevent e = ev[copies % depth];
             if (copies >= depth) CHECK(cuEventSynchronize(e));
+            if (copies > 0 && cuEventQuery(ev[(copies - 1) % depth]) == CUDA_SUCCESS) idle++;
             size_t off = (size_t)(copies % (long)(DMA / ring_bytes)) * ring_bytes;  // whole copies inside
             if (dma_src == 0) CHECK(cuMemcpyHtoDAsync(dev, pinned, DMA, s));
             else if (dma_src == 1) CHECK(cuMemcpyHtoDAsync(dev + off, pinned + off, ring_bytes, s));
@@ -149,6 +154,7 @@ static void row(int t, int dma, double ms, double *fill_gbs, double *dma_gbs) {
             CHECK(cuEventRecord(e, s));
             copies++;
         }
+        *idle_out = idle;
         CHECK(cuEventRecord(b, s));
         CHECK(cuEventRecord(ev[0], s));
         CHECK(cuEventSynchronize(ev[0]));  // blocking: the drain spins no core either
@@ -169,9 +175,12 @@ static void row(int t, int dma, double ms, double *fill_gbs, double *dma_gbs) {
         unsigned char *back = malloc(DMA);
         if (!back) exit(1);
         CHECK(cuMemcpyDtoH(back, dev, DMA));
-        // `pieces` rows cover the buffer many times over (~1 s at ~50 GB/s); `ring` rows race.
+        // `ring` rows race the fill (not checked); `pieces` rows: the bytes their copies covered
+        // (whole RING_KIB copies from the buffer's start, round after round).
+        long per_round = (long)(DMA / ring_bytes);
+        size_t covered = dma_src == 0 ? DMA : (size_t)(copies < per_round ? copies : per_round) * ring_bytes;
         if (dma_src != 2)
-            for (size_t i = 0; i < DMA; i += 4096)
+            for (size_t i = 0; i < covered; i += 4096)
                 if (back[i] != pinned[i]) atomic_fetch_add(&bad, 1);
         free(back);
     }
@@ -220,19 +229,22 @@ int main(int argc, char **argv) {
     printf("fill_dma: fill = T threads, pageable 1 GiB source -> own pinned 64 MiB target (non-temporal);\n"
            "dma = a separate pinned 256 MiB buffer -> device, 4 deep; ~1 s a row, median of 3 [min max]\n");
     double dma_alone[3];
+    long idle;
     for (int r = 0; r < 3; r++) {
         double f;
-        row(0, 1, 1000, &f, &dma_alone[r]);
+        row(0, 1, 1000, &f, &dma_alone[r], &idle);
     }
     qsort(dma_alone, 3, sizeof(double), cmp);
     printf("  dma alone                  %6.2f [%6.2f %6.2f] GB/s  (host memory traffic %6.2f GB/s)\n",
            dma_alone[1], dma_alone[0], dma_alone[2], dma_alone[1]);
     for (int k = 0; k < nt; k++) {
         double fa[3], fb[3], db[3], tot[3];
+        long idle_both = 0;
         for (int r = 0; r < 3; r++) {
             double d;
-            row(ts[k], 0, 1000, &fa[r], &d);
-            row(ts[k], 1, 1000, &fb[r], &db[r]);
+            row(ts[k], 0, 1000, &fa[r], &d, &idle);
+            row(ts[k], 1, 1000, &fb[r], &db[r], &idle);
+            idle_both += idle;
             tot[r] = (demote ? 1 : 2) * fb[r] + db[r];
         }
         qsort(fa, 3, sizeof(double), cmp);
@@ -241,8 +253,9 @@ int main(int argc, char **argv) {
         qsort(tot, 3, sizeof(double), cmp);
         printf("  T=%-2d fill alone           %6.2f [%6.2f %6.2f] GB/s  (traffic %6.2f)\n", ts[k], fa[1], fa[0], fa[2], (demote ? 1 : 2) * fa[1]);
         printf("  T=%-2d both: fill           %6.2f [%6.2f %6.2f], dma %6.2f [%6.2f %6.2f] GB/s  (traffic %6.2f [%6.2f %6.2f]); "
-               "fill kept %.2f, dma kept %.2f of alone\n",
-               ts[k], fb[1], fb[0], fb[2], db[1], db[0], db[2], tot[1], tot[0], tot[2], fb[1] / fa[1], db[1] / dma_alone[1]);
+               "fill kept %.2f, dma kept %.2f of alone; engine found idle at %ld issues in the 3 rows\n",
+               ts[k], fb[1], fb[0], fb[2], db[1], db[0], db[2], tot[1], tot[0], tot[2], fb[1] / fa[1], db[1] / dma_alone[1],
+               idle_both);
     }
     long b = atomic_load(&bad);
     printf("%s\n", b ? "WRONG BYTES" : "every fill pass and every dma row checked: none wrong");

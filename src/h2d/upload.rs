@@ -291,7 +291,9 @@ fn upload_bounced(
             }
             crate::stamps::stamp!("staffed");
             make();
-            rest(cur, Some(&staff));
+            // With `fanout` no top-up after a destination made meanwhile: its children may not be
+            // counted yet, and `staff` would start them again (the knob serves `copy_h2d`).
+            rest(cur, (!tune.fanout).then_some(&staff as &(dyn Fn() + Sync)));
             crate::stamps::stamp!("caller's part done");
         }),
         _ => {
