@@ -251,6 +251,14 @@ fn upload_bounced(
             }
         }),
     };
+    // A copy thread's part: the units it can claim, then it leaves (counted in `running` before
+    // it was spawned).
+    let serve = || {
+        let _left = Leave(&running);
+        if let Ok(c) = device.enter() {
+            job.work(&c);
+        }
+    };
     match pool {
         Some(pool) if want > 0 => pool.in_place_scope(|scope| {
             // Starts copy threads until `want` are in the job (one that cannot make the context
@@ -258,12 +266,7 @@ fn upload_bounced(
             let staff = || {
                 for _ in running.load(Ordering::Relaxed)..want {
                     running.fetch_add(1, Ordering::Relaxed);
-                    scope.spawn(|_| {
-                        let _left = Leave(&running);
-                        if let Ok(c) = device.enter() {
-                            job.work(&c);
-                        }
-                    });
+                    scope.spawn(|_| serve());
                 }
             };
             if tune.fanout {
@@ -271,20 +274,13 @@ fn upload_bounced(
                 // starts after one wake instead of `want`).
                 running.fetch_add(1, Ordering::Relaxed);
                 scope.spawn(|scope| {
-                    let _left = Leave(&running);
                     for _ in 1..want {
-                        // Counted before spawned: the count never reaches 0 while one is due.
+                        // Counted before spawned (this thread's own count still held): the
+                        // count never reaches 0 while one is due.
                         running.fetch_add(1, Ordering::Relaxed);
-                        scope.spawn(|_| {
-                            let _left = Leave(&running);
-                            if let Ok(c) = device.enter() {
-                                job.work(&c);
-                            }
-                        });
+                        scope.spawn(|_| serve());
                     }
-                    if let Ok(c) = device.enter() {
-                        job.work(&c);
-                    }
+                    serve();
                 });
             } else {
                 staff();
