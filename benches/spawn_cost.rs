@@ -3,7 +3,8 @@
 //! (`src/host/workers.rs`: one thread per core, at most 12), its threads idle for a while before
 //! each round, then from the calling thread (outside the pool) inside `in_place_scope`:
 //!   each      11 `spawn`s from the caller, one per copy thread (pinstage's default)
-//!   fanout    one `spawn` from the caller; that task spawns the other 10 (the lab's `fanout`)
+//!   fanout    one `spawn` from the caller; that task spawns the other 10 (the lab knob `fanout` of
+//!             6453715, removed since)
 //! Each task holds its thread for 100 µs, as a fill would (the fanout task after its spawns), so
 //! the tasks must spread over the pool's threads. Printed per row and idle time: median [p10
 //! p90] µs of 200 rounds of the caller's spawning (until it could start its own fill), of the

@@ -9,11 +9,13 @@ With the lab variant `stamps` (`PINSTAGE_VARIANTS=stamps scripts/gpu-build`, `gp
 variant-stamps` with `PINSTAGE_VARIANT_RUNS=h2d_stamps`) each call's timestamps on the calling
 thread are read after it (`pinstage._lab._stamps`): the Python entry, the imports, `start_h2d`
 (the GIL released), the context entered, the cut, the event, the slots, the job, the copy threads staffed
-(11 wakes by default; one with `fanout`, which lets the first copy thread wake the others), the
-caller's first unit filled, its part done, the copy threads gone, the event recorded, the return.
+(11 wakes), the caller's first unit filled, its part done, the copy threads gone, the event recorded, the return.
 Printed per row: the median ns between consecutive stamps and the wall time (Python in,
 synchronised out) against torch `copy_` from pinned memory in the same state. In any other build
-only the wall times are printed (the `fanout` row's against the default's still tells).
+only the wall times are printed. Rows: the default, and "before the taper" (the cut before the
+taper and the fine units: the last piece a whole 4 MiB one, every unit 256 KiB; 6453715's default).
+The `fanout` row (one copy thread woken by the caller, the rest by it) of runs 2026-12-07-h100-o
+and -p moved neither the first unit nor the wall: that lab knob is gone.
 
 Every call's destination is poisoned first and compared with the source after (0 failures
 printed at the end, or an AssertionError). With COLD=1 every CPU sweeps 1 GiB (read + write,
@@ -40,7 +42,7 @@ SIZES = [int(m) << 20 for m in os.environ.get("SIZES_MIB", "1,64").split(",")]
 sweep = cold_sweep()
 TUNINGS = [
     ("default", {}),
-    ("fanout", dict(fanout=True)),
+    ("before the taper", dict(taper=False, fine_units=False)),
 ]
 
 

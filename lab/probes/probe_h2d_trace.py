@@ -5,7 +5,10 @@ timeline against the wall time of the whole call (Python in, synchronised out) a
 `copy_` from pinned memory in the same state (the source as the previous call left it; each
 destination poisoned first and checked after). Run y traced 12 and 8 workers (its first two
 tunings), run z those and 8 workers with regular stores into 512 KiB x 16 slots, run zb 12 and 8
-workers with 12 and with 4 slots (all with two pieces per worker, the rule until run zc).
+workers with 12 and with 4 slots (all with two pieces per worker, the rule until run zc). Since
+the taper (the last pieces halving down to 128 KiB) and the fine units (pieces shorter than four
+units filled in quarters), rows with each of them off. Env TUNINGS: the row numbers to run
+(comma-separated, 0 the default; all by default).
 
 With COLD=1 every CPU sweeps 1 GiB (read + write, `bench_h2d.py`'s `Sweeper`) before each call
 (pinstage's and torch's alike, untimed), so the source comes from DRAM: the cold state the goal
@@ -28,15 +31,18 @@ POISON = -7
 COLD = os.environ.get("COLD") == "1"
 SIZES = [int(m) << 20 for m in os.environ.get("SIZES_MIB", "16,64,1024").split(",")]
 sweep = cold_sweep()
-TUNINGS = [
+ALL_TUNINGS = [
     ("12 workers, whole 4 MiB pieces (the default)", dict(workers=12)),
     ("8 workers", dict(workers=8)),
     ("10 workers", dict(workers=10)),
     ("cached ring 8 x 1 MiB, demoted", dict(nt_upto=0, max_piece=1 << 20, slots=8, demote=True)),
     ("4 slots", dict(slots=4)),
     ("6 slots", dict(slots=6)),
-    ("fanout (one copy thread woken by the caller, the rest by it)", dict(fanout=True)),
+    ("no taper (the last piece a whole 4 MiB one)", dict(taper=False)),
+    ("no fine units (256 KiB units in the small pieces too)", dict(fine_units=False)),
+    ("neither (6453715's cut)", dict(taper=False, fine_units=False)),
 ]
+TUNINGS = [ALL_TUNINGS[int(i)] for i in os.environ["TUNINGS"].split(",")] if os.environ.get("TUNINGS") else ALL_TUNINGS
 
 
 def one(fn, dst, ref, trace):

@@ -251,14 +251,6 @@ fn upload_bounced(
             }
         }),
     };
-    // A copy thread's part: the units it can claim, then it leaves (counted in `running` before
-    // it was spawned).
-    let serve = || {
-        let _left = Leave(&running);
-        if let Ok(c) = device.enter() {
-            job.work(&c);
-        }
-    };
     match pool {
         Some(pool) if want > 0 => pool.in_place_scope(|scope| {
             // Starts copy threads until `want` are in the job (one that cannot make the context
@@ -266,30 +258,18 @@ fn upload_bounced(
             let staff = || {
                 for _ in running.load(Ordering::Relaxed)..want {
                     running.fetch_add(1, Ordering::Relaxed);
-                    scope.spawn(|_| serve());
+                    scope.spawn(|_| {
+                        let _left = Leave(&running);
+                        if let Ok(c) = device.enter() {
+                            job.work(&c);
+                        }
+                    });
                 }
             };
-            if tune.fanout {
-                // Lab knob: one copy thread woken here, the others by it (the caller's own fill
-                // starts after one wake instead of `want`).
-                running.fetch_add(1, Ordering::Relaxed);
-                scope.spawn(|scope| {
-                    for _ in 1..want {
-                        // Counted before spawned (this thread's own count still held): the
-                        // count never reaches 0 while one is due.
-                        running.fetch_add(1, Ordering::Relaxed);
-                        scope.spawn(|_| serve());
-                    }
-                    serve();
-                });
-            } else {
-                staff();
-            }
+            staff();
             crate::stamps::stamp!("staffed");
             make();
-            // With `fanout` no top-up after a destination made meanwhile: its children may not be
-            // counted yet, and `staff` would start them again (the knob serves `copy_h2d`).
-            rest(cur, (!tune.fanout).then_some(&staff as &(dyn Fn() + Sync)));
+            rest(cur, Some(&staff));
             crate::stamps::stamp!("caller's part done");
         }),
         _ => {
