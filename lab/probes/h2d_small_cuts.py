@@ -32,7 +32,6 @@ threads, and `workers_for` gives a copy below 8 MiB 4 threads, the caller one of
             fill more slowly but take less of the memory bandwidth the copy engine reads with:
             `fill_dma.c` on an H200 host, 12 threads fill at 54 GB/s while the DMA gets 47.8, 8 fill
             at 45 while it gets 54)
-  before the taper  the product's cut before the taper and the fine units (6453715's default)
 Compare µs, not the ratios with C's: the cold reference here (torch from pinned, ~217 µs at 1 MiB
 in bench_h2d.py on that host) pays for torch's own cold code, C's pinned copy does not.
 and the references: torch `copy_` from pinned (the goal's), `copy_h2d` from pinned (pinstage's
@@ -78,7 +77,7 @@ K = 32
 
 
 def cuts(n):
-    flat = dict(halves_upto=0, fine_units=False)  # the cut as named: no halves below 8 MiB, 256 KiB units
+    flat = dict(halves_upto=0)  # the cut as named, not the product's halves below 8 MiB
     return {
         "default": {},
         "ramp": flat,
@@ -105,7 +104,6 @@ def cuts(n):
         "6 slots": dict(slots=6),
         "4 slots, 8 workers": dict(slots=4, workers=8),
         "6 slots, 8 workers": dict(slots=6, workers=8),
-        "before the taper": dict(taper=False, fine_units=False),
     }
 
 

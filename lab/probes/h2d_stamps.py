@@ -12,9 +12,7 @@ thread are read after it (`pinstage._lab._stamps`): the Python entry, the import
 (11 wakes), the caller's first unit filled, its part done, the copy threads gone, the event recorded, the return.
 Printed per row: the median ns between consecutive stamps and the wall time (Python in,
 synchronised out) against torch `copy_` from pinned memory in the same state. In any other build
-only the wall times are printed. Rows: the default, and "before the taper" (the cut before the
-taper and the fine units: the last piece a whole 4 MiB one, every unit 256 KiB; 6453715's default).
-The `fanout` row (one copy thread woken by the caller, the rest by it) of runs 2026-12-07-h100-o
+only the wall times are printed. The `fanout` row (one copy thread woken by the caller, the rest by it) of runs 2026-12-07-h100-o
 and -p moved neither the first unit nor the wall: that lab knob is gone.
 
 Every call's destination is poisoned first and compared with the source after (0 failures
@@ -42,7 +40,6 @@ SIZES = [int(m) << 20 for m in os.environ.get("SIZES_MIB", "1,64").split(",")]
 sweep = cold_sweep()
 TUNINGS = [
     ("default", {}),
-    ("before the taper", dict(taper=False, fine_units=False)),
 ]
 
 

@@ -5,9 +5,7 @@ timeline against the wall time of the whole call (Python in, synchronised out) a
 `copy_` from pinned memory in the same state (the source as the previous call left it; each
 destination poisoned first and checked after). Run y traced 12 and 8 workers (its first two
 tunings), run z those and 8 workers with regular stores into 512 KiB x 16 slots, run zb 12 and 8
-workers with 12 and with 4 slots (all with two pieces per worker, the rule until run zc). Since
-the taper (the last pieces halving down to 128 KiB) and the fine units (pieces shorter than four
-units filled in quarters), rows with each of them off. Env TUNINGS: the row numbers to run
+workers with 12 and with 4 slots (all with two pieces per worker, the rule until run zc). Env TUNINGS: the row numbers to run
 (comma-separated, 0 the default; all by default).
 
 With COLD=1 every CPU sweeps 1 GiB (read + write, `bench_h2d.py`'s `Sweeper`) before each call
@@ -38,9 +36,6 @@ ALL_TUNINGS = [
     ("cached ring 8 x 1 MiB, demoted", dict(nt_upto=0, max_piece=1 << 20, slots=8, demote=True)),
     ("4 slots", dict(slots=4)),
     ("6 slots", dict(slots=6)),
-    ("no taper (the last piece a whole 4 MiB one)", dict(taper=False)),
-    ("no fine units (256 KiB units in the small pieces too)", dict(fine_units=False)),
-    ("neither (6453715's cut)", dict(taper=False, fine_units=False)),
 ]
 TUNINGS = [ALL_TUNINGS[int(i)] for i in os.environ["TUNINGS"].split(",")] if os.environ.get("TUNINGS") else ALL_TUNINGS
 

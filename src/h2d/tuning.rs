@@ -18,13 +18,6 @@ pub(crate) struct H2DTuning {
     /// The first pieces start at `min_piece` and double up to the piece size, so the copy
     /// engine starts early.
     pub(crate) ramp: bool,
-    /// The last pieces halve from the piece size down to `min_piece`, so the copy left after
-    /// the last fill is a small one (a copy with room for the ramp, one whole piece and the
-    /// taper).
-    pub(crate) taper: bool,
-    /// A piece shorter than four units is filled in quarters (at least 64 KiB each), so the
-    /// ramp's and the taper's small pieces are filled by several workers at once.
-    pub(crate) fine_units: bool,
     /// Pieces per worker (0: every piece `max_piece` bytes, the ramp and the end excepted).
     /// Several pieces per worker served the fill of one piece by one worker; the workers now
     /// fill each piece together, and fewer, larger copies keep the copy engine busier.
@@ -37,7 +30,7 @@ pub(crate) struct H2DTuning {
     /// Bytes one worker fills at a time: the workers fill each piece together, unit by unit
     /// in address order, so pieces become ready one after the other (the copy engine starts
     /// on the first while the rest fill) instead of all at once at the end of a wave. A unit
-    /// of at least `max_piece` gives each piece to one worker (without `fine_units`).
+    /// of at least `max_piece` gives each piece to one worker.
     pub(crate) unit: usize,
     /// Copies of at least two `min_piece`s and at most this many bytes (and two `max_piece`s)
     /// are cut in two halves, no ramp, each filled in up to four units (an eighth of the copy,
@@ -58,8 +51,6 @@ impl H2DTuning {
         min_piece: 128 << 10,
         slots: 12,
         ramp: true,
-        taper: true,
-        fine_units: true,
         per_worker: 0,
         nt_upto: 128 << 20,
         driver_below: 0,
@@ -76,9 +67,8 @@ impl H2DTuning {
 
     /// The pieces (offset, bytes) of a copy of `len > 0` bytes: of `max_piece` bytes (or, with
     /// `per_worker`, about that many per worker, between `min_piece` and `max_piece`),
-    /// multiples of 64 KiB (the last one excepted); with `ramp`, the first ones smaller; with
-    /// `taper`, the last ones too. With `halves_upto`, two halves (the first a multiple of 64
-    /// KiB).
+    /// multiples of 64 KiB (the last one excepted); with `ramp`, the first ones smaller.
+    /// With `halves_upto`, two halves (the first a multiple of 64 KiB).
     pub(crate) fn cut(&self, len: usize, workers: usize) -> Vec<(usize, usize)> {
         if self.halved(len) {
             let half = len.div_ceil(2).next_multiple_of(64 << 10);
@@ -92,42 +82,20 @@ impl H2DTuning {
             .clamp(self.min_piece, self.max_piece)
             .next_multiple_of(64 << 10)
             .min(self.max_piece);
-        let first = if self.ramp {
-            self.min_piece.min(piece)
-        } else {
-            piece
-        };
-        let ramp: usize = std::iter::successors(Some(first), |s| Some(s * 2))
-            .take_while(|&s| s < piece)
-            .sum();
-        // The taper: half a piece, a quarter, ... down to `min_piece`, each a multiple of 64
-        // KiB; the bytes past the last 64 KiB boundary go into its last piece.
-        let odd = len % (64 << 10);
-        let mut taper: Vec<usize> = std::iter::successors(Some(piece / 2), |s| Some(s / 2))
-            .take_while(|&s| self.taper && s >= self.min_piece.max(64 << 10) && s % (64 << 10) == 0)
-            .collect();
-        let tapered: usize = taper.iter().sum();
-        if taper.is_empty() || len - odd < ramp + piece + tapered {
-            taper.clear();
-        }
-        let body = if taper.is_empty() {
-            len
-        } else {
-            len - odd - tapered
-        };
-        let mut out = Vec::with_capacity(body.div_ceil(piece) + taper.len() + 8);
-        let (mut off, mut size) = (0, first);
-        while off < body {
-            let n = size.min(body - off);
+        let mut out = Vec::with_capacity(len.div_ceil(piece) + 8);
+        let (mut off, mut size) = (
+            0,
+            if self.ramp {
+                self.min_piece.min(piece)
+            } else {
+                piece
+            },
+        );
+        while off < len {
+            let n = size.min(len - off);
             out.push((off, n));
             off += n;
             size = (size * 2).min(piece);
-        }
-        let last = taper.len().wrapping_sub(1);
-        for (i, n) in taper.into_iter().enumerate() {
-            let n = if i == last { n + odd } else { n };
-            out.push((off, n));
-            off += n;
         }
         out
     }
@@ -148,25 +116,12 @@ impl H2DTuning {
     }
 
     /// The fill units (piece index, offset, bytes) of `pieces` (a copy's [`cut`](Self::cut)),
-    /// in address order: each piece cut into units of [`unit_for`](Self::unit_for) bytes (with
-    /// `fine_units`, a quarter of a shorter piece, at least 64 KiB; the last one shorter), so
-    /// every unit starts 64 KiB-aligned within its slot.
+    /// in address order: each piece cut into units of [`unit_for`](Self::unit_for) bytes (the
+    /// last one shorter), so every unit starts 64 KiB-aligned within its slot.
     pub(crate) fn units(&self, pieces: &[(usize, usize)]) -> Vec<(usize, usize, usize)> {
-        let len = pieces.last().map_or(0, |&(o, n)| o + n);
-        let unit = self.unit_for(len);
-        let fine = self.fine_units && !self.halved(len);
-        let unit_of = |n: usize| {
-            if fine {
-                (n / 4)
-                    .next_multiple_of(64 << 10)
-                    .clamp(64 << 10, unit.max(64 << 10))
-            } else {
-                unit
-            }
-        };
-        let mut out = Vec::with_capacity(pieces.iter().map(|p| p.1.div_ceil(unit_of(p.1))).sum());
+        let unit = self.unit_for(pieces.last().map_or(0, |&(o, n)| o + n));
+        let mut out = Vec::with_capacity(pieces.iter().map(|p| p.1.div_ceil(unit)).sum());
         for (i, &(off, n)) in pieces.iter().enumerate() {
-            let unit = unit_of(n);
             let mut at = 0;
             while at < n {
                 let k = unit.min(n - at);
@@ -227,7 +182,6 @@ mod tests {
     fn cut_gives_two_pieces_per_worker_within_bounds() {
         let t = H2DTuning {
             ramp: false,
-            taper: false,
             per_worker: 2,
             halves_upto: 0,
             ..H2DTuning::DEFAULT
@@ -253,19 +207,15 @@ mod tests {
     #[test]
     fn pieces_are_whole_slots_by_default() {
         let t = H2DTuning::DEFAULT;
-        for (len, w) in [(64 << 20, 12), (64 << 20, 4), (16 << 20, 8), (1 << 30, 12)] {
+        for (len, w) in [(64 << 20, 12), (64 << 20, 4), (16 << 20, 8)] {
             let p = t.cut(len, w);
             check(&p, len);
             let sizes: Vec<usize> = p.iter().map(|&(_, n)| n >> 10).collect();
-            // The ramp (128 KiB doubling to 2 MiB: 3968 KiB), whole 4 MiB slots, the rest of
-            // the body, then the taper (2 MiB halving to 128 KiB: 3968 KiB again).
+            // The ramp (128 KiB doubling to 2 MiB: 3968 KiB), then whole 4 MiB slots, the rest.
             assert_eq!(sizes[..5], [128, 256, 512, 1024, 2048]);
-            assert_eq!(sizes[sizes.len() - 5..], [2048, 1024, 512, 256, 128]);
-            let body = len - 2 * (3968 << 10);
-            let whole = body / (4 << 20);
+            let whole = (len - (3968 << 10)) / (4 << 20);
             assert!(sizes[5..5 + whole].iter().all(|&k| k == 4096), "{sizes:?}");
-            let rest = usize::from(body % (4 << 20) != 0);
-            assert_eq!(sizes.len(), 5 + whole + rest + 5, "{sizes:?}");
+            assert_eq!(sizes.len(), 5 + whole + 1);
         }
         let no_halves = H2DTuning {
             halves_upto: 0,
@@ -274,80 +224,8 @@ mod tests {
         assert_eq!(
             no_halves.cut(1 << 20, 4).len(),
             4,
-            "128 + 256 + 512 + 128 KiB: no room for a taper"
+            "128 + 256 + 512 + 128 KiB"
         );
-    }
-
-    #[test]
-    fn the_taper_ends_on_a_small_piece_and_keeps_the_odd_bytes() {
-        let t = H2DTuning::DEFAULT;
-        // 64 MiB + 1000 bytes: every piece but the last a multiple of 64 KiB, the last the
-        // smallest piece plus the odd bytes, every piece within a slot.
-        let len = (64 << 20) + 1000;
-        let p = t.cut(len, 12);
-        check(&p, len);
-        assert!(p[..p.len() - 1].iter().all(|&(_, n)| n % (64 << 10) == 0));
-        assert_eq!(p.last().unwrap().1, (128 << 10) + 1000);
-        assert!(p.iter().all(|&(_, n)| n <= t.max_piece));
-        // Room for the ramp, one whole piece and the taper (11.75 MiB) or no taper at all.
-        let edge = 2 * (3968 << 10) + (4 << 20);
-        assert_eq!(t.cut(edge, 12).last().unwrap().1, 128 << 10);
-        assert_eq!(t.cut(edge, 12).len(), 11);
-        let short = t.cut(edge - (64 << 10), 12);
-        check(&short, edge - (64 << 10));
-        assert_eq!(
-            short[short.len() - 2..],
-            [(3968 << 10, 4 << 20), ((8064 << 10), 3904 << 10)]
-        );
-        // Off: the rest after whole pieces ends the copy, as before the taper.
-        let off = H2DTuning { taper: false, ..t };
-        let p = off.cut(64 << 20, 12);
-        assert_eq!(p.len(), 5 + 15 + 1);
-        assert_eq!(p[19].1, 4 << 20);
-        // Slots of the smallest piece: nothing to taper.
-        let flat = H2DTuning {
-            max_piece: 128 << 10,
-            ..t
-        };
-        let p = flat.cut(1 << 30, 12);
-        assert!(p.iter().all(|&(_, n)| n == 128 << 10));
-    }
-
-    #[test]
-    fn fine_units_split_short_pieces_in_quarters() {
-        let t = H2DTuning::DEFAULT;
-        let pieces = t.cut(64 << 20, 12);
-        let units = t.units(&pieces);
-        let of = |i: usize| -> Vec<usize> {
-            units
-                .iter()
-                .filter(|u| u.0 == i)
-                .map(|u| u.2 >> 10)
-                .collect()
-        };
-        assert_eq!(of(0), [64, 64], "128 KiB: two units of 64 KiB");
-        assert_eq!(of(1), [64; 4]);
-        assert_eq!(of(2), [128; 4]);
-        assert_eq!(of(3), [256; 4]);
-        assert_eq!(of(4), [256; 8]);
-        assert_eq!(of(5), [256; 16]);
-        assert_eq!(of(pieces.len() - 1), [64, 64]);
-        let coarse = H2DTuning {
-            fine_units: false,
-            ..t
-        };
-        let units = coarse.units(&pieces);
-        assert_eq!(units.iter().filter(|u| u.0 == 0).count(), 1);
-        // The odd bytes: a last unit shorter than 64 KiB, every unit 64 KiB-aligned in its slot.
-        let len = (64 << 20) + 1000;
-        let pieces = t.cut(len, 12);
-        let units = t.units(&pieces);
-        assert!(
-            units
-                .iter()
-                .all(|&(p, o, _)| (o - pieces[p].0) % (64 << 10) == 0)
-        );
-        assert_eq!(units.last().unwrap().2, 1000);
     }
 
     #[test]
@@ -396,7 +274,11 @@ mod tests {
         check(&p, 64 << 20);
         let sizes: Vec<usize> = p.iter().take(7).map(|&(_, n)| n >> 10).collect();
         assert_eq!(sizes, [128, 256, 512, 1024, 2048, 4096, 4096]);
-        assert_eq!(p.last().unwrap().1, 128 << 10, "the taper's last piece");
+        assert_eq!(
+            p.last().unwrap().1,
+            128 << 10,
+            "the rest after whole pieces"
+        );
         // A copy smaller than the smallest piece is one piece.
         assert_eq!(t.cut(1000, 8), [(0, 1000)]);
     }
@@ -432,13 +314,8 @@ mod tests {
             assert_eq!(off, len);
             assert!(sums.iter().zip(&pieces).all(|(s, p)| *s == p.1));
         }
-        // A unit as large as the pieces, no fine units: one unit per piece (each piece filled
-        // by one worker).
-        let whole = H2DTuning {
-            unit: 4 << 20,
-            fine_units: false,
-            ..t
-        };
+        // A unit as large as the pieces: one unit per piece (each piece filled by one worker).
+        let whole = H2DTuning { unit: 4 << 20, ..t };
         let pieces = whole.cut(64 << 20, 8);
         assert_eq!(whole.units(&pieces).len(), pieces.len());
         // 64 MiB: 4 MiB pieces of 16 units each once the ramp is over.
@@ -467,8 +344,6 @@ mod tests {
             unit: 100_000,
             halves_upto: 1 << 40,
             demote: true,
-            taper: false,
-            fine_units: false,
         };
         assert_eq!(
             clamped(wild),
