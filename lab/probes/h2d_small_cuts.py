@@ -18,9 +18,11 @@ threads, and `workers_for` gives a copy below 8 MiB 4 threads, the caller one of
   NT ring 8 x 1 MiB  non-temporal stores into 8 slots of 1 MiB (pieces of at most 1 MiB)
   cached ring S x P  ordinary stores into a ring of S slots of P bytes small enough to stay in
             the caches, so the copy engine reads the slots from the L3 instead of DRAM (the fill
-            then costs memory traffic for the source only); "demoted": each unit's lines moved
-            to the L3 by `cldemote` after the fill; "cached, demoted": the product's 12 x 4 MiB
-  16 workers  (and the demoted ring with 16) more copy threads than the pool's 12: only in the
+            then costs memory traffic for the source only). The "demoted" rows (each unit's
+            lines moved to the L3 by `cldemote`) lost on the H200 (run 2026-12-07-h200-g) and
+            `fill_dma.c` found the engine reading demoted lines at 0.28-0.56 of its rate on an
+            H100 host (run 2026-12-07-h100-n): that knob is gone
+  16 workers  more copy threads than the pool's 12: only in the
             lab variant `copy16` (`PINSTAGE_VARIANTS=copy16 scripts/gpu-build`, `gpu-run
             variant-copy16` with PINSTAGE_VARIANT_RUNS=h2d_small_cuts); elsewhere 13 (12 + the caller)
   3 / 4 / 6 slots  the product's cut with fewer slots: the fill can run at most that many pieces
@@ -92,12 +94,6 @@ def cuts(n):
         "NT ring 8 x 1 MiB": dict(max_piece=1 << 20, slots=8),
         "cached ring 4 x 1 MiB": dict(nt_upto=0, max_piece=1 << 20, slots=4),
         "cached ring 8 x 1 MiB": dict(nt_upto=0, max_piece=1 << 20, slots=8),
-        "cached ring 8 x 1 MiB, demoted": dict(nt_upto=0, max_piece=1 << 20, slots=8, demote=True),
-        "cached ring 16 x 512K, demoted": dict(nt_upto=0, max_piece=512 << 10, slots=16, unit=128 << 10, demote=True),
-        "cached, demoted": dict(nt_upto=0, demote=True),
-        "cached ring 6 x 2 MiB, demoted": dict(nt_upto=0, max_piece=2 << 20, slots=6, demote=True),
-        "cached ring 8 x 1 MiB, demoted, 16 workers": dict(nt_upto=0, max_piece=1 << 20, slots=8, demote=True,
-                                                           workers=16),
         "16 workers": dict(workers=16),
         "3 slots": dict(slots=3),
         "4 slots": dict(slots=4),

@@ -33,7 +33,6 @@ ALL_TUNINGS = [
     ("12 workers, whole 4 MiB pieces (the default)", dict(workers=12)),
     ("8 workers", dict(workers=8)),
     ("10 workers", dict(workers=10)),
-    ("cached ring 8 x 1 MiB, demoted", dict(nt_upto=0, max_piece=1 << 20, slots=8, demote=True)),
     ("4 slots", dict(slots=4)),
     ("6 slots", dict(slots=6)),
 ]

@@ -37,10 +37,6 @@ pub(crate) struct H2DTuning {
     /// at least 64 KiB): two copies, the first issued while the second half fills. Below a few
     /// MiB the ramp's several small copies buy little overlap for what each copy costs.
     pub(crate) halves_upto: usize,
-    /// With cached stores (above `nt_upto`), each filled unit's lines are demoted from the
-    /// filling core's private caches to the shared L3 (`cldemote`, x86-64; a no-op where the
-    /// CPU lacks it), where the copy engine's reads find them without a snoop of that core.
-    pub(crate) demote: bool,
 }
 
 impl H2DTuning {
@@ -56,7 +52,6 @@ impl H2DTuning {
         driver_below: 0,
         unit: 256 << 10,
         halves_upto: 8 << 20,
-        demote: false,
     };
 
     /// Workers for a copy of `len` bytes: one per 2 MiB, at least 4 (waking more costs more
@@ -343,7 +338,6 @@ mod tests {
             driver_below: 9,
             unit: 100_000,
             halves_upto: 1 << 40,
-            demote: true,
         };
         assert_eq!(
             clamped(wild),

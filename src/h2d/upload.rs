@@ -187,7 +187,6 @@ fn upload_bounced(
         pieces: &pieces,
         units: &units,
         nt: src.len() <= tune.nt_upto,
-        demote: tune.demote,
         slots,
         left,
         issued: padded(nslots),

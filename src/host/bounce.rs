@@ -163,14 +163,12 @@ pub(crate) fn parallel_copy(dst: &mut [u8], src: &[u8]) {
 
 /// Copies `n` bytes from `src` to `dst`; with `nt` (x86-64), by non-temporal stores, which
 /// skip reading the destination's cache lines first and leave the caches to the source, then
-/// a store fence so a DMA issued next reads every byte. Without `nt`, `demote` (x86-64) then
-/// moves the written lines from this core's private caches to the shared L3 (`cldemote`: a
-/// hint, a no-op on CPUs without it).
+/// a store fence so a DMA issued next reads every byte.
 ///
 /// # Safety
 /// 1. `src..src+n` readable, `dst..dst+n` writable, not overlapping; with `nt`, `dst` is
 ///    16-byte aligned.
-pub(crate) unsafe fn fill(dst: *mut u8, src: *const u8, n: usize, nt: bool, demote: bool) {
+pub(crate) unsafe fn fill(dst: *mut u8, src: *const u8, n: usize, nt: bool) {
     #[cfg(target_arch = "x86_64")]
     if nt {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
@@ -198,21 +196,6 @@ pub(crate) unsafe fn fill(dst: *mut u8, src: *const u8, n: usize, nt: bool, demo
     let _ = nt;
     // SAFETY: the caller's ranges.
     unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
-    #[cfg(target_arch = "x86_64")]
-    if demote && n > 0 {
-        let mut line = dst as usize & !63;
-        while line < dst as usize + n {
-            // SAFETY: `cldemote` is a hint on a line holding at least one byte of `dst` (written
-            // above, so mapped); it neither reads nor writes memory as the program sees it, and
-            // decodes as a NOP on CPUs without it.
-            unsafe {
-                std::arch::asm!("cldemote byte ptr [{0}]", in(reg) line, options(nostack, preserves_flags))
-            };
-            line += 64;
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = demote;
 }
 
 #[cfg(test)]
@@ -227,7 +210,7 @@ mod tests {
                 let mut dst = vec![0xEEu8; 5008 + 16];
                 let off = dst.as_ptr().align_offset(16);
                 // SAFETY: both ranges hold n bytes; the destination is 16-byte aligned.
-                unsafe { fill(dst.as_mut_ptr().add(off), src.as_ptr(), n, nt, !nt) };
+                unsafe { fill(dst.as_mut_ptr().add(off), src.as_ptr(), n, nt) };
                 assert_eq!(&dst[off..off + n], &src[..n], "nt={nt} n={n}");
                 assert!(dst[off + n..].iter().all(|&b| b == 0xEE), "nt={nt} n={n}");
             }

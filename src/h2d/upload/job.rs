@@ -52,8 +52,6 @@ pub(super) struct Upload<'a, 's> {
     /// (piece, offset, bytes) of each unit, in address order.
     pub(super) units: &'a [(usize, usize, usize)],
     pub(super) nt: bool,
-    /// Demote each cached unit's lines to the L3 after filling it (see `H2DTuning::demote`).
-    pub(super) demote: bool,
     pub(super) slots: &'a [BounceSlot],
     /// Per piece: its units not yet done (filled, or given up after a failure). Whoever takes
     /// it to zero issues the piece's copy.
@@ -247,7 +245,6 @@ impl Upload<'_, '_> {
                 self.src.as_ptr().add(off),
                 len,
                 self.nt,
-                self.demote,
             )
         };
         Ok(())
