@@ -3,7 +3,10 @@ bounce piece (when its last unit was filled, when its copy was issued, from the 
 bounced path) and the path's return; this prints, per size and worker count, the median call's
 timeline against the wall time of the whole call (Python in, synchronised out) and against torch
 `copy_` from pinned memory in the same state (the source as the previous call left it; each
-destination poisoned first and checked after). Run y traced 12 and 8 workers (its first two
+destination poisoned first and checked after). Each piece's landing comes from a timing event
+recorded after its copy (`_h2d_trace_landed`; the GPU clock aligned to the call's start by an
+event recorded on the idle stream there): the copy engine's rate over the pieces it found queued,
+and the time it sat waiting for the next issue, measured instead of inferred. Run y traced 12 and 8 workers (its first two
 tunings), run z those and 8 workers with regular stores into 512 KiB x 16 slots, run zb 12 and 8
 workers with 12 and with 4 slots (all with two pieces per worker, the rule until run zc). Env TUNINGS: the row numbers to run
 (comma-separated, 0 the default; all by default).
@@ -52,10 +55,24 @@ def one(fn, dst, ref, trace):
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     tr = lab._h2d_trace() if trace else []
+    landed = dict(lab._h2d_trace_landed()) if trace else {}
     lab._h2d_trace_set(False)
     if not torch.equal(dst, ref):
         raise AssertionError("wrong result")
-    return (t2 - t0) * 1e6, (t1 - t0) * 1e6, tr
+    return (t2 - t0) * 1e6, (t1 - t0) * 1e6, tr, landed
+
+
+def engine(pieces, landed):
+    """The copy engine from the landing events: (its rate over the pieces it found queued, GB/s;
+    µs it waited for an issue after finishing a piece; the last landing)."""
+    done = sorted((landed[p[0]], p) for p in pieces if p[0] in landed)
+    rates, idle = [], 0.0
+    for (prev, _), (at, p) in zip(done, done[1:]):
+        if p[3] < prev:  # issued before the one before it landed: the engine went straight on
+            rates.append(p[1] / max(at - prev, 1e-3) / 1e3)
+        else:
+            idle += p[3] - prev
+    return (statistics.median(rates) if rates else float("nan")), idle, (done[-1][0] if done else float("nan"))
 
 
 print("state:", "cold (1 GiB swept before each call)" if COLD else "hot (the same source every call)", flush=True)
@@ -70,7 +87,7 @@ for nb in SIZES:
         for _ in range(2):
             one(lambda: pinstage.copy_h2d(dst, vals), dst, ref, False)
         runs = sorted((one(lambda: pinstage.copy_h2d(dst, vals), dst, ref, True) for _ in range(REPS)), key=lambda r: r[0])
-        wall, ret, tr = runs[len(runs) // 2]
+        wall, ret, tr, landed = runs[len(runs) // 2]
         pieces = sorted((p for p in tr if p[0] >= 0), key=lambda p: p[3])
         back = [p[2] for p in tr if p[0] < 0][0]
         first_issue = pieces[0][3]
@@ -81,9 +98,13 @@ for nb in SIZES:
               f"last unit filled at {last_fill:.0f} (fill {nb / last_fill / 1e3:.1f} GB/s), last copy issued at "
               f"{last_issue:.0f}, returned at {back:.0f}; after the return until synchronised {wall - ret:.0f} us; "
               f"the link alone from the first issue would end at {first_issue + nb / 55e3:.0f}", flush=True)
+        rate, idle, last = engine(pieces, landed)
+        print(f"    copy engine (landing events): {rate:.1f} GB/s over the pieces it found queued; idle "
+              f"{idle:.0f} us waiting for issues; last piece landed at {last:.0f}", flush=True)
         if nb == 64 << 20:
-            print("    piece, KiB, filled us, issued us: " + "; ".join(
-                f"{p[0]} {p[1] >> 10} {p[2]:.0f} {p[3]:.0f}" for p in pieces), flush=True)
+            print("    piece, KiB, filled us, issued us, landed us: " + "; ".join(
+                f"{p[0]} {p[1] >> 10} {p[2]:.0f} {p[3]:.0f} {landed.get(p[0], float('nan')):.0f}" for p in pieces),
+                flush=True)
         walls = [r[0] for r in runs]
         print(f"    wall us of the {REPS} calls: " + " ".join(f"{w:.0f}" for w in walls), flush=True)
     lab._set_h2d_tuning()

@@ -161,6 +161,14 @@ fn h2d_trace() -> Vec<(i64, usize, f64, f64)> {
         .collect()
 }
 
+/// The last traced call's pieces as the copy engine finished them: (piece, µs from the call's
+/// start), read once the stream was synchronized.
+#[pyfunction]
+#[pyo3(name = "_h2d_trace_landed")]
+fn h2d_trace_landed() -> Vec<(usize, f64)> {
+    crate::h2d::trace::take_landed()
+}
+
 /// This thread's timestamps through its last call (variant `stamps`: `crate::stamps`), as
 /// (label, ns since the stamp before), and clears them.
 #[cfg(pinstage_lab_variant = "stamps")]
@@ -177,6 +185,7 @@ fn stamps() -> Vec<(&'static str, u64)> {
 fn _lab(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(h2d_trace_set, m)?)?;
     m.add_function(wrap_pyfunction!(h2d_trace, m)?)?;
+    m.add_function(wrap_pyfunction!(h2d_trace_landed, m)?)?;
     m.add_function(wrap_pyfunction!(pinned_costs, m)?)?;
     m.add_function(wrap_pyfunction!(set_pin_by_register, m)?)?;
     m.add_function(wrap_pyfunction!(set_pin_from_pool, m)?)?;

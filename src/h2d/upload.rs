@@ -121,6 +121,8 @@ fn upload_bounced(
 ) -> Result<Option<Event>> {
     #[cfg(feature = "lab")]
     let t0 = std::time::Instant::now();
+    #[cfg(feature = "lab")]
+    super::trace::origin(cur, stream, t0);
     let tune = super::tuning::h2d_tuning();
     let pool = crate::host::workers::workers();
     let threads = pool.map_or(1, |p| p.current_num_threads() + 1);

@@ -109,7 +109,10 @@ impl Drop for UnitDone<'_, '_, '_, '_> {
             job.fail(e);
         }
         #[cfg(feature = "lab")]
-        crate::h2d::trace::piece(job.t0, self.p, job.pieces[self.p].1, filled);
+        {
+            crate::h2d::trace::piece(job.t0, self.p, job.pieces[self.p].1, filled);
+            crate::h2d::trace::landed(self.cur, job.stream, self.p);
+        }
     }
 }
 
