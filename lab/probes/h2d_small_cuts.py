@@ -22,9 +22,9 @@ threads, and `workers_for` gives a copy below 8 MiB 4 threads, the caller one of
             lines moved to the L3 by `cldemote`) lost on the H200 (run 2026-12-07-h200-g) and
             `fill_dma.c` found the engine reading demoted lines at 0.28-0.56 of its rate on an
             H100 host (run 2026-12-07-h100-n): that knob is gone
-  16 workers  more copy threads than the pool's 12: only in the
-            lab variant `copy16` (`PINSTAGE_VARIANTS=copy16 scripts/gpu-build`, `gpu-run
-            variant-copy16` with PINSTAGE_VARIANT_RUNS=h2d_small_cuts); elsewhere 13 (12 + the caller)
+  16 workers  more copy threads than the pool's 12: only in the lab variant `copy16`
+            (`PINSTAGE_VARIANTS=copy16 scripts/gpu-build`, `gpu-run variant-copy16` with
+            PINSTAGE_VARIANT_RUNS=h2d_small_cuts); elsewhere 13 (12 + the caller)
   3 / 4 / 6 slots  the product's cut with fewer slots: the fill can run at most that many pieces
             ahead of the copy engine, so it cannot take memory bandwidth from the engine's reads
             for pieces the engine reaches only later (a fill far ahead gains nothing once the

@@ -7,13 +7,14 @@ the pool wakes a sleeping copy thread per spawn, on the caller, before the calle
 
 With the lab variant `stamps` (`PINSTAGE_VARIANTS=stamps scripts/gpu-build`, `gpu-run
 variant-stamps` with `PINSTAGE_VARIANT_RUNS=h2d_stamps`) each call's timestamps on the calling
-thread are read after it (`pinstage._lab._stamps`): the Python entry, the imports, `start_h2d`
-(the GIL released), the context entered, the cut, the event, the slots, the job, the copy threads staffed
-(11 wakes), the caller's first unit filled, its part done, the copy threads gone, the event recorded, the return.
-Printed per row: the median ns between consecutive stamps and the wall time (Python in,
-synchronised out) against torch `copy_` from pinned memory in the same state. In any other build
-only the wall times are printed. The `fanout` row (one copy thread woken by the caller, the rest by it) of runs 2026-12-07-h100-o
-and -p moved neither the first unit nor the wall: that lab knob is gone.
+thread are read after it (`pinstage._lab._stamps`): the Python entry, the imports,
+`start_h2d` (the GIL released), the context entered, the cut, the event, the slots, the job,
+the copy threads staffed (11 wakes), the caller's first unit filled, its part done, the copy
+threads gone, the event recorded, the return. Printed per row: the median ns between
+consecutive stamps and the wall time (Python in, synchronised out) against torch `copy_` from
+pinned memory in the same state. In any other build only the wall times are printed. The
+`fanout` row (one copy thread woken by the caller, the rest by it) of runs 2026-12-07-h100-o and
+-p moved neither the first unit nor the wall: that lab knob is gone.
 
 Every call's destination is poisoned first and compared with the source after (0 failures
 printed at the end, or an AssertionError). With COLD=1 every CPU sweeps 1 GiB (read + write,

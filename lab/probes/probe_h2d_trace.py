@@ -6,10 +6,11 @@ timeline against the wall time of the whole call (Python in, synchronised out) a
 destination poisoned first and checked after). Each piece's landing comes from a timing event
 recorded after its copy (`_h2d_trace_landed`; the GPU clock aligned to the call's start by an
 event recorded on the idle stream there): the copy engine's rate over the pieces it found queued,
-and the time it sat waiting for the next issue, measured instead of inferred. Run y traced 12 and 8 workers (its first two
-tunings), run z those and 8 workers with regular stores into 512 KiB x 16 slots, run zb 12 and 8
-workers with 12 and with 4 slots (all with two pieces per worker, the rule until run zc). Env TUNINGS: the row numbers to run
-(comma-separated, 0 the default; all by default).
+and the time it sat waiting for the next issue, measured instead of inferred. Run y traced 12
+and 8 workers (its first two tunings), run z those and 8 workers with regular stores into 512
+KiB x 16 slots, run zb 12 and 8 workers with 12 and with 4 slots (all with two pieces per
+worker, the rule until run zc). Env TUNINGS: the row numbers to run (comma-separated, 0 the
+default; all by default).
 
 With COLD=1 every CPU sweeps 1 GiB (read + write, `bench_h2d.py`'s `Sweeper`) before each call
 (pinstage's and torch's alike, untimed), so the source comes from DRAM: the cold state the goal
