@@ -38,14 +38,16 @@ Also: offload and load at once (pinstage, two streams, disjoint ids; issued from
 in the background from one) against either alone, and its control, one contiguous copy each way of
 the same bytes at once (what the link carries both ways with nothing scattered); host time per
 pinstage call (issue only, on the calling thread and in the background); and a ~4 ms CUDA graph
-(matmuls) replayed while pinstage moves blocks on another stream (4 moves back to back, disjoint
-host ids, each checked), against the same replays alone and beside the sm-gather peer (4 gathers
-into one packed staging buffer: only the last can be checked, the graph figure is not a copy
-figure). Replays right after an idle GPU run faster (clocks), so the graph's figures compare
-replays of the same positions in their sequence: those that ran inside the moves, and the same
-positions of the sequence just before, alone.
+(matmuls) replayed back to back on its own stream while another thread alternates quiet windows
+and moves, each about one move long (4 moves a sequence, disjoint host ids, every move checked):
+each move's replays against the replays of the quiet windows on both sides of it in the same
+sequence, so the clocks' and the temperature's drift cancel. Peers: pinstage's offload, the
+sm-gather peer (4 gathers into one packed staging buffer: only the last can be checked, the graph
+figure is not a copy figure) and a null control whose windows move nothing (the method's own
+spread: a slowdown within it is not separable from noise).
 
-    python3 benches/bench_blocks.py [--rounds 5] [--sizes 4,16,32,64,256] [--graph-kib 32] [--out DIR]
+    python3 benches/bench_blocks.py [--rounds 5] [--sizes 4,16,32,64,256] [--graph-kib 32]
+                                    [--only-graph] [--out DIR]
 
 Exit status 1 when any check failed or a call raised; the summary table is printed last.
 """
@@ -450,7 +452,11 @@ def contiguous_both(case, s, s2, rounds):
 
 
 def graph_beside(case, s, rounds):
-    """Replay time of a ~4 ms graph alone, beside pinstage moves, beside the sm-gather peer."""
+    """A ~4 ms graph replayed back to back on its own stream while another thread alternates
+    quiet windows and moves (each about one move long): each move's replays against the quiet
+    windows on both sides of it, in the same sequence (clock and thermal drift cancel), per
+    peer: pinstage's offload, the sm-gather peer, and a null control whose "moves" only sleep
+    (the method's own spread)."""
     g_stream = torch.cuda.Stream()
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
@@ -485,30 +491,26 @@ def graph_beside(case, s, rounds):
                 evs[i + 1].record(g_stream)
         return evs
 
-    def times(evs, span):
-        """(position, time) of each replay; with `span` (start, end events of the moves): only
-        the replays that started after the moves started and ended before they ended."""
-        out = []
-        for i in range(len(evs) - 1):
-            if span is None or (span[0].elapsed_time(evs[i]) >= 0
-                                and evs[i + 1].elapsed_time(span[1]) >= 0):
-                out.append((i, evs[i].elapsed_time(evs[i + 1])))
-        return out
-
-    res = {"graph_ms": None, "alone": [], "pinstage": [], "sm-gather": [],
-           "alone-pinstage": [], "alone-sm-gather": [], "replays": {"pinstage": [], "sm-gather": []}}
-    n, moves = 40, 4
-    replays(2 * n)  # warm-up: clocks settle before anything is timed
+    # One move's duration sets the windows (the move is the same work every time). The mover
+    # times its first moves of a kind every way before it settles: those are warm-up here too.
+    for _ in range(7):
+        case.fill_source("dev")
+        case.poison("host")
+        d_ids, h_ids = case.draw()
+        t0 = time.perf_counter()
+        case.mover.offload(d_ids, h_ids, stream=s).wait()
+        window = max(time.perf_counter() - t0, 0.02)
+        case.check("graph-warm-up", "offload", d_ids, h_ids)
+    moves, warm = 4, 3  # the first replays after an idle GPU run faster (clocks): not compared
+    n = warm + int((2 * moves + 1) * window * 1e3 / ms * 1.5) + 8
+    res = {"graph_ms": ms, "window_ms": window * 1e3, "ratios": {}, "replays": {}, "short": 0}
+    replays(2 * warm)  # warm-up
     torch.cuda.synchronize()
+    peers = ["pinstage", "sm-gather", "none"]
+    order = random.Random(7)
     for _ in range(rounds):
-        for peer in ("pinstage", "sm-gather"):
-            # Alone first, prepared as the moves are (so the GPU idles as long before both).
-            case.fill_source("dev")
-            case.poison("host")
-            evs = replays(n)
-            torch.cuda.synchronize()
-            alone = dict(times(evs, None))
-            res["alone"].append(statistics.median(alone.values()))
+        order.shuffle(peers)
+        for peer in peers:
             perm = case.rng.permutation(case.NB)
             d_list = [case.rng.permutation(case.NB)[: case.M] for _ in range(moves)]
             h_list = [perm[k * case.M : (k + 1) * case.M] for k in range(moves)]
@@ -516,50 +518,119 @@ def graph_beside(case, s, rounds):
             case.poison("host")
             dis = [torch.from_numpy(d).cuda() for d in d_list]
             torch.cuda.synchronize()
-            begun = torch.cuda.Event(enable_timing=True)
-            done = torch.cuda.Event(enable_timing=True)
+            spans = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                     for _ in range(moves)]
+            held = []
             started = threading.Event()
-            held = {"p": []}
 
             def move():
-                # In its own thread (issuing small copies takes the driver about as long as the
-                # copies), while this thread queues the replays.
+                started.wait()
                 with torch.cuda.stream(s):
-                    begun.record(s)
-                    started.set()
                     for k in range(moves):
+                        time.sleep(window)  # the quiet window before move k
+                        spans[k][0].record(s)
                         if peer == "pinstage":
-                            held["p"].append(case.mover.offload(d_list[k], h_list[k], stream=s))
-                        else:
+                            held.append(case.mover.offload(d_list[k], h_list[k], stream=s))
+                        elif peer == "sm-gather":
                             torch.index_select(case.dev, 1, dis[k], out=case.gdev)
                             case.stage.copy_(case.gdev, non_blocking=True)
-                    done.record(s)
+                        else:
+                            time.sleep(window)  # the null control: a window with no move
+                        spans[k][1].record(s)
+                        spans[k][1].synchronize()
 
             th = threading.Thread(target=move)
             th.start()
-            started.wait()
             evs = replays(n)
+            started.set()
             th.join()
             torch.cuda.synchronize()
             if peer == "pinstage":
-                for p in held["p"]:
+                for p in held:
                     p.wait()
                 # every move's host blocks (disjoint), and nothing else written
                 case.check("graph-beside", "offload", np.concatenate(d_list),
                            np.concatenate(h_list))
-            else:
+            elif peer == "sm-gather":
                 case.check_packed("sm-gather", "offload", d_list[-1])  # the last gather's
-            during = times(evs, (begun, done))
-            if during:
-                res[peer].append(statistics.median(t for _, t in during))
-                res["alone-" + peer].append(statistics.median(alone[i] for i, _ in during))
-                res["replays"][peer].append(len(during))
-    res["graph_ms"] = statistics.median(res["alone"])
+            # Replay i runs from at[i] to at[i+1] (ms after the sequence's first event).
+            at = [evs[0].elapsed_time(e) for e in evs]
+            edges = [(evs[0].elapsed_time(b), evs[0].elapsed_time(e)) for b, e in spans]
+            if at[-1] < edges[-1][1] + window * 1e3 / 2:
+                res["short"] += 1  # the replays ended before the last quiet window
+            dur = [(at[i], at[i + 1], at[i + 1] - at[i]) for i in range(warm, n)]
+            for k, (on0, on1) in enumerate(edges):
+                before = edges[k - 1][1] if k else -1.0
+                after = edges[k + 1][0] if k + 1 < moves else float("inf")
+                inside = [d for a0, a1, d in dur if a0 >= on0 and a1 <= on1]
+                quiet = [d for a0, a1, d in dur
+                         if (a0 >= before and a1 <= on0) or (a0 >= on1 and a1 <= after)]
+                if inside and quiet:
+                    r = statistics.median(inside) / statistics.median(quiet)
+                    res["ratios"].setdefault(peer, []).append(r)
+                    res["replays"].setdefault(peer, []).append((len(inside), len(quiet)))
     return res
 
 
 def med(xs):
     return (statistics.median(xs), min(xs), max(xs)) if xs else (float("nan"),) * 3
+
+
+def timed_calls(case, args, variants, s, s2, peer, peer2d, results):
+    """Every variant both ways, the moves both at once and their control, at one block size."""
+    B = case.B
+    d_ids, h_ids = case.draw()
+    for direction, a, b in (("offload", d_ids, h_ids), ("load", h_ids, d_ids)):
+        plan = case.mover.plan(direction, a, b)
+        results[(B, direction, "strategy")] = plan["strategy"]
+        print(f"  pinstage's plan for a random {direction}: {plan}")
+    for direction in ("offload", "load"):
+        gbs = {v: [] for v in variants}
+        hus = {v: [] for v in variants}
+        for v in variants:  # warm-up, figures dropped (every call checked all the same)
+            one_call(case, v, direction, s, peer, [], [], peer2d)
+        # The mover times its first moves of a kind every way (twice each; three ways where
+        # the batch is split over threads) before it settles on the faster
+        # (plan()["choice"]): those moves are warm-up too, as in an engine's first steps.
+        for _ in range(6):
+            one_call(case, "pinstage", direction, s, peer, [], [], peer2d)
+        d_ids, h_ids = case.draw()
+        a, b = (d_ids, h_ids) if direction == "offload" else (h_ids, d_ids)
+        settled = case.mover.plan(direction, a, b)
+        # The summary names the way the timed moves run (the plan before the warm-up said
+        # only that the first moves would be timed).
+        results[(B, direction, "strategy")] = settled["strategy"]
+        print(f"  pinstage's plan after the warm-up: {settled['strategy']}, "
+              f"{settled['choice']} {settled.get('measured_gbps', '')}", flush=True)
+        shuffle = random.Random(B)
+        for r in range(args.rounds):
+            order = variants[:]
+            shuffle.shuffle(order)  # no variant always follows the same one
+            for v in order:
+                if v == "copy-loop" and r >= args.loop_rounds:
+                    continue
+                try:
+                    one_call(case, v, direction, s, peer, gbs[v], hus[v], peer2d)
+                except Exception as e:  # noqa: BLE001 -- reported, the bench goes on
+                    fail(f"{v} {direction} {B >> 10} KiB raised {e!r}")
+        results[(B, direction)] = {v: (med(gbs[v]), med(hus[v])) for v in variants}
+        for v in variants:
+            (g, lo, hi), (h, hlo, hhi) = results[(B, direction)][v]
+            if v == "control":  # nothing moved: host time only
+                print(f"  {direction:7s} {v:11s} one torch Event.record(s): host {h:9.1f} "
+                      f"us/call ({hlo:.1f}-{hhi:.1f})", flush=True)
+                continue
+            print(f"  {direction:7s} {v:11s} {g:6.2f} GB/s ({lo:.2f}-{hi:.2f})  "
+                  f"host {h:9.1f} us/call", flush=True)
+    for key, bg in (("both", False), ("both-bg", True)):
+        both = both_at_once(case, s, s2, args.rounds, background=bg)
+        results[(B, key)] = med(both)
+        print(f"  {key:8s} at once {med(both)[0]:.2f} GB/s "
+              f"({med(both)[1]:.2f}-{med(both)[2]:.2f})", flush=True)
+    cb = contiguous_both(case, s, s2, args.rounds)
+    results[(B, "contig-both")] = med(cb)
+    print(f"  contiguous both at once {med(cb)[0]:.2f} GB/s "
+          f"({med(cb)[1]:.2f}-{med(cb)[2]:.2f})", flush=True)
 
 
 def main():
@@ -568,10 +639,14 @@ def main():
     ap.add_argument("--sizes", default="4,16,32,64,256")
     ap.add_argument("--loop-rounds", type=int, default=3)
     ap.add_argument("--graph-kib", type=int, default=32, help="block size of the graph test")
+    ap.add_argument("--only-graph", action="store_true",
+                    help="only the graph test (at --graph-kib blocks)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.cuda.init()
     sizes = [int(x) << 10 for x in args.sizes.split(",")]
+    if args.only_graph:
+        sizes = [args.graph_kib << 10]
     print(f"pinstage {pinstage.__version__}, torch {torch.__version__}, "
           f"{torch.cuda.get_device_name()}", flush=True)
     t_alloc = time.perf_counter()
@@ -595,58 +670,8 @@ def main():
         case = Case(pool, B)
         print(f"\n== {B >> 10} KiB blocks: {L} tensors x {case.NB} blocks, {case.M} moved per "
               f"tensor ({case.bytes / 2**30:.2f} GiB a call)", flush=True)
-        d_ids, h_ids = case.draw()
-        for direction, a, b in (("offload", d_ids, h_ids), ("load", h_ids, d_ids)):
-            plan = case.mover.plan(direction, a, b)
-            results[(B, direction, "strategy")] = plan["strategy"]
-            print(f"  pinstage's plan for a random {direction}: {plan}")
-        for direction in ("offload", "load"):
-            gbs = {v: [] for v in variants}
-            hus = {v: [] for v in variants}
-            for v in variants:  # warm-up, figures dropped (every call checked all the same)
-                one_call(case, v, direction, s, peer, [], [], peer2d)
-            # The mover times its first moves of a kind every way (twice each; three ways where
-            # the batch is split over threads) before it settles on the faster
-            # (plan()["choice"]): those moves are warm-up too, as in an engine's first steps.
-            for _ in range(6):
-                one_call(case, "pinstage", direction, s, peer, [], [], peer2d)
-            d_ids, h_ids = case.draw()
-            a, b = (d_ids, h_ids) if direction == "offload" else (h_ids, d_ids)
-            settled = case.mover.plan(direction, a, b)
-            # The summary names the way the timed moves run (the plan before the warm-up said
-            # only that the first moves would be timed).
-            results[(B, direction, "strategy")] = settled["strategy"]
-            print(f"  pinstage's plan after the warm-up: {settled['strategy']}, "
-                  f"{settled['choice']} {settled.get('measured_gbps', '')}", flush=True)
-            shuffle = random.Random(B)
-            for r in range(args.rounds):
-                order = variants[:]
-                shuffle.shuffle(order)  # no variant always follows the same one
-                for v in order:
-                    if v == "copy-loop" and r >= args.loop_rounds:
-                        continue
-                    try:
-                        one_call(case, v, direction, s, peer, gbs[v], hus[v], peer2d)
-                    except Exception as e:  # noqa: BLE001 -- reported, the bench goes on
-                        fail(f"{v} {direction} {B >> 10} KiB raised {e!r}")
-            results[(B, direction)] = {v: (med(gbs[v]), med(hus[v])) for v in variants}
-            for v in variants:
-                (g, lo, hi), (h, hlo, hhi) = results[(B, direction)][v]
-                if v == "control":  # nothing moved: host time only
-                    print(f"  {direction:7s} {v:11s} one torch Event.record(s): host {h:9.1f} "
-                          f"us/call ({hlo:.1f}-{hhi:.1f})", flush=True)
-                    continue
-                print(f"  {direction:7s} {v:11s} {g:6.2f} GB/s ({lo:.2f}-{hi:.2f})  "
-                      f"host {h:9.1f} us/call", flush=True)
-        for key, bg in (("both", False), ("both-bg", True)):
-            both = both_at_once(case, s, s2, args.rounds, background=bg)
-            results[(B, key)] = med(both)
-            print(f"  {key:8s} at once {med(both)[0]:.2f} GB/s "
-                  f"({med(both)[1]:.2f}-{med(both)[2]:.2f})", flush=True)
-        cb = contiguous_both(case, s, s2, args.rounds)
-        results[(B, "contig-both")] = med(cb)
-        print(f"  contiguous both at once {med(cb)[0]:.2f} GB/s "
-              f"({med(cb)[1]:.2f}-{med(cb)[2]:.2f})", flush=True)
+        if not args.only_graph:
+            timed_calls(case, args, variants, s, s2, peer, peer2d, results)
         if B == args.graph_kib << 10:
             results["graph"] = graph_beside(case, s, args.rounds)
         del case
@@ -658,6 +683,8 @@ def main():
           f"{'x contig':>9} {'loop':>6} {'sm':>6} {'host us':>8} {'us/id':>6}")
     summary = []
     for B in sizes:
+        if (B, "offload") not in results:
+            continue
         for direction in ("offload", "load"):
             r = results[(B, direction)]
             p, bp, c = r["pinstage"][0][0], r["batch-peer"][0][0], r["contiguous"][0][0]
@@ -697,20 +724,27 @@ def main():
         summary.append(row)
     if "graph" in results:
         g = results["graph"]
-        for peer_name in ("pinstage", "sm-gather"):
-            if g[peer_name]:
-                m = statistics.median(g[peer_name])
-                a = statistics.median(g["alone-" + peer_name])
-                ratios = [x / y for x, y in zip(g[peer_name], g["alone-" + peer_name])]
-                row = (f"graph {g['graph_ms']:.3f} ms alone; replays inside the moves beside "
-                       f"{peer_name}: {m:.3f} ms vs {a:.3f} ms alone at the same positions: "
-                       f"{(statistics.median(ratios) - 1) * 100:+.2f}% "
-                       f"({(min(ratios) - 1) * 100:+.2f}..{(max(ratios) - 1) * 100:+.2f}%, "
-                       f"{statistics.median(g['replays'][peer_name])} replays a round)")
+        for peer_name in ("pinstage", "sm-gather", "none"):
+            rs = g["ratios"].get(peer_name, [])
+            if rs:
+                pct = sorted((r - 1) * 100 for r in rs)
+                ins = statistics.median(i for i, _ in g["replays"][peer_name])
+                what = {"pinstage": "beside pinstage's offloads",
+                        "sm-gather": "beside the sm-gather peer",
+                        "none": "null control (windows with no move)"}[peer_name]
+                row = (f"graph {g['graph_ms']:.3f} ms, windows {g['window_ms']:.1f} ms: {what}: "
+                       f"{statistics.median(pct):+.2f}% ({pct[0]:+.2f}..{pct[-1]:+.2f}%, "
+                       f"{len(pct)} moves, {ins:.0f} replays inside each) against the quiet "
+                       f"windows on both sides")
+                if peer_name == "pinstage":
+                    row += (f"; goal <= +1%: "
+                            f"{'MET' if statistics.median(pct) <= 1.0 else 'MISSED'}")
             else:
-                row = f"graph beside {peer_name}: no replay finished while it ran"
+                row = f"graph beside {peer_name}: no replay fell inside a move"
             print(row)
             summary.append(row)
+        if g["short"]:
+            fail(f"graph: {g['short']} sequences ended before the last quiet window")
     print(f"checks: {'all passed' if not failures else f'{len(failures)} FAILED'}")
     if args.out:
         with open(os.path.join(args.out, "bench_blocks.json"), "w") as f:
