@@ -30,3 +30,44 @@ pub(crate) fn workers() -> Option<&'static rayon::ThreadPool> {
     })
     .as_ref()
 }
+
+/// Bumped when a copy staffs its threads (or a [`Wake`] ends): spinning threads stop.
+static STAFFED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How long a woken copy thread spins for the copy that woke it.
+const WAKE_SPIN: std::time::Duration = std::time::Duration::from_micros(400);
+
+/// The laboratory's `prewake` ([`crate::h2d::tuning::H2DTuning::prewake`]): every copy thread
+/// woken to spin until the next copy staffs them, at most [`WAKE_SPIN`]; dropped, it releases
+/// them (a call that took another path).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) struct Wake;
+
+impl Wake {
+    /// Wakes the copy threads; `None` without a pool.
+    #[cfg_attr(not(feature = "python"), allow(dead_code))]
+    pub(crate) fn start() -> Option<Self> {
+        use std::sync::atomic::Ordering;
+        let pool = workers()?;
+        let epoch = STAFFED.load(Ordering::Relaxed);
+        pool.spawn_broadcast(move |_| {
+            let t = std::time::Instant::now();
+            // Relaxed: a hint to stop spinning; the copy's tasks are found through the pool.
+            while STAFFED.load(Ordering::Relaxed) == epoch && t.elapsed() < WAKE_SPIN {
+                std::hint::spin_loop();
+            }
+        });
+        Some(Self)
+    }
+}
+
+impl Drop for Wake {
+    fn drop(&mut self) {
+        staffed();
+    }
+}
+
+/// Releases threads spinning for a copy: its tasks are queued ([`Wake`]).
+pub(crate) fn staffed() {
+    STAFFED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
