@@ -39,12 +39,13 @@ in the background from one) against either alone, and its control, one contiguou
 the same bytes at once (what the link carries both ways with nothing scattered); host time per
 pinstage call (issue only, on the calling thread and in the background); and a ~4 ms CUDA graph
 (matmuls) replayed back to back on its own stream while another thread alternates quiet windows
-and moves, each about one move long (4 moves a sequence, disjoint host ids, every move checked):
-each move's replays against the replays of the quiet windows on both sides of it in the same
-sequence, so the clocks' and the temperature's drift cancel. Peers: pinstage's offload, the
-sm-gather peer (4 gathers into one packed staging buffer: only the last can be checked, the graph
-figure is not a copy figure) and a null control whose windows move nothing (the method's own
-spread: a slowdown within it is not separable from noise).
+and moves, each about one move long (3 moves a sequence, disjoint host ids, every move checked,
+the host blocks no move writes still poisoned): each move's replays against the replays of the
+quiet windows on both sides of it in the same sequence, so the clocks' and the temperature's
+drift cancel. Peers: pinstage's offload, the sm-gather peer (3 gathers into one packed staging
+buffer: only the last can be checked, the graph figure is not a copy figure) and a null control
+whose windows move nothing (the method's own spread: a slowdown within it is not separable from
+noise).
 
     python3 benches/bench_blocks.py [--rounds 5] [--sizes 4,16,32,64,256] [--graph-kib 32]
                                     [--only-graph] [--out DIR]
@@ -501,9 +502,11 @@ def graph_beside(case, s, rounds):
         case.mover.offload(d_ids, h_ids, stream=s).wait()
         window = max(time.perf_counter() - t0, 0.02)
         case.check("graph-warm-up", "offload", d_ids, h_ids)
-    moves, warm = 4, 3  # the first replays after an idle GPU run faster (clocks): not compared
+    # 3 moves of M = NB / 4 disjoint host ids: a quarter of the host blocks must keep the poison.
+    moves, warm = 3, 3  # the first replays after an idle GPU run faster (clocks): not compared
     n = warm + int((2 * moves + 1) * window * 1e3 / ms * 1.5) + 8
-    res = {"graph_ms": ms, "window_ms": window * 1e3, "ratios": {}, "replays": {}, "short": 0}
+    res = {"graph_ms": ms, "window_ms": window * 1e3, "ratios": {}, "replays": {}, "short": 0,
+           "quiet": []}
     replays(2 * warm)  # warm-up
     torch.cuda.synchronize()
     peers = ["pinstage", "sm-gather", "none"]
@@ -516,15 +519,23 @@ def graph_beside(case, s, rounds):
             h_list = [perm[k * case.M : (k + 1) * case.M] for k in range(moves)]
             case.fill_source("dev")
             case.poison("host")
+            if peer == "sm-gather":
+                case.stage.fill_(POISON)  # the gathers' packed destination
             dis = [torch.from_numpy(d).cuda() for d in d_list]
             torch.cuda.synchronize()
             spans = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                      for _ in range(moves)]
-            held = []
+            held, raised = [], []
             started = threading.Event()
 
             def move():
                 started.wait()
+                try:
+                    moved(s)
+                except Exception as e:  # noqa: BLE001 -- reported, the sequence skipped
+                    raised.append(e)
+
+            def moved(s):
                 with torch.cuda.stream(s):
                     for k in range(moves):
                         time.sleep(window)  # the quiet window before move k
@@ -545,6 +556,9 @@ def graph_beside(case, s, rounds):
             started.set()
             th.join()
             torch.cuda.synchronize()
+            if raised:
+                fail(f"graph beside {peer}: the moving thread raised {raised[0]!r}")
+                continue
             if peer == "pinstage":
                 for p in held:
                     p.wait()
@@ -559,16 +573,23 @@ def graph_beside(case, s, rounds):
             if at[-1] < edges[-1][1] + window * 1e3 / 2:
                 res["short"] += 1  # the replays ended before the last quiet window
             dur = [(at[i], at[i + 1], at[i + 1] - at[i]) for i in range(warm, n)]
+            w = window * 1e3
             for k, (on0, on1) in enumerate(edges):
-                before = edges[k - 1][1] if k else -1.0
-                after = edges[k + 1][0] if k + 1 < moves else float("inf")
+                # The quiet windows on both sides: up to the moves before and after, at most
+                # one window long at the ends of the sequence.
+                before = edges[k - 1][1] if k else on0 - w
+                after = edges[k + 1][0] if k + 1 < moves else on1 + w
                 inside = [d for a0, a1, d in dur if a0 >= on0 and a1 <= on1]
                 quiet = [d for a0, a1, d in dur
                          if (a0 >= before and a1 <= on0) or (a0 >= on1 and a1 <= after)]
+                if peer == "none":
+                    res["quiet"] += quiet
                 if inside and quiet:
                     r = statistics.median(inside) / statistics.median(quiet)
                     res["ratios"].setdefault(peer, []).append(r)
                     res["replays"].setdefault(peer, []).append((len(inside), len(quiet)))
+    if res["quiet"]:  # the replay's own time, away from the capture's first replay
+        res["graph_ms"] = statistics.median(res["quiet"])
     return res
 
 
@@ -673,6 +694,7 @@ def main():
         if not args.only_graph:
             timed_calls(case, args, variants, s, s2, peer, peer2d, results)
         if B == args.graph_kib << 10:
+            print(f"  graph test at {B >> 10} KiB blocks", flush=True)
             results["graph"] = graph_beside(case, s, args.rounds)
         del case
         torch.cuda.synchronize()

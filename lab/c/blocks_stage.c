@@ -14,7 +14,8 @@
  *   d2d-2d[-xS]  the device gather alone: one cuMemcpy2DAsync D2D per block (width B, height L,
  *               source pitch NB * B, destination pitch B) into device staging, over S streams
  *               (1, 2, 4): the copy engines' rate for scattered rows inside device memory
- *   d2d-batch    the same copies as one cuMemcpyBatchAsync of L * M entries
+ *   d2d-batch    the same copies as one cuMemcpyBatchAsync of L * M entries (lists built before
+ *               the clock)
  *   d2d-contig   one D2D copy of the same bytes (the control)
  *   off-2d       offload as pinstage's "strided": one 2D copy per block, device blocks straight to
  *               the host blocks (the figure to beat)
@@ -29,6 +30,8 @@
  *               and, on one of S other streams after an event, its 2D device scatter
  *   gather       the control: the host gather of every block alone (T threads)
  *   d2h / h2d    one contiguous copy of the same bytes between device and pinned staging (the link)
+ * Host rows: the threads start before the clock, which stops when every thread stored its last
+ * block and every stream drained.
  * Every call checked: the destination poisoned (0xEE bytes) before it; after it every byte of
  * every moved block compared with the source, and (host destinations) the moved blocks
  * poisoned again, the whole destination scanned for anything but poison at the end of the row
@@ -104,6 +107,7 @@ static void sync_all(void) {
 typedef struct {
     int load, ns, only; /* only: the host part alone (no copies) */
     atomic_size_t next, ready, issued; /* issued: chunks whose D2H and event are queued */
+    atomic_int go, finished, polling; /* started, threads done, one thread polls the events */
     atomic_size_t *left; /* per chunk: blocks not yet gathered (load) */
     pthread_mutex_t issue;
 } job_t;
@@ -117,8 +121,9 @@ static void host_block(size_t k) {
     }
 }
 static void *worker(void *arg) {
-    (void)arg;
     CHECK(cuCtxSetCurrent(ctx));
+    if (arg) /* a started thread: waits for the clock (thread start-up is not timed) */
+        while (!atomic_load(&job.go)) __builtin_ia32_pause();
     for (;;) {
         size_t k = atomic_fetch_add(&job.next, 1);
         if (k >= M) break;
@@ -126,13 +131,20 @@ static void *worker(void *arg) {
         if (!job.load && !job.only) { /* wait until chunk j landed in pinned staging */
             while (atomic_load(&job.ready) <= j) {
                 size_t r = atomic_load(&job.ready);
-                /* An event not yet recorded for this call would read as complete. */
-                if (atomic_load(&job.issued) > r && cuEventQuery(evx[r]) == CUDA_SUCCESS) {
-                    size_t want = r;
-                    atomic_compare_exchange_strong(&job.ready, &want, r + 1);
-                } else {
-                    __builtin_ia32_pause();
+                /* One thread polls the driver (the others would slow the issuing caller); an
+                   event not yet recorded for this call would read as complete. */
+                int no = 0;
+                if (atomic_load(&job.issued) > r && atomic_compare_exchange_strong(&job.polling, &no, 1)) {
+                    CUresult q = cuEventQuery(evx[r]);
+                    if (q == CUDA_SUCCESS) {
+                        size_t want = r;
+                        atomic_compare_exchange_strong(&job.ready, &want, r + 1);
+                    } else if (q != CUDA_ERROR_NOT_READY) {
+                        CHECK(q);
+                    }
+                    atomic_store(&job.polling, 0);
                 }
+                for (int i = 0; i < 16; i++) __builtin_ia32_pause();
             }
         }
         host_block(k);
@@ -146,9 +158,12 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&job.issue);
         }
     }
+    atomic_fetch_add(&job.finished, 1);
     return NULL;
 }
-static void run_host(int load, int ns, int only) {
+/* The host rows; returns the ms from the start (threads already started) until the last block
+   was stored and every stream drained. */
+static double run_host(int load, int ns, int only) {
     job.load = load; job.ns = ns; job.only = only;
     atomic_store(&job.next, 0);
     atomic_store(&job.ready, 0);
@@ -157,8 +172,13 @@ static void run_host(int load, int ns, int only) {
         size_t a = j * C, e = a + C < M ? a + C : M;
         atomic_store(&job.left[j], e - a);
     }
+    atomic_store(&job.go, 0);
+    atomic_store(&job.finished, 0);
+    atomic_store(&job.polling, 0);
     pthread_t th[64];
-    for (int i = 1; i < T; i++) pthread_create(&th[i], NULL, worker, NULL);
+    for (int i = 1; i < T; i++) pthread_create(&th[i], NULL, worker, &job);
+    double t0 = now_ms();
+    atomic_store(&job.go, 1);
     if (!load && !only) { /* the caller issues the device side, then scatters with the others */
         for (size_t j = 0; j < nchunks; j++) {
             size_t a = j * C, e = a + C < M ? a + C : M;
@@ -171,7 +191,11 @@ static void run_host(int load, int ns, int only) {
         }
     }
     worker(NULL);
+    while (atomic_load(&job.finished) < T) __builtin_ia32_pause();
+    sync_all();
+    double t1 = now_ms();
     for (int i = 1; i < T; i++) pthread_join(th[i], NULL);
+    return t1 - t0;
 }
 
 /* ---------------------------------------------------------------- rows */
@@ -207,26 +231,42 @@ static void prepare(int r) {
     }
     CHECK(cuCtxSynchronize());
 }
-static void one(int r) {
+/* The batch row's address lists, built before the clock (as a caller reusing its lists). */
+static CUdeviceptr *bsrc, *bdst;
+static size_t *bsz;
+static void batch_lists(void) {
+    size_t n = L * M;
+    bsrc = realloc(bsrc, n * sizeof *bsrc);
+    bdst = realloc(bdst, n * sizeof *bdst);
+    bsz = realloc(bsz, n * sizeof *bsz);
+    for (size_t k = 0, i = 0; k < M; k++)
+        for (size_t t = 0; t < L; t++, i++) {
+            bsrc[i] = dsrc + t * pitch() + did[k] * B;
+            bdst[i] = dstg + (k * L + t) * B;
+            bsz[i] = B;
+        }
+}
+/* One timed call of row r: ms from issue to the last byte (host rows: the last block stored). */
+static double one(int r) {
+    if (r == R_OFFS || r == R_OFFS2 || r == R_OFFS4)
+        return run_host(0, r == R_OFFS ? 1 : r == R_OFFS2 ? 2 : 4, 0);
+    if (r == R_SCAT) return run_host(0, 1, 1);
+    if (r == R_LOADS || r == R_LOADS2 || r == R_LOADS4)
+        return run_host(1, r == R_LOADS ? 1 : r == R_LOADS2 ? 2 : 4, 0);
+    if (r == R_GATH) return run_host(1, 1, 1);
+    double t0 = now_ms();
     switch (r) {
     case R_D2D: case R_D2D2: case R_D2D4:
         gather_dev(0, M, r == R_D2D ? 1 : r == R_D2D2 ? 2 : 4); break;
     case R_D2DB: {
         size_t n = L * M;
-        CUdeviceptr *s = malloc(n * sizeof *s), *d = malloc(n * sizeof *d);
-        size_t *z = malloc(n * sizeof *z);
-        for (size_t k = 0, i = 0; k < M; k++)
-            for (size_t t = 0; t < L; t++, i++) {
-                s[i] = dsrc + t * pitch() + did[k] * B; d[i] = dstg + (k * L + t) * B; z[i] = B;
-            }
         CUmemcpyAttributes a;
         memset(&a, 0, sizeof a);
         a.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
         size_t idx = 0, fail = 0;
         for (size_t o = 0; o < n; o += 65536) /* pinstage's MAX_BATCH */
-            CHECK(batch_fn(d + o, s + o, z + o, n - o < 65536 ? n - o : 65536, &a, &idx, 1, &fail, gs[0]));
-        CHECK(cuStreamSynchronize(gs[0]));
-        free(s); free(d); free(z);
+            CHECK(batch_fn(bdst + o, bsrc + o, bsz + o, n - o < 65536 ? n - o : 65536, &a, &idx, 1,
+                           &fail, gs[0]));
         break;
     }
     case R_D2DC: CHECK(cuMemcpyDtoDAsync(dstg, dsrc, M * L * B, gs[0])); break;
@@ -235,21 +275,16 @@ static void one(int r) {
             copy2d(CU_MEMORYTYPE_DEVICE, NULL, dsrc + did[k] * B, pitch(),
                    CU_MEMORYTYPE_HOST, hblk + hid[k] * B, 0, pitch(), xs);
         break;
-    case R_OFFS: case R_OFFS2: case R_OFFS4:
-        run_host(0, r == R_OFFS ? 1 : r == R_OFFS2 ? 2 : 4, 0); break;
-    case R_SCAT: run_host(0, 1, 1); break;
     case R_LOAD2D:
         for (size_t k = 0; k < M; k++)
             copy2d(CU_MEMORYTYPE_HOST, hblk + hid[k] * B, 0, pitch(),
                    CU_MEMORYTYPE_DEVICE, NULL, ddst + did[k] * B, pitch(), xs);
         break;
-    case R_LOADS: case R_LOADS2: case R_LOADS4:
-        run_host(1, r == R_LOADS ? 1 : r == R_LOADS2 ? 2 : 4, 0); break;
-    case R_GATH: run_host(1, 1, 1); break;
     case R_D2H: CHECK(cuMemcpyDtoHAsync(hstg, dstg, M * L * B, xs)); break;
     case R_H2D: CHECK(cuMemcpyHtoDAsync(dstg, hstg, M * L * B, xs)); break;
     }
     sync_all();
+    return now_ms() - t0;
 }
 static int all_poison(const unsigned char *p, size_t n) { /* n a multiple of 8, p aligned */
     const uint64_t *w = (const uint64_t *)p, *e = w + n / 8;
@@ -310,11 +345,10 @@ static void row(int r) {
     for (int i = -1; i < REPS; i++) {
         draw();
         prepare(r);
-        double t0 = now_ms();
-        one(r);
-        double t1 = now_ms();
+        if (r == R_D2DB) batch_lists();
+        double t = one(r);
         check(r);
-        if (i >= 0) ms[i] = t1 - t0;
+        if (i >= 0) ms[i] = t;
     }
     if (off && !all_poison(hblk, L * NB * B)) bad(r, "host blocks written beyond the moved ones", 0, 0);
     qsort(ms, REPS, sizeof *ms, cmp);
