@@ -552,8 +552,11 @@ def graph_beside(case, s, rounds):
 
             th = threading.Thread(target=move)
             th.start()
-            evs = replays(n)
+            # The mover starts with the sequence (its first quiet window covers the queueing,
+            # which blocks once the launch queue is full: started after it, the moves began
+            # near the sequence's end, run 2026-12-07-h100-x).
             started.set()
+            evs = replays(n)
             th.join()
             torch.cuda.synchronize()
             if raised:
