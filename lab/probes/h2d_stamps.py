@@ -14,8 +14,10 @@ threads gone, the event recorded, the return. Printed per row: the median ns bet
 consecutive stamps and the wall time (Python in, synchronised out) against torch `copy_` from
 pinned memory in the same state. In any other build only the wall times are printed. The
 `fanout` row (one copy thread woken by the caller, the rest by it) of runs 2026-12-07-h100-o and
--p moved neither the first unit nor the wall: that lab knob is gone. The `prewake` row: the
-copy threads woken at the Python entry (the lab knob; rows in a shuffled order per round).
+-p moved neither the first unit nor the wall: that lab knob is gone. Nor did `prewake` (every
+copy thread woken at the Python entry, spinning until the copy staffed it) in run
+2026-12-07-h100-za: 64 MiB 1746 against 1747 µs, 16 MiB 661 against 678 (15 shuffled rounds);
+gone too.
 
 Every call's destination is poisoned first and compared with the source after (0 failures
 printed at the end, or an AssertionError). With COLD=1 every CPU sweeps 1 GiB (read + write,
@@ -42,7 +44,6 @@ SIZES = [int(m) << 20 for m in os.environ.get("SIZES_MIB", "1,64").split(",")]
 sweep = cold_sweep()
 TUNINGS = [
     ("default", {}),
-    ("prewake", {"prewake": True}),
 ]
 
 

@@ -10,7 +10,7 @@ and the time it sat waiting for the next issue, measured instead of inferred. Ru
 and 8 workers (its first two tunings), run z those and 8 workers with regular stores into 512
 KiB x 16 slots, run zb 12 and 8 workers with 12 and with 4 slots (all with two pieces per
 worker, the rule until run zc). Env TUNINGS: the row numbers to run (comma-separated, 0 the
-default; all by default; 5: `prewake`).
+default; all by default).
 
 With COLD=1 every CPU sweeps 1 GiB (read + write, `bench_h2d.py`'s `Sweeper`) before each call
 (pinstage's and torch's alike, untimed), so the source comes from DRAM: the cold state the goal
@@ -39,7 +39,6 @@ ALL_TUNINGS = [
     ("10 workers", dict(workers=10)),
     ("4 slots", dict(slots=4)),
     ("6 slots", dict(slots=6)),
-    ("prewake (the copy threads woken at the Python entry)", dict(prewake=True)),
 ]
 TUNINGS = [ALL_TUNINGS[int(i)] for i in os.environ["TUNINGS"].split(",")] if os.environ.get("TUNINGS") else ALL_TUNINGS
 

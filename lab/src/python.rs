@@ -76,7 +76,7 @@ fn set_d2h_tuning(landing: bool, gil_held_max: usize, gil_spin_us: u64) -> (bool
 /// Sets the pageable H2D path's tuning and returns the previous one as a dict; no arguments:
 /// the defaults (see `h2d::tuning::H2DTuning`).
 #[pyfunction]
-#[pyo3(name = "_set_h2d_tuning", signature = (workers=None, max_piece=None, min_piece=None, slots=None, ramp=None, nt_upto=None, driver_below=None, unit=None, per_worker=None, halves_upto=None, prewake=None))]
+#[pyo3(name = "_set_h2d_tuning", signature = (workers=None, max_piece=None, min_piece=None, slots=None, ramp=None, nt_upto=None, driver_below=None, unit=None, per_worker=None, halves_upto=None))]
 #[allow(clippy::too_many_arguments)]
 fn set_h2d_tuning<'py>(
     py: Python<'py>,
@@ -90,7 +90,6 @@ fn set_h2d_tuning<'py>(
     unit: Option<usize>,
     per_worker: Option<usize>,
     halves_upto: Option<usize>,
-    prewake: Option<bool>,
 ) -> PyResult<Bound<'py, PyDict>> {
     use crate::h2d::tuning::{H2DTuning, h2d_tuning};
     let old = h2d_tuning();
@@ -106,7 +105,6 @@ fn set_h2d_tuning<'py>(
         unit: unit.unwrap_or(d.unit),
         per_worker: per_worker.unwrap_or(d.per_worker),
         halves_upto: halves_upto.unwrap_or(d.halves_upto),
-        prewake: prewake.unwrap_or(d.prewake),
     });
     let out = PyDict::new(py);
     out.set_item("workers", old.workers)?;
@@ -119,7 +117,6 @@ fn set_h2d_tuning<'py>(
     out.set_item("unit", old.unit)?;
     out.set_item("per_worker", old.per_worker)?;
     out.set_item("halves_upto", old.halves_upto)?;
-    out.set_item("prewake", old.prewake)?;
     Ok(out)
 }
 

@@ -37,10 +37,6 @@ pub(crate) struct H2DTuning {
     /// at least 64 KiB): two copies, the first issued while the second half fills. Below a few
     /// MiB the ramp's several small copies buy little overlap for what each copy costs.
     pub(crate) halves_upto: usize,
-    /// The laboratory's experiment: the Python entry wakes the copy threads (they spin until
-    /// the copy staffs them) before it imports the arrays, so their wake-up overlaps the
-    /// call's own start instead of following it.
-    pub(crate) prewake: bool,
 }
 
 impl H2DTuning {
@@ -56,7 +52,6 @@ impl H2DTuning {
         driver_below: 0,
         unit: 256 << 10,
         halves_upto: 8 << 20,
-        prewake: false,
     };
 
     /// Workers for a copy of `len` bytes: one per 2 MiB, at least 4 (waking more costs more
@@ -343,7 +338,6 @@ mod tests {
             driver_below: 9,
             unit: 100_000,
             halves_upto: 1 << 40,
-            prewake: true,
         };
         assert_eq!(
             clamped(wild),

@@ -268,11 +268,6 @@ fn upload_bounced(
                 }
             };
             staff();
-            // Threads woken ahead of the copy (the lab's `prewake`) stop spinning and take
-            // the tasks just queued.
-            if cfg!(feature = "lab") {
-                crate::host::workers::staffed();
-            }
             crate::stamps::stamp!("staffed");
             make();
             rest(cur, Some(&staff));

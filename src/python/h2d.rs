@@ -96,26 +96,12 @@ fn issue(
     stream: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(CopyPath, PendingCopy)> {
     crate::stamps::stamp!(">h2d");
-    // The laboratory's `prewake`: the source first, and the copy threads woken for a copy
-    // that will need them before the rest of the call's start.
-    let (early, _wake) = if cfg!(feature = "lab") && crate::h2d::tuning::h2d_tuning().prewake {
-        let from = import_host_source(src)?;
-        let wake = (from.view.nbytes() >= 256 << 10)
-            .then(crate::host::workers::Wake::start)
-            .flatten();
-        (Some(from), wake)
-    } else {
-        (None, None)
-    };
     super::linger::reap(py);
     crate::stamps::stamp!("reaped");
     let s = parse_stream(stream)?;
     let to = import_destination(dst, s)?;
     crate::stamps::stamp!("dst imported");
-    let from = match early {
-        Some(f) => f,
-        None => import_host_source(src)?,
-    };
+    let from = import_host_source(src)?;
     crate::stamps::stamp!("src imported");
     check_match(&from, &to)?;
     let stream = s.unwrap_or(to.stream);
