@@ -42,9 +42,10 @@ pinstage call (issue only, on the calling thread and in the background); and a ~
 and moves, each about one move long (3 moves a sequence, disjoint host ids, every move checked,
 the host blocks no move writes still poisoned): each move's replays against the replays of the
 quiet windows on both sides of it in the same sequence, so the clocks' and the temperature's
-drift cancel. Peers: pinstage's offload, the sm-gather peer (3 gathers into one packed staging
-buffer: only the last can be checked, the graph figure is not a copy figure) and a null control
-whose windows move nothing (the method's own spread: a slowdown within it is not separable from
+drift cancel. Peers: pinstage's offload, the 2D peer's, the sm-gather peer (3 gathers into one
+packed staging buffer: only the last can be checked, the graph figure is not a copy figure), one
+contiguous copy of the same bytes (whether the copies' shape matters) and a null control whose
+windows move nothing (the method's own spread: a slowdown within it is not separable from
 noise).
 
     python3 benches/bench_blocks.py [--rounds 5] [--sizes 4,16,32,64,256] [--graph-kib 32]
@@ -452,12 +453,13 @@ def contiguous_both(case, s, s2, rounds):
     return out
 
 
-def graph_beside(case, s, rounds):
+def graph_beside(case, s, rounds, peer2d):
     """A ~4 ms graph replayed back to back on its own stream while another thread alternates
     quiet windows and moves (each about one move long): each move's replays against the quiet
     windows on both sides of it, in the same sequence (clock and thermal drift cancel), per
-    peer: pinstage's offload, the sm-gather peer, and a null control whose "moves" only sleep
-    (the method's own spread)."""
+    peer: pinstage's offload, the 2D peer (the same copies by ctypes), the sm-gather peer, one
+    contiguous copy of the same bytes (does the copies' shape matter?), and a null control whose
+    "moves" only sleep (the method's own spread)."""
     g_stream = torch.cuda.Stream()
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
@@ -509,7 +511,9 @@ def graph_beside(case, s, rounds):
            "quiet": []}
     replays(2 * warm)  # warm-up
     torch.cuda.synchronize()
-    peers = ["pinstage", "sm-gather", "none"]
+    peers = ["pinstage", "2d-peer", "sm-gather", "contiguous", "none"]
+    pitch = case.NB * case.B  # the 2D peer: each side's tensors one allocation, this apart
+    d0, h0 = int(case.dev_base[0]), int(case.host_base[0])
     order = random.Random(7)
     for _ in range(rounds):
         order.shuffle(peers)
@@ -519,8 +523,10 @@ def graph_beside(case, s, rounds):
             h_list = [perm[k * case.M : (k + 1) * case.M] for k in range(moves)]
             case.fill_source("dev")
             case.poison("host")
-            if peer == "sm-gather":
-                case.stage.fill_(POISON)  # the gathers' packed destination
+            if peer == "contiguous":
+                case.gdev.copy_(case.dev[:, : case.M])  # the packed source: new values
+            if peer in ("sm-gather", "contiguous"):
+                case.stage.fill_(POISON)  # the packed destination
             dis = [torch.from_numpy(d).cuda() for d in d_list]
             torch.cuda.synchronize()
             spans = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -542,6 +548,11 @@ def graph_beside(case, s, rounds):
                         spans[k][0].record(s)
                         if peer == "pinstage":
                             held.append(case.mover.offload(d_list[k], h_list[k], stream=s))
+                        elif peer == "2d-peer":
+                            peer2d.issue(d0, h0, pitch, case.B, d_list[k], h_list[k], False,
+                                         s.cuda_stream)
+                        elif peer == "contiguous":
+                            case.stage.copy_(case.gdev, non_blocking=True)
                         elif peer == "sm-gather":
                             torch.index_select(case.dev, 1, dis[k], out=case.gdev)
                             case.stage.copy_(case.gdev, non_blocking=True)
@@ -562,12 +573,15 @@ def graph_beside(case, s, rounds):
             if raised:
                 fail(f"graph beside {peer}: the moving thread raised {raised[0]!r}")
                 continue
-            if peer == "pinstage":
+            if peer in ("pinstage", "2d-peer"):
                 for p in held:
                     p.wait()
                 # every move's host blocks (disjoint), and nothing else written
-                case.check("graph-beside", "offload", np.concatenate(d_list),
+                case.check(f"graph-beside {peer}", "offload", np.concatenate(d_list),
                            np.concatenate(h_list))
+            elif peer == "contiguous":
+                if not torch.equal(case.stage.cuda(), case.gdev):
+                    fail("graph-beside contiguous: WRONG")
             elif peer == "sm-gather":
                 case.check_packed("sm-gather", "offload", d_list[-1])  # the last gather's
             # Replay i runs from at[i] to at[i+1] (ms after the sequence's first event).
@@ -698,7 +712,7 @@ def main():
             timed_calls(case, args, variants, s, s2, peer, peer2d, results)
         if B == args.graph_kib << 10:
             print(f"  graph test at {B >> 10} KiB blocks", flush=True)
-            results["graph"] = graph_beside(case, s, args.rounds)
+            results["graph"] = graph_beside(case, s, args.rounds, peer2d)
         del case
         torch.cuda.synchronize()
 
@@ -749,13 +763,15 @@ def main():
         summary.append(row)
     if "graph" in results:
         g = results["graph"]
-        for peer_name in ("pinstage", "sm-gather", "none"):
+        for peer_name in ("pinstage", "2d-peer", "sm-gather", "contiguous", "none"):
             rs = g["ratios"].get(peer_name, [])
             if rs:
                 pct = sorted((r - 1) * 100 for r in rs)
                 ins = statistics.median(i for i, _ in g["replays"][peer_name])
                 what = {"pinstage": "beside pinstage's offloads",
+                        "2d-peer": "beside the 2D peer's offloads",
                         "sm-gather": "beside the sm-gather peer",
+                        "contiguous": "beside one contiguous copy of the same bytes",
                         "none": "null control (windows with no move)"}[peer_name]
                 row = (f"graph {g['graph_ms']:.3f} ms, windows {g['window_ms']:.1f} ms: {what}: "
                        f"{statistics.median(pct):+.2f}% ({pct[0]:+.2f}..{pct[-1]:+.2f}%, "
