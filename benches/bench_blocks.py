@@ -13,7 +13,9 @@ it took); tensors in separate allocations are moved batched, like the batch peer
 Variants, one torch stream `s`, a call = issue + `s.synchronize()` (wall time, perf_counter_ns):
   pinstage     mover.offload(dev_ids, host_ids, stream=s) / mover.load(host_ids, dev_ids, ...)
   pinstage-bg  the same with background=True (a thread of the mover issues; the call is timed
-               to the move's wait())
+               to the move's wait()); small blocks go through staging there (plan(...,
+               background=True) says "staged": 2D gathers or scatters inside device memory, one
+               copy per 16 MiB chunk across the link, the host blocks moved by copy threads)
   batch-peer   vLLM's DMA idiom: the (tensor, block) pairs merged into runs with numpy and ONE
                cuMemcpyBatchAsync (ctypes, srcAccessOrder STREAM, arrays built per call)
   2d-peer      with each side one allocation (as here): one cuMemcpy2DAsync per run across all
@@ -640,6 +642,11 @@ def timed_calls(case, args, variants, s, s2, peer, peer2d, results):
         results[(B, direction, "strategy")] = settled["strategy"]
         print(f"  pinstage's plan after the warm-up: {settled['strategy']}, "
               f"{settled['choice']} {settled.get('measured_gbps', '')}", flush=True)
+        bgplan = case.mover.plan(direction, a, b, background=True)
+        results[(B, direction, "bg-strategy")] = bgplan["strategy"]
+        print(f"  pinstage's plan in the background: {bgplan['strategy']} "
+              f"({bgplan['copies']} copies, {bgplan['calls']} calls, {bgplan['threads']} threads)",
+              flush=True)
         shuffle = random.Random(B)
         for r in range(args.rounds):
             order = variants[:]
@@ -740,8 +747,10 @@ def main():
             hb, pb = r["pinstage-bg"][1][0], r["pinstage-bg"][0][0]
             hc = r["control"][1][0]
             goal = 2 + 0.05 * M
-            row = (f"{B >> 10:>4} KiB {direction:8} background {pb:6.2f} GB/s ({pb / p:.2f}x the "
-                   f"caller's); host time per call for {M} ids: background {hb:.1f} us, caller "
+            bgs = results[(B, direction, "bg-strategy")]
+            row = (f"{B >> 10:>4} KiB {direction:8} background ({bgs}) {pb:6.2f} GB/s ({pb / p:.2f}x "
+                   f"the caller's, {pb / bp:.2f}x batch, {pb / td:.2f}x 2d, {pb / c:.2f}x contig); "
+                   f"host time per call for {M} ids: background {hb:.1f} us, caller "
                    f"{h:.1f} us; goal <= 2 + 0.05 x {M} = {goal:.1f} us: background "
                    f"{'MET' if hb <= goal else 'MISSED'}, caller {'MET' if h <= goal else 'MISSED'}"
                    f"; control: one torch Event.record(s) in the same state {hc:.1f} us")

@@ -18,7 +18,7 @@ static GPU: std::sync::RwLock<()> = std::sync::RwLock::new(());
 fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
     GPU.read().unwrap_or_else(|e| e.into_inner())
 }
-use pinstage::blocks::{BlockMover, Choice, Direction, Strategy};
+use pinstage::blocks::{BlockMover, Choice, Direction, Staging, Strategy};
 use pinstage::host::PinnedFlags;
 use pinstage::testing::DeviceBuffer;
 use pinstage::{DeviceView, Error, PinnedBuffer, Stream, StreamHandle};
@@ -404,6 +404,146 @@ fn gpu_blocks_every_block_lands(
         assert_eq!(plan.strategy, Strategy::Batched);
         assert_eq!(plan.copies, 2 * per_tensor_parts * layout.tensors(tensors));
     }
+}
+
+/// Ids for move `m` of [`gpu_blocks_staged_moves_land_every_block`]: `n` random pairs, with a
+/// run of four pairs adjacent on both sides in every other move.
+fn staged_ids(m: u32, n: usize, dev_blocks: usize, host_blocks: usize) -> (Vec<usize>, Vec<usize>) {
+    let mut dev_ids = ids(n, dev_blocks, 211 + m as u64);
+    let mut host_ids = ids(n, host_blocks, 307 + m as u64);
+    if m % 2 == 1 && n >= 6 {
+        let splice = |v: &mut Vec<usize>, at: usize| {
+            let rest: Vec<usize> = v
+                .iter()
+                .copied()
+                .filter(|b| !(at..at + 4).contains(b))
+                .collect();
+            *v = (at..at + 4).chain(rest).take(n).collect();
+        };
+        splice(&mut dev_ids, 20);
+        splice(&mut host_ids, 5);
+    }
+    (dev_ids, host_ids)
+}
+
+#[rstest]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_blocks_staged_moves_land_every_block(
+    #[values(Layout::KvFirst, Layout::BlocksFirst, Layout::Cross)] layout: Layout,
+    #[values(64, 4100, 65536)] bytes: usize,
+    #[values(0, 2)] stream_kind: u8,
+) {
+    let Some(d) = gpu_or_skip("gpu_blocks_staged_moves_land_every_block") else {
+        return;
+    };
+    let _gpu = shared();
+    let own = Stream::new(&d).unwrap();
+    let stream = if stream_kind == 0 {
+        StreamHandle::LEGACY
+    } else {
+        own.handle()
+    };
+    // Staged moves in 64 KiB chunks: a move of up to 40 blocks x 3 tensors x 2 parts of 64 KiB
+    // takes dozens of chunks, so the ring of four wraps within a move and from move to move; a
+    // 64 KiB part across 3 tensors is split over pieces.
+    let (tensors, dev_blocks, host_blocks) = (3, 48, 40);
+    let mut s = Sides::with(&d, layout, tensors, bytes, dev_blocks, host_blocks, true);
+    let (dv, hv, dim) = s.views();
+    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    mover.set_staging(Staging::Always, 64 << 10).unwrap();
+    assert_eq!(mover.staging(), (Staging::Always, 64 << 10));
+    for m in 0..6u32 {
+        let n = [1, 7, 16, 40, 3, 25][m as usize];
+        let (dev_ids, host_ids) = staged_ids(m, n, dev_blocks, host_blocks);
+        let plan = mover
+            .plan_in_background(Direction::Offload, &dev_ids, &host_ids)
+            .unwrap();
+        assert_eq!(plan.strategy, Strategy::Staged, "{plan:?}");
+        assert!(
+            plan.calls > plan.copies && plan.reason.contains("always"),
+            "{plan:?}"
+        );
+        let (d_, h_) = (&dev_ids, &host_ids);
+        move_checked(&mut s, &mover, Direction::Offload, d_, h_, stream, true, m);
+        move_checked(
+            &mut s,
+            &mover,
+            Direction::Load,
+            d_,
+            h_,
+            stream,
+            true,
+            m + 100,
+        );
+    }
+    // On the caller's thread a move is never staged.
+    let plan = mover.plan(Direction::Load, &[1, 2, 3], &[5, 6, 9]).unwrap();
+    assert_ne!(plan.strategy, Strategy::Staged);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_blocks_staging_auto_takes_large_moves_of_small_blocks() {
+    let Some(d) = gpu_or_skip("gpu_blocks_staging_auto_takes_large_moves_of_small_blocks") else {
+        return;
+    };
+    let _gpu = shared();
+    let stream = Stream::new(&d).unwrap();
+    // 4 tensors x 2 parts x 16 KiB: 128 KiB a block; 96 random blocks: 12 MiB in 1 MiB chunks.
+    let (tensors, bytes, blocks) = (4, 16 << 10, 256);
+    let mut s = Sides::with(&d, Layout::KvFirst, tensors, bytes, blocks, blocks, true);
+    let (dv, hv, dim) = s.views();
+    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    assert_eq!(
+        mover.staging(),
+        (Staging::Auto, pinstage::blocks::DEFAULT_CHUNK)
+    );
+    mover.set_staging(Staging::Auto, 1 << 20).unwrap();
+    for m in 0..3u32 {
+        let (dev_ids, host_ids) = (
+            ids(96, blocks, 5 + m as u64),
+            ids(96, blocks, 50 + m as u64),
+        );
+        for direction in [Direction::Offload, Direction::Load] {
+            let (src, dst) = match direction {
+                Direction::Offload => (&dev_ids, &host_ids),
+                Direction::Load => (&host_ids, &dev_ids),
+            };
+            let plan = mover.plan_in_background(direction, src, dst).unwrap();
+            assert_eq!(plan.strategy, Strategy::Staged, "{plan:?}");
+            assert!(plan.calls >= plan.copies + 12, "{plan:?}");
+            assert_ne!(
+                mover.plan(direction, src, dst).unwrap().strategy,
+                Strategy::Staged
+            );
+            // Under 8 MiB: not staged.
+            let small = mover
+                .plan_in_background(direction, &src[..40], &dst[..40])
+                .unwrap();
+            assert_ne!(small.strategy, Strategy::Staged, "{small:?}");
+        }
+        let (d_, h_) = (&dev_ids, &host_ids);
+        let h = stream.handle();
+        move_checked(&mut s, &mover, Direction::Offload, d_, h_, h, true, m);
+        move_checked(&mut s, &mover, Direction::Load, d_, h_, h, true, m + 100);
+    }
+    // One run: copies of 12 MiB each side, not staged.
+    let run: Vec<usize> = (0..96).collect();
+    let plan = mover
+        .plan_in_background(Direction::Offload, &run, &run)
+        .unwrap();
+    assert_ne!(plan.strategy, Strategy::Staged, "{plan:?}");
+    mover.set_staging(Staging::Never, 1 << 20).unwrap();
+    let (a, b) = (ids(96, blocks, 1), ids(96, blocks, 2));
+    let plan = mover
+        .plan_in_background(Direction::Offload, &a, &b)
+        .unwrap();
+    assert_ne!(plan.strategy, Strategy::Staged, "{plan:?}");
+    assert!(matches!(
+        mover.set_staging(Staging::Always, 4096),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert_eq!(mover.staging().0, Staging::Never);
 }
 
 #[rstest]

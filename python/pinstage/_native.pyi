@@ -4,7 +4,7 @@ The docstrings live on the runtime objects (``help(pinstage.PinnedStager)``); th
 signatures; ``python -m mypy.stubtest pinstage._native`` finds nothing to report (CI runs it).
 """
 
-from typing import Any, Callable, Optional, Sequence, TypeVar, Union, final
+from typing import Any, Callable, Literal, Optional, Sequence, TypeVar, Union, final
 
 import numpy as np
 from typing_extensions import TypeAlias, deprecated
@@ -212,7 +212,15 @@ _BlockIds: TypeAlias = Any  # a list of ints, or a 1-D integer numpy array / CPU
 
 @final
 class BlockMover:
-    def __new__(cls, device_tensors: Any, host_tensors: Any, *, block_dim: int = 0) -> BlockMover: ...
+    def __new__(
+        cls,
+        device_tensors: Any,
+        host_tensors: Any,
+        *,
+        block_dim: int = 0,
+        staging: Literal["auto", "always", "never"] = "auto",
+        staging_chunk: int = 16777216,
+    ) -> BlockMover: ...
     def offload(
         self,
         device_ids: _BlockIds,
@@ -229,7 +237,9 @@ class BlockMover:
         stream: _StreamLike = None,
         background: bool = False,
     ) -> PendingCopy: ...
-    def plan(self, direction: str, src_ids: _BlockIds, dst_ids: _BlockIds) -> dict[str, Any]: ...
+    def plan(
+        self, direction: str, src_ids: _BlockIds, dst_ids: _BlockIds, *, background: bool = False
+    ) -> dict[str, Any]: ...
     @property
     def num_tensors(self) -> int: ...
     @property

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use super::copy::{Direction, Ticket};
 use super::issue::{Issue, Lists, helper_streams, issue_on};
 use super::plan::{Segment, segments_of};
+use super::staged::{self, Stage};
 use super::tensors::Tensors;
 use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::driver::DriverError;
@@ -66,6 +67,7 @@ impl Issuer {
             .spawn(move || {
                 let cur = device.enter();
                 let helpers = OnceLock::new();
+                let mut stage = Stage::default();
                 // Polling pays where the caller has a CPU of its own, not on a single CPU.
                 // (The lab's variant `no_poll` is the control that never polls.)
                 let poll = std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2)
@@ -79,7 +81,7 @@ impl Issuer {
                         Ok(cur) => crate::driver::capture_relaxed(|| {
                             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                                 // SAFETY: the sender's contract (`Issuer::send`).
-                                unsafe { run(cur, &side, &helpers, &tensors, &job) }
+                                unsafe { run(cur, &side, &helpers, &mut stage, &tensors, &job) }
                             }))
                             .unwrap_or_else(|_| {
                                 let _ = side.handle().synchronize(cur);
@@ -167,9 +169,10 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<(Vec<Segment>, Lists)> = Default::default();
 }
 
-/// Merges `job`'s ids into runs, issues them on `side` after its fork and records its event; on
-/// a failure the stream is drained first, so nothing of the move runs when its waiters hear of
-/// it.
+/// Merges `job`'s ids into runs, issues them on `side` after its fork and records its event
+/// (a staged move: moves it through `stage`'s ring, returning once it completed or, for a
+/// load, once every copy is queued); on a failure the stream is drained first, so nothing of
+/// the move runs when its waiters hear of it.
 ///
 /// # Safety
 /// As [`Issuer::send`].
@@ -177,6 +180,7 @@ unsafe fn run(
     cur: &Current<'_>,
     side: &Stream,
     helpers: &OnceLock<Vec<Stream>>,
+    stage: &mut Stage,
     tensors: &Tensors,
     job: &Job,
 ) -> std::result::Result<(), DriverError> {
@@ -190,6 +194,32 @@ unsafe fn run(
             .runs(job.direction, &job.src_ids, &job.dst_ids)
             .map_err(bug)?;
         let (blocks, n_runs) = (job.src_ids.len(), runs.len());
+        if let Some((shape, chunk)) = tensors.staged(blocks, n_runs)
+            && stage.ring(cur, chunk).is_some()
+        {
+            segments_of(&tensors.pairs, job.direction, &runs, true, segments).map_err(bug)?;
+            let Stage {
+                ring, pieces, ends, ..
+            } = stage;
+            staged::pack(segments, shape.rows, chunk, pieces, ends);
+            let ring = ring.as_mut().expect("made above");
+            forked = true;
+            // SAFETY: the sender's contract 1 (the pieces lie within the tensors, at the strides
+            // `staged` gives); `stream` is our side stream.
+            return unsafe {
+                staged::run(
+                    cur,
+                    ring,
+                    job.direction,
+                    (pieces, ends),
+                    shape,
+                    stream,
+                    &job.fork,
+                    job.ticket.event(),
+                )
+            }
+            .map_err(staged::driver_error);
+        }
         let (how, pick) = tensors.how(job.direction, blocks, n_runs, Some(cur));
         let strided = matches!(how, Issue::Strided { .. });
         segments_of(&tensors.pairs, job.direction, &runs, strided, segments).map_err(bug)?;

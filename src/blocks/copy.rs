@@ -39,6 +39,11 @@ pub enum Strategy {
     /// One `cuMemcpy2DAsync` per run and part, across every tensor at once (the tensors of each
     /// side sit at one address stride: slices of one allocation).
     Strided,
+    /// A move in the background through staging buffers
+    /// ([`Staging`](super::Staging)): 2D copies gather (offload) or scatter (load) the blocks
+    /// inside device memory, one copy per chunk crosses the link, and pinstage's copy threads
+    /// scatter or gather the host blocks.
+    Staged,
     /// One `cuMemcpyAsync` per copy (a driver older than CUDA 12.8).
     PerCopy,
     /// Nothing to move.
@@ -60,11 +65,13 @@ pub struct MovePlan {
     /// Runs of adjacent blocks (on both sides) they merge into.
     pub runs: usize,
     /// Copies issued (runs x parts x tensors; runs x parts for [`Strategy::Strided`], each
+    /// across every tensor; for [`Strategy::Staged`] the 2D copies inside device memory, each
     /// across every tensor).
     pub copies: usize,
     /// Driver calls that carry them.
     pub calls: usize,
-    /// Threads (each with its own stream) the calls are issued from at once.
+    /// Threads (each with its own stream) the calls are issued from at once ([`Strategy::Staged`]:
+    /// the copy threads that move the host blocks).
     pub threads: usize,
     /// Bytes moved in all.
     pub bytes: usize,

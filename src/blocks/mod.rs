@@ -1,13 +1,15 @@
 //! Paged KV-cache blocks between device tensors and pinned host tensors: [`BlockMover`] moves
 //! lists of block ids with the copy engines (runs of adjacent ids merged; one batched driver call
-//! per move, or one 2D copy per run across tensors that sit at one stride); the planning behind
-//! it is pure and tested without a GPU.
+//! per move, or one 2D copy per run across tensors that sit at one stride; moves in the
+//! background of small blocks through staging buffers, [`Staging`]); the planning behind it is
+//! pure and tested without a GPU.
 
 mod background;
 mod copy;
 mod issue;
 mod mover;
 mod plan;
+mod staged;
 mod strides;
 mod tensors;
 #[cfg(test)]
@@ -22,3 +24,4 @@ pub use copy::{BlockCopy, Choice, Direction, MAX_BATCH, MovePlan, Strategy};
 pub use mover::BlockMover;
 #[cfg(test)]
 pub(crate) use plan::{BlockLayout, Segment, plan};
+pub use staged::{DEFAULT_CHUNK, Staging};

@@ -11,6 +11,7 @@ use super::background::Issuer;
 use super::copy::{BlockCopy, Choice, Direction, InFlight, MAX_BATCH, MovePlan, Strategy};
 use super::issue::{Issue, Lists, helper_streams, issue_on, share};
 use super::plan::{BlockLayout, Pair, Run, Segment, segments, segments_of};
+use super::staged::{self, DEFAULT_CHUNK, Staging};
 use super::strides::{one_allocation, strides};
 use super::tensors::Tensors;
 use super::tuning::Pick;
@@ -214,6 +215,31 @@ impl<'t> BlockMover<'t> {
         self.tensors.block_bytes
     }
 
+    /// Sets whether moves in the background go through staging buffers ([`Staging`]; default
+    /// [`Staging::Auto`]) in chunks of `chunk_bytes` ([`DEFAULT_CHUNK`]): each direction's
+    /// thread makes a ring of four chunks in device memory and four in pinned host memory at
+    /// its first staged move, and keeps it until the mover goes. Takes effect from the next
+    /// move handed over.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`]: `chunk_bytes` under 64 KiB.
+    pub fn set_staging(&self, staging: Staging, chunk_bytes: usize) -> Result<()> {
+        if chunk_bytes < 64 << 10 {
+            return Err(Error::arg(
+                "chunk_bytes",
+                chunk_bytes.to_string(),
+                "at least 64 KiB",
+            ));
+        }
+        self.tensors.set_staging(staging, chunk_bytes);
+        Ok(())
+    }
+
+    /// The staging set ([`BlockMover::set_staging`]): the mode and a chunk's bytes.
+    pub fn staging(&self) -> (Staging, usize) {
+        self.tensors.staging()
+    }
+
     /// The tensor pairs.
     pub fn len(&self) -> usize {
         self.tensors.pairs.len()
@@ -293,20 +319,40 @@ impl<'t> BlockMover<'t> {
             },
             bytes: src_ids.len() * self.block_bytes(),
             reason,
-            choice: match pick {
-                Pick::Table => Choice::Table,
-                Pick::Timing(_) => Choice::Timing,
-                Pick::Measured {
-                    strided,
-                    batched,
-                    batched_one_thread,
-                    ..
-                } => Choice::Measured {
-                    strided: strided as u64,
-                    batched: batched as u64,
-                    batched_one_thread: batched_one_thread.map(|r| r as u64),
-                },
-            },
+            choice: pick.choice(),
+        })
+    }
+
+    /// What a move in the background ([`BlockMover::offload_in_background`]) of `src_ids[i]`
+    /// into `dst_ids[i]` would issue: a staged move ([`Strategy::Staged`]) where [`Staging`]
+    /// lets it, else as [`BlockMover::plan`] says.
+    ///
+    /// # Errors
+    /// As [`BlockMover::plan`].
+    pub fn plan_in_background(
+        &self,
+        direction: Direction,
+        src_ids: &[usize],
+        dst_ids: &[usize],
+    ) -> Result<MovePlan> {
+        let plan = self.plan(direction, src_ids, dst_ids)?;
+        if self.device.is_none() || plan.strategy == Strategy::Empty {
+            return Ok(plan);
+        }
+        let runs = self.tensors.runs(direction, src_ids, dst_ids)?;
+        let Some((copies, chunks, chunk)) =
+            self.tensors.staged_counts(direction, &runs, src_ids.len())
+        else {
+            return Ok(plan);
+        };
+        Ok(MovePlan {
+            strategy: Strategy::Staged,
+            copies,
+            calls: copies + chunks,
+            threads: crate::host::workers::workers().map_or(1, |w| w.current_num_threads()),
+            reason: staged::reason(self.staging().0, chunk == DEFAULT_CHUNK),
+            choice: Choice::Table,
+            ..plan
         })
     }
 

@@ -1,11 +1,14 @@
 //! A mover's tensors as planning sees them: the pairs, their block counts, how moves are issued
 //! between them, and the checks of a move's ids. Shared by the mover and its issuing threads.
 
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+
 use parking_lot::Mutex;
 
 use super::copy::Direction;
 use super::issue::Issue;
 use super::plan::{Pair, Run, check_ids, runs};
+use super::staged::{self, Shape, Staging};
 use super::strides::{batch_threads, two_d_wins};
 use super::tuning::{Pick, Tuning, Way};
 use crate::cuda::{Current, StreamHandle};
@@ -36,6 +39,10 @@ pub(super) struct Tensors {
     read_only: [Option<usize>; 2],
     /// Which way moves between tensors at one stride go, timed on this device.
     tuning: Tuning,
+    /// [`Staging`] as a number (its order), and the staging chunk's bytes: set on the mover,
+    /// read by its issuing threads at each move.
+    staging: AtomicU8,
+    chunk: AtomicUsize,
 }
 
 impl Tensors {
@@ -57,7 +64,77 @@ impl Tensors {
             batched,
             seen: Mutex::new(Vec::new()),
             tuning: Tuning::default(),
+            staging: AtomicU8::new(0),
+            chunk: AtomicUsize::new(staged::DEFAULT_CHUNK),
         }
+    }
+
+    /// Sets whether moves in the background go through staging, in chunks of `chunk` bytes.
+    pub(super) fn set_staging(&self, staging: Staging, chunk: usize) {
+        let n = match staging {
+            Staging::Auto => 0,
+            Staging::Always => 1,
+            Staging::Never => 2,
+        };
+        self.staging.store(n, Ordering::Relaxed);
+        self.chunk.store(chunk, Ordering::Relaxed);
+    }
+
+    /// What a staged move of `blocks` blocks in `runs` would issue ([`Tensors::staged`]): its
+    /// 2D copies, its chunks, and a chunk's bytes; `None`: it goes unstaged.
+    pub(super) fn staged_counts(
+        &self,
+        direction: Direction,
+        runs: &[Run],
+        blocks: usize,
+    ) -> Option<(usize, usize, usize)> {
+        let (shape, chunk) = self.staged(blocks, runs.len())?;
+        let mut segments = Vec::new();
+        super::plan::segments_of(&self.pairs, direction, runs, true, &mut segments).ok()?;
+        let (mut pieces, mut ends) = (Vec::new(), Vec::new());
+        staged::pack(&segments, shape.rows, chunk, &mut pieces, &mut ends);
+        Some((pieces.len(), ends.len(), chunk))
+    }
+
+    /// The staging mode and chunk bytes set.
+    pub(super) fn staging(&self) -> (Staging, usize) {
+        let mode = match self.staging.load(Ordering::Relaxed) {
+            0 => Staging::Auto,
+            1 => Staging::Always,
+            _ => Staging::Never,
+        };
+        (mode, self.chunk.load(Ordering::Relaxed))
+    }
+
+    /// Whether a move in the background of `blocks` blocks in `runs` runs goes through staging
+    /// ([`Staging`]): its shape and the chunk's bytes. Only between device tensors at one
+    /// stride within one allocation (one 2D copy per run then gathers or scatters a chunk's
+    /// rows of every tensor), or a single tensor, and host tensors likewise.
+    pub(super) fn staged(&self, blocks: usize, runs: usize) -> Option<(Shape, usize)> {
+        let (device_pitch, host_pitch) = match (self.strides, self.pairs.len()) {
+            (Some(s), _) => s,
+            // One tensor: one row per piece, the pitch unused.
+            (None, 1) => (0, 0),
+            _ => return None,
+        };
+        let rows = self.pairs.len();
+        let (mode, chunk) = self.staging();
+        let go = match mode {
+            Staging::Never => false,
+            Staging::Always => true,
+            Staging::Auto => {
+                blocks * self.block_bytes >= staged::AUTO_MIN_BYTES
+                    && self.copy_bytes(blocks, runs) < staged::AUTO_BELOW_COPY
+            }
+        };
+        (go && runs > 0 && staged::fits(rows, chunk)).then_some((
+            Shape {
+                rows,
+                device_pitch,
+                host_pitch,
+            },
+            chunk,
+        ))
     }
 
     /// The (block count, id list name) of a move's source and destination sides.

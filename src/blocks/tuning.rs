@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::copy::Direction;
+use super::copy::{Choice, Direction};
 use crate::cuda::{Current, StreamHandle, TimedEvent};
 
 /// The ways a move between tensors at one stride can go.
@@ -225,6 +225,24 @@ impl Pick {
                  a batch of many small copies only as fast as one queue drains)"
             ),
             Pick::Table => "the copy engines move the merged runs in one batched call (CUDA 12.8+)",
+        }
+    }
+
+    /// What the plan reports of this pick.
+    pub(super) fn choice(&self) -> Choice {
+        match *self {
+            Pick::Table => Choice::Table,
+            Pick::Timing(_) => Choice::Timing,
+            Pick::Measured {
+                strided,
+                batched,
+                batched_one_thread,
+                ..
+            } => Choice::Measured {
+                strided: strided as u64,
+                batched: batched as u64,
+                batched_one_thread: batched_one_thread.map(|r| r as u64),
+            },
         }
     }
 

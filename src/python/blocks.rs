@@ -8,7 +8,7 @@ use super::errors::{describe, type_err, value_err};
 use super::import::{Exchange, Imported, import, import_writable};
 use super::pending::PendingCopy;
 use super::stream::{parse_stream, stream_on};
-use crate::blocks::{Choice, Direction, Strategy};
+use crate::blocks::{Choice, Direction, Staging, Strategy};
 use crate::cuda::StreamHandle;
 use crate::dlpack::{DType, DeviceView, MemoryKind};
 use crate::stamps::stamp;
@@ -30,6 +30,17 @@ use crate::stamps::stamp;
 ///         ``[2, num_blocks, ...]`` (K and V first), 0 for ``[num_blocks, ...]`` and a
 ///         cross-layer ``[num_blocks, layers, 2, ...]``. The dimensions before it are parts of
 ///         a block (each copied), those after it one part's bytes.
+///     staging: moves in the background (``background=True``) of small blocks through staging
+///         buffers: 2D copies gather (offload) or scatter (load) the blocks inside device
+///         memory, one copy per chunk crosses the link, and pinstage's copy threads scatter or
+///         gather the host blocks. ``"auto"`` (default): moves of 8 MiB or more whose copies
+///         average under 48 KiB, between tensors that are views of one allocation on each side
+///         (or one tensor each); ``"always"``: every move in the background there; ``"never"``.
+///         A staged offload completes (``wait``, ``done``, ``stream_wait``) once the host blocks
+///         hold the data; its ``stream_wait`` waits on the host until then.
+///     staging_chunk: bytes of one staging chunk (default 16 MiB, at least 64 KiB); each
+///         direction keeps four in device memory and four in pinned host memory from its first
+///         staged move until the mover goes.
 ///
 /// Host arrays on both sides make a mover whose moves are plain memcpys (no driver needed).
 ///
@@ -59,14 +70,30 @@ pub(crate) struct BlockMover {
 impl BlockMover {
     #[new]
     #[pyo3(
-        signature = (device_tensors, host_tensors, *, block_dim=None),
-        text_signature = "(device_tensors, host_tensors, *, block_dim=0)"
+        signature = (device_tensors, host_tensors, *, block_dim=None, staging="auto", staging_chunk=None),
+        text_signature = "(device_tensors, host_tensors, *, block_dim=0, staging='auto', staging_chunk=16777216)"
     )]
     fn new(
         device_tensors: &Bound<'_, PyAny>,
         host_tensors: &Bound<'_, PyAny>,
         block_dim: Option<&Bound<'_, PyAny>>,
+        staging: &str,
+        staging_chunk: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let staging = match staging {
+            "auto" => Staging::Auto,
+            "always" => Staging::Always,
+            "never" => Staging::Never,
+            other => {
+                return Err(value_err(format!(
+                    "staging must be \"auto\", \"always\" or \"never\"; got {other:?}"
+                )));
+            }
+        };
+        let staging_chunk = match staging_chunk {
+            Some(c) => super::args::count_arg(c, "staging_chunk", 64 << 10, 1 << 40)?,
+            None => crate::blocks::DEFAULT_CHUNK,
+        };
         // A dimension of a DLPack tensor: numpy's limit of 64 dimensions.
         let block_dim = match block_dim {
             Some(b) => super::args::count_arg(b, "block_dim", 0, 63)?,
@@ -84,6 +111,7 @@ impl BlockMover {
         let views: Vec<DeviceView<'static>> = imported.iter().map(|i| i.view.clone()).collect();
         let (dv, hv) = views.split_at(devs.len());
         let mover = crate::blocks::BlockMover::new(dv, hv, block_dim)?;
+        mover.set_staging(staging, staging_chunk)?;
         let device = dv.first().map_or((0, 0), |v| match v.memory() {
             MemoryKind::Cuda(id) => (v.device_type(), id),
             MemoryKind::Host => (v.device_type(), 0),
@@ -173,12 +201,14 @@ impl BlockMover {
     /// Parameters:
     ///     direction: ``"offload"`` or ``"load"``.
     ///     src_ids, dst_ids: as the move's (device then host ids for ``"offload"``).
+    ///     background: plan the move as ``background=True`` would issue it (it may be staged).
     ///
     /// Returns:
-    ///     dict: ``direction``, ``strategy`` (``"batched"``, ``"strided"``, ``"per_copy"`` or
-    ///     ``"empty"``),
+    ///     dict: ``direction``, ``strategy`` (``"batched"``, ``"strided"``, ``"staged"``
+    ///     (``background=True`` only), ``"per_copy"`` or ``"empty"``),
     ///     ``blocks``, ``runs`` (merged runs of adjacent ids), ``copies``, ``calls`` (driver
-    ///     calls), ``threads`` (issuing at once, each on its own stream), ``bytes``, ``reason``,
+    ///     calls), ``threads`` (issuing at once, each on its own stream; staged: the copy
+    ///     threads that move the host blocks), ``bytes``, ``reason``,
     ///     ``choice``: what chose between 2D copies and a batch where the tensors allow both:
     ///     ``"table"`` (one way only, as between host arrays, or the table measured on an H200),
     ///     ``"timing"`` (this move would be timed: a mover's
@@ -187,12 +217,14 @@ impl BlockMover {
     ///     ``{"strided": GB/s, "batched": GB/s}``, the mean of each, with
     ///     ``"batched_one_thread"`` where a batch would be issued from several threads and the
     ///     same batch from one thread was timed too).
+    #[pyo3(signature = (direction, src_ids, dst_ids, *, background=false))]
     fn plan<'py>(
         &self,
         py: Python<'py>,
         direction: &str,
         src_ids: &Bound<'py, PyAny>,
         dst_ids: &Bound<'py, PyAny>,
+        background: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let dir = match direction {
             "offload" => Direction::Offload,
@@ -205,7 +237,11 @@ impl BlockMover {
         };
         let (src_arg, dst_arg) = arg_names(dir);
         let (src, dst) = (block_ids(src_ids, src_arg)?, block_ids(dst_ids, dst_arg)?);
-        let p = self.mover.plan(dir, &src, &dst)?;
+        let p = if background {
+            self.mover.plan_in_background(dir, &src, &dst)?
+        } else {
+            self.mover.plan(dir, &src, &dst)?
+        };
         let d = PyDict::new(py);
         d.set_item("direction", p.direction.name())?;
         d.set_item(
@@ -213,6 +249,7 @@ impl BlockMover {
             match p.strategy {
                 Strategy::Batched => "batched",
                 Strategy::Strided => "strided",
+                Strategy::Staged => "staged",
                 Strategy::PerCopy => "per_copy",
                 Strategy::Empty => "empty",
             },

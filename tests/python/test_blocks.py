@@ -481,13 +481,19 @@ def test_torch_stream_order_and_event(gpu):
     assert (host[0][:, 5] == 1234).all() and (host[0][:, 4] == POISON).all()
 
 
-def poisoned_kv(torch):
+def poisoned_kv(torch, pooled=False, **kw):
     """4 poisoned CUDA tensors [2, 64, 32, 64] int32 (8 KiB per block part), pinned host
-    tensors of that shape, and a mover over them (block_dim 1)."""
+    tensors of that shape, and a mover over them (block_dim 1; `kw` to the mover). pooled: each
+    side's tensors are views of one allocation."""
     L, NB, shape = 4, 64, (2, 64, 32, 64)
-    dev = [torch.full(shape, POISON, dtype=torch.int32, device="cuda") for _ in range(L)]
-    host = [pinstage.empty_pinned(shape, "int32") for _ in range(L)]
-    return L, NB, shape, dev, host, pinstage.BlockMover(dev, host, block_dim=1)
+    if pooled:
+        dev = list(torch.full((L,) + shape, POISON, dtype=torch.int32, device="cuda").unbind(0))
+        pool = pinstage.empty_pinned((L,) + shape, "int32")
+        host = [pool[t] for t in range(L)]
+    else:
+        dev = [torch.full(shape, POISON, dtype=torch.int32, device="cuda") for _ in range(L)]
+        host = [pinstage.empty_pinned(shape, "int32") for _ in range(L)]
+    return L, NB, shape, dev, host, pinstage.BlockMover(dev, host, block_dim=1, **kw)
 
 
 @pytest.mark.gpu
@@ -560,14 +566,21 @@ def test_torch_background_moves_every_block(gpu, layout, pooled):
         p.wait()
 
 
+STAGED = dict(staging="always", staging_chunk=65536)
+
+
 @pytest.mark.gpu
-def test_torch_background_order_fork_and_join(gpu):
+@pytest.mark.parametrize("staged", [False, True], ids=["unstaged", "staged"])
+def test_torch_background_order_fork_and_join(gpu, staged):
     """A move in the background runs after the work queued on the stream before the call (a
     fork: GPU work kept ahead, and the values it must see written behind it), and work queued
     after stream_wait() runs after the move (it must not see that work); done() is False
-    while the work ahead still runs. Every round checked."""
+    while the work ahead still runs. Every round checked. staged: through 64 KiB staging
+    chunks (a move of 40 chunks: the ring of four wraps ten times)."""
     torch = pytest.importorskip("torch")
-    L, NB, shape, dev, host, mover = poisoned_kv(torch)
+    L, NB, shape, dev, host, mover = poisoned_kv(torch, **(dict(pooled=True, **STAGED) if staged else {}))
+    if staged:
+        assert mover.plan("offload", list(range(40)), list(range(40)), background=True)["strategy"] == "staged"
     rng = np.random.default_rng(23)
     for r in range(8):
         a, b = rng.permutation(NB)[:40], rng.permutation(NB)[:40]
@@ -589,6 +602,102 @@ def test_torch_background_order_fork_and_join(gpu):
             np.testing.assert_array_equal(host[t][:, b], want, err_msg=f"round {r} tensor {t}")
         rest = np.setdiff1d(np.arange(NB), b)
         assert (np.stack([h[:, rest] for h in host]) == POISON).all(), f"round {r}: written outside"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_torch_staged_moves_every_block(gpu, layout):
+    """Moves in the background through staging (staging="always", 64 KiB chunks: moves of up
+    to 30 chunks, so the ring of four wraps within a move and across moves): every
+    block of every move lands, nothing else is written; the load read on a stream joined with
+    stream_wait(); offload and load at once in the last rounds."""
+    torch = pytest.importorskip("torch")
+    base, dim = LAYOUTS[layout]
+    shape = lambda nb: base(nb) + (64,)  # noqa: E731  (parts of 6-8 KiB)
+    L, NB, NH = 4, 48, 40
+    dev = list(torch.stack(torch_side(torch, shape(NB), L, 0, 0, "cuda")).unbind(0))
+    pool = pinstage.empty_pinned((L,) + shape(NH), "int32")
+    host = [pool[t] for t in range(L)]
+    mover = pinstage.BlockMover(dev, host, block_dim=dim, **STAGED)
+    rng = np.random.default_rng(29)
+    for m in range(6):
+        k = [1, 7, 40, 17, 33, 24][m]
+        src_ids, dst_ids = rng.permutation(NB)[:k], rng.permutation(NH)[:k]
+        if m % 2:
+            src_ids = with_run(src_ids, np.arange(10, 16), rng.permutation(NB), k)
+            dst_ids = with_run(dst_ids, np.arange(3, 9), rng.permutation(NH), k)
+        plan = mover.plan("offload", src_ids, dst_ids, background=True)
+        assert plan["strategy"] == "staged" and "always" in plan["reason"], plan
+        assert mover.plan("offload", src_ids, dst_ids)["strategy"] != "staged"
+        for t in range(L):
+            dev[t].copy_(torch.from_numpy(values(shape(NB), t, m)))
+            host[t][...] = POISON
+        src = [d.cpu().numpy() for d in dev]
+        mover.offload(src_ids, dst_ids, background=True).wait()
+        for t in range(L):
+            want = expected(np.full(shape(NH), POISON, np.int32), src[t], src_ids, dst_ids, dim)
+            np.testing.assert_array_equal(host[t], want, err_msg=f"offload {m} tensor {t}")
+        # Back: new host values into poisoned device blocks; the last rounds offload other
+        # blocks at the same time.
+        for t in range(L):
+            host[t][...] = values(shape(NH), 10 + t, m)
+            dev[t].fill_(POISON)
+        torch.cuda.synchronize()
+        p = mover.load(dst_ids, src_ids, background=True)
+        if m >= 4:
+            # Poisoned device blocks the load leaves alone into host blocks it does not read
+            # (which hold values until then).
+            spare = np.setdiff1d(np.arange(NB), src_ids)[:6]
+            hspare = np.setdiff1d(np.arange(NH), dst_ids)[:6]
+            mover.offload(spare, hspare, background=True).wait()
+            at = expected_index(dim, hspare)
+            assert all((h[at] == POISON).all() for h in host), f"offload during load {m}"
+        p.stream_wait(torch.cuda.current_stream())
+        got = [d.cpu().numpy() for d in dev]
+        for t in range(L):
+            before = values(shape(NH), 10 + t, m)
+            want = expected(np.full(shape(NB), POISON, np.int32), before, dst_ids, src_ids, dim)
+            np.testing.assert_array_equal(got[t], want, err_msg=f"load {m} tensor {t}")
+        p.wait()
+
+
+def expected_index(dim, ids):
+    return (slice(None),) * dim + (ids,)
+
+
+@pytest.mark.gpu
+def test_torch_staging_auto_takes_large_moves_of_small_blocks(gpu):
+    """staging="auto": a move in the background of 8 MiB or more in copies under 48 KiB is
+    staged (and lands, every block checked); a small move, a move of large copies and any move
+    on the caller's thread are not; staging="never" never; bad values are refused."""
+    torch = pytest.importorskip("torch")
+    L, NB = 8, 96
+    shape = (2, NB, 16, 128)  # int32: 8 KiB per part; a block across the tensors 128 KiB
+    dev = list(torch.stack(torch_side(torch, shape, L, 0, 3, "cuda")).unbind(0))
+    pool = pinstage.empty_pinned((L,) + shape, "int32")
+    host = [pool[t] for t in range(L)]
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    rng = np.random.default_rng(31)
+    a, b = rng.permutation(NB)[:80], rng.permutation(NB)[:80]  # 10 MiB
+    assert mover.plan("offload", a, b, background=True)["strategy"] == "staged"
+    assert mover.plan("load", a, b, background=True)["strategy"] == "staged"
+    assert mover.plan("offload", a[:8], b[:8], background=True)["strategy"] != "staged"
+    assert mover.plan("offload", a, b)["strategy"] != "staged"
+    run = np.arange(80)  # one run: copies of 640 KiB
+    assert mover.plan("offload", run, run, background=True)["strategy"] != "staged"
+    for h in host:
+        h[...] = POISON
+    src = [d.cpu().numpy() for d in dev]
+    mover.offload(a, b, background=True).wait()
+    for t in range(L):
+        want = expected(np.full(shape, POISON, np.int32), src[t], a, b, 1)
+        np.testing.assert_array_equal(host[t], want, err_msg=f"tensor {t}")
+    never = pinstage.BlockMover(dev, host, block_dim=1, staging="never")
+    assert never.plan("offload", a, b, background=True)["strategy"] != "staged"
+    with pytest.raises(pinstage.PinstageValueError, match="staging"):
+        pinstage.BlockMover(dev, host, block_dim=1, staging="sometimes")
+    with pytest.raises(pinstage.PinstageValueError, match="staging_chunk"):
+        pinstage.BlockMover(dev, host, block_dim=1, staging_chunk=4096)
 
 
 @pytest.mark.gpu
