@@ -452,6 +452,7 @@ fn gpu_blocks_staged_moves_land_every_block(
     let mover = BlockMover::new(&dv, &hv, dim).unwrap();
     mover.set_staging(Staging::Always, 64 << 10).unwrap();
     assert_eq!(mover.staging(), (Staging::Always, 64 << 10));
+    assert_eq!(mover.staging_bytes(), 0);
     for m in 0..6u32 {
         let n = [1, 7, 16, 40, 3, 25][m as usize];
         let (dev_ids, host_ids) = staged_ids(m, n, dev_blocks, host_blocks);
@@ -1045,6 +1046,10 @@ fn pooled_mover(
     let s = Sides::with(d, Layout::BlocksFirst, tensors, bytes, blocks, blocks, true);
     let (dv, hv, dim) = s.views();
     let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    // The timings of unstaged ways: moves in the background go as moves on this thread do.
+    mover
+        .set_staging(Staging::Never, pinstage::blocks::DEFAULT_CHUNK)
+        .unwrap();
     (s, mover)
 }
 

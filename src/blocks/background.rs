@@ -93,6 +93,7 @@ impl Issuer {
                     };
                     job.ticket.settle(outcome);
                 }
+                stage.release(&tensors.staging_held);
             })
             .map_err(|e| Error::unavailable(format!("no thread to issue moves: {e}")))?;
         Ok(Self { tx })
@@ -194,8 +195,13 @@ unsafe fn run(
             .runs(job.direction, &job.src_ids, &job.dst_ids)
             .map_err(bug)?;
         let (blocks, n_runs) = (job.src_ids.len(), runs.len());
-        if let Some((shape, chunk)) = tensors.staged(blocks, n_runs)
-            && stage.ring(cur, chunk).is_some()
+        if let Some((shape, chunk)) = tensors.staged(job.direction, blocks, n_runs)
+            && (stage.ring(cur, chunk, &tensors.staging_held).is_some() || {
+                // No memory for the ring: this move and the next of this chunk size go
+                // unstaged (and plans say so).
+                tensors.refuse_staging(job.direction, chunk);
+                false
+            })
         {
             segments_of(&tensors.pairs, job.direction, &runs, true, segments).map_err(bug)?;
             let Stage {

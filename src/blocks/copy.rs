@@ -165,7 +165,9 @@ impl BlockCopy<'_> {
     /// Makes work queued on `stream` from now on wait for the move, on the device. For a move
     /// in the background the host first waits until the mover's thread issued it (and the
     /// moves of its direction sent before it): `stream` must not wait for anything the caller
-    /// does after this call returns.
+    /// does after this call returns. A staged move ([`Strategy::Staged`]) is issued only once
+    /// an offload completed (the host blocks hold the data), or once a load's copies are all
+    /// queued, after the work queued before the move on its stream completed.
     ///
     /// # Errors
     /// [`Error::Driver`]: issuing the move failed, or the driver refused the wait.

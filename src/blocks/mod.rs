@@ -24,4 +24,4 @@ pub use copy::{BlockCopy, Choice, Direction, MAX_BATCH, MovePlan, Strategy};
 pub use mover::BlockMover;
 #[cfg(test)]
 pub(crate) use plan::{BlockLayout, Segment, plan};
-pub use staged::{DEFAULT_CHUNK, Staging};
+pub use staged::{CHUNK_RANGE, DEFAULT_CHUNK, Staging};

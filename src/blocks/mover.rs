@@ -8,10 +8,10 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::Mutex;
 
 use super::background::Issuer;
-use super::copy::{BlockCopy, Choice, Direction, InFlight, MAX_BATCH, MovePlan, Strategy};
+use super::copy::{BlockCopy, Direction, InFlight, MAX_BATCH, MovePlan, Strategy};
 use super::issue::{Issue, Lists, helper_streams, issue_on, share};
 use super::plan::{BlockLayout, Pair, Run, Segment, segments, segments_of};
-use super::staged::{self, DEFAULT_CHUNK, Staging};
+use super::staged::{CHUNK_RANGE, Staging};
 use super::strides::{one_allocation, strides};
 use super::tensors::Tensors;
 use super::tuning::Pick;
@@ -216,19 +216,20 @@ impl<'t> BlockMover<'t> {
     }
 
     /// Sets whether moves in the background go through staging buffers ([`Staging`]; default
-    /// [`Staging::Auto`]) in chunks of `chunk_bytes` ([`DEFAULT_CHUNK`]): each direction's
+    /// [`Staging::Auto`]) in chunks of `chunk_bytes` ([`DEFAULT_CHUNK`](super::DEFAULT_CHUNK)): each direction's
     /// thread makes a ring of four chunks in device memory and four in pinned host memory at
-    /// its first staged move, and keeps it until the mover goes. Takes effect from the next
-    /// move handed over.
+    /// its first staged move (remade when the chunk size changes; without memory for it, moves
+    /// go unstaged), kept until the mover goes ([`BlockMover::staging_bytes`]). Moves the
+    /// threads have yet to issue, those queued included, follow the new setting.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`]: `chunk_bytes` under 64 KiB.
+    /// [`Error::InvalidArgument`]: `chunk_bytes` outside [`CHUNK_RANGE`] (64 KiB to 1 GiB).
     pub fn set_staging(&self, staging: Staging, chunk_bytes: usize) -> Result<()> {
-        if chunk_bytes < 64 << 10 {
+        if !CHUNK_RANGE.contains(&chunk_bytes) {
             return Err(Error::arg(
                 "chunk_bytes",
                 chunk_bytes.to_string(),
-                "at least 64 KiB",
+                "64 KiB to 1 GiB",
             ));
         }
         self.tensors.set_staging(staging, chunk_bytes);
@@ -238,6 +239,14 @@ impl<'t> BlockMover<'t> {
     /// The staging set ([`BlockMover::set_staging`]): the mode and a chunk's bytes.
     pub fn staging(&self) -> (Staging, usize) {
         self.tensors.staging()
+    }
+
+    /// Bytes of staging memory the mover holds now, device and pinned host memory of both
+    /// directions (0 until its first staged move).
+    pub fn staging_bytes(&self) -> usize {
+        self.tensors
+            .staging_held
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The tensor pairs.
@@ -340,20 +349,7 @@ impl<'t> BlockMover<'t> {
             return Ok(plan);
         }
         let runs = self.tensors.runs(direction, src_ids, dst_ids)?;
-        let Some((copies, chunks, chunk)) =
-            self.tensors.staged_counts(direction, &runs, src_ids.len())
-        else {
-            return Ok(plan);
-        };
-        Ok(MovePlan {
-            strategy: Strategy::Staged,
-            copies,
-            calls: copies + chunks,
-            threads: crate::host::workers::workers().map_or(1, |w| w.current_num_threads()),
-            reason: staged::reason(self.staging().0, chunk == DEFAULT_CHUNK),
-            choice: Choice::Table,
-            ..plan
-        })
+        Ok(self.tensors.staged_plan(plan, &runs))
     }
 
     /// Starts copying device blocks `device_ids[i]` into host blocks `host_ids[i]` of every

@@ -25,6 +25,8 @@
 //! Nothing waits on the device for a value the host writes later: every wait is on an event
 //! recorded before it.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use rayon::prelude::*;
 
 use super::copy::Direction;
@@ -42,6 +44,9 @@ pub(super) const SLOTS: usize = 4;
 /// Bytes of one chunk unless the mover is told otherwise ([`Staging`]).
 pub const DEFAULT_CHUNK: usize = 16 << 20;
 
+/// The fewest and the most bytes of one chunk.
+pub const CHUNK_RANGE: std::ops::RangeInclusive<usize> = (64 << 10)..=(1 << 30);
+
 /// The fewest bytes one row of a chunk may hold: a chunk must fit every tensor's row of a
 /// piece at least this long.
 const MIN_ROW: usize = 512;
@@ -56,9 +61,11 @@ pub(super) const AUTO_BELOW_COPY: usize = 48 << 10;
 /// Whether a mover's moves in the background go through staging buffers
 /// ([`BlockMover::set_staging`](super::BlockMover::set_staging)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Staging {
     /// Where it pays as measured (default): moves of 8 MiB or more whose copies average less
-    /// than 48 KiB, between tensors at one stride within one allocation on each side.
+    /// than 48 KiB, between tensors at one stride within one allocation on each side (or one
+    /// tensor each).
     Auto,
     /// Every move in the background between tensors at one stride (tests, measurements).
     Always,
@@ -185,6 +192,11 @@ impl Ring {
         self.chunk
     }
 
+    /// Bytes the ring holds: device and pinned host memory.
+    fn bytes(&self) -> usize {
+        2 * SLOTS * self.chunk
+    }
+
     fn dev_slot(&self, k: usize) -> u64 {
         self.dev.ptr() + (k * self.chunk) as u64
     }
@@ -228,31 +240,35 @@ impl Drop for Ring {
 #[derive(Default)]
 pub(super) struct Stage {
     pub(super) ring: Option<Ring>,
-    /// The ring could not be made (no memory): moves go unstaged from then on.
-    refused: bool,
     pub(super) pieces: Vec<Piece>,
     pub(super) ends: Vec<(usize, usize)>,
 }
 
 impl Stage {
-    /// The ring for chunks of `chunk` bytes, made if need be; `None` when it cannot be.
-    pub(super) fn ring(&mut self, cur: &Current<'_>, chunk: usize) -> Option<&mut Ring> {
-        if self.refused {
-            return None;
-        }
-        if self.ring.as_ref().is_some_and(|r| r.chunk() != chunk) {
-            self.ring = None;
+    /// The ring for chunks of `chunk` bytes, made if need be (`held`: the bytes of staging
+    /// memory held, kept up to date); `None` when it cannot be made.
+    pub(super) fn ring(
+        &mut self,
+        cur: &Current<'_>,
+        chunk: usize,
+        held: &AtomicUsize,
+    ) -> Option<&mut Ring> {
+        if let Some(r) = self.ring.take_if(|r| r.chunk() != chunk) {
+            held.fetch_sub(r.bytes(), Ordering::Relaxed);
         }
         if self.ring.is_none() {
-            match Ring::new(cur, chunk) {
-                Ok(r) => self.ring = Some(r),
-                Err(_) => {
-                    self.refused = true;
-                    return None;
-                }
-            }
+            let r = Ring::new(cur, chunk).ok()?;
+            held.fetch_add(r.bytes(), Ordering::Relaxed);
+            self.ring = Some(r);
         }
         self.ring.as_mut()
+    }
+
+    /// Lets the ring go (the thread is ending), `held` kept up to date.
+    pub(super) fn release(&mut self, held: &AtomicUsize) {
+        if let Some(r) = self.ring.take() {
+            held.fetch_sub(r.bytes(), Ordering::Relaxed);
+        }
     }
 }
 
@@ -409,8 +425,8 @@ unsafe fn scatter_rows(
     unsafe { memcpy_2d_async(dst, src, p.len, shape.rows, stream.raw()) }
 }
 
-/// Row copies of one task of the copy threads: about 256 KiB.
-const TASK_BYTES: usize = 256 << 10;
+/// Row copies of one task of the copy threads: about 32 KiB (a 16 MiB chunk is 512 tasks).
+const TASK_BYTES: usize = 32 << 10;
 
 /// Copies every host row of `part` between the host blocks and host staging at `slot` (offload:
 /// staging into the blocks; load: the blocks into staging), on pinstage's copy threads, with

@@ -5,9 +5,9 @@ use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
-use super::copy::Direction;
+use super::copy::{Choice, Direction, MovePlan, Strategy};
 use super::issue::Issue;
-use super::plan::{Pair, Run, check_ids, runs};
+use super::plan::{Pair, Run, check_ids, runs, segments_of};
 use super::staged::{self, Shape, Staging};
 use super::strides::{batch_threads, two_d_wins};
 use super::tuning::{Pick, Tuning, Way};
@@ -43,6 +43,11 @@ pub(super) struct Tensors {
     /// read by its issuing threads at each move.
     staging: AtomicU8,
     chunk: AtomicUsize,
+    /// Per direction: the chunk size whose ring could not be made (0: none), so moves of that
+    /// direction go unstaged (and `plan` says so) until the chunk size changes.
+    refused: [AtomicUsize; 2],
+    /// Bytes of staging memory the issuing threads hold (device and pinned host).
+    pub(super) staging_held: AtomicUsize,
 }
 
 impl Tensors {
@@ -66,6 +71,8 @@ impl Tensors {
             tuning: Tuning::default(),
             staging: AtomicU8::new(0),
             chunk: AtomicUsize::new(staged::DEFAULT_CHUNK),
+            refused: [AtomicUsize::new(0), AtomicUsize::new(0)],
+            staging_held: AtomicUsize::new(0),
         }
     }
 
@@ -80,20 +87,32 @@ impl Tensors {
         self.chunk.store(chunk, Ordering::Relaxed);
     }
 
-    /// What a staged move of `blocks` blocks in `runs` would issue ([`Tensors::staged`]): its
-    /// 2D copies, its chunks, and a chunk's bytes; `None`: it goes unstaged.
-    pub(super) fn staged_counts(
-        &self,
-        direction: Direction,
-        runs: &[Run],
-        blocks: usize,
-    ) -> Option<(usize, usize, usize)> {
-        let (shape, chunk) = self.staged(blocks, runs.len())?;
+    /// `plan` (of a move in the background in `runs`) as a staged move issues it where
+    /// [`Tensors::staged`] stages it: its 2D copies, and a copy per chunk across the link.
+    pub(super) fn staged_plan(&self, plan: MovePlan, runs: &[Run]) -> MovePlan {
+        let Some((shape, chunk)) = self.staged(plan.direction, plan.blocks, runs.len()) else {
+            return plan;
+        };
         let mut segments = Vec::new();
-        super::plan::segments_of(&self.pairs, direction, runs, true, &mut segments).ok()?;
+        if segments_of(&self.pairs, plan.direction, runs, true, &mut segments).is_err() {
+            return plan;
+        }
         let (mut pieces, mut ends) = (Vec::new(), Vec::new());
         staged::pack(&segments, shape.rows, chunk, &mut pieces, &mut ends);
-        Some((pieces.len(), ends.len(), chunk))
+        MovePlan {
+            strategy: Strategy::Staged,
+            copies: pieces.len(),
+            calls: pieces.len() + ends.len(),
+            threads: crate::host::workers::workers().map_or(1, |w| w.current_num_threads()),
+            reason: staged::reason(self.staging().0, chunk == staged::DEFAULT_CHUNK),
+            choice: Choice::Table,
+            ..plan
+        }
+    }
+
+    /// Records that `direction`'s ring of `chunk`-byte chunks could not be made.
+    pub(super) fn refuse_staging(&self, direction: Direction, chunk: usize) {
+        self.refused[direction as usize].store(chunk, Ordering::Relaxed);
     }
 
     /// The staging mode and chunk bytes set.
@@ -110,7 +129,12 @@ impl Tensors {
     /// ([`Staging`]): its shape and the chunk's bytes. Only between device tensors at one
     /// stride within one allocation (one 2D copy per run then gathers or scatters a chunk's
     /// rows of every tensor), or a single tensor, and host tensors likewise.
-    pub(super) fn staged(&self, blocks: usize, runs: usize) -> Option<(Shape, usize)> {
+    pub(super) fn staged(
+        &self,
+        direction: Direction,
+        blocks: usize,
+        runs: usize,
+    ) -> Option<(Shape, usize)> {
         let (device_pitch, host_pitch) = match (self.strides, self.pairs.len()) {
             (Some(s), _) => s,
             // One tensor: one row per piece, the pitch unused.
@@ -119,6 +143,9 @@ impl Tensors {
         };
         let rows = self.pairs.len();
         let (mode, chunk) = self.staging();
+        if self.refused[direction as usize].load(Ordering::Relaxed) == chunk {
+            return None;
+        }
         let go = match mode {
             Staging::Never => false,
             Staging::Always => true,

@@ -37,8 +37,11 @@ use crate::stamps::stamp;
 ///         average under 48 KiB, between tensors that are views of one allocation on each side
 ///         (or one tensor each); ``"always"``: every move in the background there; ``"never"``.
 ///         A staged offload completes (``wait``, ``done``, ``stream_wait``) once the host blocks
-///         hold the data; its ``stream_wait`` waits on the host until then.
-///     staging_chunk: bytes of one staging chunk (default 16 MiB, at least 64 KiB); each
+///         hold the data, and its ``stream_wait`` waits on the host until then; a staged load
+///         reads the host blocks once the work queued on ``stream`` before the call completed,
+///         and its ``stream_wait`` waits on the host until its copies are queued.
+///         ``staging_bytes`` says what the mover holds.
+///     staging_chunk: bytes of one staging chunk (default 16 MiB; 64 KiB to 1 GiB); each
 ///         direction keeps four in device memory and four in pinned host memory from its first
 ///         staged move until the mover goes.
 ///
@@ -91,7 +94,7 @@ impl BlockMover {
             }
         };
         let staging_chunk = match staging_chunk {
-            Some(c) => super::args::count_arg(c, "staging_chunk", 64 << 10, 1 << 40)?,
+            Some(c) => super::args::count_arg(c, "staging_chunk", 64 << 10, 1 << 30)?,
             None => crate::blocks::DEFAULT_CHUNK,
         };
         // A dimension of a DLPack tensor: numpy's limit of 64 dimensions.
@@ -280,6 +283,13 @@ impl BlockMover {
             }
         }
         Ok(d)
+    }
+
+    /// Bytes of staging memory the mover holds now (device and pinned host memory, both
+    /// directions; 0 until its first staged move).
+    #[getter]
+    fn staging_bytes(&self) -> usize {
+        self.mover.staging_bytes()
     }
 
     /// Number of tensor pairs.
