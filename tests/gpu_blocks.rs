@@ -476,6 +476,8 @@ fn gpu_blocks_staged_moves_land_every_block(
             true,
             m + 100,
         );
+        // The staged path ran: each direction holds its ring (4 chunks on each side).
+        assert_eq!(mover.staging_bytes(), 2 * 2 * 4 * (64 << 10));
     }
     // On the caller's thread a move is never staged.
     let plan = mover.plan(Direction::Load, &[1, 2, 3], &[5, 6, 9]).unwrap();
@@ -540,10 +542,14 @@ fn gpu_blocks_staging_auto_takes_large_moves_of_small_blocks() {
         .plan_in_background(Direction::Offload, &a, &b)
         .unwrap();
     assert_ne!(plan.strategy, Strategy::Staged, "{plan:?}");
-    assert!(matches!(
-        mover.set_staging(Staging::Always, 4096),
-        Err(Error::InvalidArgument { .. })
-    ));
+    // The rings of the staged moves: 4 chunks of 1 MiB each side, each direction.
+    assert_eq!(mover.staging_bytes(), (2 * 2 * 4) << 20);
+    for bad in [4096, (1 << 30) + 1] {
+        assert!(matches!(
+            mover.set_staging(Staging::Always, bad),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
     assert_eq!(mover.staging().0, Staging::Never);
 }
 

@@ -620,6 +620,7 @@ def test_torch_staged_moves_every_block(gpu, layout):
     pool = pinstage.empty_pinned((L,) + shape(NH), "int32")
     host = [pool[t] for t in range(L)]
     mover = pinstage.BlockMover(dev, host, block_dim=dim, **STAGED)
+    assert mover.staging_bytes == 0
     rng = np.random.default_rng(29)
     for m in range(6):
         k = [1, 7, 40, 17, 33, 24][m]
@@ -660,6 +661,8 @@ def test_torch_staged_moves_every_block(gpu, layout):
             want = expected(np.full(shape(NB), POISON, np.int32), before, dst_ids, src_ids, dim)
             np.testing.assert_array_equal(got[t], want, err_msg=f"load {m} tensor {t}")
         p.wait()
+        # The staged path ran: each direction holds its ring (4 chunks of 64 KiB each side).
+        assert mover.staging_bytes == 2 * 2 * 4 * 65536
 
 
 def expected_index(dim, ids):
@@ -693,12 +696,16 @@ def test_torch_staging_auto_takes_large_moves_of_small_blocks(gpu):
     for t in range(L):
         want = expected(np.full(shape, POISON, np.int32), src[t], a, b, 1)
         np.testing.assert_array_equal(host[t], want, err_msg=f"tensor {t}")
+    assert mover.staging_bytes == (2 * 4) << 24  # the offload's ring: 4 x 16 MiB each side
     never = pinstage.BlockMover(dev, host, block_dim=1, staging="never")
     assert never.plan("offload", a, b, background=True)["strategy"] != "staged"
+    never.offload(a, b, background=True).wait()
+    assert never.staging_bytes == 0
     with pytest.raises(pinstage.PinstageValueError, match="staging"):
         pinstage.BlockMover(dev, host, block_dim=1, staging="sometimes")
-    with pytest.raises(pinstage.PinstageValueError, match="staging_chunk"):
-        pinstage.BlockMover(dev, host, block_dim=1, staging_chunk=4096)
+    for bad in (4096, (1 << 30) + 1):
+        with pytest.raises(pinstage.PinstageValueError, match="staging_chunk"):
+            pinstage.BlockMover(dev, host, block_dim=1, staging_chunk=bad)
 
 
 @pytest.mark.gpu
