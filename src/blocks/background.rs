@@ -207,7 +207,7 @@ unsafe fn run(
             let Stage {
                 ring, pieces, ends, ..
             } = stage;
-            staged::pack(segments, shape.rows, chunk, pieces, ends);
+            super::chunks::pack(segments, shape.rows, chunk, pieces, ends);
             let ring = ring.as_mut().expect("made above");
             forked = true;
             // SAFETY: the sender's contract 1 (the pieces lie within the tensors, at the strides

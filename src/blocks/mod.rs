@@ -5,6 +5,7 @@
 //! pure and tested without a GPU.
 
 mod background;
+mod chunks;
 mod copy;
 mod issue;
 mod mover;

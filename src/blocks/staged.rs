@@ -25,14 +25,15 @@
 //! Nothing waits on the device for a value the host writes later: every wait is on an event
 //! recorded before it.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rayon::prelude::*;
 
+use super::chunks::Piece;
 use super::copy::Direction;
-use super::plan::Segment;
 use crate::cuda::wait::{Backoff, copy_time, wait_until};
-use crate::cuda::{Current, Device, Event, StreamHandle};
+use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
 use crate::driver::DriverError;
 use crate::driver::mem::{Pitched, mem_alloc, memcpy_2d_async, memcpy_async};
 use crate::error::{Error, Result};
@@ -46,10 +47,6 @@ pub const DEFAULT_CHUNK: usize = 16 << 20;
 
 /// The fewest and the most bytes of one chunk.
 pub const CHUNK_RANGE: std::ops::RangeInclusive<usize> = (64 << 10)..=(1 << 30);
-
-/// The fewest bytes one row of a chunk may hold: a chunk must fit every tensor's row of a
-/// piece at least this long.
-const MIN_ROW: usize = 512;
 
 /// Moves of at least this many bytes go through staging where [`Staging::Auto`] lets them.
 pub(super) const AUTO_MIN_BYTES: usize = 8 << 20;
@@ -71,65 +68,6 @@ pub enum Staging {
     Always,
     /// Never: moves in the background go as moves on the caller's thread do.
     Never,
-}
-
-/// One piece of a chunk: a row of `len` bytes in each of `rows` tensors, from `src` and into
-/// `dst` (each side stepping by its tensors' stride), staged packed at `off` (row `i` at
-/// `off + i * len`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Piece {
-    pub(super) src: u64,
-    pub(super) dst: u64,
-    pub(super) len: usize,
-    pub(super) off: usize,
-}
-
-/// Whether a chunk of `chunk` bytes can hold `rows` rows of a piece.
-pub(super) fn fits(rows: usize, chunk: usize) -> bool {
-    rows > 0 && chunk / rows >= MIN_ROW
-}
-
-/// Packs the 2D `segments` (each `rows` rows) into chunks of at most `chunk` bytes: `pieces` in
-/// order, and per chunk the end of its pieces and the bytes it uses. A segment longer than a
-/// chunk's room is split (at a row length of at least [`MIN_ROW`] where it continues a chunk).
-pub(super) fn pack(
-    segments: &[Segment],
-    rows: usize,
-    chunk: usize,
-    pieces: &mut Vec<Piece>,
-    ends: &mut Vec<(usize, usize)>,
-) {
-    debug_assert!(fits(rows, chunk));
-    pieces.clear();
-    ends.clear();
-    let most = chunk / rows;
-    let mut used = 0;
-    for s in segments {
-        let mut at = 0;
-        while at < s.len {
-            let room = (chunk - used) / rows;
-            let mut len = (s.len - at).min(most);
-            if len > room {
-                if room < MIN_ROW {
-                    ends.push((pieces.len(), used));
-                    used = 0;
-                    continue;
-                }
-                len = room;
-            }
-            pieces.push(Piece {
-                src: s.src + at as u64,
-                dst: s.dst + at as u64,
-                len,
-                off: used,
-            });
-            used += len * rows;
-            at += len;
-        }
-    }
-    if used > 0 {
-        ends.push((pieces.len(), used));
-    }
 }
 
 /// Device memory of a ring (`cuMemAlloc`), freed on the reaper once the device drained.
@@ -164,13 +102,17 @@ impl Drop for DeviceMem {
     }
 }
 
-/// A thread's staging: [`SLOTS`] chunks in device memory and in pinned host memory, and per
-/// slot the event after the last copy across the link that used it.
+/// A thread's staging: [`SLOTS`] chunks in device memory and in pinned host memory, the stream
+/// of the 2D copies inside device memory, and per slot the event after the last copy across
+/// the link that used it (`crossed`) and after the last 2D copies that used its device chunk
+/// (`staged`).
 pub(super) struct Ring {
     dev: DeviceMem,
     host: PinnedBuffer,
+    device: Arc<Stream>,
     chunk: usize,
     crossed: Vec<Option<Event>>,
+    staged: Vec<Option<Event>>,
 }
 
 impl Ring {
@@ -182,8 +124,10 @@ impl Ring {
         Ok(Self {
             dev: DeviceMem::new(cur, SLOTS * chunk)?,
             host: PinnedBuffer::new(cur.device(), SLOTS * chunk, PinnedFlags::PORTABLE)?,
+            device: Arc::new(Stream::new(cur.device())?),
             chunk,
             crossed: (0..SLOTS).map(|_| None).collect(),
+            staged: (0..SLOTS).map(|_| None).collect(),
         })
     }
 
@@ -213,14 +157,14 @@ impl Ring {
         }
     }
 
-    /// Records slot `k`'s crossing on `stream`, after the copy just queued.
-    fn record_crossed(&mut self, cur: &Current<'_>, k: usize, stream: StreamHandle) -> Result<()> {
-        let e = match self.crossed[k].take() {
+    /// Records `slot`'s event on `stream`, after the work just queued there.
+    fn record(slot: &mut Option<Event>, cur: &Current<'_>, stream: StreamHandle) -> Result<()> {
+        let e = match slot.take() {
             Some(e) => e,
             None => Event::new_in(cur)?,
         };
         e.record_in(cur, stream)?;
-        self.crossed[k] = Some(e);
+        *slot = Some(e);
         Ok(())
     }
 }
@@ -228,8 +172,8 @@ impl Ring {
 impl Drop for Ring {
     fn drop(&mut self) {
         // Every move that used the ring completed before its mover went; a copy still in
-        // flight (a move whose failure was not drained) must not outlive the host memory.
-        for e in self.crossed.iter().flatten() {
+        // flight (a move whose failure was not drained) must not outlive the memory.
+        for e in self.crossed.iter().chain(&self.staged).flatten() {
             let _ = e.synchronize();
         }
     }
@@ -287,12 +231,15 @@ pub(super) struct Shape {
     pub(super) host_pitch: usize,
 }
 
-/// Moves `pieces` (packed by [`pack`] into `ends`) through `ring` on `stream`, after `fork`;
-/// records `done` after the last copy queued. Returns once the move completed (offload: the
-/// last host row stored) or, for a load, once every copy is queued.
+/// Moves `pieces` (packed by [`pack`] into `ends`) through `ring`, the copies across the link on
+/// `stream` and the 2D copies inside device memory on the ring's own stream (the engines run
+/// both at once: one stream would serialize them), after `fork`; records `done` on `stream`
+/// after every copy. Returns once the move completed (offload: the last host row stored) or,
+/// for a load, once every copy is queued.
 ///
 /// # Errors
-/// [`Error::Driver`]: a copy or an event refused, or a copy failed; the caller drains `stream`.
+/// [`Error::Driver`]: a copy or an event refused, or a copy failed; both streams are drained
+/// before it returns.
 ///
 /// # Safety
 /// 1. Every piece lies within the mover's tensors (device rows at `shape.device_pitch`, host
@@ -301,6 +248,31 @@ pub(super) struct Shape {
 /// 2. `stream` is a live stream of the current context, not the legacy one.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn run(
+    cur: &Current<'_>,
+    ring: &mut Ring,
+    direction: Direction,
+    chunks: (&[Piece], &[(usize, usize)]),
+    shape: Shape,
+    stream: StreamHandle,
+    fork: &Event,
+    done: &Event,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let moved = unsafe { run_on(cur, ring, direction, chunks, shape, stream, fork, done) };
+    if moved.is_err() {
+        // Copies queued before the failure cannot be followed: drained before the error returns.
+        let _ = ring.device.handle().synchronize(cur);
+        let _ = stream.synchronize(cur);
+    }
+    moved
+}
+
+/// [`run`]'s work, without the drain on failure.
+///
+/// # Safety
+/// As [`run`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_on(
     cur: &Current<'_>,
     ring: &mut Ring,
     direction: Direction,
@@ -314,22 +286,32 @@ pub(super) unsafe fn run(
         let start = if j == 0 { 0 } else { ends[j - 1].0 };
         (&pieces[start..ends[j].0], ends[j].1)
     };
+    let device = Arc::clone(&ring.device);
+    let dev = device.handle();
     match direction {
         Direction::Offload => {
-            fork.wait_on_in(cur, stream)?;
+            fork.wait_on_in(cur, dev)?;
+            // Chunk j: the gathers into device slot k on the ring's stream (its last reader,
+            // chunk j - SLOTS's copy across, completed: the host waited for it), then the copy
+            // across on `stream` once they ran.
             let issue = |ring: &mut Ring, j: usize| -> Result<()> {
                 let (part, used) = chunk_of(j);
                 let k = j % SLOTS;
                 for p in part {
                     // SAFETY: the caller's contract 1 for the device rows; the staging rows lie
                     // within slot k (packed: `off + rows * len <= used <= chunk`).
-                    unsafe { gather_rows(ring.dev_slot(k), p, shape, stream) }?;
+                    unsafe { gather_rows(ring.dev_slot(k), p, shape, dev) }?;
                 }
+                Ring::record(&mut ring.staged[k], cur, dev)?;
+                ring.staged[k]
+                    .as_ref()
+                    .expect("recorded")
+                    .wait_on_in(cur, stream)?;
                 // SAFETY: slot k of both rings, `used` bytes; the host slot was scattered
                 // (or never used) before this call, as `run` issues chunk j after chunk
                 // j - SLOTS's scatter.
                 unsafe { memcpy_async(ring.host_slot(k), ring.dev_slot(k), used, stream.raw()) }?;
-                ring.record_crossed(cur, k, stream)
+                Ring::record(&mut ring.crossed[k], cur, stream)
             };
             for j in 0..ends.len().min(SLOTS) {
                 issue(ring, j)?;
@@ -346,9 +328,8 @@ pub(super) unsafe fn run(
                     issue(ring, j + SLOTS)?;
                 }
             }
-            done.record_in(cur, stream)?;
             // Every copy's completion was seen on the host (a failed copy fails its event).
-            Ok(())
+            Ok(done.record_in(cur, stream)?)
         }
         Direction::Load => {
             // The host rows are read on the host: after the work before the call.
@@ -361,15 +342,29 @@ pub(super) unsafe fn run(
                 // SAFETY: the host slot's last copy completed (event k); the caller's contract
                 // 1 for the host rows.
                 unsafe { host_rows(Direction::Load, ring.host_slot(k), part, shape) };
-                // SAFETY: slot k of both rings, `used` bytes; the device slot's last readers
-                // (chunk j - SLOTS's scatters) were queued before on this stream.
+                // The device slot's last readers (the scatters of the chunk before in slot k,
+                // this move's or an earlier one's) ran before the copy across rewrites it.
+                if let Some(e) = &ring.staged[k] {
+                    e.wait_on_in(cur, stream)?;
+                }
+                // SAFETY: slot k of both rings, `used` bytes, ordered after its last readers.
                 unsafe { memcpy_async(ring.dev_slot(k), ring.host_slot(k), used, stream.raw()) }?;
-                ring.record_crossed(cur, k, stream)?;
+                Ring::record(&mut ring.crossed[k], cur, stream)?;
+                ring.crossed[k]
+                    .as_ref()
+                    .expect("recorded")
+                    .wait_on_in(cur, dev)?;
                 for p in part {
                     // SAFETY: the caller's contract 1 for the device rows; the staging rows
-                    // lie within slot k.
-                    unsafe { scatter_rows(ring.dev_slot(k), p, shape, stream) }?;
+                    // lie within slot k, landed (the wait above).
+                    unsafe { scatter_rows(ring.dev_slot(k), p, shape, dev) }?;
                 }
+                Ring::record(&mut ring.staged[k], cur, dev)?;
+            }
+            // `done` after the last scatters: the ring's stream joined back.
+            let last = (ends.len() + SLOTS - 1) % SLOTS;
+            if let Some(e) = &ring.staged[last] {
+                e.wait_on_in(cur, stream)?;
             }
             Ok(done.record_in(cur, stream)?)
         }
@@ -497,94 +492,5 @@ pub(super) fn driver_error(e: Error) -> DriverError {
             "pinstage: staged block move",
             cudarc::driver::sys::CUresult::CUDA_ERROR_UNKNOWN,
         ),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn seg(src: u64, dst: u64, len: usize) -> Segment {
-        Segment { src, dst, len }
-    }
-
-    /// Every byte of every row of `segments` is staged exactly once, within its chunk, and the
-    /// pieces of a chunk do not overlap.
-    fn covers(segments: &[Segment], rows: usize, chunk: usize) {
-        let (mut pieces, mut ends) = (Vec::new(), Vec::new());
-        pack(segments, rows, chunk, &mut pieces, &mut ends);
-        let mut start = 0;
-        for &(end, used) in &ends {
-            assert!(used <= chunk && used > 0 && end > start, "{ends:?}");
-            let mut at = 0;
-            for p in &pieces[start..end] {
-                assert_eq!(p.off, at, "pieces packed in order");
-                assert!(p.len > 0);
-                at += p.len * rows;
-            }
-            assert_eq!(at, used);
-            start = end;
-        }
-        assert_eq!(start, pieces.len());
-        // The pieces, in order, cut the segments into consecutive spans.
-        let mut it = pieces.iter();
-        for s in segments {
-            let mut at = 0;
-            while at < s.len {
-                let p = it.next().expect("a piece for every span");
-                assert_eq!((p.src, p.dst), (s.src + at as u64, s.dst + at as u64));
-                at += p.len;
-            }
-            assert_eq!(at, s.len);
-        }
-        assert!(it.next().is_none());
-    }
-
-    #[test]
-    fn pack_stages_every_row_once_within_its_chunk() {
-        let small: Vec<_> = (0..100)
-            .map(|i| seg(i * 100_000, 7 + i * 90_000, 4096 + 17 * i as usize))
-            .collect();
-        for (rows, chunk) in [(1, 1 << 20), (3, 64 << 10), (64, 16 << 20), (7, 40_000)] {
-            covers(&small, rows, chunk);
-        }
-        // A run longer than a chunk, between short ones.
-        let long = [
-            seg(0, 0, 5000),
-            seg(1 << 30, 1 << 31, 3 << 20),
-            seg(9, 9, 1),
-        ];
-        covers(&long, 4, 1 << 20);
-        covers(&long, 1, 1 << 20);
-        covers(&[], 4, 1 << 20);
-    }
-
-    #[test]
-    fn pack_fills_chunks_and_splits_only_at_their_ends() {
-        let (mut pieces, mut ends) = (Vec::new(), Vec::new());
-        // 10 segments of 1000 bytes x 4 rows = 4000 bytes each into 10_000-byte chunks: two per
-        // chunk, then the room left (2000 bytes: 500 a row) is under MIN_ROW: no split.
-        let segs: Vec<_> = (0..10).map(|i| seg(i * 5000, i * 5000, 1000)).collect();
-        pack(&segs, 4, 10_000, &mut pieces, &mut ends);
-        assert_eq!(pieces.len(), 10);
-        assert_eq!(
-            ends,
-            [(2, 8000), (4, 8000), (6, 8000), (8, 8000), (10, 8000)]
-        );
-        // A long segment continues a chunk with what room is left (600 a row), then fills
-        // whole chunks.
-        pack(
-            &[seg(0, 0, 100), seg(0, 0, 6000)],
-            4,
-            3200,
-            &mut pieces,
-            &mut ends,
-        );
-        assert_eq!(
-            pieces.iter().map(|p| p.len).collect::<Vec<_>>(),
-            [100, 700, 800, 800, 800, 800, 800, 800, 500]
-        );
-        assert_eq!(ends.len(), 8);
-        assert!(fits(4, 2048) && !fits(4, 2047) && !fits(0, 1 << 20));
     }
 }

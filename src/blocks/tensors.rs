@@ -98,7 +98,7 @@ impl Tensors {
             return plan;
         }
         let (mut pieces, mut ends) = (Vec::new(), Vec::new());
-        staged::pack(&segments, shape.rows, chunk, &mut pieces, &mut ends);
+        super::chunks::pack(&segments, shape.rows, chunk, &mut pieces, &mut ends);
         MovePlan {
             strategy: Strategy::Staged,
             copies: pieces.len(),
@@ -154,7 +154,7 @@ impl Tensors {
                     && self.copy_bytes(blocks, runs) < staged::AUTO_BELOW_COPY
             }
         };
-        (go && runs > 0 && staged::fits(rows, chunk)).then_some((
+        (go && runs > 0 && super::chunks::fits(rows, chunk)).then_some((
             Shape {
                 rows,
                 device_pitch,

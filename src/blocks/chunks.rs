@@ -1,0 +1,156 @@
+//! How a staged move ([`staged`](super::staged)) cuts its 2D copies into chunks of staging:
+//! pure, tested without a GPU.
+
+use super::plan::Segment;
+
+/// The fewest bytes one row of a chunk may hold: a chunk must fit every tensor's row of a
+/// piece at least this long.
+const MIN_ROW: usize = 512;
+
+/// One piece of a chunk: a row of `len` bytes in each of `rows` tensors, from `src` and into
+/// `dst` (each side stepping by its tensors' stride), staged packed at `off` (row `i` at
+/// `off + i * len`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Piece {
+    pub(super) src: u64,
+    pub(super) dst: u64,
+    pub(super) len: usize,
+    pub(super) off: usize,
+}
+
+/// Whether a chunk of `chunk` bytes can hold `rows` rows of a piece.
+pub(super) fn fits(rows: usize, chunk: usize) -> bool {
+    rows > 0 && chunk / rows >= MIN_ROW
+}
+
+/// Packs the 2D `segments` (each `rows` rows) into chunks of at most `chunk` bytes: `pieces` in
+/// order, and per chunk the end of its pieces and the bytes it uses. A segment longer than a
+/// chunk's room is split (at a row length of at least [`MIN_ROW`] where it continues a chunk).
+pub(super) fn pack(
+    segments: &[Segment],
+    rows: usize,
+    chunk: usize,
+    pieces: &mut Vec<Piece>,
+    ends: &mut Vec<(usize, usize)>,
+) {
+    debug_assert!(fits(rows, chunk));
+    pieces.clear();
+    ends.clear();
+    let most = chunk / rows;
+    let mut used = 0;
+    for s in segments {
+        let mut at = 0;
+        while at < s.len {
+            let room = (chunk - used) / rows;
+            let mut len = (s.len - at).min(most);
+            if len > room {
+                if room < MIN_ROW {
+                    ends.push((pieces.len(), used));
+                    used = 0;
+                    continue;
+                }
+                len = room;
+            }
+            pieces.push(Piece {
+                src: s.src + at as u64,
+                dst: s.dst + at as u64,
+                len,
+                off: used,
+            });
+            used += len * rows;
+            at += len;
+        }
+    }
+    if used > 0 {
+        ends.push((pieces.len(), used));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seg(src: u64, dst: u64, len: usize) -> Segment {
+        Segment { src, dst, len }
+    }
+
+    /// Every byte of every row of `segments` is staged exactly once, within its chunk, and the
+    /// pieces of a chunk do not overlap.
+    fn covers(segments: &[Segment], rows: usize, chunk: usize) {
+        let (mut pieces, mut ends) = (Vec::new(), Vec::new());
+        pack(segments, rows, chunk, &mut pieces, &mut ends);
+        let mut start = 0;
+        for &(end, used) in &ends {
+            assert!(used <= chunk && used > 0 && end > start, "{ends:?}");
+            let mut at = 0;
+            for p in &pieces[start..end] {
+                assert_eq!(p.off, at, "pieces packed in order");
+                assert!(p.len > 0);
+                at += p.len * rows;
+            }
+            assert_eq!(at, used);
+            start = end;
+        }
+        assert_eq!(start, pieces.len());
+        // The pieces, in order, cut the segments into consecutive spans.
+        let mut it = pieces.iter();
+        for s in segments {
+            let mut at = 0;
+            while at < s.len {
+                let p = it.next().expect("a piece for every span");
+                assert_eq!((p.src, p.dst), (s.src + at as u64, s.dst + at as u64));
+                at += p.len;
+            }
+            assert_eq!(at, s.len);
+        }
+        assert!(it.next().is_none());
+    }
+
+    #[test]
+    fn pack_stages_every_row_once_within_its_chunk() {
+        let small: Vec<_> = (0..100)
+            .map(|i| seg(i * 100_000, 7 + i * 90_000, 4096 + 17 * i as usize))
+            .collect();
+        for (rows, chunk) in [(1, 1 << 20), (3, 64 << 10), (64, 16 << 20), (7, 40_000)] {
+            covers(&small, rows, chunk);
+        }
+        // A run longer than a chunk, between short ones.
+        let long = [
+            seg(0, 0, 5000),
+            seg(1 << 30, 1 << 31, 3 << 20),
+            seg(9, 9, 1),
+        ];
+        covers(&long, 4, 1 << 20);
+        covers(&long, 1, 1 << 20);
+        covers(&[], 4, 1 << 20);
+    }
+
+    #[test]
+    fn pack_fills_chunks_and_splits_only_at_their_ends() {
+        let (mut pieces, mut ends) = (Vec::new(), Vec::new());
+        // 10 segments of 1000 bytes x 4 rows = 4000 bytes each into 10_000-byte chunks: two per
+        // chunk, then the room left (2000 bytes: 500 a row) is under MIN_ROW: no split.
+        let segs: Vec<_> = (0..10).map(|i| seg(i * 5000, i * 5000, 1000)).collect();
+        pack(&segs, 4, 10_000, &mut pieces, &mut ends);
+        assert_eq!(pieces.len(), 10);
+        assert_eq!(
+            ends,
+            [(2, 8000), (4, 8000), (6, 8000), (8, 8000), (10, 8000)]
+        );
+        // A long segment continues a chunk with what room is left (600 a row), then fills
+        // whole chunks.
+        pack(
+            &[seg(0, 0, 100), seg(0, 0, 6000)],
+            4,
+            3200,
+            &mut pieces,
+            &mut ends,
+        );
+        assert_eq!(
+            pieces.iter().map(|p| p.len).collect::<Vec<_>>(),
+            [100, 700, 800, 800, 800, 800, 800, 800, 500]
+        );
+        assert_eq!(ends.len(), 8);
+        assert!(fits(4, 2048) && !fits(4, 2047) && !fits(0, 1 << 20));
+    }
+}
