@@ -350,21 +350,7 @@ fn gpu_blocks_every_block_lands(
     for m in 0..6u32 {
         let n = [1, 7, 16, 40, 3, 25][m as usize];
         // Ids with a run of adjacent pairs in every other move.
-        let mut dev_ids = ids(n, dev_blocks, 11 + m as u64);
-        let mut host_ids = ids(n, host_blocks, 97 + m as u64);
-        if m % 2 == 1 && n >= 6 {
-            // Four pairs adjacent on both sides (one copy per part), then the rest.
-            let splice = |v: &mut Vec<usize>, at: usize| {
-                let rest: Vec<usize> = v
-                    .iter()
-                    .copied()
-                    .filter(|b| !(at..at + 4).contains(b))
-                    .collect();
-                *v = (at..at + 4).chain(rest).take(n).collect();
-            };
-            splice(&mut dev_ids, 30);
-            splice(&mut host_ids, 2);
-        }
+        let (dev_ids, host_ids) = move_ids(m, n, (dev_blocks, host_blocks), (11, 97), (30, 2));
         // Offload into a poisoned host side, then new host values into a poisoned device side.
         let (d, h) = (&dev_ids, &host_ids);
         move_checked(
@@ -406,11 +392,18 @@ fn gpu_blocks_every_block_lands(
     }
 }
 
-/// Ids for move `m` of [`gpu_blocks_staged_moves_land_every_block`]: `n` random pairs, with a
-/// run of four pairs adjacent on both sides in every other move.
-fn staged_ids(m: u32, n: usize, dev_blocks: usize, host_blocks: usize) -> (Vec<usize>, Vec<usize>) {
-    let mut dev_ids = ids(n, dev_blocks, 211 + m as u64);
-    let mut host_ids = ids(n, host_blocks, 307 + m as u64);
+/// Ids for move `m`: `n` random pairs of `blocks` (device, host) drawn from `seeds`, with a run
+/// of four pairs adjacent on both sides (one copy per part, from block `at.0` on the device and
+/// `at.1` on the host) first in every other move.
+fn move_ids(
+    m: u32,
+    n: usize,
+    blocks: (usize, usize),
+    seeds: (u64, u64),
+    at: (usize, usize),
+) -> (Vec<usize>, Vec<usize>) {
+    let mut dev_ids = ids(n, blocks.0, seeds.0 + m as u64);
+    let mut host_ids = ids(n, blocks.1, seeds.1 + m as u64);
     if m % 2 == 1 && n >= 6 {
         let splice = |v: &mut Vec<usize>, at: usize| {
             let rest: Vec<usize> = v
@@ -420,8 +413,8 @@ fn staged_ids(m: u32, n: usize, dev_blocks: usize, host_blocks: usize) -> (Vec<u
                 .collect();
             *v = (at..at + 4).chain(rest).take(n).collect();
         };
-        splice(&mut dev_ids, 20);
-        splice(&mut host_ids, 5);
+        splice(&mut dev_ids, at.0);
+        splice(&mut host_ids, at.1);
     }
     (dev_ids, host_ids)
 }
@@ -455,7 +448,7 @@ fn gpu_blocks_staged_moves_land_every_block(
     assert_eq!(mover.staging_bytes(), 0);
     for m in 0..6u32 {
         let n = [1, 7, 16, 40, 3, 25][m as usize];
-        let (dev_ids, host_ids) = staged_ids(m, n, dev_blocks, host_blocks);
+        let (dev_ids, host_ids) = move_ids(m, n, (dev_blocks, host_blocks), (211, 307), (20, 5));
         let plan = mover
             .plan_in_background(Direction::Offload, &dev_ids, &host_ids)
             .unwrap();

@@ -300,7 +300,7 @@ unsafe fn run_on(
                 for p in part {
                     // SAFETY: the caller's contract 1 for the device rows; the staging rows lie
                     // within slot k (packed: `off + rows * len <= used <= chunk`).
-                    unsafe { gather_rows(ring.dev_slot(k), p, shape, dev) }?;
+                    unsafe { rows_2d(true, ring.dev_slot(k), p, shape, dev) }?;
                 }
                 Ring::record(&mut ring.staged[k], cur, dev)?;
                 ring.staged[k]
@@ -357,7 +357,7 @@ unsafe fn run_on(
                 for p in part {
                     // SAFETY: the caller's contract 1 for the device rows; the staging rows
                     // lie within slot k, landed (the wait above).
-                    unsafe { scatter_rows(ring.dev_slot(k), p, shape, dev) }?;
+                    unsafe { rows_2d(false, ring.dev_slot(k), p, shape, dev) }?;
                 }
                 Ring::record(&mut ring.staged[k], cur, dev)?;
             }
@@ -371,50 +371,33 @@ unsafe fn run_on(
     }
 }
 
-/// Queues the 2D copy of piece `p`'s device rows into staging at `slot + p.off`.
+/// Queues the 2D copy between piece `p`'s device rows and its staged rows at `slot + p.off`:
+/// into staging (`gather`) or out of it.
 ///
 /// # Safety
 /// As [`run`]'s contract 1 and 2; the staging rows lie within the slot.
-unsafe fn gather_rows(
+unsafe fn rows_2d(
+    gather: bool,
     slot: u64,
     p: &Piece,
     shape: Shape,
     stream: StreamHandle,
 ) -> std::result::Result<(), DriverError> {
-    let src = Pitched {
-        addr: p.src,
+    let rows = Pitched {
+        addr: if gather { p.src } else { p.dst },
         // One tensor (pitch 0): one row, any pitch of at least its width.
         pitch: shape.device_pitch.max(p.len),
         host: false,
     };
-    let dst = Pitched {
+    let staged = Pitched {
         addr: slot + p.off as u64,
         pitch: p.len,
         host: false,
     };
-    // SAFETY: the caller's contract; rows of `p.len <= pitch` bytes on both sides.
-    unsafe { memcpy_2d_async(dst, src, p.len, shape.rows, stream.raw()) }
-}
-
-/// Queues the 2D copy of piece `p`'s staged rows at `slot + p.off` into its device rows.
-///
-/// # Safety
-/// As [`gather_rows`].
-unsafe fn scatter_rows(
-    slot: u64,
-    p: &Piece,
-    shape: Shape,
-    stream: StreamHandle,
-) -> std::result::Result<(), DriverError> {
-    let src = Pitched {
-        addr: slot + p.off as u64,
-        pitch: p.len,
-        host: false,
-    };
-    let dst = Pitched {
-        addr: p.dst,
-        pitch: shape.device_pitch.max(p.len),
-        host: false,
+    let (dst, src) = if gather {
+        (staged, rows)
+    } else {
+        (rows, staged)
     };
     // SAFETY: the caller's contract; rows of `p.len <= pitch` bytes on both sides.
     unsafe { memcpy_2d_async(dst, src, p.len, shape.rows, stream.raw()) }

@@ -525,6 +525,21 @@ def test_torch_stream_order_load_then_use_without_a_wait(gpu):
             np.testing.assert_array_equal(host[t][:, a], want + 1, err_msg=f"round {r} tensor {t}")
 
 
+def offload_checked(torch, mover, dev, host, layout, ids, m):
+    """Device tensors filled with move m's values, host tensors poisoned, one offload in the
+    background waited for; every host block checked (moved ones, and the poison elsewhere)."""
+    (shape, dim), (src_ids, dst_ids) = layout, ids
+    nb, nh = dev[0].shape[dim], host[0].shape[dim]
+    for t in range(len(dev)):
+        dev[t].copy_(torch.from_numpy(values(shape(nb), t, m)))
+        host[t][...] = POISON
+    src = [d.cpu().numpy() for d in dev]
+    mover.offload(src_ids, dst_ids, background=True).wait()
+    for t in range(len(dev)):
+        want = expected(np.full(shape(nh), POISON, np.int32), src[t], src_ids, dst_ids, dim)
+        np.testing.assert_array_equal(host[t], want, err_msg=f"offload {m} tensor {t}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("pooled", [False, True], ids=["apart", "pooled"])
@@ -547,14 +562,7 @@ def test_torch_background_moves_every_block(gpu, layout, pooled):
     for m in range(6):
         k = [1, 5, 32, 17, 9, 24][m]
         src_ids, dst_ids = rng.permutation(NB)[:k], rng.permutation(NH)[:k]
-        for t in range(L):
-            dev[t].copy_(torch.from_numpy(values(shape(NB), t, m)))
-            host[t][...] = POISON
-        src = [d.cpu().numpy() for d in dev]
-        mover.offload(src_ids, dst_ids, background=True).wait()
-        for t in range(L):
-            want = expected(np.full(shape(NH), POISON, np.int32), src[t], src_ids, dst_ids, dim)
-            np.testing.assert_array_equal(host[t], want, err_msg=f"offload {m} tensor {t}")
+        offload_checked(torch, mover, dev, host, (shape, dim), (src_ids, dst_ids), m)
         for t in range(L):
             host[t][...] = values(shape(NH), 10 + t, m)
             dev[t].fill_(POISON)
@@ -631,14 +639,7 @@ def test_torch_staged_moves_every_block(gpu, layout):
         plan = mover.plan("offload", src_ids, dst_ids, background=True)
         assert plan["strategy"] == "staged" and "always" in plan["reason"], plan
         assert mover.plan("offload", src_ids, dst_ids)["strategy"] != "staged"
-        for t in range(L):
-            dev[t].copy_(torch.from_numpy(values(shape(NB), t, m)))
-            host[t][...] = POISON
-        src = [d.cpu().numpy() for d in dev]
-        mover.offload(src_ids, dst_ids, background=True).wait()
-        for t in range(L):
-            want = expected(np.full(shape(NH), POISON, np.int32), src[t], src_ids, dst_ids, dim)
-            np.testing.assert_array_equal(host[t], want, err_msg=f"offload {m} tensor {t}")
+        offload_checked(torch, mover, dev, host, (shape, dim), (src_ids, dst_ids), m)
         # Back: new host values into poisoned device blocks; the last rounds offload other
         # blocks at the same time.
         for t in range(L):
