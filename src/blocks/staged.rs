@@ -8,19 +8,22 @@
 //! across the link).
 //!
 //! A mover's thread of each direction owns a ring of [`SLOTS`] chunks of [`Staging`]'s chunk
-//! size in device memory and as many in pinned host memory, made at its first staged move and
-//! kept until the mover goes. Per chunk `j` in slot `k = j % SLOTS`:
-//! - offload: on the thread's stream (after the caller's fork), the 2D gathers into device slot
-//!   `k`, one device-to-host copy into host slot `k`, event `k`; the thread waits for event `k`
-//!   on the host, the copy threads scatter the host slot into the host blocks, and only then is
-//!   chunk `j + SLOTS` issued (it lands in the slot just read). The move completes with the last
-//!   scatter: its ticket is settled then, so `wait`, `done` and `stream_wait` see it complete
-//!   only once the host blocks hold the data.
+//! size in device memory and as many in pinned host memory, and a stream of its own for the 2D
+//! copies inside device memory (the copies across the link go on the thread's stream: on one
+//! stream the two would run one after the other), made at its first staged move and kept until
+//! the mover goes. Per chunk `j` in slot `k = j % SLOTS`:
+//! - offload: the 2D gathers into device slot `k` on the ring's stream (after the caller's
+//!   fork), then, once they ran, one device-to-host copy into host slot `k` and event `k` on the
+//!   thread's stream; the thread waits for event `k` on the host, the copy threads scatter the
+//!   host slot into the host blocks, and only then is chunk `j + SLOTS` issued (it lands in the
+//!   slot just read). The move completes with the last scatter: its ticket is settled then, so
+//!   `wait`, `done` and `stream_wait` see it complete only once the host blocks hold the data.
 //! - load: the thread waits on the host for the caller's fork (the host blocks it reads may be
 //!   written by work queued before the call), then per chunk waits for event `k` (the copy that
 //!   last read host slot `k`), the copy threads gather the host blocks into host slot `k`, and
-//!   it issues the host-to-device copy, event `k`, and the 2D scatters into the device blocks;
-//!   the ticket's event is recorded after the last scatter.
+//!   it issues the host-to-device copy (after the slot's last 2D scatters) and event `k` on the
+//!   thread's stream, and the 2D scatters into the device blocks on the ring's stream after it;
+//!   the ticket's event is recorded on the thread's stream once the last scatters ran.
 //!
 //! Nothing waits on the device for a value the host writes later: every wait is on an event
 //! recorded before it.
@@ -64,7 +67,8 @@ pub enum Staging {
     /// than 48 KiB, between tensors at one stride within one allocation on each side (or one
     /// tensor each).
     Auto,
-    /// Every move in the background between tensors at one stride (tests, measurements).
+    /// Every move in the background between tensors at one stride (or one tensor each): tests,
+    /// measurements.
     Always,
     /// Never: moves in the background go as moves on the caller's thread do.
     Never,
@@ -231,7 +235,7 @@ pub(super) struct Shape {
     pub(super) host_pitch: usize,
 }
 
-/// Moves `pieces` (packed by [`pack`] into `ends`) through `ring`, the copies across the link on
+/// Moves `pieces` (packed by [`pack`](super::chunks::pack) into `ends`) through `ring`, the copies across the link on
 /// `stream` and the 2D copies inside device memory on the ring's own stream (the engines run
 /// both at once: one stream would serialize them), after `fork`; records `done` on `stream`
 /// after every copy. Returns once the move completed (offload: the last host row stored) or,
