@@ -123,7 +123,7 @@ impl Ring {
     /// A ring of chunks of `chunk` bytes.
     ///
     /// # Errors
-    /// [`Error::Allocation`] and the like: no memory (the move then goes unstaged).
+    /// [`Error::OutOfMemory`] and the like: no memory (the move then goes unstaged).
     pub(super) fn new(cur: &Current<'_>, chunk: usize) -> Result<Self> {
         Ok(Self {
             dev: DeviceMem::new(cur, SLOTS * chunk)?,
@@ -235,11 +235,11 @@ pub(super) struct Shape {
     pub(super) host_pitch: usize,
 }
 
-/// Moves `pieces` (packed by [`pack`](super::chunks::pack) into `ends`) through `ring`, the copies across the link on
-/// `stream` and the 2D copies inside device memory on the ring's own stream (the engines run
-/// both at once: one stream would serialize them), after `fork`; records `done` on `stream`
-/// after every copy. Returns once the move completed (offload: the last host row stored) or,
-/// for a load, once every copy is queued.
+/// Moves `pieces` (packed by [`pack`](super::chunks::pack) into `ends`) through `ring`, the
+/// copies across the link on `stream` and the 2D copies inside device memory on the ring's own
+/// stream (the engines run both at once: one stream would serialize them), after `fork`;
+/// records `done` on `stream` after every copy. Returns once the move completed (offload: the
+/// last host row stored) or, for a load, once every copy is queued.
 ///
 /// # Errors
 /// [`Error::Driver`]: a copy or an event refused, or a copy failed; both streams are drained
