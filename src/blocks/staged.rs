@@ -36,11 +36,11 @@ use rayon::prelude::*;
 use super::chunks::Piece;
 use super::copy::Direction;
 use crate::cuda::wait::{Backoff, copy_time, wait_until};
-use crate::cuda::{Current, Device, Event, Stream, StreamHandle};
+use crate::cuda::{Current, Event, Stream, StreamHandle};
 use crate::driver::DriverError;
-use crate::driver::mem::{Pitched, mem_alloc, memcpy_2d_async, memcpy_async};
+use crate::driver::mem::{Pitched, memcpy_2d_async, memcpy_async};
 use crate::error::{Error, Result};
-use crate::host::{PinnedBuffer, PinnedFlags};
+use crate::host::{DeviceMem, PinnedBuffer, PinnedFlags};
 
 /// Chunks in a ring: one scattered (or gathered) by the copy threads while the others cross.
 pub(super) const SLOTS: usize = 4;
@@ -74,38 +74,6 @@ pub enum Staging {
     Never,
 }
 
-/// Device memory of a ring (`cuMemAlloc`), freed on the reaper once the device drained.
-struct DeviceMem {
-    ptr: u64,
-    device: Device,
-}
-
-impl DeviceMem {
-    fn new(cur: &Current<'_>, len: usize) -> Result<Self> {
-        let ptr = crate::host::retry_after_frees(|| {
-            // SAFETY: a context is current (`cur`).
-            unsafe { mem_alloc(len.max(1)) }
-                .map_err(|e| Error::allocation(e, "block mover staging", len))
-        })?;
-        Ok(Self {
-            ptr,
-            device: cur.device().clone(),
-        })
-    }
-
-    fn ptr(&self) -> u64 {
-        self.ptr
-    }
-}
-
-impl Drop for DeviceMem {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` in the device's primary context, freed once; the ring's
-        // copies completed (`Ring`'s drop waits for them first).
-        unsafe { crate::host::reaper::free_device_memory(self.device.clone(), self.ptr) };
-    }
-}
-
 /// A thread's staging: [`SLOTS`] chunks in device memory and in pinned host memory, the stream
 /// of the 2D copies inside device memory, and per slot the event after the last copy across
 /// the link that used it (`crossed`) and after the last 2D copies that used its device chunk
@@ -126,7 +94,7 @@ impl Ring {
     /// [`Error::OutOfMemory`] and the like: no memory (the move then goes unstaged).
     pub(super) fn new(cur: &Current<'_>, chunk: usize) -> Result<Self> {
         Ok(Self {
-            dev: DeviceMem::new(cur, SLOTS * chunk)?,
+            dev: DeviceMem::new(cur, SLOTS * chunk, "block mover staging")?,
             host: PinnedBuffer::new(cur.device(), SLOTS * chunk, PinnedFlags::PORTABLE)?,
             device: Arc::new(Stream::new(cur.device())?),
             chunk,

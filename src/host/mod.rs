@@ -5,6 +5,7 @@
 //! ([`wait_for_frees`]).
 
 pub(crate) mod bounce;
+mod device_mem;
 pub(crate) mod host_pool;
 pub(crate) mod mapped;
 pub(crate) mod numa;
@@ -17,6 +18,7 @@ pub(crate) mod workers;
 
 pub use bounce::{BOUNCE_CHUNK, BOUNCE_DEPTH, release_bounce_buffers};
 
+pub(crate) use device_mem::DeviceMem;
 #[cfg(all(feature = "lab", feature = "python"))]
 pub(crate) use pinned::set_pin_by_register;
 pub(crate) use pinned::zeroed_vec;

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::cuda::{Current, Device, Event, StreamHandle};
-use crate::driver::{self, CUdeviceptr};
+use crate::driver;
 use crate::error::{Error, Result};
+pub(crate) use crate::host::DeviceMem;
 use crate::host::{PinnedBuffer, PinnedFlags};
 
 use super::layout::FIELD_ALIGN;
@@ -77,42 +78,6 @@ impl HostMem {
     }
 }
 
-/// A device allocation (`cuMemAlloc`), freed when the last owner drops it: the stager, and
-/// every DLPack export of a field.
-pub(crate) struct DeviceMem {
-    ptr: CUdeviceptr,
-    device: Device,
-}
-
-impl DeviceMem {
-    pub(crate) fn new(cur: &Current<'_>, len: usize) -> Result<Self> {
-        let ptr = crate::host::retry_after_frees(|| {
-            // SAFETY: a context is current (`cur`).
-            unsafe { driver::mem::mem_alloc(len.max(1)) }
-                .map_err(|e| Error::allocation(e, "device arena", len))
-        })?;
-        Ok(Self {
-            ptr,
-            device: cur.device().clone(),
-        })
-    }
-
-    pub(crate) fn ptr(&self) -> u64 {
-        self.ptr
-    }
-}
-
-impl Drop for DeviceMem {
-    /// Freed on the reaper thread once the device drained.
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new`, freed once; the stager waited for its copies before
-        // dropping its reference, exports drop theirs when their consumer is done with the
-        // memory, the block pool drops a block only once its copy completed and nobody holds
-        // it, and `cuMemFree` waits for any work still queued.
-        unsafe { crate::host::reaper::free_device_memory(self.device.clone(), self.ptr) };
-    }
-}
-
 /// One fresh block: device memory (or host bytes without a driver), which it owns, and the
 /// event recorded after the copy that last filled it.
 pub(crate) struct BlockMem {
@@ -163,7 +128,7 @@ impl BlockPool {
     fn grow(self: &Arc<Self>, cur: Option<&Current<'_>>) -> Result<StepBlock> {
         let mem = match cur {
             Some(cur) => {
-                let d = DeviceMem::new(cur, self.bytes)?;
+                let d = DeviceMem::new(cur, self.bytes, "device arena")?;
                 BlockMem {
                     ptr: d.ptr(),
                     _device: Some(d),

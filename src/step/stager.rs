@@ -352,7 +352,7 @@ impl StepStager {
             },
             (StepMode::Arena, None, Some(d)) => {
                 let cur = d.enter()?;
-                Target::Device(Arc::new(DeviceMem::new(&cur, nbytes)?))
+                Target::Device(Arc::new(DeviceMem::new(&cur, nbytes, "device arena")?))
             }
             (StepMode::Arena, None, None) => Target::Host(AlignedBytes::new(nbytes, "step arena")?),
             (StepMode::Fresh, _, d) => Target::Fresh(Arc::new(BlockPool::new(d.clone(), nbytes))),
