@@ -196,6 +196,7 @@ unsafe fn run(
             .map_err(bug)?;
         let (blocks, n_runs) = (job.src_ids.len(), runs.len());
         if let Some((shape, chunk)) = tensors.staged(job.direction, blocks, n_runs)
+            && let Some(_turn) = tensors.take_staging(job.direction)
             && (stage.ring(cur, chunk, &tensors.staging_held).is_some() || {
                 // No memory for the ring: this move and the next of this chunk size go
                 // unstaged (and plans say so).
@@ -204,10 +205,8 @@ unsafe fn run(
             })
         {
             segments_of(&tensors.pairs, job.direction, &runs, true, segments).map_err(bug)?;
-            let Stage {
-                ring, pieces, ends, ..
-            } = stage;
-            super::chunks::pack(segments, shape.rows, chunk, pieces, ends);
+            let Stage { ring, work } = stage;
+            work.pack(segments, shape.rows, chunk);
             let ring = ring.as_mut().expect("made above");
             forked = true;
             // SAFETY: the sender's contract 1 (the pieces lie within the tensors, at the strides
@@ -217,7 +216,7 @@ unsafe fn run(
                     cur,
                     ring,
                     job.direction,
-                    (pieces, ends),
+                    work,
                     shape,
                     stream,
                     &job.fork,

@@ -66,6 +66,54 @@ pub(super) fn pack(
     }
 }
 
+/// Host rows for one task of the copy threads: rows `start..end` of chunk `chunk` (row `t` of a
+/// chunk is row `t % rows` of its piece `t / rows`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Task {
+    pub(super) chunk: usize,
+    pub(super) start: usize,
+    pub(super) end: usize,
+}
+
+/// Cuts every chunk's host rows (`pieces`, `ends` as [`pack`] made them, `rows` rows a piece)
+/// into `tasks` of about `task_bytes` bytes each, in chunk order, never across chunks.
+pub(super) fn cut(
+    pieces: &[Piece],
+    ends: &[(usize, usize)],
+    rows: usize,
+    task_bytes: usize,
+    tasks: &mut Vec<Task>,
+) {
+    tasks.clear();
+    let mut first = 0;
+    for (chunk, &(end, _)) in ends.iter().enumerate() {
+        let (mut start, mut bytes) = (0, 0);
+        for (i, p) in pieces[first..end].iter().enumerate() {
+            let mut r = 0;
+            while r < rows {
+                let take = (task_bytes - bytes)
+                    .div_ceil(p.len.max(1))
+                    .clamp(1, rows - r);
+                (r, bytes) = (r + take, bytes + take * p.len);
+                if bytes >= task_bytes {
+                    let end = i * rows + r;
+                    tasks.push(Task { chunk, start, end });
+                    (start, bytes) = (end, 0);
+                }
+            }
+        }
+        let total = (end - first) * rows;
+        if start < total {
+            tasks.push(Task {
+                chunk,
+                start,
+                end: total,
+            });
+        }
+        first = end;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,5 +200,47 @@ mod tests {
         );
         assert_eq!(ends.len(), 8);
         assert!(fits(4, 2048) && !fits(4, 2047) && !fits(0, 1 << 20));
+    }
+
+    #[test]
+    fn cut_covers_every_row_of_every_chunk_once_in_order() {
+        let segs: Vec<_> = (0..300)
+            .map(|i| seg(i * 100_000, 7 + i * 90_000, 512 + 97 * (i as usize % 50)))
+            .collect();
+        for (rows, chunk, task) in [
+            (1, 1 << 20, 32 << 10),
+            (3, 64 << 10, 1000),
+            (64, 1 << 20, 32 << 10),
+            (7, 40_000, 1),
+        ] {
+            let (mut pieces, mut ends, mut tasks) = (Vec::new(), Vec::new(), Vec::new());
+            pack(&segs, rows, chunk, &mut pieces, &mut ends);
+            cut(&pieces, &ends, rows, task, &mut tasks);
+            let mut first = 0;
+            let mut it = tasks.iter().peekable();
+            for (j, &(end, _)) in ends.iter().enumerate() {
+                // This chunk's tasks: consecutive, from row 0 to its last row.
+                let mut at = 0;
+                while let Some(t) = it.next_if(|t| t.chunk == j) {
+                    assert_eq!(t.start, at, "{t:?}");
+                    assert!(t.end > t.start);
+                    let bytes: usize = (t.start..t.end).map(|r| pieces[first + r / rows].len).sum();
+                    // No task holds a whole row more than it needs.
+                    let last = pieces[first + (t.end - 1) / rows].len;
+                    assert!(bytes < task + last || t.end - t.start == 1, "{t:?} {bytes}");
+                    at = t.end;
+                }
+                assert_eq!(at, (end - first) * rows, "chunk {j}");
+                first = end;
+            }
+            assert!(it.next().is_none());
+        }
+        let mut tasks = vec![Task {
+            chunk: 9,
+            start: 0,
+            end: 1,
+        }];
+        cut(&[], &[], 4, 1 << 10, &mut tasks);
+        assert!(tasks.is_empty());
     }
 }

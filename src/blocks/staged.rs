@@ -11,30 +11,33 @@
 //! size in device memory and as many in pinned host memory, and a stream of its own for the 2D
 //! copies inside device memory (the copies across the link go on the thread's stream: on one
 //! stream the two would run one after the other), made at its first staged move and kept until
-//! the mover goes. Per chunk `j` in slot `k = j % SLOTS`:
+//! the mover goes. The host rows of every chunk are cut into tasks of about 32 KiB; a chunk
+//! opens to the copy threads when its host slot may be used, and they take its tasks in order
+//! with no barrier between chunks (the issuing thread queues the copies and polls their
+//! events meanwhile, and takes tasks itself when it has nothing else to do). Per chunk `j` in
+//! slot `k = j % SLOTS`:
 //! - offload: the 2D gathers into device slot `k` on the ring's stream (after the caller's
 //!   fork), then, once they ran, one device-to-host copy into host slot `k` and event `k` on the
-//!   thread's stream; the thread waits for event `k` on the host, the copy threads scatter the
-//!   host slot into the host blocks, and only then is chunk `j + SLOTS` issued (it lands in the
-//!   slot just read). The move completes with the last scatter: its ticket is settled then, so
-//!   `wait`, `done` and `stream_wait` see it complete only once the host blocks hold the data.
+//!   thread's stream; chunk `j` opens once event `k` completed, and chunk `j + SLOTS` is issued
+//!   once chunk `j`'s tasks are done (it lands in the slot just read). The move completes with
+//!   the last task: its ticket is settled then, so `wait`, `done` and `stream_wait` see it
+//!   complete only once the host blocks hold the data.
 //! - load: the thread waits on the host for the caller's fork (the host blocks it reads may be
-//!   written by work queued before the call), then per chunk waits for event `k` (the copy that
-//!   last read host slot `k`), the copy threads gather the host blocks into host slot `k`, and
-//!   it issues the host-to-device copy (after the slot's last 2D scatters) and event `k` on the
-//!   thread's stream, and the 2D scatters into the device blocks on the ring's stream after it;
-//!   the ticket's event is recorded on the thread's stream once the last scatters ran.
+//!   written by work queued before the call); chunk `j` opens once event `k` (the copy that last
+//!   read host slot `k`) completed; once its tasks are done the thread issues the host-to-device
+//!   copy (after the slot's last 2D scatters) and event `k` on the thread's stream, and the 2D
+//!   scatters into the device blocks on the ring's stream after it; the ticket's event is
+//!   recorded on the thread's stream once the last scatters ran.
 //!
 //! Nothing waits on the device for a value the host writes later: every wait is on an event
 //! recorded before it.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use rayon::prelude::*;
-
-use super::chunks::Piece;
+use super::chunks::{Piece, Task, cut};
 use super::copy::Direction;
+use super::plan::Segment;
 use crate::cuda::wait::{Backoff, copy_time, wait_until};
 use crate::cuda::{Current, Event, Stream, StreamHandle};
 use crate::driver::DriverError;
@@ -65,7 +68,9 @@ pub(super) const AUTO_BELOW_COPY: usize = 48 << 10;
 pub enum Staging {
     /// Where it pays as measured (default): moves of 8 MiB or more whose copies average less
     /// than 48 KiB, between tensors at one stride within one allocation on each side (or one
-    /// tensor each).
+    /// tensor each), one direction at a time: a move that starts while the other direction's
+    /// goes through staging goes unstaged (the two would share the copy threads and the host
+    /// memory's bandwidth).
     Auto,
     /// Every move in the background between tensors at one stride (or one tensor each): tests,
     /// measurements.
@@ -121,11 +126,11 @@ impl Ring {
         self.host.as_ptr() as u64 + (k * self.chunk) as u64
     }
 
-    /// Waits on the host for the last crossing of slot `k`.
-    fn wait_crossed(&self, k: usize) -> Result<()> {
+    /// Whether the last crossing of slot `k` completed (a failed copy fails it).
+    fn crossed(&self, k: usize) -> Result<bool> {
         match &self.crossed[k] {
-            Some(e) => wait_for(e, self.chunk),
-            None => Ok(()),
+            Some(e) => Ok(e.query()?),
+            None => Ok(true),
         }
     }
 
@@ -152,12 +157,45 @@ impl Drop for Ring {
 }
 
 /// What an issuing thread keeps for staged moves: its ring (made at the first staged move,
-/// made anew when the chunk size changes), and the pieces of the move at hand.
+/// made anew when the chunk size changes), and the move at hand.
 #[derive(Default)]
 pub(super) struct Stage {
     pub(super) ring: Option<Ring>,
-    pub(super) pieces: Vec<Piece>,
-    pub(super) ends: Vec<(usize, usize)>,
+    pub(super) work: Work,
+}
+
+/// A staged move's chunks: the pieces packed into them, and the host rows cut into tasks.
+#[derive(Default)]
+pub(super) struct Work {
+    pieces: Vec<Piece>,
+    /// Per chunk: the end of its pieces and the bytes it uses.
+    ends: Vec<(usize, usize)>,
+    tasks: Vec<Task>,
+    /// Per chunk: its tasks not yet done.
+    left: Vec<AtomicUsize>,
+}
+
+/// Bytes of host rows in one task of the copy threads: about 32 KiB (a 16 MiB chunk is 512).
+const TASK_BYTES: usize = 32 << 10;
+
+impl Work {
+    /// Packs `segments` (of `rows` rows each) into chunks of `chunk` bytes and cuts their host
+    /// rows into tasks.
+    pub(super) fn pack(&mut self, segments: &[Segment], rows: usize, chunk: usize) {
+        super::chunks::pack(segments, rows, chunk, &mut self.pieces, &mut self.ends);
+        cut(&self.pieces, &self.ends, rows, TASK_BYTES, &mut self.tasks);
+        self.left.clear();
+        self.left.resize_with(self.ends.len(), AtomicUsize::default);
+        for t in &self.tasks {
+            *self.left[t.chunk].get_mut() += 1;
+        }
+    }
+
+    /// Chunk `j`'s pieces and the bytes it uses.
+    fn chunk(&self, j: usize) -> (&[Piece], usize) {
+        let start = if j == 0 { 0 } else { self.ends[j - 1].0 };
+        (&self.pieces[start..self.ends[j].0], self.ends[j].1)
+    }
 }
 
 impl Stage {
@@ -203,7 +241,7 @@ pub(super) struct Shape {
     pub(super) host_pitch: usize,
 }
 
-/// Moves `pieces` (packed by [`pack`](super::chunks::pack) into `ends`) through `ring`, the
+/// Moves `work` (packed by [`Work::pack`]) through `ring`, the
 /// copies across the link on `stream` and the 2D copies inside device memory on the ring's own
 /// stream (the engines run both at once: one stream would serialize them), after `fork`;
 /// records `done` on `stream` after every copy. Returns once the move completed (offload: the
@@ -223,14 +261,14 @@ pub(super) unsafe fn run(
     cur: &Current<'_>,
     ring: &mut Ring,
     direction: Direction,
-    chunks: (&[Piece], &[(usize, usize)]),
+    work: &Work,
     shape: Shape,
     stream: StreamHandle,
     fork: &Event,
     done: &Event,
 ) -> Result<()> {
     // SAFETY: the caller's contract.
-    let moved = unsafe { run_on(cur, ring, direction, chunks, shape, stream, fork, done) };
+    let moved = unsafe { run_on(cur, ring, direction, work, shape, stream, fork, done) };
     if moved.is_err() {
         // Copies queued before the failure cannot be followed: drained before the error returns.
         let _ = ring.device.handle().synchronize(cur);
@@ -239,7 +277,9 @@ pub(super) unsafe fn run(
     moved
 }
 
-/// [`run`]'s work, without the drain on failure.
+/// [`run`]'s work, without the drain on failure: the issuing thread queues the copies and
+/// polls their events while the copy threads work through the open chunks' host rows (and the
+/// issuing thread with them when it has nothing else to do), with no barrier between chunks.
 ///
 /// # Safety
 /// As [`run`].
@@ -248,31 +288,96 @@ unsafe fn run_on(
     cur: &Current<'_>,
     ring: &mut Ring,
     direction: Direction,
-    (pieces, ends): (&[Piece], &[(usize, usize)]),
+    work: &Work,
     shape: Shape,
     stream: StreamHandle,
     fork: &Event,
     done: &Event,
 ) -> Result<()> {
-    let chunk_of = |j: usize| {
-        let start = if j == 0 { 0 } else { ends[j - 1].0 };
-        (&pieces[start..ends[j].0], ends[j].1)
+    let flow = Flow {
+        direction,
+        work,
+        shape,
+        host: ring.host_slot(0),
+        chunk: ring.chunk,
+        next: AtomicUsize::new(0),
+        open: AtomicUsize::new(0),
+        alive: AtomicUsize::new(0),
+        stop: AtomicBool::new(false),
     };
+    let Some(pool) = crate::host::workers::workers() else {
+        // SAFETY: the caller's contract.
+        return unsafe { drive(cur, ring, &flow, stream, fork, done, &|_| {}) };
+    };
+    let threads = pool.current_num_threads();
+    pool.in_place_scope(|s| {
+        // Copy threads for a chunk just opened: as many as it has tasks, up to the pool's
+        // size with those still at work. Each works until no open task is left.
+        let spawn = |tasks: usize| {
+            let want = threads
+                .saturating_sub(flow.alive.load(Ordering::Relaxed))
+                .min(tasks);
+            flow.alive.fetch_add(want, Ordering::Relaxed);
+            for _ in 0..want {
+                s.spawn(|_| {
+                    flow.drain();
+                    flow.alive.fetch_sub(1, Ordering::Relaxed);
+                });
+            }
+        };
+        // SAFETY: the caller's contract.
+        let driven = unsafe { drive(cur, ring, &flow, stream, fork, done, &spawn) };
+        // A failure: the copy threads take no further task (the scope waits for those at work).
+        flow.stop.store(true, Ordering::Relaxed);
+        driven
+    })
+}
+
+/// The issuing thread's part of a staged move. Chunk `j` (slot `k = j % SLOTS`) opens to the
+/// copy threads once its host slot may be used (offload: its copy across landed; load: the
+/// slot's last copy across completed), is `finished` once its tasks are done, and is issued
+/// (offload: the 2D gathers and the copy across of chunk `j`, once chunk `j - SLOTS` finished;
+/// load: the copy across and the 2D scatters of chunk `j`, once it finished).
+///
+/// # Safety
+/// As [`run`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn drive(
+    cur: &Current<'_>,
+    ring: &mut Ring,
+    flow: &Flow<'_>,
+    stream: StreamHandle,
+    fork: &Event,
+    done: &Event,
+    spawn: &dyn Fn(usize),
+) -> Result<()> {
+    let work = flow.work;
+    let n = work.ends.len();
     let device = Arc::clone(&ring.device);
     let dev = device.handle();
-    match direction {
-        Direction::Offload => {
-            fork.wait_on_in(cur, dev)?;
-            // Chunk j: the gathers into device slot k on the ring's stream (its last reader,
-            // chunk j - SLOTS's copy across, completed: the host waited for it), then the copy
-            // across on `stream` once they ran.
-            let issue = |ring: &mut Ring, j: usize| -> Result<()> {
-                let (part, used) = chunk_of(j);
-                let k = j % SLOTS;
+    let offload = flow.direction == Direction::Offload;
+    if offload {
+        fork.wait_on_in(cur, dev)?;
+    } else {
+        // The host rows are read on the host: after the work before the call.
+        wait_for(fork, 0)?;
+        fork.wait_on_in(cur, stream)?;
+    }
+    let (mut opened, mut finished, mut issued) = (0, 0, 0);
+    let mut idle: Option<Backoff> = None;
+    loop {
+        let mut moved = false;
+        if offload {
+            // Chunk j's gathers into device slot k on the ring's stream (its last reader, chunk
+            // j - SLOTS's copy across, completed: it opened), then the copy across on
+            // `stream` once they ran; host slot k was scattered (chunk j - SLOTS finished).
+            while issued < n.min(finished + SLOTS) {
+                let (part, used) = work.chunk(issued);
+                let k = issued % SLOTS;
                 for p in part {
                     // SAFETY: the caller's contract 1 for the device rows; the staging rows lie
                     // within slot k (packed: `off + rows * len <= used <= chunk`).
-                    unsafe { rows_2d(true, ring.dev_slot(k), p, shape, dev) }?;
+                    unsafe { rows_2d(true, ring.dev_slot(k), p, flow.shape, dev) }?;
                 }
                 Ring::record(&mut ring.staged[k], cur, dev)?;
                 // Seeded bug `staged_no_join`: the copy across does not wait for the gathers.
@@ -281,47 +386,26 @@ unsafe fn run_on(
                     .as_ref()
                     .expect("recorded")
                     .wait_on_in(cur, stream)?;
-                // SAFETY: slot k of both rings, `used` bytes; the host slot was scattered
-                // (or never used) before this call, as `run` issues chunk j after chunk
-                // j - SLOTS's scatter.
+                // SAFETY: slot k of both rings, `used` bytes, ordered as said above.
                 unsafe { memcpy_async(ring.host_slot(k), ring.dev_slot(k), used, stream.raw()) }?;
-                Ring::record(&mut ring.crossed[k], cur, stream)
-            };
-            for j in 0..ends.len().min(SLOTS) {
-                issue(ring, j)?;
+                Ring::record(&mut ring.crossed[k], cur, stream)?;
+                (issued, moved) = (issued + 1, true);
             }
-            for j in 0..ends.len() {
-                let k = j % SLOTS;
-                #[cfg(not(pinstage_seeded_bug = "staged_early_scatter"))]
-                ring.wait_crossed(k)?;
-                let (part, _) = chunk_of(j);
-                // SAFETY: the host slot landed (event k, recorded after its copy); the caller's
-                // contract 1 for the host rows.
-                unsafe { host_rows(Direction::Offload, ring.host_slot(k), part, shape) };
-                if j + SLOTS < ends.len() {
-                    issue(ring, j + SLOTS)?;
-                }
+            if finished == n {
+                // Every copy's completion was seen on the host (a failed copy fails its event).
+                return done.record_in(cur, stream);
             }
-            // Every copy's completion was seen on the host (a failed copy fails its event).
-            Ok(done.record_in(cur, stream)?)
-        }
-        Direction::Load => {
-            // The host rows are read on the host: after the work before the call.
-            wait_for(fork, 0)?;
-            fork.wait_on_in(cur, stream)?;
-            for j in 0..ends.len() {
-                let k = j % SLOTS;
-                let (part, used) = chunk_of(j);
-                ring.wait_crossed(k)?;
-                // SAFETY: the host slot's last copy completed (event k); the caller's contract
-                // 1 for the host rows.
-                unsafe { host_rows(Direction::Load, ring.host_slot(k), part, shape) };
+        } else {
+            while issued < finished {
+                let (part, used) = work.chunk(issued);
+                let k = issued % SLOTS;
                 // The device slot's last readers (the scatters of the chunk before in slot k,
                 // this move's or an earlier one's) ran before the copy across rewrites it.
                 if let Some(e) = &ring.staged[k] {
                     e.wait_on_in(cur, stream)?;
                 }
-                // SAFETY: slot k of both rings, `used` bytes, ordered after its last readers.
+                // SAFETY: slot k of both rings, `used` bytes, gathered (the chunk finished),
+                // ordered after its last readers.
                 unsafe { memcpy_async(ring.dev_slot(k), ring.host_slot(k), used, stream.raw()) }?;
                 Ring::record(&mut ring.crossed[k], cur, stream)?;
                 ring.crossed[k]
@@ -331,17 +415,121 @@ unsafe fn run_on(
                 for p in part {
                     // SAFETY: the caller's contract 1 for the device rows; the staging rows
                     // lie within slot k, landed (the wait above).
-                    unsafe { rows_2d(false, ring.dev_slot(k), p, shape, dev) }?;
+                    unsafe { rows_2d(false, ring.dev_slot(k), p, flow.shape, dev) }?;
                 }
                 Ring::record(&mut ring.staged[k], cur, dev)?;
+                (issued, moved) = (issued + 1, true);
             }
-            // `done` after the last scatters: the ring's stream joined back.
-            let last = (ends.len() + SLOTS - 1) % SLOTS;
-            if let Some(e) = &ring.staged[last] {
-                e.wait_on_in(cur, stream)?;
+            if issued == n {
+                // `done` after the last scatters: the ring's stream joined back.
+                if let Some(e) = &ring.staged[(n + SLOTS - 1) % SLOTS] {
+                    e.wait_on_in(cur, stream)?;
+                }
+                return done.record_in(cur, stream);
             }
-            Ok(done.record_in(cur, stream)?)
         }
+        // Slot k's event is the last crossing before chunk `opened`'s own (`issued <= opened`
+        // for both directions; an offload's chunk `opened` was issued).
+        let k = opened % SLOTS;
+        let open = opened < n
+            && if offload {
+                // Seeded bug `staged_early_scatter`: the scatters do not wait for the landing.
+                opened < issued
+                    && (cfg!(pinstage_seeded_bug = "staged_early_scatter") || ring.crossed(k)?)
+            } else {
+                (opened < SLOTS || issued > opened - SLOTS) && ring.crossed(k)?
+            };
+        if open {
+            opened += 1;
+            flow.open.store(opened, Ordering::Release);
+            spawn(work.left[opened - 1].load(Ordering::Relaxed));
+            moved = true;
+        }
+        while finished < opened && work.left[finished].load(Ordering::Acquire) == 0 {
+            (finished, moved) = (finished + 1, true);
+        }
+        if moved {
+            idle = None;
+        } else if let Some(t) = flow.claim() {
+            flow.task(t);
+            idle = None;
+        } else {
+            idle.get_or_insert_with(|| Backoff::new(copy_time(flow.chunk)))
+                .pause();
+        }
+    }
+}
+
+/// A staged move as the copy threads see it.
+struct Flow<'a> {
+    direction: Direction,
+    work: &'a Work,
+    shape: Shape,
+    /// Host staging's first slot.
+    host: u64,
+    chunk: usize,
+    /// The next task to claim.
+    next: AtomicUsize,
+    /// Chunks open to the copy threads: tasks of a chunk below it may be claimed.
+    open: AtomicUsize,
+    /// Copy threads spawned and not yet done.
+    alive: AtomicUsize,
+    /// The move failed: no further task.
+    stop: AtomicBool,
+}
+
+impl Flow<'_> {
+    /// The next task, if its chunk is open.
+    fn claim(&self) -> Option<usize> {
+        let mut t = self.next.load(Ordering::Relaxed);
+        loop {
+            let task = self.work.tasks.get(t)?;
+            if task.chunk >= self.open.load(Ordering::Acquire) || self.stop.load(Ordering::Relaxed)
+            {
+                return None;
+            }
+            match self
+                .next
+                .compare_exchange_weak(t, t + 1, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return Some(t),
+                Err(now) => t = now,
+            }
+        }
+    }
+
+    /// Takes tasks until no open one is left.
+    fn drain(&self) {
+        while let Some(t) = self.claim() {
+            self.task(t);
+        }
+    }
+
+    /// Task `t`: copies its host rows between the host blocks and host staging (offload:
+    /// staging into the blocks; load: the blocks into staging), with non-temporal stores where
+    /// the destination allows, then counts it done.
+    fn task(&self, t: usize) {
+        let task = self.work.tasks[t];
+        let (part, _) = self.work.chunk(task.chunk);
+        let slot = self.host + ((task.chunk % SLOTS) * self.chunk) as u64;
+        let rows = self.shape.rows;
+        for r in task.start..task.end {
+            let (p, i) = (&part[r / rows], r % rows);
+            let staged = slot + (p.off + i * p.len) as u64;
+            let (dst, src) = match self.direction {
+                Direction::Offload => (p.dst + (i * self.shape.host_pitch) as u64, staged),
+                Direction::Load => (staged, p.src + (i * self.shape.host_pitch) as u64),
+            };
+            // SAFETY: `run`'s contract 1 for the host rows; the staged rows lie within the slot
+            // (packed), which the chunk holds while it is open; a host row and a staged row
+            // never overlap (staging is the mover's own memory); `fill` takes non-temporal
+            // stores only at 16-byte alignment.
+            unsafe {
+                crate::host::bounce::fill(dst as *mut u8, src as *const u8, p.len, dst % 16 == 0)
+            };
+        }
+        // Release: the rows (fenced by `fill`) before the count the issuing thread reads.
+        self.work.left[task.chunk].fetch_sub(1, Ordering::Release);
     }
 }
 
@@ -375,70 +563,6 @@ unsafe fn rows_2d(
     };
     // SAFETY: the caller's contract; rows of `p.len <= pitch` bytes on both sides.
     unsafe { memcpy_2d_async(dst, src, p.len, shape.rows, stream.raw()) }
-}
-
-/// Row copies of one task of the copy threads: about 32 KiB (a 16 MiB chunk is 512 tasks).
-const TASK_BYTES: usize = 32 << 10;
-
-/// Copies every host row of `part` between the host blocks and host staging at `slot` (offload:
-/// staging into the blocks; load: the blocks into staging), on pinstage's copy threads, with
-/// non-temporal stores where the destination allows.
-///
-/// # Safety
-/// The staged rows lie within host staging (`slot`), the host rows within the host tensors; no
-/// one else touches either until the call returns.
-unsafe fn host_rows(direction: Direction, slot: u64, part: &[Piece], shape: Shape) {
-    let rows = shape.rows;
-    let row = move |t: usize| {
-        let (p, i) = (&part[t / rows], t % rows);
-        let staged = slot + (p.off + i * p.len) as u64;
-        let host = match direction {
-            Direction::Offload => p.dst,
-            Direction::Load => p.src,
-        } + (i * shape.host_pitch) as u64;
-        let (dst, src) = match direction {
-            Direction::Offload => (host, staged),
-            Direction::Load => (staged, host),
-        };
-        // SAFETY: the caller's contract; a host row and a staged row never overlap (staging is
-        // the mover's own memory); `fill` takes non-temporal stores only at 16-byte alignment.
-        unsafe {
-            crate::host::bounce::fill(dst as *mut u8, src as *const u8, p.len, dst % 16 == 0)
-        };
-    };
-    let n = part.len() * rows;
-    let per_task = (TASK_BYTES / part.first().map_or(1, |p| p.len.max(1))).max(1);
-    match crate::host::workers::workers() {
-        Some(pool) if n > per_task => pool.install(|| {
-            (0..n).into_par_iter().with_min_len(per_task).for_each(row);
-        }),
-        _ => (0..n).for_each(row),
-    }
-}
-
-/// Why a move in the background is staged.
-pub(super) fn reason(staging: Staging, default_chunk: bool) -> &'static str {
-    macro_rules! staged {
-        ($why:expr) => {
-            concat!(
-                "2D copies gather (offload) or scatter (load) the blocks inside device memory, \
-                 one copy per chunk crosses the link, and pinstage's copy threads scatter or \
-                 gather the host blocks",
-                $why
-            )
-        };
-    }
-    match (staging, default_chunk) {
-        (Staging::Auto, true) => staged!(
-            " (a move in the background of 8 MiB or more whose copies average under 48 KiB, \
-             which cross the link as single rows far below its rate; chunks of 16 MiB)"
-        ),
-        (Staging::Auto, false) => staged!(
-            " (a move in the background of 8 MiB or more whose copies average under 48 KiB, \
-             which cross the link as single rows far below its rate)"
-        ),
-        _ => staged!(" (staging set to always)"),
-    }
 }
 
 /// The driver error of a staged move's failure (a refused allocation never gets here).

@@ -48,6 +48,9 @@ pub(super) struct Tensors {
     refused: [AtomicUsize; 2],
     /// Bytes of staging memory the issuing threads hold (device and pinned host).
     pub(super) staging_held: AtomicUsize,
+    /// The direction (its number + 1; 0: none) whose move goes through staging now, under
+    /// [`Staging::Auto`]: one direction at a time ([`Tensors::take_staging`]).
+    staging_now: AtomicU8,
 }
 
 impl Tensors {
@@ -73,6 +76,7 @@ impl Tensors {
             chunk: AtomicUsize::new(staged::DEFAULT_CHUNK),
             refused: [AtomicUsize::new(0), AtomicUsize::new(0)],
             staging_held: AtomicUsize::new(0),
+            staging_now: AtomicU8::new(0),
         }
     }
 
@@ -104,10 +108,24 @@ impl Tensors {
             copies: pieces.len(),
             calls: pieces.len() + ends.len(),
             threads: crate::host::workers::workers().map_or(1, |w| w.current_num_threads()),
-            reason: staged::reason(self.staging().0, chunk == staged::DEFAULT_CHUNK),
+            reason: staged_reason(self.staging().0, chunk == staged::DEFAULT_CHUNK),
             choice: Choice::Table,
             ..plan
         }
+    }
+
+    /// Whether a move of `direction` that [`Tensors::staged`] stages may go through staging
+    /// now: under [`Staging::Auto`], not while the other direction's move does (the two would
+    /// share the copy threads and the host memory's bandwidth, each copying every byte twice:
+    /// one staged beside one unstaged moves more). The turn ends when the returned value drops.
+    pub(super) fn take_staging(&self, direction: Direction) -> Option<StagingTurn<'_>> {
+        let mine = direction as u8 + 1;
+        let taken = self.staging().0 != Staging::Auto
+            || self
+                .staging_now
+                .compare_exchange(0, mine, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok();
+        taken.then_some(StagingTurn(&self.staging_now, mine))
     }
 
     /// Records that `direction`'s ring of `chunk`-byte chunks could not be made.
@@ -328,5 +346,45 @@ impl Tensors {
             )),
             _ => Ok(()),
         }
+    }
+}
+
+/// Why a move in the background is staged.
+fn staged_reason(staging: Staging, default_chunk: bool) -> &'static str {
+    macro_rules! staged {
+        ($why:expr) => {
+            concat!(
+                "2D copies gather (offload) or scatter (load) the blocks inside device memory, \
+                 one copy per chunk crosses the link, and pinstage's copy threads scatter or \
+                 gather the host blocks",
+                $why
+            )
+        };
+    }
+    match (staging, default_chunk) {
+        (Staging::Auto, true) => staged!(
+            " (a move in the background of 8 MiB or more whose copies average under 48 KiB, \
+             which cross the link as single rows far below its rate; chunks of 16 MiB; unless \
+             the other direction's move goes through staging when it starts)"
+        ),
+        (Staging::Auto, false) => staged!(
+            " (a move in the background of 8 MiB or more whose copies average under 48 KiB, \
+             which cross the link as single rows far below its rate; unless the other \
+             direction's move goes through staging when it starts)"
+        ),
+        _ => staged!(" (staging set to always)"),
+    }
+}
+
+/// A direction's turn at staging ([`Tensors::take_staging`]), ended when dropped (also when the
+/// move panics).
+pub(super) struct StagingTurn<'a>(&'a AtomicU8, u8);
+
+impl Drop for StagingTurn<'_> {
+    fn drop(&mut self) {
+        // Only a turn taken under `Staging::Auto` holds the mark.
+        let _ = self
+            .0
+            .compare_exchange(self.1, 0, Ordering::Release, Ordering::Relaxed);
     }
 }

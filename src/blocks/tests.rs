@@ -521,3 +521,32 @@ fn how_picks_2d_copies_a_batch_or_single_copies() {
         Issue::Strided { .. }
     ));
 }
+
+#[test]
+fn auto_staging_takes_one_direction_at_a_time() {
+    use super::staged::Staging;
+    use super::tensors::Tensors;
+    let pairs = (0..2u64)
+        .map(|i| plan::Pair {
+            device: layout(0x1_0000_0000 * (i + 1), 4096, 16 << 10, 2),
+            host: layout(0x100_0000_0000 * (i + 1), 4096, 16 << 10, 2),
+            device_read_only: false,
+            host_read_only: false,
+        })
+        .collect();
+    let t = Tensors::new(pairs, true, Some((1000, 2000)));
+    // Auto (the default): while the offload stages, the load does not; then it may.
+    let off = t.take_staging(Direction::Offload).expect("the first turn");
+    assert!(t.take_staging(Direction::Load).is_none());
+    drop(off);
+    let load = t.take_staging(Direction::Load).expect("free again");
+    assert!(t.take_staging(Direction::Offload).is_none());
+    drop(load);
+    // Always: both at once (tests, measurements); a turn taken then holds nothing.
+    t.set_staging(Staging::Always, super::staged::DEFAULT_CHUNK);
+    let off = t.take_staging(Direction::Offload).expect("always");
+    assert!(t.take_staging(Direction::Load).is_some());
+    t.set_staging(Staging::Auto, super::staged::DEFAULT_CHUNK);
+    assert!(t.take_staging(Direction::Load).is_some(), "{}", line!());
+    drop(off);
+}

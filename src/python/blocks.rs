@@ -35,7 +35,9 @@ use crate::stamps::stamp;
 ///         memory, one copy per chunk crosses the link, and pinstage's copy threads scatter or
 ///         gather the host blocks. ``"auto"`` (default): moves of 8 MiB or more whose copies
 ///         average under 48 KiB, between tensors that are views of one allocation on each side
-///         (or one tensor each); ``"always"``: every move in the background there; ``"never"``.
+///         (or one tensor each), one direction at a time (a move that starts while the other
+///         direction's goes through staging goes unstaged); ``"always"``: every move in the
+///         background there; ``"never"``.
 ///         A staged offload completes (``wait``, ``done``, ``stream_wait``) once the host blocks
 ///         hold the data, and its ``stream_wait`` waits on the host until then; a staged load
 ///         reads the host blocks once the work queued on ``stream`` before the call completed,
