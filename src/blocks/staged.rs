@@ -11,7 +11,7 @@
 //! size in device memory and as many in pinned host memory, and a stream of its own for the 2D
 //! copies inside device memory (the copies across the link go on the thread's stream: on one
 //! stream the two would run one after the other), made at its first staged move and kept until
-//! the mover goes. The host rows of every chunk are cut into tasks of about 32 KiB; a chunk
+//! the mover goes. The host rows of every chunk are cut into tasks of about 128 KiB; a chunk
 //! opens to the copy threads when its host slot may be used, and they take its tasks in order
 //! with no barrier between chunks (the issuing thread queues the copies and polls their
 //! events meanwhile, and takes tasks itself when it has nothing else to do). Per chunk `j` in
@@ -34,6 +34,8 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use crossbeam_utils::CachePadded;
 
 use super::chunks::{Piece, Task, cut};
 use super::copy::Direction;
@@ -175,8 +177,9 @@ pub(super) struct Work {
     left: Vec<AtomicUsize>,
 }
 
-/// Bytes of host rows in one task of the copy threads: about 32 KiB (a 16 MiB chunk is 512).
-const TASK_BYTES: usize = 32 << 10;
+/// Bytes of host rows in one task of the copy threads: about 128 KiB (a 16 MiB chunk is 128;
+/// each claim is an atomic operation on one cache line that every thread shares).
+const TASK_BYTES: usize = 128 << 10;
 
 impl Work {
     /// Packs `segments` (of `rows` rows each) into chunks of `chunk` bytes and cuts their host
@@ -300,7 +303,7 @@ unsafe fn run_on(
         shape,
         host: ring.host_slot(0),
         chunk: ring.chunk,
-        next: AtomicUsize::new(0),
+        next: CachePadded::new(AtomicUsize::new(0)),
         open: AtomicUsize::new(0),
         alive: AtomicUsize::new(0),
         stop: AtomicBool::new(false),
@@ -468,8 +471,8 @@ struct Flow<'a> {
     /// Host staging's first slot.
     host: u64,
     chunk: usize,
-    /// The next task to claim.
-    next: AtomicUsize,
+    /// The next task to claim (on a line of its own: every claim writes it).
+    next: CachePadded<AtomicUsize>,
     /// Chunks open to the copy threads: tasks of a chunk below it may be claimed.
     open: AtomicUsize,
     /// Copy threads spawned and not yet done.
