@@ -710,6 +710,44 @@ def test_torch_staging_auto_takes_large_moves_of_small_blocks(gpu):
 
 
 @pytest.mark.gpu
+def test_torch_staging_auto_stages_one_direction_at_a_time(gpu):
+    """staging="auto": an offload and a load in the background that overlap (both held behind
+    GPU work) go one staged, one not (the pair shares the copy threads and host memory): one
+    ring made; both land, every block checked."""
+    torch = pytest.importorskip("torch")
+    L, NB, half = 8, 192, 96
+    shape = (2, NB, 16, 128)  # int32: 8 KiB per part; a block across the tensors 128 KiB
+    dev = list(torch.stack(torch_side(torch, shape, L, 0, 5, "cuda")).unbind(0))
+    pool = pinstage.empty_pinned((L,) + shape, "int32")
+    host = [pool[t] for t in range(L)]
+    for t in range(L):
+        host[t][...] = values(shape, 40 + t, 6)
+        host[t][:, :half] = POISON  # the offload's destinations
+        dev[t][:, half:] = POISON  # the load's destinations
+    mover = pinstage.BlockMover(dev, host, block_dim=1)
+    rng = np.random.default_rng(37)
+    # 80 blocks each way (10 MiB): the offload within the first half, the load the second.
+    a, b = rng.permutation(half)[:80], rng.permutation(half)[:80]
+    c, d = half + rng.permutation(half)[:80], half + rng.permutation(half)[:80]
+    dev_before = [x.cpu().numpy() for x in dev]
+    host_before = [h.copy() for h in host]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # both moves wait for it: they overlap
+    p = mover.offload(a, b, background=True)
+    q = mover.load(c, d, background=True)
+    p.wait()
+    q.wait()
+    torch.cuda.synchronize()
+    for t in range(L):
+        np.testing.assert_array_equal(
+            host[t], expected(host_before[t], dev_before[t], a, b, 1), err_msg=f"host {t}")
+        np.testing.assert_array_equal(
+            dev[t].cpu().numpy(), expected(dev_before[t], host_before[t], c, d, 1),
+            err_msg=f"device {t}")
+    assert mover.staging_bytes == (2 * 4) << 24  # one direction's ring: 4 x 16 MiB each side
+
+
+@pytest.mark.gpu
 def test_gpu_refusals_issue_nothing(gpu):
     torch = pytest.importorskip("torch")
     dev = [torch.full((2, 8, 64), 7, dtype=torch.int32, device="cuda")]
