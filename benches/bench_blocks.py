@@ -51,7 +51,7 @@ windows move nothing (the method's own spread: a slowdown within it is not separ
 noise).
 
     python3 benches/bench_blocks.py [--rounds 5] [--sizes 4,16,32,64,256] [--graph-kib 32]
-                                    [--only-graph] [--out DIR]
+                                    [--only-graph] [--only-background] [--out DIR]
 
 Exit status 1 when any check failed or a call raised; the summary table is printed last.
 """
@@ -632,7 +632,7 @@ def timed_calls(case, args, variants, s, s2, peer, peer2d, results):
         # The mover times its first moves of a kind every way (twice each; three ways where
         # the batch is split over threads) before it settles on the faster
         # (plan()["choice"]): those moves are warm-up too, as in an engine's first steps.
-        for _ in range(6):
+        for _ in range(6 if "pinstage" in variants else 0):
             one_call(case, "pinstage", direction, s, peer, [], [], peer2d)
         d_ids, h_ids = case.draw()
         a, b = (d_ids, h_ids) if direction == "offload" else (h_ids, d_ids)
@@ -668,6 +668,8 @@ def timed_calls(case, args, variants, s, s2, peer, peer2d, results):
             print(f"  {direction:7s} {v:11s} {g:6.2f} GB/s ({lo:.2f}-{hi:.2f})  "
                   f"host {h:9.1f} us/call", flush=True)
     for key, bg in (("both", False), ("both-bg", True)):
+        if key == "both" and "pinstage" not in variants:
+            continue
         both = both_at_once(case, s, s2, args.rounds, background=bg)
         results[(B, key)] = med(both)
         print(f"  {key:8s} at once {med(both)[0]:.2f} GB/s "
@@ -686,6 +688,9 @@ def main():
     ap.add_argument("--graph-kib", type=int, default=32, help="block size of the graph test")
     ap.add_argument("--only-graph", action="store_true",
                     help="only the graph test (at --graph-kib blocks)")
+    ap.add_argument("--only-background", action="store_true",
+                    help="only pinstage-bg, the 2D peer and one contiguous copy, and both "
+                         "directions at once in the background (A/B runs of lab builds)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.cuda.init()
@@ -710,6 +715,8 @@ def main():
     s, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     variants = ["pinstage", "pinstage-bg", "batch-peer", "2d-peer", "copy-loop", "sm-gather",
                 "contiguous", "control"]
+    if args.only_background:
+        variants = ["pinstage-bg", "2d-peer", "contiguous"]
     results = {}
     for B in sizes:
         case = Case(pool, B)
@@ -723,6 +730,20 @@ def main():
         del case
         torch.cuda.synchronize()
 
+    if args.only_background:
+        print("\n== summary, background only (GB/s medians, min-max)")
+        for B in sizes:
+            for direction in ("offload", "load"):
+                r = results[(B, direction)]
+                (pb, lo, hi), td, c = r["pinstage-bg"][0], r["2d-peer"][0][0], r["contiguous"][0][0]
+                bgs = results[(B, direction, "bg-strategy")]
+                print(f"{B >> 10:>4} KiB {direction:8} background ({bgs}) {pb:6.2f} ({lo:.2f}-{hi:.2f})"
+                      f" = {pb / td:.2f}x 2d, {pb / c:.2f}x contig")
+            both, alone = results[(B, "both-bg")][0], max(
+                results[(B, d)]["pinstage-bg"][0][0] for d in ("offload", "load"))
+            print(f"{B >> 10:>4} KiB both-bg  {both:6.2f} = {both / alone:.2f}x the faster alone")
+        print(f"checks: {'all passed' if not failures else f'{len(failures)} FAILED'}")
+        return 1 if failures else 0
     print("\n== summary (GB/s medians; ratio = pinstage / peer)")
     print(f"{'block':>7} {'dir':8} {'strategy':8} {'pinstage':>9} {'batch':>7} {'x batch':>8} "
           f"{'2d':>7} {'x 2d':>7} {'contig':>7} "

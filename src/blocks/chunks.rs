@@ -1,6 +1,8 @@
 //! How a staged move ([`staged`](super::staged)) cuts its 2D copies into chunks of staging:
 //! pure, tested without a GPU.
 
+use std::sync::atomic::AtomicUsize;
+
 use super::plan::Segment;
 
 /// The fewest bytes one row of a chunk may hold: a chunk must fit every tensor's row of a
@@ -111,6 +113,41 @@ pub(super) fn cut(
             });
         }
         first = end;
+    }
+}
+
+/// A staged move's chunks: the pieces packed into them, and the host rows cut into tasks.
+#[derive(Default)]
+pub(super) struct Work {
+    pub(super) pieces: Vec<Piece>,
+    /// Per chunk: the end of its pieces and the bytes it uses.
+    pub(super) ends: Vec<(usize, usize)>,
+    pub(super) tasks: Vec<Task>,
+    /// Per chunk: its tasks not yet done.
+    pub(super) left: Vec<AtomicUsize>,
+}
+
+/// Bytes of host rows in one task of the copy threads: about 128 KiB (a 16 MiB chunk is 128;
+/// each claim is an atomic operation on one cache line that every thread shares).
+const TASK_BYTES: usize = 128 << 10;
+
+impl Work {
+    /// Packs `segments` (of `rows` rows each) into chunks of `chunk` bytes and cuts their host
+    /// rows into tasks.
+    pub(super) fn pack(&mut self, segments: &[Segment], rows: usize, chunk: usize) {
+        pack(segments, rows, chunk, &mut self.pieces, &mut self.ends);
+        cut(&self.pieces, &self.ends, rows, TASK_BYTES, &mut self.tasks);
+        self.left.clear();
+        self.left.resize_with(self.ends.len(), AtomicUsize::default);
+        for t in &self.tasks {
+            *self.left[t.chunk].get_mut() += 1;
+        }
+    }
+
+    /// Chunk `j`'s pieces and the bytes it uses.
+    pub(super) fn chunk(&self, j: usize) -> (&[Piece], usize) {
+        let start = if j == 0 { 0 } else { self.ends[j - 1].0 };
+        (&self.pieces[start..self.ends[j].0], self.ends[j].1)
     }
 }
 

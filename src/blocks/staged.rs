@@ -34,12 +34,12 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use crossbeam_utils::CachePadded;
 
-use super::chunks::{Piece, Task, cut};
+use super::chunks::{Piece, Work};
 use super::copy::Direction;
-use super::plan::Segment;
 use crate::cuda::wait::{Backoff, copy_time, wait_until};
 use crate::cuda::{Current, Event, Stream, StreamHandle};
 use crate::driver::DriverError;
@@ -166,41 +166,6 @@ pub(super) struct Stage {
     pub(super) work: Work,
 }
 
-/// A staged move's chunks: the pieces packed into them, and the host rows cut into tasks.
-#[derive(Default)]
-pub(super) struct Work {
-    pieces: Vec<Piece>,
-    /// Per chunk: the end of its pieces and the bytes it uses.
-    ends: Vec<(usize, usize)>,
-    tasks: Vec<Task>,
-    /// Per chunk: its tasks not yet done.
-    left: Vec<AtomicUsize>,
-}
-
-/// Bytes of host rows in one task of the copy threads: about 128 KiB (a 16 MiB chunk is 128;
-/// each claim is an atomic operation on one cache line that every thread shares).
-const TASK_BYTES: usize = 128 << 10;
-
-impl Work {
-    /// Packs `segments` (of `rows` rows each) into chunks of `chunk` bytes and cuts their host
-    /// rows into tasks.
-    pub(super) fn pack(&mut self, segments: &[Segment], rows: usize, chunk: usize) {
-        super::chunks::pack(segments, rows, chunk, &mut self.pieces, &mut self.ends);
-        cut(&self.pieces, &self.ends, rows, TASK_BYTES, &mut self.tasks);
-        self.left.clear();
-        self.left.resize_with(self.ends.len(), AtomicUsize::default);
-        for t in &self.tasks {
-            *self.left[t.chunk].get_mut() += 1;
-        }
-    }
-
-    /// Chunk `j`'s pieces and the bytes it uses.
-    fn chunk(&self, j: usize) -> (&[Piece], usize) {
-        let start = if j == 0 { 0 } else { self.ends[j - 1].0 };
-        (&self.pieces[start..self.ends[j].0], self.ends[j].1)
-    }
-}
-
 impl Stage {
     /// The ring for chunks of `chunk` bytes, made if need be (`held`: the bytes of staging
     /// memory held, kept up to date); `None` when it cannot be made.
@@ -315,17 +280,15 @@ unsafe fn run_on(
     let threads = pool.current_num_threads();
     pool.in_place_scope(|s| {
         // Copy threads for a chunk just opened: as many as it has tasks, up to the pool's
-        // size with those still at work. Each works until no open task is left.
+        // size with those still at work ([`Flow::work`]). SeqCst, with the opening before it
+        // and a leaving thread's own pair: it sees the chunk, or this sees it gone.
         let spawn = |tasks: usize| {
             let want = threads
-                .saturating_sub(flow.alive.load(Ordering::Relaxed))
+                .saturating_sub(flow.alive.load(Ordering::SeqCst))
                 .min(tasks);
-            flow.alive.fetch_add(want, Ordering::Relaxed);
+            flow.alive.fetch_add(want, Ordering::SeqCst);
             for _ in 0..want {
-                s.spawn(|_| {
-                    flow.drain();
-                    flow.alive.fetch_sub(1, Ordering::Relaxed);
-                });
+                s.spawn(|_| flow.work());
             }
         };
         // SAFETY: the caller's contract.
@@ -444,7 +407,7 @@ unsafe fn drive(
             };
         if open {
             opened += 1;
-            flow.open.store(opened, Ordering::Release);
+            flow.open.store(opened, Ordering::SeqCst);
             spawn(work.left[opened - 1].load(Ordering::Relaxed));
             moved = true;
         }
@@ -501,11 +464,50 @@ impl Flow<'_> {
         }
     }
 
-    /// Takes tasks until no open one is left.
-    fn drain(&self) {
-        while let Some(t) = self.claim() {
-            self.task(t);
+    /// A copy thread's part: takes open tasks; when none is open, lingers (spinning, then
+    /// yielding) for about one chunk's crossing for the next chunk to open, as a thread woken
+    /// anew starts tens of µs late; leaves once no task is left, the move failed, or it waited
+    /// that long. Counted in `alive` until it leaves.
+    fn work(&self) {
+        let linger = if cfg!(pinstage_lab_variant = "no_linger") {
+            Duration::ZERO
+        } else {
+            copy_time(self.chunk)
+        };
+        loop {
+            while let Some(t) = self.claim() {
+                self.task(t);
+            }
+            let (since, backoff) = (Instant::now(), Backoff::new(linger));
+            while !self.claimable() && !self.over() && since.elapsed() < linger {
+                backoff.pause();
+            }
+            if self.claimable() {
+                continue;
+            }
+            self.alive.fetch_sub(1, Ordering::SeqCst);
+            // A chunk opened as it left, whose spawner saw it alive: it stays.
+            if !self.claimable() {
+                return;
+            }
+            self.alive.fetch_add(1, Ordering::SeqCst);
         }
+    }
+
+    /// Whether an open task is left.
+    fn claimable(&self) -> bool {
+        !self.stop.load(Ordering::Relaxed)
+            && self
+                .work
+                .tasks
+                .get(self.next.load(Ordering::Relaxed))
+                .is_some_and(|t| t.chunk < self.open.load(Ordering::SeqCst))
+    }
+
+    /// Whether no task is left to take, or the move failed.
+    fn over(&self) -> bool {
+        self.stop.load(Ordering::Relaxed)
+            || self.next.load(Ordering::Relaxed) >= self.work.tasks.len()
     }
 
     /// Task `t`: copies its host rows between the host blocks and host staging (offload:
