@@ -14,7 +14,9 @@
 //! the mover goes. The host rows of every chunk are cut into tasks of about 128 KiB; a chunk
 //! opens to the copy threads when its host slot may be used, and they take its tasks in order
 //! with no barrier between chunks (the issuing thread queues the copies and polls their
-//! events meanwhile, and takes tasks itself when it has nothing else to do). Per chunk `j` in
+//! events meanwhile, and takes tasks itself when it has nothing else to do); a copy thread
+//! with no open task lingers about one chunk's crossing for the next before it leaves (lab
+//! variant `no_linger`: the control). Per chunk `j` in
 //! slot `k = j % SLOTS`:
 //! - offload: the 2D gathers into device slot `k` on the ring's stream (after the caller's
 //!   fork), then, once they ran, one device-to-host copy into host slot `k` and event `k` on the
