@@ -237,33 +237,6 @@ pub(super) unsafe fn run(
     fork: &Event,
     done: &Event,
 ) -> Result<()> {
-    // SAFETY: the caller's contract.
-    let moved = unsafe { run_on(cur, ring, direction, work, shape, stream, fork, done) };
-    if moved.is_err() {
-        // Copies queued before the failure cannot be followed: drained before the error returns.
-        let _ = ring.device.handle().synchronize(cur);
-        let _ = stream.synchronize(cur);
-    }
-    moved
-}
-
-/// [`run`]'s work, without the drain on failure: the issuing thread queues the copies and
-/// polls their events while the copy threads work through the open chunks' host rows (and the
-/// issuing thread with them when it has nothing else to do), with no barrier between chunks.
-///
-/// # Safety
-/// As [`run`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn run_on(
-    cur: &Current<'_>,
-    ring: &mut Ring,
-    direction: Direction,
-    work: &Work,
-    shape: Shape,
-    stream: StreamHandle,
-    fork: &Event,
-    done: &Event,
-) -> Result<()> {
     let flow = Flow {
         direction,
         work,
@@ -275,30 +248,40 @@ unsafe fn run_on(
         alive: AtomicUsize::new(0),
         stop: AtomicBool::new(false),
     };
-    let Some(pool) = crate::host::workers::workers() else {
+    // The issuing thread queues the copies and polls their events while the copy threads work
+    // through the open chunks' host rows (and the issuing thread with them when it has nothing
+    // else to do), with no barrier between chunks.
+    let moved = match crate::host::workers::workers() {
         // SAFETY: the caller's contract.
-        return unsafe { drive(cur, ring, &flow, stream, fork, done, &|_| {}) };
+        None => unsafe { drive(cur, ring, &flow, stream, fork, done, &|_| {}) },
+        Some(pool) => pool.in_place_scope(|s| {
+            let threads = pool.current_num_threads();
+            // Copy threads for a chunk just opened: as many as it has tasks, up to the pool's
+            // size with those still at work ([`Flow::work`]). SeqCst, with the opening before it
+            // and a leaving thread's own pair: it sees the chunk, or this sees it gone.
+            let spawn = |tasks: usize| {
+                let want = threads
+                    .saturating_sub(flow.alive.load(Ordering::SeqCst))
+                    .min(tasks);
+                flow.alive.fetch_add(want, Ordering::SeqCst);
+                for _ in 0..want {
+                    s.spawn(|_| flow.work());
+                }
+            };
+            // SAFETY: the caller's contract.
+            let driven = unsafe { drive(cur, ring, &flow, stream, fork, done, &spawn) };
+            // A failure: the copy threads take no further task (the scope waits for those at
+            // work).
+            flow.stop.store(true, Ordering::Relaxed);
+            driven
+        }),
     };
-    let threads = pool.current_num_threads();
-    pool.in_place_scope(|s| {
-        // Copy threads for a chunk just opened: as many as it has tasks, up to the pool's
-        // size with those still at work ([`Flow::work`]). SeqCst, with the opening before it
-        // and a leaving thread's own pair: it sees the chunk, or this sees it gone.
-        let spawn = |tasks: usize| {
-            let want = threads
-                .saturating_sub(flow.alive.load(Ordering::SeqCst))
-                .min(tasks);
-            flow.alive.fetch_add(want, Ordering::SeqCst);
-            for _ in 0..want {
-                s.spawn(|_| flow.work());
-            }
-        };
-        // SAFETY: the caller's contract.
-        let driven = unsafe { drive(cur, ring, &flow, stream, fork, done, &spawn) };
-        // A failure: the copy threads take no further task (the scope waits for those at work).
-        flow.stop.store(true, Ordering::Relaxed);
-        driven
-    })
+    if moved.is_err() {
+        // Copies queued before the failure cannot be followed: drained before the error returns.
+        let _ = ring.device.handle().synchronize(cur);
+        let _ = stream.synchronize(cur);
+    }
+    moved
 }
 
 /// The issuing thread's part of a staged move. Chunk `j` (slot `k = j % SLOTS`) opens to the
