@@ -196,9 +196,9 @@ impl Stage {
     }
 }
 
-/// Waits on the host for `event` (about `bytes` crossing the link).
-fn wait_for(event: &Event, bytes: usize) -> Result<()> {
-    wait_until(&Backoff::new(copy_time(bytes)), None, || event.query()).map(|_| ())
+/// Waits on the host for `event` (work expected to be done or nearly so).
+fn wait_for(event: &Event) -> Result<()> {
+    wait_until(&Backoff::new(Duration::ZERO), None, || event.query()).map(|_| ())
 }
 
 /// The layout of a staged move: the 2D segments' rows and the strides of both sides.
@@ -211,8 +211,8 @@ pub(super) struct Shape {
     pub(super) host_pitch: usize,
 }
 
-/// Moves `work` (packed by [`Work::pack`]) through `ring`, the
-/// copies across the link on `stream` and the 2D copies inside device memory on the ring's own
+/// Moves `work` (packed by [`Work::pack`]) through `ring`, the copies across the link on
+/// `stream` and the 2D copies inside device memory on the ring's own
 /// stream (the engines run both at once: one stream would serialize them), after `fork`;
 /// records `done` on `stream` after every copy. Returns once the move completed (offload: the
 /// last host row stored) or, for a load, once every copy is queued.
@@ -311,7 +311,7 @@ unsafe fn drive(
         fork.wait_on_in(cur, dev)?;
     } else {
         // The host rows are read on the host: after the work before the call.
-        wait_for(fork, 0)?;
+        wait_for(fork)?;
         fork.wait_on_in(cur, stream)?;
     }
     let (mut opened, mut finished, mut issued) = (0, 0, 0);

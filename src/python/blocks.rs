@@ -96,7 +96,10 @@ impl BlockMover {
             }
         };
         let staging_chunk = match staging_chunk {
-            Some(c) => super::args::count_arg(c, "staging_chunk", 64 << 10, 1 << 30)?,
+            Some(c) => {
+                let range = crate::blocks::CHUNK_RANGE;
+                super::args::count_arg(c, "staging_chunk", *range.start(), *range.end())?
+            }
             None => crate::blocks::DEFAULT_CHUNK,
         };
         // A dimension of a DLPack tensor: numpy's limit of 64 dimensions.

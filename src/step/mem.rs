@@ -8,8 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::cuda::{Current, Device, Event, StreamHandle};
 use crate::driver;
 use crate::error::{Error, Result};
-pub(crate) use crate::host::DeviceMem;
-use crate::host::{PinnedBuffer, PinnedFlags};
+use crate::host::{DeviceMem, PinnedBuffer, PinnedFlags};
 
 use super::layout::FIELD_ALIGN;
 

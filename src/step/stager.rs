@@ -4,11 +4,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::layout::{FieldKey, StepLayout};
-use super::mem::{AlignedBytes, BlockPool, DeviceMem, HostMem, StepBlock, pinned_slots};
+use super::mem::{AlignedBytes, BlockPool, HostMem, StepBlock, pinned_slots};
 use crate::cuda::{Device, Event, StreamHandle};
 use crate::dlpack::{DeviceView, MemoryKind};
 use crate::driver;
 use crate::error::{Error, Result};
+use crate::host::DeviceMem;
 use crate::ring::protocol::Claim;
 use crate::ring::slots::{Counter, SlotRing, check_args};
 
