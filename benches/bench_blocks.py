@@ -52,6 +52,7 @@ noise).
 
     python3 benches/bench_blocks.py [--rounds 5] [--sizes 4,16,32,64,256] [--graph-kib 32]
                                     [--only-graph] [--only-background] [--out DIR]
+                                    [--staging auto|always|never] [--chunk-mib 16]
 
 Exit status 1 when any check failed or a call raised; the summary table is printed last.
 """
@@ -192,7 +193,7 @@ def runs_of(src_ids, dst_ids):
 
 # ---------------------------------------------------------------- one block size
 class Case:
-    def __init__(self, pool, B):
+    def __init__(self, pool, B, staging="auto", chunk=16 << 20):
         self.B = B
         self.W = B // 4
         self.NB = min(8192, CAP // (L * B))
@@ -207,7 +208,8 @@ class Case:
         self.rand = pool["rand"][:n].view(L, self.NB, self.W)
         self.devs = list(self.dev.unbind(0))
         self.hosts = list(self.host.unbind(0))
-        self.mover = pinstage.BlockMover(self.devs, self.hosts, block_dim=0)
+        self.mover = pinstage.BlockMover(self.devs, self.hosts, block_dim=0, staging=staging,
+                                         staging_chunk=chunk)
         self.dev_base = np.array([t.data_ptr() for t in self.devs], np.uint64)
         self.host_base = np.array([t.data_ptr() for t in self.hosts], np.uint64)
         self.bytes = L * self.M * B
@@ -691,6 +693,9 @@ def main():
     ap.add_argument("--only-background", action="store_true",
                     help="only pinstage-bg, the 2D peer and one contiguous copy, and both "
                          "directions at once in the background (A/B runs of lab builds)")
+    ap.add_argument("--staging", choices=["auto", "always", "never"], default="auto",
+                    help="the mover's staging (background moves; A/B runs)")
+    ap.add_argument("--chunk-mib", type=int, default=16, help="the mover's staging chunk")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.cuda.init()
@@ -698,7 +703,8 @@ def main():
     if args.only_graph:
         sizes = [args.graph_kib << 10]
     print(f"pinstage {pinstage.__version__}, torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name()}", flush=True)
+          f"{torch.cuda.get_device_name()}; staging {args.staging}, chunks of "
+          f"{args.chunk_mib} MiB", flush=True)
     t_alloc = time.perf_counter()
     n = CAP // 4
     pool = {
@@ -719,7 +725,7 @@ def main():
         variants = ["pinstage-bg", "2d-peer", "contiguous"]
     results = {}
     for B in sizes:
-        case = Case(pool, B)
+        case = Case(pool, B, args.staging, args.chunk_mib << 20)
         print(f"\n== {B >> 10} KiB blocks: {L} tensors x {case.NB} blocks, {case.M} moved per "
               f"tensor ({case.bytes / 2**30:.2f} GiB a call)", flush=True)
         if not args.only_graph:

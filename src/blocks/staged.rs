@@ -503,6 +503,11 @@ impl Flow<'_> {
         let (part, _) = self.work.chunk(task.chunk);
         let slot = self.host + ((task.chunk % SLOTS) * self.chunk) as u64;
         let rows = self.shape.rows;
+        // Lab variant `load_cached`: the load's staged rows by plain stores, kept in the cache
+        // for the crossing's DMA to read.
+        let cached =
+            cfg!(pinstage_lab_variant = "load_cached") && self.direction == Direction::Load;
+        let nt = |dst: u64| !cached && dst % 16 == 0;
         for r in task.start..task.end {
             let (p, i) = (&part[r / rows], r % rows);
             let staged = slot + (p.off + i * p.len) as u64;
@@ -514,9 +519,7 @@ impl Flow<'_> {
             // (packed), which the chunk holds while it is open; a host row and a staged row
             // never overlap (staging is the mover's own memory); `fill` takes non-temporal
             // stores only at 16-byte alignment.
-            unsafe {
-                crate::host::bounce::fill(dst as *mut u8, src as *const u8, p.len, dst % 16 == 0)
-            };
+            unsafe { crate::host::bounce::fill(dst as *mut u8, src as *const u8, p.len, nt(dst)) };
         }
         // Release: the rows (fenced by `fill`) before the count the issuing thread reads.
         self.work.left[task.chunk].fetch_sub(1, Ordering::Release);
