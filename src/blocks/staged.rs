@@ -61,9 +61,9 @@ pub const CHUNK_RANGE: std::ops::RangeInclusive<usize> = (64 << 10)..=(1 << 30);
 /// Moves of at least this many bytes go through staging where [`Staging::Auto`] lets them.
 pub(super) const AUTO_MIN_BYTES: usize = 8 << 20;
 
-/// ... and copies (a run's bytes in one tensor and part, on average) of less than this: at 64
+/// ... and copies (a run's bytes in one tensor and part, on average) of less than this: at 256
 /// KiB the 2D copies across the link already run near one contiguous copy's rate.
-pub(super) const AUTO_BELOW_COPY: usize = 48 << 10;
+pub(super) const AUTO_BELOW_COPY: usize = 128 << 10;
 
 /// Whether a mover's moves in the background go through staging buffers
 /// ([`BlockMover::set_staging`](super::BlockMover::set_staging)).
@@ -71,7 +71,7 @@ pub(super) const AUTO_BELOW_COPY: usize = 48 << 10;
 #[non_exhaustive]
 pub enum Staging {
     /// Where it pays as measured (default): moves of 8 MiB or more whose copies average less
-    /// than 48 KiB, between tensors at one stride within one allocation on each side (or one
+    /// than 128 KiB, between tensors at one stride within one allocation on each side (or one
     /// tensor each), one direction at a time: a move that starts while the other direction's
     /// goes through staging goes unstaged (the two would share the copy threads and the host
     /// memory's bandwidth).
@@ -496,18 +496,18 @@ impl Flow<'_> {
     }
 
     /// Task `t`: copies its host rows between the host blocks and host staging (offload:
-    /// staging into the blocks; load: the blocks into staging), with non-temporal stores where
-    /// the destination allows, then counts it done.
+    /// staging into the blocks, by non-temporal stores where the destination allows; load: the
+    /// blocks into staging by plain stores, which leave the rows in the cache for the
+    /// crossing's DMA to read, where non-temporal ones would send them to memory and back),
+    /// then counts it done.
     fn task(&self, t: usize) {
         let task = self.work.tasks[t];
         let (part, _) = self.work.chunk(task.chunk);
         let slot = self.host + ((task.chunk % SLOTS) * self.chunk) as u64;
         let rows = self.shape.rows;
-        // Lab variant `load_cached`: the load's staged rows by plain stores, kept in the cache
-        // for the crossing's DMA to read.
-        let cached =
-            cfg!(pinstage_lab_variant = "load_cached") && self.direction == Direction::Load;
-        let nt = |dst: u64| !cached && dst % 16 == 0;
+        // The lab variant `load_nt` (the control): the load's rows by non-temporal stores too.
+        let nt_ok = self.direction == Direction::Offload || cfg!(pinstage_lab_variant = "load_nt");
+        let nt = |dst: u64| nt_ok && dst % 16 == 0;
         for r in task.start..task.end {
             let (p, i) = (&part[r / rows], r % rows);
             let staged = slot + (p.off + i * p.len) as u64;

@@ -34,7 +34,7 @@ use crate::stamps::stamp;
 ///         buffers: 2D copies gather (offload) or scatter (load) the blocks inside device
 ///         memory, one copy per chunk crosses the link, and pinstage's copy threads scatter or
 ///         gather the host blocks. ``"auto"`` (default): moves of 8 MiB or more whose copies
-///         average under 48 KiB, between tensors that are views of one allocation on each side
+///         average under 128 KiB, between tensors that are views of one allocation on each side
 ///         (or one tensor each), one direction at a time (a move that starts while the other
 ///         direction's goes through staging goes unstaged); ``"always"``: every move in the
 ///         background there; ``"never"``.

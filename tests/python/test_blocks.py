@@ -672,7 +672,7 @@ def expected_index(dim, ids):
 
 @pytest.mark.gpu
 def test_torch_staging_auto_takes_large_moves_of_small_blocks(gpu):
-    """staging="auto": a move in the background of 8 MiB or more in copies under 48 KiB is
+    """staging="auto": a move in the background of 8 MiB or more in copies under 128 KiB is
     staged (and lands, every block checked); a small move, a move of large copies and any move
     on the caller's thread are not; staging="never" never; bad values are refused."""
     torch = pytest.importorskip("torch")
@@ -690,6 +690,11 @@ def test_torch_staging_auto_takes_large_moves_of_small_blocks(gpu):
     assert mover.plan("offload", a, b)["strategy"] != "staged"
     run = np.arange(80)  # one run: copies of 640 KiB
     assert mover.plan("offload", run, run, background=True)["strategy"] != "staged"
+    for n, staged in ((8, True), (16, False)):  # runs of n blocks: copies of 64 / 128 KiB
+        ids = (np.arange(80) % n) + (np.arange(80) // n) * (n + 1)
+        dst = ids.reshape(-1, n)[::-1].ravel().copy()  # the runs in reverse order
+        got = mover.plan("load", ids, dst, background=True)
+        assert (got["strategy"] == "staged") == staged, (n, got)
     for h in host:
         h[...] = POISON
     src = [d.cpu().numpy() for d in dev]
