@@ -934,6 +934,12 @@ fn gpu_blocks_stream_order_holds_without_a_wait(
     let mut s = Sides::with(&d, Layout::KvFirst, tensors, bytes, blocks, blocks, pooled);
     let (dv, hv, dim) = s.views();
     let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    // Unstaged: a staged offload's `stream_wait` waits on the host until its host blocks hold
+    // the data, which the stall would hold up to its bound (the staged moves' order is checked
+    // by `gpu_blocks_staged_moves_land_every_block` and the seeded `staged_early_scatter`).
+    mover
+        .set_staging(Staging::Never, pinstage::blocks::DEFAULT_CHUNK)
+        .unwrap();
     let own = Stream::new(&d).unwrap();
     // The legacy stream too: batched moves there fork onto a side stream and join back.
     let stream = if stream_kind == 0 {
