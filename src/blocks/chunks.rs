@@ -1,7 +1,7 @@
 //! How a staged move ([`staged`](super::staged)) cuts its 2D copies into chunks of staging:
 //! pure, tested without a GPU.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 
 use super::plan::Segment;
 
@@ -279,48 +279,5 @@ mod tests {
         }];
         cut(&[], &[], 4, 1 << 10, &mut tasks);
         assert!(tasks.is_empty());
-    }
-}
-
-/// Staged moves running now, in every mover (the lab variant `fair_share`: each move's copy
-/// threads keep to their share of the pool).
-static STAGED_NOW: AtomicUsize = AtomicUsize::new(0);
-
-/// A staged move's count in [`STAGED_NOW`] while it runs.
-pub(super) struct Share;
-
-impl Share {
-    pub(super) fn join() -> Self {
-        STAGED_NOW.fetch_add(1, Ordering::SeqCst);
-        Share
-    }
-
-    /// One move's share of `threads`: all of them, but under `fair_share`.
-    pub(super) fn of(threads: usize) -> usize {
-        if cfg!(pinstage_lab_variant = "fair_share") {
-            (threads / STAGED_NOW.load(Ordering::SeqCst).max(1)).max(1)
-        } else {
-            threads
-        }
-    }
-
-    /// Whether a copy thread between tasks leaves (counted out of `alive`) as its move holds
-    /// more threads than its share (only under `fair_share`).
-    pub(super) fn leave(alive: &AtomicUsize) -> bool {
-        if !cfg!(pinstage_lab_variant = "fair_share") {
-            return false;
-        }
-        let pool = crate::host::workers::workers().map_or(1, |p| p.current_num_threads());
-        let a = alive.load(Ordering::SeqCst);
-        a > Self::of(pool)
-            && alive
-                .compare_exchange(a, a - 1, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
-    }
-}
-
-impl Drop for Share {
-    fn drop(&mut self) {
-        STAGED_NOW.fetch_sub(1, Ordering::SeqCst);
     }
 }

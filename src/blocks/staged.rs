@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_utils::CachePadded;
 
-use super::chunks::{Piece, Share, Work};
+use super::chunks::{Piece, Work};
 use super::copy::Direction;
 use crate::cuda::wait::{Backoff, copy_time, wait_until};
 use crate::cuda::{Current, Event, Stream, StreamHandle};
@@ -251,7 +251,6 @@ pub(super) unsafe fn run(
     // The issuing thread queues the copies and polls their events while the copy threads work
     // through the open chunks' host rows (and the issuing thread with them when it has nothing
     // else to do), with no barrier between chunks.
-    let _share = Share::join();
     let moved = match crate::host::workers::workers() {
         // SAFETY: the caller's contract.
         None => unsafe { drive(cur, ring, &flow, stream, fork, done, &|_| {}) },
@@ -261,7 +260,7 @@ pub(super) unsafe fn run(
             // size with those still at work ([`Flow::work`]). SeqCst, with the opening before it
             // and a leaving thread's own pair: it sees the chunk, or this sees it gone.
             let spawn = |tasks: usize| {
-                let want = Share::of(threads)
+                let want = threads
                     .saturating_sub(flow.alive.load(Ordering::SeqCst))
                     .min(tasks);
                 flow.alive.fetch_add(want, Ordering::SeqCst);
@@ -463,9 +462,6 @@ impl Flow<'_> {
         loop {
             while let Some(t) = self.claim() {
                 self.task(t);
-                if Share::leave(&self.alive) {
-                    return;
-                }
             }
             let (since, backoff) = (Instant::now(), Backoff::new(linger));
             while !self.claimable() && !self.over() && since.elapsed() < linger {
