@@ -37,13 +37,29 @@
 static size_t B, C, NB, POOL;
 static CUdeviceptr dsrc, ddst, ring_o, ring_l; /* pools, the two directions' device rings */
 static unsigned char *hdst, *hsrc, *hchk;       /* pinned: offload's host side, load's, read-back */
+static unsigned char *hpoison;                  /* pinned: one chunk of 0xEE */
 static size_t ido[NCH * 64], idl[NCH * 64];     /* block ids per run (C <= 64) */
 static CUstream x1, x2, g1, g2;
 static CUevent evg[NCH], evx[NCH], evh[NCH], evs[NCH];
 static int wrong;
 
-static unsigned char pat(size_t off) { return (unsigned char)((off >> 2) * 2654435761u >> 11) ^ (unsigned char)off; }
-static unsigned char slot_pat(size_t off) { return (unsigned char)(off * 131 + (off >> 16) + 7); }
+/* Byte patterns with no period a swapped chunk, slot, block or row could hide in. */
+static unsigned char mix(size_t x) { return (unsigned char)((x * 0x9E3779B97F4A7C15ull) >> 56); }
+static unsigned char pat(size_t off) { return mix(off + 1); }
+static unsigned char slot_pat(size_t off) { return mix(off + ((size_t)1 << 40)); }
+static unsigned char src_pat(size_t off) { return mix(off + ((size_t)2 << 40)); }
+
+/* Device memory poisoned, or written from host memory (async copies of pinned memory on g2, then
+ * a wait: what the simulated driver a local check runs on offers too). */
+static void poison_dev(CUdeviceptr d, size_t n) {
+    for (size_t o = 0; o < n; o += CH) CHECK(cuMemcpyHtoDAsync(d + o, hpoison, n - o < CH ? n - o : CH, g2));
+    CHECK(cuStreamSynchronize(g2));
+}
+
+static void to_dev(CUdeviceptr d, const unsigned char *h, size_t n) {
+    CHECK(cuMemcpyHtoDAsync(d, h, n, g2));
+    CHECK(cuStreamSynchronize(g2));
+}
 
 static void draw(size_t *ids, unsigned seed) {
     /* NCH C distinct ids of NB: a partial Fisher-Yates over 0..NB-1. */
@@ -74,8 +90,8 @@ static void rows_2d(int gather, size_t j, size_t k, CUstream s) {
 static double run(int off, int load, int two_d, unsigned seed) {
     draw(ido, seed), draw(idl, seed + 7919);
     if (off) memset(hdst, 0xEE, NCH * CH);
-    if (load) CHECK(cuMemsetD8(ddst, 0xEE, POOL));
-    if (load && !two_d) CHECK(cuMemsetD8(ring_l, 0xEE, SLOTS * CH));
+    if (load) poison_dev(ddst, POOL);
+    if (load && !two_d) poison_dev(ring_l, SLOTS * CH);
     CHECK(cuCtxSynchronize());
     double t0 = now_ms();
     for (size_t j = 0; j < NCH; j++) {
@@ -171,15 +187,17 @@ int main(int argc, char **argv) {
     CHECK(cuMemAlloc(&ddst, POOL));
     CHECK(cuMemAlloc(&ring_o, SLOTS * CH));
     CHECK(cuMemAlloc(&ring_l, SLOTS * CH));
-    CHECK(cuMemAllocHost((void **)&hdst, NCH * CH));
-    CHECK(cuMemAllocHost((void **)&hsrc, NCH * CH));
-    CHECK(cuMemAllocHost((void **)&hchk, NCH * CH));
+    CHECK(cuMemHostAlloc((void **)&hdst, NCH * CH, 0));
+    CHECK(cuMemHostAlloc((void **)&hsrc, NCH * CH, 0));
+    CHECK(cuMemHostAlloc((void **)&hchk, NCH * CH, 0));
+    CHECK(cuMemHostAlloc((void **)&hpoison, CH, 0));
+    memset(hpoison, 0xEE, CH);
     /* The source pool's pattern and the offload ring's, written once through hchk. */
     for (size_t o = 0; o < POOL; o += NCH * CH) {
         for (size_t i = 0; i < NCH * CH; i++) hchk[i] = pat(o + i);
-        CHECK(cuMemcpyHtoD(dsrc + o, hchk, NCH * CH));
+        to_dev(dsrc + o, hchk, NCH * CH);
     }
-    for (size_t i = 0; i < NCH * CH; i++) hsrc[i] = (unsigned char)(i * 31 + (i >> 12) + 1);
+    for (size_t i = 0; i < NCH * CH; i++) hsrc[i] = src_pat(i);
     int n = argc > 1 ? argc - 1 : 2;
     for (int a = 0; a < n; a++) {
         B = (size_t)(argc > 1 ? atoi(argv[a + 1]) : (a ? 64 : 16)) << 10;
@@ -188,7 +206,7 @@ int main(int argc, char **argv) {
         if (C < 1 || C > 64) { fprintf(stderr, "block KiB: 4-256\n"); return 2; }
         /* The offload ring's own pattern (the 2D rows overwrite it). */
         for (size_t i = 0; i < SLOTS * CH; i++) hchk[i] = slot_pat(i);
-        CHECK(cuMemcpyHtoD(ring_o, hchk, SLOTS * CH));
+        to_dev(ring_o, hchk, SLOTS * CH);
         printf("== %zu KiB blocks: %d tensors x %zu blocks, %zu blocks a chunk, %d chunks each way (%zu MiB)\n",
                B >> 10, L, NB, C, NCH, NCH * CH >> 20);
         double d = row("d2h", 1, 0, 0, 0), h = row("h2d", 0, 1, 0, 0);
