@@ -46,9 +46,9 @@ the host blocks no move writes still poisoned): each move's replays against the 
 quiet windows on both sides of it in the same sequence, so the clocks' and the temperature's
 drift cancel. Peers: pinstage's offload (on the calling thread, and in the background to its
 wait), the 2D peer's, the sm-gather peer (3 gathers into one packed staging buffer: only the last
-can be checked, the graph figure is not a copy figure), one contiguous copy of the same bytes (whether the copies' shape matters) and a null control whose
-windows move nothing (the method's own spread: a slowdown within it is not separable from
-noise).
+can be checked, the graph figure is not a copy figure), one contiguous copy of the same bytes
+(whether the copies' shape matters) and a null control whose windows move nothing (the
+method's own spread: a slowdown within it is not separable from noise).
 
     python3 benches/bench_blocks.py [--rounds 5] [--sizes 4,16,32,64,256] [--graph-kib 32]
                                     [--only-graph] [--only-background] [--out DIR]
@@ -462,8 +462,8 @@ def graph_beside(case, s, rounds, peer2d):
     quiet windows and moves (each about one move long): each move's replays against the quiet
     windows on both sides of it, in the same sequence (clock and thermal drift cancel), per
     peer: pinstage's offload (on the caller's thread, and in the background: staged for small
-    blocks, each move to its wait), the 2D peer (the same copies by ctypes), the sm-gather peer, one
-    contiguous copy of the same bytes (does the copies' shape matter?), and a null control whose
+    blocks, each move to its wait), the 2D peer (the same copies by ctypes), the sm-gather peer,
+    one contiguous copy of the same bytes (does the copies' shape matter?), and a null control whose
     "moves" only sleep (the method's own spread)."""
     g_stream = torch.cuda.Stream()
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)

@@ -73,8 +73,7 @@ pub enum Staging {
     /// Where it pays as measured (default): moves of 8 MiB or more whose copies average less
     /// than 128 KiB, between tensors at one stride within one allocation on each side (or one
     /// tensor each), one direction at a time: a move that starts while the other direction's
-    /// goes through staging goes unstaged (the two would share the copy threads and the host
-    /// memory's bandwidth).
+    /// goes through staging goes unstaged (two staged at once move about what one moves).
     Auto,
     /// Every move in the background between tensors at one stride (or one tensor each): tests,
     /// measurements.

@@ -115,9 +115,9 @@ impl Tensors {
     }
 
     /// Whether a move of `direction` that [`Tensors::staged`] stages may go through staging
-    /// now: under [`Staging::Auto`], not while the other direction's move does (the two would
-    /// share the copy threads and the host memory's bandwidth, each staged byte crossing host
-    /// memory three times). The turn ends when the returned value drops.
+    /// now: under [`Staging::Auto`], not while the other direction's move does (two staged at
+    /// once moved about what one moves, with the copy threads shared fairly or not; cause not
+    /// found: lab/NOTEBOOK.md). The turn ends when the returned value drops.
     pub(super) fn take_staging(&self, direction: Direction) -> Option<StagingTurn<'_>> {
         let mine = direction as u8 + 1;
         let taken = self.staging().0 != Staging::Auto
