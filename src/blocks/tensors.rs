@@ -116,8 +116,7 @@ impl Tensors {
 
     /// Whether a move of `direction` that [`Tensors::staged`] stages may go through staging
     /// now: under [`Staging::Auto`], not while the other direction's move does (two staged at
-    /// once moved about what one moves, with the copy threads shared fairly or not; cause not
-    /// found: lab/NOTEBOOK.md). The turn ends when the returned value drops.
+    /// once move about what one moves). The turn ends when the returned value drops.
     pub(super) fn take_staging(&self, direction: Direction) -> Option<StagingTurn<'_>> {
         let mine = direction as u8 + 1;
         let taken = self.staging().0 != Staging::Auto
