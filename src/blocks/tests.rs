@@ -550,3 +550,31 @@ fn auto_staging_takes_one_direction_at_a_time() {
     assert!(t.take_staging(Direction::Load).is_some(), "{}", line!());
     drop(off);
 }
+
+#[test]
+fn auto_staging_takes_large_moves_in_copies_under_128_kib() {
+    use super::staged::{DEFAULT_CHUNK, Staging};
+    use super::tensors::Tensors;
+    // Two tensors at one stride, 2 parts of 16 KiB a block: 64 KiB a block across them.
+    let pairs = (0..2u64)
+        .map(|i| plan::Pair {
+            device: layout(0x1_0000_0000 * (i + 1), 4096, 16 << 10, 2),
+            host: layout(0x100_0000_0000 * (i + 1), 4096, 16 << 10, 2),
+            device_read_only: false,
+            host_read_only: false,
+        })
+        .collect();
+    let t = Tensors::new(pairs, true, Some((1000, 2000)));
+    let staged = |blocks, runs| t.staged(Direction::Load, blocks, runs).is_some();
+    // 512 blocks (32 MiB): copies of 16 KiB (every block a run), 112 KiB (runs of 7), 128 KiB.
+    assert!(staged(512, 512));
+    assert!(staged(512, 73));
+    assert!(!staged(512, 64));
+    // Under 8 MiB: 127 blocks are 8 MiB less 64 KiB; 128 are 8 MiB.
+    assert!(!staged(127, 127));
+    assert!(staged(128, 128));
+    t.set_staging(Staging::Never, DEFAULT_CHUNK);
+    assert!(!staged(512, 512));
+    t.set_staging(Staging::Always, DEFAULT_CHUNK);
+    assert!(staged(512, 64) && staged(1, 1));
+}
