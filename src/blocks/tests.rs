@@ -522,10 +522,9 @@ fn how_picks_2d_copies_a_batch_or_single_copies() {
     ));
 }
 
-#[test]
-fn auto_staging_takes_one_direction_at_a_time() {
-    use super::staged::Staging;
-    use super::tensors::Tensors;
+/// Two tensors at one stride on each side, 4096 blocks of 2 parts of 16 KiB (64 KiB a block
+/// across them), batches and timing on.
+fn two_at_one_stride() -> super::tensors::Tensors {
     let pairs = (0..2u64)
         .map(|i| plan::Pair {
             device: layout(0x1_0000_0000 * (i + 1), 4096, 16 << 10, 2),
@@ -534,7 +533,13 @@ fn auto_staging_takes_one_direction_at_a_time() {
             host_read_only: false,
         })
         .collect();
-    let t = Tensors::new(pairs, true, Some((1000, 2000)));
+    super::tensors::Tensors::new(pairs, true, Some((1000, 2000)))
+}
+
+#[test]
+fn auto_staging_takes_one_direction_at_a_time() {
+    use super::staged::Staging;
+    let t = two_at_one_stride();
     // Auto (the default): while the offload stages, the load does not; then it may.
     let off = t.take_staging(Direction::Offload).expect("the first turn");
     assert!(t.take_staging(Direction::Load).is_none());
@@ -554,17 +559,7 @@ fn auto_staging_takes_one_direction_at_a_time() {
 #[test]
 fn auto_staging_takes_large_moves_in_copies_under_128_kib() {
     use super::staged::{DEFAULT_CHUNK, Staging};
-    use super::tensors::Tensors;
-    // Two tensors at one stride, 2 parts of 16 KiB a block: 64 KiB a block across them.
-    let pairs = (0..2u64)
-        .map(|i| plan::Pair {
-            device: layout(0x1_0000_0000 * (i + 1), 4096, 16 << 10, 2),
-            host: layout(0x100_0000_0000 * (i + 1), 4096, 16 << 10, 2),
-            device_read_only: false,
-            host_read_only: false,
-        })
-        .collect();
-    let t = Tensors::new(pairs, true, Some((1000, 2000)));
+    let t = two_at_one_stride(); // 64 KiB a block across the tensors
     let staged = |blocks, runs| t.staged(Direction::Load, blocks, runs).is_some();
     // 512 blocks (32 MiB): copies of 16 KiB (every block a run), 112 KiB (runs of 7), 128 KiB.
     assert!(staged(512, 512));
