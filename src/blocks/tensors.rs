@@ -360,17 +360,19 @@ fn staged_reason(staging: Staging, default_chunk: bool) -> &'static str {
             )
         };
     }
+    macro_rules! auto {
+        ($chunk:expr) => {
+            staged!(concat!(
+                " (a move in the background of 8 MiB or more whose copies average under 128 \
+                 KiB, which cross the link as single rows far below its rate; ",
+                $chunk,
+                "unless the other direction's move goes through staging when it starts)"
+            ))
+        };
+    }
     match (staging, default_chunk) {
-        (Staging::Auto, true) => staged!(
-            " (a move in the background of 8 MiB or more whose copies average under 128 KiB, \
-             which cross the link as single rows far below its rate; chunks of 16 MiB; unless \
-             the other direction's move goes through staging when it starts)"
-        ),
-        (Staging::Auto, false) => staged!(
-            " (a move in the background of 8 MiB or more whose copies average under 128 KiB, \
-             which cross the link as single rows far below its rate; unless the other \
-             direction's move goes through staging when it starts)"
-        ),
+        (Staging::Auto, true) => auto!("chunks of 16 MiB; "),
+        (Staging::Auto, false) => auto!(""),
         _ => staged!(" (staging set to always)"),
     }
 }
