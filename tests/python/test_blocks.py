@@ -717,8 +717,8 @@ def test_torch_staging_auto_takes_large_moves_of_small_blocks(gpu):
 @pytest.mark.gpu
 def test_torch_staging_auto_stages_one_direction_at_a_time(gpu):
     """staging="auto": an offload and a load in the background that overlap (both held behind
-    GPU work) go one staged, one not (the pair shares the copy threads and host memory): one
-    ring made; both land, every block checked."""
+    GPU work) go one staged, one not (two staged at once move about what one moves): one ring
+    made; both land, every block checked."""
     torch = pytest.importorskip("torch")
     L, NB, half = 8, 192, 96
     shape = (2, NB, 16, 128)  # int32: 8 KiB per part; a block across the tensors 128 KiB
