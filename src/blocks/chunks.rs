@@ -38,13 +38,12 @@ pub(super) fn pack(
     debug_assert!(fits(rows, chunk));
     pieces.clear();
     ends.clear();
-    let most = chunk / rows;
     let mut used = 0;
     for s in segments {
         let mut at = 0;
         while at < s.len {
             let room = (chunk - used) / rows;
-            let mut len = (s.len - at).min(most);
+            let mut len = s.len - at;
             if len > room {
                 if room < MIN_ROW {
                     ends.push((pieces.len(), used));
@@ -236,7 +235,54 @@ mod tests {
             [100, 700, 800, 800, 800, 800, 800, 800, 500]
         );
         assert_eq!(ends.len(), 8);
+        // A segment's end that fits the room exactly stays in the chunk, however short.
+        pack(
+            &[seg(0, 0, 700), seg(0, 0, 300)],
+            1,
+            1000,
+            &mut pieces,
+            &mut ends,
+        );
+        assert_eq!(ends, [(2, 1000)]);
+        // A room of exactly MIN_ROW still takes a piece of a longer segment.
+        pack(
+            &[seg(0, 0, 512), seg(0, 0, 1000)],
+            1,
+            1024,
+            &mut pieces,
+            &mut ends,
+        );
+        assert_eq!(
+            pieces.iter().map(|p| p.len).collect::<Vec<_>>(),
+            [512, 512, 488]
+        );
+        assert_eq!(ends, [(2, 1024), (3, 488)]);
         assert!(fits(4, 2048) && !fits(4, 2047) && !fits(0, 1 << 20));
+    }
+
+    #[test]
+    fn work_counts_each_chunks_tasks_and_hands_out_its_pieces() {
+        // 64 rows of 16 KiB pieces: 1 MiB a block, 16 blocks a 16 MiB chunk, 128 tasks of about
+        // 128 KiB each (8 rows).
+        let segs: Vec<_> = (0..40).map(|i| seg(i << 20, i << 21, 16 << 10)).collect();
+        let mut w = Work::default();
+        w.pack(&segs, 64, 16 << 20);
+        assert_eq!(w.ends.len(), 3);
+        for j in 0..w.ends.len() {
+            let (pieces, bytes) = w.chunk(j);
+            let first = if j == 0 { 0 } else { w.ends[j - 1].0 };
+            assert_eq!(pieces, &w.pieces[first..w.ends[j].0]);
+            assert_eq!(bytes, pieces.len() * 64 * (16 << 10));
+            let tasks = w.tasks.iter().filter(|t| t.chunk == j).count();
+            assert_eq!(w.left[j].load(std::sync::atomic::Ordering::Relaxed), tasks);
+        }
+        assert_eq!(w.chunk(0).0.len(), 16);
+        assert_eq!(w.chunk(2).0.len(), 8);
+        assert_eq!(w.tasks.iter().filter(|t| t.chunk == 0).count(), 128);
+        // Packed again, nothing of the first move is left.
+        w.pack(&segs[..1], 64, 16 << 20);
+        assert_eq!((w.ends.len(), w.left.len(), w.tasks.len()), (1, 1, 8));
+        assert_eq!(w.left[0].load(std::sync::atomic::Ordering::Relaxed), 8);
     }
 
     #[test]
