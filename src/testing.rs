@@ -354,3 +354,5 @@ impl Drop for DeviceBuffer {
         }
     }
 }
+
+pub use crate::blocks::panic_in_staged_task;

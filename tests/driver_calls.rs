@@ -536,3 +536,161 @@ fn a_timed_move_issues_the_way_its_plan_says() {
         "{ways:?}"
     );
 }
+
+#[test]
+fn a_staged_mover_keeps_its_ring_until_the_chunk_changes() {
+    let Some((dev, _calls)) = fake("a_staged_mover_keeps_its_ring_until_the_chunk_changes") else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _cur = dev.enter().unwrap();
+    let stream = Stream::new(&dev).unwrap();
+    // 4 tensors of 64 blocks of 16 KiB at one stride: 40 blocks are 2.5 MiB, ten or five
+    // chunks of 256 or 512 KiB.
+    const NB: usize = 64;
+    let blocks = Blocks::new(&dev, &stream, 4, NB, 4096);
+    let mover = &blocks.mover;
+    let allocs = || process_calls(c"cuMemAlloc_v2") + process_calls(c"cuMemHostAlloc");
+    let mut chunk = 0;
+    for (round, want) in [256usize << 10, 256 << 10, 256 << 10, 512 << 10, 512 << 10]
+        .into_iter()
+        .enumerate()
+    {
+        if want != chunk {
+            chunk = want;
+            mover
+                .set_staging(pinstage::blocks::Staging::Always, chunk)
+                .unwrap();
+        }
+        blocks.poison();
+        let d = pinstage::testing::shuffled_ids(40, NB, 7 + round as u64);
+        let h = pinstage::testing::shuffled_ids(40, NB, 70 + round as u64);
+        let plan = mover
+            .plan_in_background(pinstage::blocks::Direction::Offload, &d, &h)
+            .unwrap();
+        assert_eq!(
+            plan.strategy,
+            pinstage::blocks::Strategy::Staged,
+            "{plan:?}"
+        );
+        let before = (
+            allocs(),
+            process_calls(c"cuMemcpy2DAsync_v2"),
+            process_calls(c"cuMemcpyAsync"),
+        );
+        // SAFETY: the buffers outlive the move (waited for); nothing else touches them.
+        unsafe { mover.offload_in_background(&d, &h, stream.handle()) }
+            .unwrap()
+            .wait()
+            .unwrap();
+        blocks.check(&d, &h, round);
+        let (made, gathers, crossings) = (
+            allocs() - before.0,
+            process_calls(c"cuMemcpy2DAsync_v2") - before.1,
+            process_calls(c"cuMemcpyAsync") - before.2,
+        );
+        // A ring (device and pinned host memory) at the first move of each chunk size only.
+        let fresh = round == 0 || round == 3;
+        assert_eq!(made, if fresh { 2 } else { 0 }, "round {round}");
+        assert_eq!(mover.staging_bytes(), 2 * 4 * chunk, "round {round}");
+        // The plan's copies: a 2D gather per piece, ONE copy across per chunk.
+        assert_eq!(gathers as usize, plan.copies, "round {round}: {plan:?}");
+        assert_eq!(
+            crossings as usize,
+            plan.calls - plan.copies,
+            "round {round}: {plan:?}"
+        );
+        assert_eq!(
+            crossings as usize,
+            ((40 * 4 * 16usize) << 10).div_ceil(chunk),
+            "round {round}"
+        );
+    }
+}
+
+/// A staged move whose copy the driver refuses partway (on the mover's own thread), or one of
+/// whose tasks panics (a bug), fails: its wait reports the error instead of hanging, and the
+/// mover's next moves land, every block checked.
+#[test]
+fn a_staged_move_that_fails_partway_reports_it_and_the_next_lands() {
+    let Some((dev, _calls)) =
+        fake("a_staged_move_that_fails_partway_reports_it_and_the_next_lands")
+    else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _cur = dev.enter().unwrap();
+    let stream = Stream::new(&dev).unwrap();
+    type Fail = unsafe extern "C" fn(*const c_char, u64, u32);
+    // SAFETY: the simulated driver, loaded (`fake`), exports it with this signature.
+    let fail: Fail = unsafe {
+        let h = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_NOW);
+        let f = libc::dlsym(h, c"fakecuda_fail".as_ptr());
+        assert!(!f.is_null());
+        std::mem::transmute::<*mut libc::c_void, Fail>(f)
+    };
+    // 40 blocks of 4 tensors x 16 KiB in 256 KiB chunks: 10 chunks, 40 2D copies, 20 tasks.
+    const NB: usize = 64;
+    let blocks = Blocks::new(&dev, &stream, 4, NB, 4096);
+    let mover = &blocks.mover;
+    mover
+        .set_staging(pinstage::blocks::Staging::Always, 256 << 10)
+        .unwrap();
+    let (offload, load) = (
+        pinstage::blocks::Direction::Offload,
+        pinstage::blocks::Direction::Load,
+    );
+    // SAFETY (each move): the buffers outlive it (waited for); nothing else touches them.
+    let run = |direction, d: &[usize], h: &[usize]| unsafe {
+        match direction {
+            pinstage::blocks::Direction::Offload => {
+                mover.offload_in_background(d, h, stream.handle())
+            }
+            _ => mover.load_in_background(h, d, stream.handle()),
+        }
+        .unwrap()
+        .wait()
+    };
+    let faults: [(&str, &CStr, u64); 4] = [
+        ("cuMemcpyAsync", c"cuMemcpyAsync", 3),
+        ("cuMemcpy2DAsync", c"cuMemcpy2DAsync_v2", 17),
+        ("(a bug)", c"", 5),
+        ("cuMemcpyAsync", c"cuMemcpyAsync", 9),
+    ];
+    for (round, &(what, call, after)) in faults.iter().enumerate() {
+        for direction in [offload, load] {
+            let d = pinstage::testing::shuffled_ids(40, NB, 3 + round as u64);
+            let h = pinstage::testing::shuffled_ids(40, NB, 30 + round as u64);
+            if direction == load {
+                // The host blocks hold the device blocks' values (a load that lands writes
+                // the values the device blocks hold): checked first.
+                blocks.poison();
+                run(offload, &d, &h).unwrap();
+                blocks.check(&d, &h, (round, "before the load"));
+            }
+            if call.is_empty() {
+                pinstage::testing::panic_in_staged_task(after as u32);
+            } else {
+                // SAFETY: a NUL-terminated name.
+                unsafe { fail(call.as_ptr(), after, 999) };
+            }
+            let failed = run(direction, &d, &h);
+            pinstage::testing::panic_in_staged_task(0);
+            let err = failed.expect_err("a move that failed partway");
+            assert!(
+                err.to_string().contains(what),
+                "round {round} {direction:?}: {err}"
+            );
+            // The next moves land: the offload's host blocks, and (after a load) the device
+            // blocks through one more offload of every block.
+            if direction == load {
+                run(load, &d, &h).unwrap();
+            }
+            blocks.poison();
+            let all: Vec<usize> = (0..NB).collect();
+            let back = pinstage::testing::shuffled_ids(NB, NB, 99 + round as u64);
+            run(offload, &all, &back).unwrap();
+            blocks.check(&all, &back, (round, direction, "after the failure"));
+        }
+    }
+}

@@ -1040,6 +1040,77 @@ fn gpu_blocks_stream_order_holds_without_a_wait(
     }
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_blocks_a_staged_load_reads_its_host_blocks_after_the_work_before_it() {
+    let Some(d) =
+        gpu_or_skip("gpu_blocks_a_staged_load_reads_its_host_blocks_after_the_work_before_it")
+    else {
+        return;
+    };
+    // Alone on the GPU (see [`GPU`]).
+    let _alone = GPU.write().unwrap_or_else(|e| e.into_inner());
+    // On one stalled stream: an offload on the caller's thread writes host blocks `mid`, then a
+    // staged load in the background reads them into device blocks `back`. The staged load's
+    // copy threads read the host blocks on the host, so its thread must wait for the work
+    // queued before the call, not only order its copies after it on the device.
+    let (tensors, bytes, blocks) = (4, 16 << 10, 64);
+    let mut s = Sides::with(&d, Layout::KvFirst, tensors, bytes, blocks, blocks, true);
+    let (dv, hv, dim) = s.views();
+    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    mover.set_staging(Staging::Always, 256 << 10).unwrap();
+    let own = Stream::new(&d).unwrap();
+    let stream = own.handle();
+    let out: Vec<usize> = (0..24).map(|i| 2 * i + 1).collect();
+    let back: Vec<usize> = (0..24).rev().map(|i| 2 * i).collect();
+    let mid: Vec<usize> = (40..64).collect();
+    // Warm-up: the issuing thread, its stream and its ring exist before the stall.
+    // SAFETY: waited for at once; the buffers outlive the moves.
+    unsafe { mover.load_in_background(&mid, &back, stream) }
+        .unwrap()
+        .wait()
+        .unwrap();
+    for round in 0..3u32 {
+        let src = s.fill(0, round);
+        s.poison(1);
+        let stall = stall_handle(&d, stream);
+        // SAFETY: waited for below; the buffers outlive the moves.
+        let c1 = unsafe { mover.offload(&out, &mid, stream) }.unwrap();
+        // SAFETY: as above.
+        let c2 = unsafe { mover.load_in_background(&mid, &back, stream) }.unwrap();
+        // Time for a load that does not wait to read the poisoned host blocks.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let q = c2.query();
+        assert!(
+            matches!(q, Ok(false)),
+            "round {round}: the load under a stall: {q:?}"
+        );
+        stall.release();
+        c2.wait().unwrap();
+        c1.wait().unwrap();
+        // Device block back[i] holds device block out[i]; every other block its own values.
+        for (t, src) in src.iter().enumerate() {
+            let mut want = src.clone();
+            for (&o, &b) in out.iter().zip(&back) {
+                for p in 0..2 {
+                    let from = s.layout.at(blocks, bytes, tensors, p, o);
+                    let to = s.layout.at(blocks, bytes, tensors, p, b);
+                    want.copy_within(from..from + bytes, to);
+                }
+            }
+            let got = s.read(0, t);
+            if got[..want.len()] != want[..] {
+                let first = got.iter().zip(&want).position(|(a, b)| a != b).unwrap();
+                panic!(
+                    "round {round}: device tensor {t}: byte {first} is {:#x}, expected {:#x} \
+                     (the load read its host blocks before the offload wrote them)",
+                    got[first], want[first]
+                );
+            }
+        }
+    }
+}
+
 /// Blocks-first sides of `tensors` tensors at one stride (2D copies possible), `blocks` blocks
 /// each side, the host side pooled, and their mover: the timing tests' setup.
 fn pooled_mover(

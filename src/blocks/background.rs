@@ -93,7 +93,7 @@ impl Issuer {
                     };
                     job.ticket.settle(outcome);
                 }
-                stage.release(&tensors.staging_held);
+                // The ring goes with `stage`: with the mover, no one reads `staging_held`.
             })
             .map_err(|e| Error::unavailable(format!("no thread to issue moves: {e}")))?;
         Ok(Self { tx })
@@ -223,7 +223,7 @@ unsafe fn run(
                     job.ticket.event(),
                 )
             }
-            .map_err(staged::driver_error);
+            .map_err(staged_error);
         }
         let (how, pick) = tensors.how(job.direction, blocks, n_runs, Some(cur));
         let strided = matches!(how, Issue::Strided { .. });
@@ -257,5 +257,13 @@ fn driver_error(e: Error) -> DriverError {
     match e {
         Error::Driver(e) => e,
         _ => DriverError::new("pinstage: block move", INVALID_VALUE),
+    }
+}
+
+/// The driver error of a staged move's failure (a refused allocation never gets here).
+fn staged_error(e: Error) -> DriverError {
+    match e {
+        Error::Driver(e) => e,
+        _ => DriverError::new("pinstage: staged block move", UNKNOWN),
     }
 }

@@ -9,6 +9,16 @@ use super::plan::Segment;
 /// piece at least this long.
 const MIN_ROW: usize = 512;
 
+/// The layout of a staged move: the 2D segments' rows and the strides of both sides.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Shape {
+    /// Rows of every segment: one per tensor.
+    pub(super) rows: usize,
+    /// Bytes between consecutive tensors on the device side and on the host side.
+    pub(super) device_pitch: usize,
+    pub(super) host_pitch: usize,
+}
+
 /// One piece of a chunk: a row of `len` bytes in each of `rows` tensors, from `src` and into
 /// `dst` (each side stepping by its tensors' stride), staged packed at `off` (row `i` at
 /// `off + i * len`).

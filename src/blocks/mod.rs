@@ -25,4 +25,6 @@ pub use copy::{BlockCopy, Choice, Direction, MAX_BATCH, MovePlan, Strategy};
 pub use mover::BlockMover;
 #[cfg(test)]
 pub(crate) use plan::{BlockLayout, Segment, plan};
+#[cfg(feature = "testing")]
+pub use staged::panic_in_staged_task;
 pub use staged::{CHUNK_RANGE, DEFAULT_CHUNK, Staging};

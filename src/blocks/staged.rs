@@ -10,8 +10,8 @@
 //! A mover's thread of each direction owns a ring of [`SLOTS`] chunks of [`Staging`]'s chunk
 //! size in device memory and as many in pinned host memory, and a stream of its own for the 2D
 //! copies inside device memory (the copies across the link go on the thread's stream: on one
-//! stream the two would run one after the other), made at its first staged move and kept until
-//! the mover goes. The host rows of every chunk are cut into tasks of about 128 KiB; a chunk
+//! stream the two would run one after the other), made at its first staged move, made anew
+//! when the chunk size changes, and kept until the mover goes. The host rows of every chunk are cut into tasks of about 128 KiB; a chunk
 //! opens to the copy threads when its host slot may be used, and they take its tasks in order
 //! with no barrier between chunks (the issuing thread queues the copies and polls their
 //! events meanwhile, and takes tasks itself when it has nothing else to do); a copy thread
@@ -40,6 +40,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_utils::CachePadded;
 
+pub(super) use super::chunks::Shape;
 use super::chunks::{Piece, Work};
 use super::copy::Direction;
 use crate::cuda::wait::{Backoff, copy_time, wait_until};
@@ -137,15 +138,16 @@ impl Ring {
         }
     }
 
-    /// Records `slot`'s event on `stream`, after the work just queued there.
+    /// Records `slot`'s event on `stream`, after the work just queued there (the event kept
+    /// if that fails: a slot without one reads as idle).
     fn record(slot: &mut Option<Event>, cur: &Current<'_>, stream: StreamHandle) -> Result<()> {
         let e = match slot.take() {
             Some(e) => e,
             None => Event::new_in(cur)?,
         };
-        e.record_in(cur, stream)?;
+        let recorded = e.record_in(cur, stream);
         *slot = Some(e);
-        Ok(())
+        recorded
     }
 }
 
@@ -186,28 +188,6 @@ impl Stage {
         }
         self.ring.as_mut()
     }
-
-    /// Lets the ring go (the thread is ending), `held` kept up to date.
-    pub(super) fn release(&mut self, held: &AtomicUsize) {
-        if let Some(r) = self.ring.take() {
-            held.fetch_sub(r.bytes(), Ordering::Relaxed);
-        }
-    }
-}
-
-/// Waits on the host for `event` (work expected to be done or nearly so).
-fn wait_for(event: &Event) -> Result<()> {
-    wait_until(&Backoff::new(Duration::ZERO), None, || event.query()).map(|_| ())
-}
-
-/// The layout of a staged move: the 2D segments' rows and the strides of both sides.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Shape {
-    /// Rows of every segment: one per tensor.
-    pub(super) rows: usize,
-    /// Bytes between consecutive tensors on the device side and on the host side.
-    pub(super) device_pitch: usize,
-    pub(super) host_pitch: usize,
 }
 
 /// Moves `work` (packed by [`Work::pack`]) through `ring`, the copies across the link on
@@ -247,6 +227,14 @@ pub(super) unsafe fn run(
         alive: AtomicUsize::new(0),
         stop: AtomicBool::new(false),
     };
+    // Copies queued before a failure or a panic cannot be followed: both streams drained before
+    // the move is reported failed.
+    let mut drain = Drain {
+        cur,
+        device: Arc::clone(&ring.device),
+        stream,
+        armed: true,
+    };
     // The issuing thread queues the copies and polls their events while the copy threads work
     // through the open chunks' host rows (and the issuing thread with them when it has nothing
     // else to do), with no barrier between chunks.
@@ -275,12 +263,35 @@ pub(super) unsafe fn run(
             driven
         }),
     };
-    if moved.is_err() {
-        // Copies queued before the failure cannot be followed: drained before the error returns.
-        let _ = ring.device.handle().synchronize(cur);
-        let _ = stream.synchronize(cur);
-    }
+    drain.armed = moved.is_err();
     moved
+}
+
+/// Drains a staged move's two streams when dropped armed: on a failure, and on a panic's unwind.
+struct Drain<'a, 'c> {
+    cur: &'a Current<'c>,
+    device: Arc<Stream>,
+    stream: StreamHandle<'a>,
+    armed: bool,
+}
+
+impl Drop for Drain<'_, '_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.device.handle().synchronize(self.cur);
+            let _ = self.stream.synchronize(self.cur);
+        }
+    }
+}
+
+/// Stops a staged move's copy threads when dropped: dropped only by a task's unwind (a panic,
+/// a bug), after which the issuing thread fails the move instead of waiting for that task.
+struct StopOnUnwind<'a>(&'a AtomicBool);
+
+impl Drop for StopOnUnwind<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }
 
 /// The issuing thread's part of a staged move. Chunk `j` (slot `k = j % SLOTS`) opens to the
@@ -310,12 +321,19 @@ unsafe fn drive(
         fork.wait_on_in(cur, dev)?;
     } else {
         // The host rows are read on the host: after the work before the call.
-        wait_for(fork)?;
+        wait_until(&Backoff::new(Duration::ZERO), None, || fork.query())?;
         fork.wait_on_in(cur, stream)?;
     }
     let (mut opened, mut finished, mut issued) = (0, 0, 0);
     let mut idle: Option<Backoff> = None;
     loop {
+        if flow.stop.load(Ordering::Relaxed) {
+            // A copy thread's task panicked: it is never done.
+            return Err(Error::Driver(DriverError::new(
+                "pinstage: staged block move (a copy thread panicked)",
+                cudarc::driver::sys::CUresult::CUDA_ERROR_UNKNOWN,
+            )));
+        }
         let mut moved = false;
         if offload {
             // Chunk j's gathers into device slot k on the ring's stream (its last reader, chunk
@@ -378,8 +396,10 @@ unsafe fn drive(
                 return done.record_in(cur, stream);
             }
         }
-        // Slot k's event is the last crossing before chunk `opened`'s own (`issued <= opened`
-        // for both directions; an offload's chunk `opened` was issued).
+        // Slot k's crossing event: an offload's chunk `opened` was issued (`opened < issued`),
+        // so it is that chunk's own crossing; for a load it is the last crossing out of host
+        // slot k before chunk `opened`'s (chunk `opened - SLOTS`'s, issued, or an earlier
+        // move's).
         let k = opened % SLOTS;
         let open = opened < n
             && if offload {
@@ -500,6 +520,9 @@ impl Flow<'_> {
     /// crossing's DMA to read, where non-temporal ones would send them to memory and back),
     /// then counts it done.
     fn task(&self, t: usize) {
+        let unwinding = StopOnUnwind(&self.stop);
+        #[cfg(feature = "testing")]
+        task_hook();
         let task = self.work.tasks[t];
         let (part, _) = self.work.chunk(task.chunk);
         let slot = self.host + ((task.chunk % SLOTS) * self.chunk) as u64;
@@ -520,6 +543,7 @@ impl Flow<'_> {
             // stores only at 16-byte alignment.
             unsafe { crate::host::bounce::fill(dst as *mut u8, src as *const u8, p.len, nt(dst)) };
         }
+        std::mem::forget(unwinding);
         // Release: the rows (fenced by `fill`) before the count the issuing thread reads.
         self.work.left[task.chunk].fetch_sub(1, Ordering::Release);
     }
@@ -557,13 +581,20 @@ unsafe fn rows_2d(
     unsafe { memcpy_2d_async(dst, src, p.len, shape.rows, stream.raw()) }
 }
 
-/// The driver error of a staged move's failure (a refused allocation never gets here).
-pub(super) fn driver_error(e: Error) -> DriverError {
-    match e {
-        Error::Driver(e) => e,
-        _ => DriverError::new(
-            "pinstage: staged block move",
-            cudarc::driver::sys::CUresult::CUDA_ERROR_UNKNOWN,
-        ),
+/// Staged moves' tasks left before one panics (0: none; feature `testing`).
+#[cfg(feature = "testing")]
+static PANIC_AT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Makes the `n`th task of staged block moves from now (over every thread: a copy thread's or
+/// the issuing thread's) panic, as a bug there would; 0 takes it back. Tests only.
+#[cfg(feature = "testing")]
+pub fn panic_in_staged_task(n: u32) {
+    PANIC_AT.store(n, Ordering::SeqCst);
+}
+
+#[cfg(feature = "testing")]
+fn task_hook() {
+    if PANIC_AT.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)) == Ok(1) {
+        panic!("pinstage testing: a staged task's injected panic");
     }
 }

@@ -27,6 +27,9 @@ pub extern "C" fn cuMemcpyDtoHAsync_v2(
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemcpyAsync(dst: u64, src: u64, bytes: usize, s: Ptr) -> CUresult {
     called(c"cuMemcpyAsync");
+    if let Some(e) = injected(c"cuMemcpyAsync") {
+        return e;
+    }
     copy_call(dst, src, bytes, s, false, false)
 }
 
@@ -75,6 +78,9 @@ pub struct Memcpy2D {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemcpy2DAsync_v2(c: *const Memcpy2D, s: Ptr) -> CUresult {
     called(c"cuMemcpy2DAsync_v2");
+    if let Some(e) = injected(c"cuMemcpy2DAsync_v2") {
+        return e;
+    }
     tri!(with_ctx());
     let s = tri!(stream(s));
     let c = unsafe { &*c };

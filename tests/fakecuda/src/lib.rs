@@ -316,6 +316,39 @@ fn called(name: &'static CStr) {
     }
 }
 
+/// Failures injected by [`fakecuda_fail`]: per entry point, the calls still let through and
+/// the error the next one returns.
+fn failures() -> &'static Mutex<HashMap<Vec<u8>, (u64, CUresult)>> {
+    static F: OnceLock<Mutex<HashMap<Vec<u8>, (u64, CUresult)>>> = OnceLock::new();
+    F.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The error this call of `name` returns, doing nothing, if [`fakecuda_fail`] chose it (used
+/// up by it). Only the entry points that call it can fail so.
+fn injected(name: &'static CStr) -> Option<CUresult> {
+    let mut f = failures().lock().unwrap_or_else(|e| e.into_inner());
+    let (left, code) = f.get_mut(name.to_bytes())?;
+    if *left > 0 {
+        *left -= 1;
+        return None;
+    }
+    let code = *code;
+    f.remove(name.to_bytes());
+    Some(code)
+}
+
+/// Makes the call of the entry point `name` that comes after `after` more (on any thread)
+/// return `code` without doing anything, once: a driver failure on a thread a test cannot
+/// reach (pinstage's own). `cuMemcpyAsync` and `cuMemcpy2DAsync_v2` only. Not a driver
+/// function: tests find it with `dlsym`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fakecuda_fail(name: *const c_char, after: u64, code: CUresult) {
+    // SAFETY: the caller's NUL-terminated name.
+    let name = unsafe { CStr::from_ptr(name) }.to_bytes().to_vec();
+    let mut f = failures().lock().unwrap_or_else(|e| e.into_inner());
+    f.insert(name, (after, code));
+}
+
 /// As [`fakecuda_calls`], for the calls made on the calling thread only.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fakecuda_thread_calls(name: *const c_char) -> u64 {
