@@ -323,7 +323,7 @@ fn a_wait_swaps_the_capture_mode_once_however_often_it_asks() {
 struct Blocks {
     /// First, so it is dropped before the memory its views point into.
     mover: pinstage::blocks::BlockMover<'static>,
-    _device: DeviceBuffer,
+    device: DeviceBuffer,
     host: pinstage::PinnedBuffer,
     values: Vec<u32>,
     shape: (usize, usize, usize),
@@ -362,11 +362,25 @@ impl Blocks {
         .unwrap();
         Blocks {
             mover,
-            _device: device,
+            device,
             host,
             values,
             shape: (t, nb, w),
         }
+    }
+
+    /// The device side's bytes.
+    fn device_bytes(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.device.len()];
+        self.device.download(0, &mut out).unwrap();
+        out
+    }
+
+    /// Gives the device side its first values back.
+    fn reset_device(&self) {
+        self.device
+            .upload(0, bytemuck::cast_slice(&self.values))
+            .unwrap();
     }
 
     /// The host side's words.
@@ -662,11 +676,12 @@ fn a_staged_move_that_fails_partway_reports_it_and_the_next_lands() {
             let d = pinstage::testing::shuffled_ids(40, NB, 3 + round as u64);
             let h = pinstage::testing::shuffled_ids(40, NB, 30 + round as u64);
             if direction == load {
-                // The host blocks hold the device blocks' values (a load that lands writes
-                // the values the device blocks hold): checked first.
+                // The host blocks hold other device blocks' values, which the load writes over
+                // device blocks `d`: checked first.
+                let other: Vec<usize> = d.iter().map(|&b| (b + 1) % NB).collect();
                 blocks.poison();
-                run(offload, &d, &h).unwrap();
-                blocks.check(&d, &h, (round, "before the load"));
+                run(offload, &other, &h).unwrap();
+                blocks.check(&other, &h, (round, "before the load"));
             }
             if call.is_empty() {
                 pinstage::testing::panic_in_staged_task(after as u32);
@@ -681,11 +696,20 @@ fn a_staged_move_that_fails_partway_reports_it_and_the_next_lands() {
                 err.to_string().contains(what),
                 "round {round} {direction:?}: {err}"
             );
-            // The next moves land: the offload's host blocks, and (after a load) the device
-            // blocks through one more offload of every block.
             if direction == load {
-                run(load, &d, &h).unwrap();
+                // Nothing of the failed load writes the device blocks once its wait returned
+                // (its queued scatters drained first).
+                let seen = blocks.device_bytes();
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                assert!(
+                    blocks.device_bytes() == seen,
+                    "round {round}: the device blocks changed after the failed load's wait"
+                );
+                blocks.reset_device();
+                stream.synchronize().unwrap();
             }
+            // The next moves land: every host block, through one offload of every block (after
+            // a load: of the device blocks as they were).
             blocks.poison();
             let all: Vec<usize> = (0..NB).collect();
             let back = pinstage::testing::shuffled_ids(NB, NB, 99 + round as u64);
