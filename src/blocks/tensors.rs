@@ -116,7 +116,9 @@ impl Tensors {
 
     /// Whether a move of `direction` that [`Tensors::staged`] stages may go through staging
     /// now: under [`Staging::Auto`], not while the other direction's move does (two staged at
-    /// once move about what one moves). The turn ends when the returned value drops.
+    /// once move about what one moves). The turn ends when the returned value drops, once
+    /// `staged::run` returned: an offload's move complete, a load's last copies queued (up to
+    /// a ring's worth of them may still run beside the other direction's next move).
     pub(super) fn take_staging(&self, direction: Direction) -> Option<StagingTurn<'_>> {
         let mine = direction as u8 + 1;
         let taken = self.staging().0 != Staging::Auto
