@@ -551,6 +551,9 @@ fn a_timed_move_issues_the_way_its_plan_says() {
     );
 }
 
+/// A staged mover makes its ring (device and pinned host memory) at its first staged move and
+/// keeps it from move to move until the chunk size changes; each move issues the copies its plan
+/// counts: a 2D copy per piece and ONE copy across per chunk. Every block checked.
 #[test]
 fn a_staged_mover_keeps_its_ring_until_the_chunk_changes() {
     let Some((dev, _calls)) = fake("a_staged_mover_keeps_its_ring_until_the_chunk_changes") else {
