@@ -7,16 +7,16 @@
 //! (lab/c/blocks_stage.c: on an H100, 4-32 KiB blocks at 39-49 GB/s against 16-39 for 2D copies
 //! across the link).
 //!
-//! A mover's thread of each direction owns a ring of [`SLOTS`] chunks of [`Staging`]'s chunk
-//! size in device memory and as many in pinned host memory, and a stream of its own for the 2D
-//! copies inside device memory (the copies across the link go on the thread's stream: on one
-//! stream the two would run one after the other), made at its first staged move, made anew
-//! when the chunk size changes, and kept until the mover goes. The host rows of every chunk are cut into tasks of about 128 KiB; a chunk
-//! opens to the copy threads when its host slot may be used, and they take its tasks in order
-//! with no barrier between chunks (the issuing thread queues the copies and polls their
-//! events meanwhile, and takes tasks itself when it has nothing else to do); a copy thread
-//! with no open task lingers about one chunk's crossing for the next before it leaves (lab
-//! variant `no_linger`: the control). Per chunk `j` in
+//! A mover's thread of each direction owns a ring of [`SLOTS`] chunks of [`Staging`]'s chunk size
+//! in device memory and as many in pinned host memory, and a stream of its own for the 2D copies
+//! inside device memory (the copies across the link go on the thread's stream: on one stream the
+//! two would run one after the other), made at its first staged move, made anew when the chunk size
+//! changes, and kept until the mover goes. The host rows of every chunk are cut into tasks of about
+//! 128 KiB; a chunk opens to the copy threads when its host slot may be used, and they take its
+//! tasks in order with no barrier between chunks (the issuing thread queues the copies and polls
+//! their events meanwhile, and takes tasks itself when it has nothing else to do); a copy thread
+//! with no open task lingers about one chunk's crossing for the next before it leaves (lab variant
+//! `no_linger`: the control). Per chunk `j` in
 //! slot `k = j % SLOTS`:
 //! - offload: the 2D gathers into device slot `k` on the ring's stream (after the caller's
 //!   fork), then, once they ran, one device-to-host copy into host slot `k` and event `k` on the
