@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One short device call for the block mover and the floor (run from the repo root on the device,
-# with .gpu-pack.tar.xz carried). Everything lands in $OUT/all.tar.xz; the tails go to stdout.
+# One short device call for the block mover and the floor: the copy-engine and host-memory
+# controls of a staged pair (engines_pair, host_pair), the block tests, the graph check; run from
+# the repo root on the device with .gpu-pack.tar.xz carried. Everything lands in $OUT/all.tar.xz; the tails go to stdout.
 # BUDGET (s, default 440) bounds the optional parts at the end.
 set -u
 tar -xJf .gpu-pack.tar.xz
@@ -14,6 +15,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-n
 R engines
 PINSTAGE_C_ARGS_engines_pair="16 64" PINSTAGE_DEADLINE=150 OUT=$OUT/r timeout 150 bash scripts/gpu-run c-engines_pair > $OUT/engines.txt 2>&1
 grep -v "^binary" $OUT/engines.txt | tail -30
+R host_pair
+PINSTAGE_C_ARGS_host_pair="16 64" PINSTAGE_DEADLINE=120 OUT=$OUT/r timeout 120 bash scripts/gpu-run c-host_pair > $OUT/host_pair.txt 2>&1
+grep -v "^binary" $OUT/host_pair.txt | tail -24
 R tests
 timeout 50 .gpu/bin/test-gpu_blocks --include-ignored --test-threads=4 > $OUT/rust.txt 2>&1; echo rc=$?; tail -3 $OUT/rust.txt
 R graph
