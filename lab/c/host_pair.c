@@ -9,8 +9,9 @@
  * memory bandwidth is the floor of a staged pair.
  *
  *   nvcc -O2 -o host_pair host_pair.c -lcuda -lpthread && ./host_pair [KiB ...]   (default 16 64)
- *   env T: threads of a direction alone (default 12, pinstage's copy threads); TP: threads of
- *   each direction in a pair (default 6: pinstage's twelve shared by two moves)
+ *   env T: copy threads of a direction alone (default 12, pinstage's); TP: threads started for
+ *   each direction of a pair (default 6: pinstage's twelve for two moves), which take the other
+ *   direction's open tasks when their own has none (pinstage's threads are one pool)
  *
  * Workload (engines_pair's): L = 64 tensors of NB blocks of B bytes in one pinned host allocation
  * per direction (tensor t at t NB B, 2 GiB), NCH = 32 chunks of 16 MiB each way (512 MiB), a
@@ -20,14 +21,17 @@
  * The pipeline is pinstage's: offload: chunk j's D2H into slot j % 4 once chunk j - 4's rows are
  * scattered, chunk j's rows open to the threads once its D2H completed; load: chunk j opens once
  * the H2D of chunk j - 4 (the slot's last reader) completed, its H2D is issued once its rows are
- * gathered. One issuing thread (for both directions) polls the events and takes no rows; the
- * threads spin between chunks (the best case: no wake-ups).
+ * gathered. One issuing thread (for both directions) polls the events and, as pinstage's, takes a
+ * task between polls when one is open; the copy threads spin between chunks (the best case: no
+ * wake-ups).
  * Rows (GB/s of the bytes moved, both ways for a pair / wall from the go to every row stored and
  * every stream drained; median of REPS runs after a warm-up, min-max; x = against the faster
  * direction alone of the same kind):
  *   d2h, h2d, pair           the crossings alone, no threads (contiguous, 512 MiB pinned areas)
  *   scatter, gather, h-pair  the host halves alone, no crossings (chunk j opens once chunk j - 4
- *                            left its slot)
+ *                            finished); the scatter reads the ring, the gather writes each chunk
+ *                            in a place of its own (512 MiB: every row checked; its stores reach
+ *                            memory, where the staged load's ring may stay in the cache)
  *   off, load, pair-stage    the staged pipelines: crossings and host halves
  * Checked every run, destinations poisoned (0xEE) before it: every row of every moved block (the
  * offload's host blocks against the device pattern; the load's device area read back whole and
@@ -61,9 +65,11 @@ struct dir {
     CUstream s;
     CUevent ev[NCH];
     size_t ids[NCH * 64];
-    atomic_size_t next, open;
-    atomic_size_t left[NCH];
-    atomic_int go, quit;
+    _Alignas(64) atomic_size_t next; /* every claim writes it: a line of its own */
+    _Alignas(64) atomic_size_t open;
+    _Alignas(64) atomic_size_t left[NCH];
+    _Alignas(64) atomic_int go, quit;
+    struct dir *peer;               /* in a pair: the other direction, whose tasks idle threads take */
     int threads;
     pthread_t th[MAXT];
 };
@@ -87,6 +93,8 @@ static unsigned char *host_row(struct dir *d, size_t j, size_t r) {
     return d->blocks + (r % L) * NB * B + d->ids[j * C + r / L] * B;
 }
 static unsigned char *staged_row(struct dir *d, size_t j, size_t r) {
+    /* The gather alone writes every chunk in a place of its own, so that every row is checked. */
+    if (!d->off && !d->dma) return d->area + j * CH + r * B;
     return d->ring + (j % SLOTS) * CH + r * B;
 }
 
@@ -100,21 +108,33 @@ static void task(struct dir *d, size_t t) {
     atomic_fetch_sub_explicit(&d->left[j], 1, memory_order_release);
 }
 
+/* Takes and does one open task of `d`; 0 if none is open. */
+static int try_task(struct dir *d) {
+    size_t t = atomic_load(&d->next);
+    while (t < NCH * TPC && t / TPC < atomic_load_explicit(&d->open, memory_order_acquire))
+        if (atomic_compare_exchange_weak(&d->next, &t, t + 1)) {
+            task(d, t);
+            return 1;
+        }
+    return 0;
+}
+
+static int over(struct dir *d) { return !d || atomic_load(&d->next) >= NCH * TPC; }
+
+/* A copy thread of `d`: its direction's open tasks first, then (in a pair) the other's, as
+ * pinstage's copy threads, one pool for both moves, take whatever chunk is open. */
 static void *worker(void *arg) {
     struct dir *d = arg;
     for (;;) {
-        while (!atomic_load(&d->go))
+        while (!atomic_load(&d->go)) {
             if (atomic_load(&d->quit)) return NULL;
-        size_t t = atomic_load(&d->next);
-        if (t >= NCH * TPC) {
-            while (atomic_load(&d->go)) __builtin_ia32_pause(); /* the run's end */
-            continue;
-        }
-        if (t / TPC >= atomic_load_explicit(&d->open, memory_order_acquire)) {
             __builtin_ia32_pause();
-            continue;
         }
-        if (atomic_compare_exchange_weak(&d->next, &t, t + 1)) task(d, t);
+        if (try_task(d) || (d->peer && try_task(d->peer))) continue;
+        if (over(d) && over(d->peer))
+            while (atomic_load(&d->go)) __builtin_ia32_pause(); /* the run's end */
+        else
+            __builtin_ia32_pause();
     }
 }
 
@@ -184,7 +204,7 @@ static void prepare(struct dir *d, int on, int dma, int host, int threads, unsig
             memcpy(d->ring, devp, SLOTS * CH);
     } else {
         if (dma) for (size_t o = 0; o < NCH * CH; o += CH) CHECK(cuMemcpyHtoDAsync(d->dev + o, hpoison, CH, d->s));
-        if (!dma) memset(d->ring, 0xEE, SLOTS * CH);
+        if (!dma) memset(d->area, 0xEE, NCH * CH);
         CHECK(cuStreamSynchronize(d->s));
     }
     d->threads = host ? threads : 0;
@@ -213,8 +233,8 @@ static void finish(struct dir *d, int on) {
                 const unsigned char *want = d->host ? host_row(d, j, r) : d->area + j * CH + r * B;
                 if (memcmp(hchk + j * CH + r * B, want, B) != 0) w = 1;
             }
-    } else { /* the gather alone: the last chunk each slot held */
-        for (size_t j = NCH - SLOTS; j < NCH && !w; j++)
+    } else { /* the gather alone */
+        for (size_t j = 0; j < NCH && !w; j++)
             for (size_t r = 0; r < C * L && !w; r++)
                 if (memcmp(staged_row(d, j, r), host_row(d, j, r), B) != 0) w = 1;
     }
@@ -224,7 +244,8 @@ static void finish(struct dir *d, int on) {
 /* One run of the offload and/or the load; returns ms of wall. */
 static double run(int off, int load, int dma, int host, unsigned seed) {
     int t = off && load ? (getenv("TP") ? atoi(getenv("TP")) : 6) : (getenv("T") ? atoi(getenv("T")) : 12);
-    if (t < 1 || t > MAXT) t = 6;
+    if (t < 1 || t > MAXT) { fprintf(stderr, "T, TP: 1-%d\n", MAXT); exit(2); }
+    O.peer = off && load ? &D : NULL, D.peer = off && load ? &O : NULL;
     prepare(&O, off, dma, host, t, seed);
     prepare(&D, load, dma, host, t, seed + 7919);
     CHECK(cuCtxSynchronize());
@@ -235,6 +256,9 @@ static double run(int off, int load, int dma, int host, unsigned seed) {
     while (!od || !ld) {
         if (!od) od = step(&O, so);
         if (!ld) ld = step(&D, sl);
+        /* As pinstage's issuing thread, a task when there is one (one at a time: the events
+         * are polled between). */
+        if (host && !(off && try_task(&O)) && load) try_task(&D);
     }
     CHECK(cuCtxSynchronize());
     double ms = now_ms() - t0;
@@ -285,8 +309,8 @@ int main(int argc, char **argv) {
     for (int a = 0; a < n; a++) {
         B = (size_t)(argc > 1 ? atoi(argv[a + 1]) : (a ? 64 : 16)) << 10;
         C = CH / (L * B), NB = POOL / (L * B);
-        if (B < 1024 || C < 1 || C > 64 || NB < NCH * C || NB > (1 << 16)) {
-            fprintf(stderr, "block KiB: 4-256\n");
+        if ((B & (B - 1)) || C < 1 || C > 64 || NB < NCH * C || NB > (1 << 16)) {
+            fprintf(stderr, "block KiB: a power of two, 4-256\n");
             return 2;
         }
         RPT = TASK / B ? TASK / B : 1, TPC = (C * L + RPT - 1) / RPT;
