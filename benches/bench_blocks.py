@@ -38,7 +38,9 @@ over --rounds rounds (min-max). Ratios: pinstage / peer.
 
 Also: offload and load at once (pinstage, two streams, disjoint ids; issued from two threads, and
 in the background from one) against either alone, and its control, one contiguous copy each way of
-the same bytes at once (what the link carries both ways with nothing scattered); host time per
+the same bytes at once (what the link carries both ways with nothing scattered), and with
+--pair-modes the pair in the background under each staging mode (a mover per mode, in this
+process: both staged, neither, and under "auto" the offload's or the load's first); host time per
 pinstage call (issue only, on the calling thread and in the background); and a ~4 ms CUDA graph
 (matmuls) replayed back to back on its own stream while another thread alternates quiet windows
 and moves, each about one move long (3 moves a sequence, disjoint host ids, every move checked,
@@ -53,6 +55,7 @@ method's own spread: a slowdown within it is not separable from noise).
     python3 benches/bench_blocks.py [--rounds 5] [--sizes 4,16,32,64,256] [--graph-kib 32]
                                     [--only-graph] [--only-background] [--out DIR]
                                     [--staging auto|always|never] [--chunk-mib 16]
+                                    [--pair-modes]
 
 Exit status 1 when any check failed or a call raised; the summary table is printed last.
 """
@@ -369,9 +372,10 @@ def one_call(case, name, direction, s, peer, timings, host_us, peer2d=None):
         case.check(name, direction, d_ids, h_ids)
 
 
-def both_at_once(case, s, s2, rounds, background=False):
+def both_at_once(case, s, s2, rounds, background=False, load_first=False):
     """pinstage offload (stream s) and load (stream s2) at once, disjoint ids; checked.
-    background: both issued in the background from this thread."""
+    background: both issued in the background from this thread (the offload first, or the load
+    with load_first: under staging "auto" the first takes the staging turn)."""
     out = []
     for _ in range(rounds):
         perm_d = case.rng.permutation(case.NB)
@@ -400,7 +404,10 @@ def both_at_once(case, s, s2, rounds, background=False):
                 got["error"] = e
 
         t0 = time.perf_counter_ns()
-        if background:
+        if background and load_first:
+            got["b"] = case.mover.load(h_in, d_in, stream=s2, background=True)
+            a = case.mover.offload(d_out, h_out, stream=s, background=True)
+        elif background:
             a = case.mover.offload(d_out, h_out, stream=s, background=True)
             got["b"] = case.mover.load(h_in, d_in, stream=s2, background=True)
         else:
@@ -644,8 +651,9 @@ def timed_calls(case, args, variants, s, s2, peer, peer2d, results):
             one_call(case, v, direction, s, peer, [], [], peer2d)
         # The mover times its first moves of a kind every way (twice each; three ways where
         # the batch is split over threads) before it settles on the faster
-        # (plan()["choice"]): those moves are warm-up too, as in an engine's first steps.
-        for _ in range(6 if "pinstage" in variants else 0):
+        # (plan()["choice"]): those moves are warm-up too, as in an engine's first steps (and
+        # settle the unstaged moves of the background as well).
+        for _ in range(6):
             one_call(case, "pinstage", direction, s, peer, [], [], peer2d)
         d_ids, h_ids = case.draw()
         a, b = (d_ids, h_ids) if direction == "offload" else (h_ids, d_ids)
@@ -691,6 +699,37 @@ def timed_calls(case, args, variants, s, s2, peer, peer2d, results):
     results[(B, "contig-both")] = med(cb)
     print(f"  contiguous both at once {med(cb)[0]:.2f} GB/s "
           f"({med(cb)[1]:.2f}-{med(cb)[2]:.2f})", flush=True)
+    if args.pair_modes:
+        results[(B, "pair-modes")] = pair_modes(case, args, s, s2, peer, peer2d)
+
+
+PAIR_MODES = (("never", False), ("auto", False), ("auto", True), ("always", False))
+
+
+def pair_modes(case, args, s, s2, peer, peer2d):
+    """Both directions at once in the background under each staging mode, in this process: a
+    mover per mode over the same tensors (warmed as the case's: its timing moves settled on the
+    caller's thread, its staging rings made), the pair issued offload first, and under "auto"
+    also load first (the first takes the staging turn, the other goes unstaged). Checked as
+    both-bg is. Returns {(mode, load_first): (median, min, max)}."""
+    out, kept = {}, case.mover
+    try:
+        for mode, load_first in PAIR_MODES:
+            case.mover = pinstage.BlockMover(case.devs, case.hosts, block_dim=0, staging=mode,
+                                             staging_chunk=args.chunk_mib << 20)
+            for direction in ("offload", "load"):
+                for _ in range(6):
+                    one_call(case, "pinstage", direction, s, peer, [], [], peer2d)
+                for _ in range(2):
+                    one_call(case, "pinstage-bg", direction, s, peer, [], [], peer2d)
+            got = med(both_at_once(case, s, s2, args.rounds, background=True,
+                                   load_first=load_first))
+            out[(mode, load_first)] = got
+            print(f"  both-bg, staging {mode:6s} {'load first' if load_first else 'offload first':13s}"
+                  f" {got[0]:6.2f} GB/s ({got[1]:.2f}-{got[2]:.2f})", flush=True)
+    finally:
+        case.mover = kept
+    return out
 
 
 def main():
@@ -707,6 +746,9 @@ def main():
     ap.add_argument("--staging", choices=["auto", "always", "never"], default="auto",
                     help="the mover's staging (background moves; A/B runs)")
     ap.add_argument("--chunk-mib", type=int, default=16, help="the mover's staging chunk")
+    ap.add_argument("--pair-modes", action="store_true",
+                    help="also both directions at once in the background under every staging "
+                         "mode, in this process (a mover per mode; under auto either first)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.cuda.init()
@@ -759,6 +801,10 @@ def main():
             both, alone = results[(B, "both-bg")][0], max(
                 results[(B, d)]["pinstage-bg"][0][0] for d in ("offload", "load"))
             print(f"{B >> 10:>4} KiB both-bg  {both:6.2f} = {both / alone:.2f}x the faster alone")
+            for (mode, lf), (g, lo, hi) in results.get((B, "pair-modes"), {}).items():
+                print(f"{B >> 10:>4} KiB both-bg  staging {mode:6s} "
+                      f"{'load first   ' if lf else 'offload first'} {g:6.2f} ({lo:.2f}-{hi:.2f}) = "
+                      f"{g / alone:.2f}x the faster alone, {g / both:.2f}x the mover's both-bg")
         print(f"checks: {'all passed' if not failures else f'{len(failures)} FAILED'}")
         return 1 if failures else 0
     print("\n== summary (GB/s medians; ratio = pinstage / peer)")
