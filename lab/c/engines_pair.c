@@ -162,12 +162,7 @@ static double row(const char *name, int off, int load, int two_d, double alone) 
     int w0 = wrong;
     run(off, load, two_d, 1);
     for (int r = 0; r < REPS; r++) t[r] = (double)(off + load) * NCH * CH / (run(off, load, two_d, 100 + r) * 1e6);
-    qsort(t, REPS, sizeof t[0], probe_cmp_double);
-    printf("  %-8s %6.2f GB/s (%.2f-%.2f)", name, t[REPS / 2], t[0], t[REPS - 1]);
-    if (alone > 0) printf("  = %.2fx the faster alone", t[REPS / 2] / alone);
-    printf("%s\n", wrong > w0 ? "  WRONG" : "");
-    fflush(stdout);
-    return t[REPS / 2];
+    return probe_row(name, t, REPS, alone, wrong > w0);
 }
 
 int main(int argc, char **argv) {

@@ -272,12 +272,7 @@ static double row(const char *name, int off, int load, int dma, int host, double
     run(off, load, dma, host, 1);
     for (int r = 0; r < REPS; r++)
         t[r] = (double)(off + load) * NCH * CH / (run(off, load, dma, host, 100 + r) * 1e6);
-    qsort(t, REPS, sizeof t[0], probe_cmp_double);
-    printf("  %-10s %6.2f GB/s (%.2f-%.2f)", name, t[REPS / 2], t[0], t[REPS - 1]);
-    if (alone > 0) printf("  = %.2fx the faster alone", t[REPS / 2] / alone);
-    printf("%s\n", wrong > w0 ? "  WRONG" : "");
-    fflush(stdout);
-    return t[REPS / 2];
+    return probe_row(name, t, REPS, alone, wrong > w0);
 }
 
 static void setup(struct dir *d, int off) {

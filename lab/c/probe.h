@@ -1,7 +1,8 @@
 // probe.h: what the probes of lab/c share (hostfn_*.c, bg_floor.c, slot_stores.c, h2d_floor.c,
-// blocks2d.c, fill_dma.c, host_pool*.c, step_floor.c, step_k.c): the driver API, CHECK (exits
-// naming the call and its error), monotonic clocks in ms and ns, the time-stamp counter
-// (calibrated, a busy wait on it), qsort orders, SSE2 non-temporal copies, a host function that
+// blocks2d.c, fill_dma.c, host_pool*.c, step_floor.c, step_k.c, engines_pair.c, host_pair.c):
+// the driver API, CHECK (exits naming the call and its error), monotonic clocks in ms and ns, a
+// row of rates (median, min-max, a ratio), the time-stamp counter (calibrated, a busy wait on
+// it), qsort orders, SSE2 non-temporal copies, a host function that
 // holds the stream it is launched on for `probe_hold_ms` milliseconds, device 0's context, and
 // cuMemcpyBatchAsync of the ABI pinstage calls.
 #ifndef PINSTAGE_PROBE_H
@@ -38,6 +39,17 @@ static double probe_now_ns(void) {
 static int probe_cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
+}
+
+/* A row of rates: sorts `t[0..n)`, prints "name median (min-max)", the ratio to `alone` when it
+ * is positive and WRONG when `bad`; returns the median. */
+static double probe_row(const char *name, double *t, int n, double alone, int bad) {
+    qsort(t, n, sizeof t[0], probe_cmp_double);
+    printf("  %-10s %6.2f GB/s (%.2f-%.2f)", name, t[n / 2], t[0], t[n - 1]);
+    if (alone > 0) printf("  = %.2fx the faster alone", t[n / 2] / alone);
+    printf("%s\n", bad ? "  WRONG" : "");
+    fflush(stdout);
+    return t[n / 2];
 }
 
 /* The time-stamp counter (x86) and its ticks per ns (probe_tsc_calibrate: 0.2 s against
