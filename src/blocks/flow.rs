@@ -143,9 +143,9 @@ impl<'a> Flow<'a> {
                 Direction::Offload => (p.dst + (i * self.shape.host_pitch) as u64, staged),
                 Direction::Load => (staged, p.src + (i * self.shape.host_pitch) as u64),
             };
-            // SAFETY: `run`'s contract 1 for the host rows; the staged rows lie within the slot
-            // (packed), which the chunk holds while it is open; a host row and a staged row
-            // never overlap (staging is the mover's own memory); `fill` takes non-temporal
+            // SAFETY: `staged::run`'s contract 1 for the host rows; the staged rows lie within
+            // the slot (packed), which the chunk holds while it is open; a host row and a staged
+            // row never overlap (staging is the mover's own memory); `fill` takes non-temporal
             // stores only at 16-byte alignment.
             unsafe { crate::host::bounce::fill(dst as *mut u8, src as *const u8, p.len, nt(dst)) };
         }

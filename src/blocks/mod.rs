@@ -7,6 +7,7 @@
 mod background;
 mod chunks;
 mod copy;
+mod flow;
 mod issue;
 mod mover;
 mod plan;
@@ -22,9 +23,9 @@ pub(crate) use copy::InFlight;
 #[cfg(feature = "python")]
 pub(crate) use copy::Ticket;
 pub use copy::{BlockCopy, Choice, Direction, MAX_BATCH, MovePlan, Strategy};
+#[cfg(feature = "testing")]
+pub use flow::panic_in_staged_task;
 pub use mover::BlockMover;
 #[cfg(test)]
 pub(crate) use plan::{BlockLayout, Segment, plan};
-#[cfg(feature = "testing")]
-pub use staged::panic_in_staged_task;
 pub use staged::{CHUNK_RANGE, DEFAULT_CHUNK, Staging};

@@ -13,11 +13,9 @@
 //! two would run one after the other), made at its first staged move, made anew when the chunk size
 //! changes, and kept until the mover goes. The host rows of every chunk are cut into tasks of about
 //! 128 KiB; a chunk opens to the copy threads when its host slot may be used, and they take its
-//! tasks in order with no barrier between chunks (the issuing thread queues the copies and polls
-//! their events meanwhile, and takes tasks itself when it has nothing else to do); a copy thread
-//! with no open task lingers about one chunk's crossing for the next before it leaves (lab variant
-//! `no_linger`: the control). Per chunk `j` in
-//! slot `k = j % SLOTS`:
+//! tasks in order with no barrier between chunks ([`super::flow`]; the issuing thread queues the
+//! copies and polls their events meanwhile, and takes tasks itself when it has nothing else to
+//! do). Per chunk `j` in slot `k = j % SLOTS`:
 //! - offload: the 2D gathers into device slot `k` on the ring's stream (after the caller's
 //!   fork), then, once they ran, one device-to-host copy into host slot `k` and event `k` on the
 //!   thread's stream; chunk `j` opens once event `k` completed, and chunk `j + SLOTS` is issued
@@ -35,14 +33,13 @@
 //! recorded before it.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
-
-use crossbeam_utils::CachePadded;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 pub(super) use super::chunks::Shape;
 use super::chunks::{Piece, Work};
 use super::copy::Direction;
+use super::flow::Flow;
 use crate::cuda::wait::{Backoff, copy_time, wait_until};
 use crate::cuda::{Current, Event, Stream, StreamHandle};
 use crate::driver::DriverError;
@@ -216,17 +213,12 @@ pub(super) unsafe fn run(
     fork: &Event,
     done: &Event,
 ) -> Result<()> {
-    let flow = Flow {
+    let flow = Flow::new(
         direction,
         work,
         shape,
-        host: ring.host_slot(0),
-        chunk: ring.chunk,
-        next: CachePadded::new(AtomicUsize::new(0)),
-        open: AtomicUsize::new(0),
-        alive: AtomicUsize::new(0),
-        stop: AtomicBool::new(false),
-    };
+        (ring.host_slot(0), SLOTS, ring.chunk),
+    );
     // Copies queued before a failure or a panic cannot be followed: both streams drained before
     // the move is reported failed.
     let mut drain = Drain {
@@ -281,16 +273,6 @@ impl Drop for Drain<'_, '_> {
             let _ = self.device.handle().synchronize(self.cur);
             let _ = self.stream.synchronize(self.cur);
         }
-    }
-}
-
-/// Stops a staged move's copy threads when dropped: dropped only by a task's unwind (a panic,
-/// a bug), after which the issuing thread fails the move instead of waiting for that task.
-struct StopOnUnwind<'a>(&'a AtomicBool);
-
-impl Drop for StopOnUnwind<'_> {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
     }
 }
 
@@ -430,125 +412,6 @@ unsafe fn drive(
     }
 }
 
-/// A staged move as the copy threads see it.
-struct Flow<'a> {
-    direction: Direction,
-    work: &'a Work,
-    shape: Shape,
-    /// Host staging's first slot.
-    host: u64,
-    chunk: usize,
-    /// The next task to claim (on a line of its own: every claim writes it).
-    next: CachePadded<AtomicUsize>,
-    /// Chunks open to the copy threads: tasks of a chunk below it may be claimed.
-    open: AtomicUsize,
-    /// Copy threads spawned and not yet done.
-    alive: AtomicUsize,
-    /// The move failed: no further task.
-    stop: AtomicBool,
-}
-
-impl Flow<'_> {
-    /// The next task, if its chunk is open.
-    fn claim(&self) -> Option<usize> {
-        let mut t = self.next.load(Ordering::Relaxed);
-        loop {
-            let task = self.work.tasks.get(t)?;
-            if task.chunk >= self.open.load(Ordering::Acquire) || self.stop.load(Ordering::Relaxed)
-            {
-                return None;
-            }
-            match self
-                .next
-                .compare_exchange_weak(t, t + 1, Ordering::Relaxed, Ordering::Relaxed)
-            {
-                Ok(_) => return Some(t),
-                Err(now) => t = now,
-            }
-        }
-    }
-
-    /// A copy thread's part: takes open tasks; when none is open, lingers (spinning, then
-    /// yielding) for about one chunk's crossing for the next chunk to open, as a thread woken
-    /// anew starts tens of µs late; leaves once no task is left, the move failed, or it waited
-    /// that long. Counted in `alive` until it leaves.
-    fn work(&self) {
-        let linger = if cfg!(pinstage_lab_variant = "no_linger") {
-            Duration::ZERO
-        } else {
-            copy_time(self.chunk)
-        };
-        loop {
-            while let Some(t) = self.claim() {
-                self.task(t);
-            }
-            let (since, backoff) = (Instant::now(), Backoff::new(linger));
-            while !self.claimable() && !self.over() && since.elapsed() < linger {
-                backoff.pause();
-            }
-            if self.claimable() {
-                continue;
-            }
-            self.alive.fetch_sub(1, Ordering::SeqCst);
-            // A chunk opened as it left, whose spawner saw it alive: it stays.
-            if !self.claimable() {
-                return;
-            }
-            self.alive.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    /// Whether an open task is left.
-    fn claimable(&self) -> bool {
-        !self.stop.load(Ordering::Relaxed)
-            && self
-                .work
-                .tasks
-                .get(self.next.load(Ordering::Relaxed))
-                .is_some_and(|t| t.chunk < self.open.load(Ordering::SeqCst))
-    }
-
-    /// Whether no task is left to take, or the move failed.
-    fn over(&self) -> bool {
-        self.stop.load(Ordering::Relaxed)
-            || self.next.load(Ordering::Relaxed) >= self.work.tasks.len()
-    }
-
-    /// Task `t`: copies its host rows between the host blocks and host staging (offload:
-    /// staging into the blocks, by non-temporal stores where the destination allows; load: the
-    /// blocks into staging by plain stores, which leave the rows in the cache for the
-    /// crossing's DMA to read, where non-temporal ones would send them to memory and back),
-    /// then counts it done.
-    fn task(&self, t: usize) {
-        let unwinding = StopOnUnwind(&self.stop);
-        #[cfg(feature = "testing")]
-        task_hook();
-        let task = self.work.tasks[t];
-        let (part, _) = self.work.chunk(task.chunk);
-        let slot = self.host + ((task.chunk % SLOTS) * self.chunk) as u64;
-        let rows = self.shape.rows;
-        // The lab variant `load_nt` (the control): the load's rows by non-temporal stores too.
-        let nt_ok = self.direction == Direction::Offload || cfg!(pinstage_lab_variant = "load_nt");
-        let nt = |dst: u64| nt_ok && dst % 16 == 0;
-        for r in task.start..task.end {
-            let (p, i) = (&part[r / rows], r % rows);
-            let staged = slot + (p.off + i * p.len) as u64;
-            let (dst, src) = match self.direction {
-                Direction::Offload => (p.dst + (i * self.shape.host_pitch) as u64, staged),
-                Direction::Load => (staged, p.src + (i * self.shape.host_pitch) as u64),
-            };
-            // SAFETY: `run`'s contract 1 for the host rows; the staged rows lie within the slot
-            // (packed), which the chunk holds while it is open; a host row and a staged row
-            // never overlap (staging is the mover's own memory); `fill` takes non-temporal
-            // stores only at 16-byte alignment.
-            unsafe { crate::host::bounce::fill(dst as *mut u8, src as *const u8, p.len, nt(dst)) };
-        }
-        std::mem::forget(unwinding);
-        // Release: the rows (fenced by `fill`) before the count the issuing thread reads.
-        self.work.left[task.chunk].fetch_sub(1, Ordering::Release);
-    }
-}
-
 /// Queues the 2D copy between piece `p`'s device rows and its staged rows at `slot + p.off`:
 /// into staging (`gather`) or out of it.
 ///
@@ -579,22 +442,4 @@ unsafe fn rows_2d(
     };
     // SAFETY: the caller's contract; rows of `p.len <= pitch` bytes on both sides.
     unsafe { memcpy_2d_async(dst, src, p.len, shape.rows, stream.raw()) }
-}
-
-/// Staged moves' tasks left before one panics (0: none; feature `testing`).
-#[cfg(feature = "testing")]
-static PANIC_AT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-
-/// Makes the `n`th task of staged block moves from now (over every thread: a copy thread's or
-/// the issuing thread's) panic, as a bug there would; 0 takes it back. Tests only.
-#[cfg(feature = "testing")]
-pub fn panic_in_staged_task(n: u32) {
-    PANIC_AT.store(n, Ordering::SeqCst);
-}
-
-#[cfg(feature = "testing")]
-fn task_hook() {
-    if PANIC_AT.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)) == Ok(1) {
-        panic!("pinstage testing: a staged task's injected panic");
-    }
 }
