@@ -710,25 +710,35 @@ def pair_modes(case, args, s, s2, peer, peer2d):
     """Both directions at once in the background under each staging mode, in this process: a
     mover per mode over the same tensors (warmed as the case's: its timing moves settled on the
     caller's thread, its staging rings made), the pair issued offload first, and under "auto"
-    also load first (the first takes the staging turn, the other goes unstaged). Checked as
-    both-bg is. Returns {(mode, load_first): (median, min, max)}."""
-    out, kept = {}, case.mover
+    also load first (the first takes the staging turn, the other goes unstaged). A round is one
+    pair of every mode, in an order shuffled per round; checked as both-bg is. Returns
+    {(mode, load_first): (median, min, max)}."""
+    kept, movers = case.mover, {}
+    gbs = {key: [] for key in PAIR_MODES}
     try:
-        for mode, load_first in PAIR_MODES:
-            case.mover = pinstage.BlockMover(case.devs, case.hosts, block_dim=0, staging=mode,
-                                             staging_chunk=args.chunk_mib << 20)
+        for key in PAIR_MODES:
+            case.mover = movers[key] = pinstage.BlockMover(
+                case.devs, case.hosts, block_dim=0, staging=key[0],
+                staging_chunk=args.chunk_mib << 20)
             for direction in ("offload", "load"):
                 for _ in range(6):
                     one_call(case, "pinstage", direction, s, peer, [], [], peer2d)
                 for _ in range(2):
                     one_call(case, "pinstage-bg", direction, s, peer, [], [], peer2d)
-            got = med(both_at_once(case, s, s2, args.rounds, background=True,
-                                   load_first=load_first))
-            out[(mode, load_first)] = got
-            print(f"  both-bg, staging {mode:6s} {'load first' if load_first else 'offload first':13s}"
-                  f" {got[0]:6.2f} GB/s ({got[1]:.2f}-{got[2]:.2f})", flush=True)
+        shuffle = random.Random(case.B + 1)
+        for _ in range(args.rounds):
+            order = list(PAIR_MODES)
+            shuffle.shuffle(order)
+            for key in order:
+                case.mover = movers[key]
+                gbs[key] += both_at_once(case, s, s2, 1, background=True, load_first=key[1])
     finally:
         case.mover = kept
+    out = {key: med(v) for key, v in gbs.items()}
+    for (mode, load_first), (g, lo, hi) in out.items():
+        first = "load first" if load_first else "offload first"
+        print(f"  both-bg, staging {mode:6s} {first:13s} {g:6.2f} GB/s ({lo:.2f}-{hi:.2f})",
+              flush=True)
     return out
 
 
