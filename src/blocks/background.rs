@@ -196,7 +196,8 @@ unsafe fn run(
             .map_err(bug)?;
         let (blocks, n_runs) = (job.src_ids.len(), runs.len());
         if let Some((shape, chunk)) = tensors.staged(job.direction, blocks, n_runs)
-            && let Some(_turn) = tensors.take_staging(job.direction)
+            && let Some(_turn) =
+                tensors.take_staging(job.direction, tensors.copy_bytes(blocks, n_runs))
             && (stage.ring(cur, chunk, &tensors.staging_held).is_some() || {
                 // No memory for the ring: this move and the next of this chunk size go
                 // unstaged (and plans say so).

@@ -63,6 +63,11 @@ pub(super) const AUTO_MIN_BYTES: usize = 8 << 20;
 /// KiB the 2D copies across the link already run near one contiguous copy's rate.
 pub(super) const AUTO_BELOW_COPY: usize = 128 << 10;
 
+/// ... and, while the other direction's move goes through staging, copies of less than this:
+/// below it two staged moves at once outrun a staged and an unstaged one, above it the
+/// unstaged one's copies cross the link fast enough (benches/RESULTS.md, both at once).
+pub(super) const PAIR_BELOW_COPY: usize = 12 << 10;
+
 /// Whether a mover's moves in the background go through staging buffers
 /// ([`BlockMover::set_staging`](super::BlockMover::set_staging)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,7 +76,9 @@ pub enum Staging {
     /// Where it pays as measured (default): moves of 8 MiB or more whose copies average less
     /// than 128 KiB, between tensors at one stride within one allocation on each side (or one
     /// tensor each), one direction at a time: a move that starts while the other direction's
-    /// goes through staging goes unstaged (two staged at once move about what one moves).
+    /// goes through staging goes unstaged (two staged at once move about what one moves),
+    /// unless its copies average under 12 KiB (unstaged, they would cross the link slower
+    /// still).
     Auto,
     /// Every move in the background between tensors at one stride (or one tensor each): tests,
     /// measurements.

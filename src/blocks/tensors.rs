@@ -114,18 +114,29 @@ impl Tensors {
         }
     }
 
-    /// Whether a move of `direction` that [`Tensors::staged`] stages may go through staging
-    /// now: under [`Staging::Auto`], not while the other direction's move does (two staged at
-    /// once move about what one moves). The turn ends when the returned value drops, once
-    /// `staged::run` returned: an offload's move complete, a load's last copies queued (up to
-    /// a ring's worth of them may still run beside the other direction's next move).
-    pub(super) fn take_staging(&self, direction: Direction) -> Option<StagingTurn<'_>> {
+    /// Whether a move of `direction` that [`Tensors::staged`] stages, in copies of `copy_bytes`
+    /// on average, may go through staging now: under [`Staging::Auto`], not while the other
+    /// direction's move does (two staged at once move about what one moves: the host's memory
+    /// carries both directions' staged bytes) unless its copies are under
+    /// [`staged::PAIR_BELOW_COPY`] (there unstaged copies cross the link far slower still).
+    /// The turn ends when the returned value drops, once `staged::run` returned: an offload's
+    /// move complete, a load's last copies queued (up to a ring's worth of them may still run
+    /// beside the other direction's next move).
+    pub(super) fn take_staging(
+        &self,
+        direction: Direction,
+        copy_bytes: usize,
+    ) -> Option<StagingTurn<'_>> {
         let mine = direction as u8 + 1;
         let taken = self.staging().0 != Staging::Auto
             || self
                 .staging_now
                 .compare_exchange(0, mine, Ordering::Acquire, Ordering::Relaxed)
-                .is_ok();
+                .is_ok()
+            // Beside the other direction's turn: a turn that holds no mark (its drop finds the
+            // other's mark, or none, and leaves it; this direction's next move waits for this
+            // one, on the same thread).
+            || copy_bytes < staged::PAIR_BELOW_COPY;
         taken.then_some(StagingTurn(&self.staging_now, mine))
     }
 
@@ -368,7 +379,8 @@ fn staged_reason(staging: Staging, default_chunk: bool) -> &'static str {
                 " (a move in the background of 8 MiB or more whose copies average under 128 \
                  KiB, which cross the link as single rows far below its rate; ",
                 $chunk,
-                "unless the other direction's move goes through staging when it starts)"
+                "unless the other direction's move goes through staging when it starts and these \
+                 copies average 12 KiB or more)"
             ))
         };
     }

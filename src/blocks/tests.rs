@@ -537,22 +537,52 @@ fn two_at_one_stride() -> super::tensors::Tensors {
 }
 
 #[test]
-fn auto_staging_takes_one_direction_at_a_time() {
-    use super::staged::Staging;
+fn auto_staging_takes_one_direction_at_a_time_unless_copies_are_small() {
+    use super::staged::{PAIR_BELOW_COPY, Staging};
     let t = two_at_one_stride();
+    let (big, small) = (PAIR_BELOW_COPY, PAIR_BELOW_COPY - 1);
     // Auto (the default): while the offload stages, the load does not; then it may.
-    let off = t.take_staging(Direction::Offload).expect("the first turn");
-    assert!(t.take_staging(Direction::Load).is_none());
+    let off = t
+        .take_staging(Direction::Offload, big)
+        .expect("the first turn");
+    assert!(t.take_staging(Direction::Load, big).is_none());
+    // ... unless the load's copies are small: then both stage, and the load's turn, ending
+    // first, leaves the offload's mark.
+    let small_load = t
+        .take_staging(Direction::Load, small)
+        .expect("small copies");
+    drop(small_load);
+    assert!(
+        t.take_staging(Direction::Load, big).is_none(),
+        "{}",
+        line!()
+    );
     drop(off);
-    let load = t.take_staging(Direction::Load).expect("free again");
-    assert!(t.take_staging(Direction::Offload).is_none());
+    let load = t.take_staging(Direction::Load, big).expect("free again");
+    assert!(t.take_staging(Direction::Offload, big).is_none());
+    // A small turn beside it that outlives it clears no mark taken after it.
+    let small_off = t
+        .take_staging(Direction::Offload, small)
+        .expect("small copies");
+    drop(load);
+    let load = t.take_staging(Direction::Load, big).expect("free again");
+    drop(small_off);
+    assert!(
+        t.take_staging(Direction::Offload, big).is_none(),
+        "{}",
+        line!()
+    );
     drop(load);
     // Always: both at once (tests, measurements); a turn taken then holds nothing.
     t.set_staging(Staging::Always, super::staged::DEFAULT_CHUNK);
-    let off = t.take_staging(Direction::Offload).expect("always");
-    assert!(t.take_staging(Direction::Load).is_some());
+    let off = t.take_staging(Direction::Offload, big).expect("always");
+    assert!(t.take_staging(Direction::Load, big).is_some());
     t.set_staging(Staging::Auto, super::staged::DEFAULT_CHUNK);
-    assert!(t.take_staging(Direction::Load).is_some(), "{}", line!());
+    assert!(
+        t.take_staging(Direction::Load, big).is_some(),
+        "{}",
+        line!()
+    );
     drop(off);
 }
 
