@@ -254,6 +254,20 @@ impl Sides {
     /// Checks that destination side `dst` holds `src[t]`'s block `s` at block `d` for every
     /// pair, and poison everywhere else.
     fn check(&self, dst: u8, src: &[Vec<u8>], src_ids: &[usize], dst_ids: &[usize], what: &str) {
+        self.check_onto(dst, None, src, src_ids, dst_ids, what);
+    }
+
+    /// As [`Sides::check`], where side `dst` held `base` (its own fill, `None`: poison) before
+    /// the move: every other block must still hold it, the gaps poison.
+    fn check_onto(
+        &self,
+        dst: u8,
+        base: Option<&[Vec<u8>]>,
+        src: &[Vec<u8>],
+        src_ids: &[usize],
+        dst_ids: &[usize],
+        what: &str,
+    ) {
         let (sb, db) = if dst == 0 {
             (self.host_blocks, self.dev_blocks)
         } else {
@@ -262,6 +276,9 @@ impl Sides {
         let parts = self.layout.parts(self.tensors);
         for (t, src) in src.iter().enumerate() {
             let mut want = vec![POISON; self.read(dst, t).len()];
+            if let Some(base) = base {
+                want[..base[t].len()].copy_from_slice(&base[t]);
+            }
             for (&s, &d) in src_ids.iter().zip(dst_ids) {
                 for p in 0..parts {
                     let from = self.layout.at(sb, self.bytes, self.tensors, p, s);
@@ -595,6 +612,83 @@ fn gpu_blocks_offload_and_load_at_once_every_move_checked(#[values(false, true)]
         a.check(1, &src_a, &ids_a, &ids_b, &format!("offload round {m}"));
         cb.wait().unwrap();
         b.check(0, &src_b, &ids_a, &ids_b, &format!("load round {m}"));
+    }
+}
+
+#[rstest]
+#[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
+fn gpu_blocks_one_mover_offloads_and_loads_at_once_every_block_checked(
+    #[values(4 << 10, 16 << 10)] bytes: usize,
+) {
+    let Some(d) =
+        gpu_or_skip("gpu_blocks_one_mover_offloads_and_loads_at_once_every_block_checked")
+    else {
+        return;
+    };
+    let _gpu = shared();
+    // One mover under auto staging (1 MiB chunks), each round an offload of device blocks of
+    // the first half into host blocks of the first half and a load of host blocks of the second
+    // half into device blocks of the second half, sent back to back in the background: moves
+    // of 10 MiB whose copies average about 4 KiB (both directions stage at once) or 16 KiB (one
+    // stages, a move that starts while it does goes unstaged). Both sides filled with their own
+    // values first: every block of both checked each round, the untouched ones unchanged.
+    let (a_s, b_s) = (Stream::new(&d).unwrap(), Stream::new(&d).unwrap());
+    let (tensors, blocks, n) = (4, 1024, 320);
+    let mut s = Sides::with(&d, Layout::KvFirst, tensors, bytes, blocks, blocks, true);
+    let (dv, hv, dim) = s.views();
+    let mover = BlockMover::new(&dv, &hv, dim).unwrap();
+    mover.set_staging(Staging::Auto, 1 << 20).unwrap();
+    let half = blocks / 2;
+    for m in 0..8u32 {
+        let seed = 7 + 2 * m as u64;
+        let (off_dev, off_host) = (ids(n, half, seed), ids(n, half, seed + 1000));
+        let up = |v: Vec<usize>| v.into_iter().map(|i| i + half).collect::<Vec<_>>();
+        let (load_host, load_dev) = (up(ids(n, half, seed + 1)), up(ids(n, half, seed + 1001)));
+        for (direction, src, dst) in [
+            (Direction::Offload, &off_dev, &off_host),
+            (Direction::Load, &load_host, &load_dev),
+        ] {
+            let plan = mover.plan_in_background(direction, src, dst).unwrap();
+            assert_eq!(plan.strategy, Strategy::Staged, "{plan:?}");
+        }
+        s.poison(0);
+        s.poison(1);
+        let dev = s.fill(0, m);
+        let host = s.fill(1, m + 100);
+        // SAFETY: waited for below; the buffers outlive the moves; the two moves touch
+        // disjoint blocks.
+        let (off, load) = unsafe {
+            let first = |load_first: bool| {
+                if load_first {
+                    mover.load_in_background(&load_host, &load_dev, b_s.handle())
+                } else {
+                    mover.offload_in_background(&off_dev, &off_host, a_s.handle())
+                }
+            };
+            // Each direction goes first in turn.
+            let (x, y) = (first(m % 2 == 1), first(m % 2 == 0));
+            if m % 2 == 1 { (y, x) } else { (x, y) }
+        };
+        let (off, load) = (off.unwrap(), load.unwrap());
+        off.wait().unwrap();
+        load.wait().unwrap();
+        let what = format!("round {m}");
+        s.check_onto(
+            1,
+            Some(&host),
+            &dev,
+            &off_dev,
+            &off_host,
+            &format!("offload {what}"),
+        );
+        s.check_onto(
+            0,
+            Some(&dev),
+            &host,
+            &load_host,
+            &load_dev,
+            &format!("load {what}"),
+        );
     }
 }
 
