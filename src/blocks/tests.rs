@@ -552,11 +552,7 @@ fn auto_staging_takes_one_direction_at_a_time_unless_copies_are_small() {
         .take_staging(Direction::Load, small)
         .expect("small copies");
     drop(small_load);
-    assert!(
-        t.take_staging(Direction::Load, big).is_none(),
-        "{}",
-        line!()
-    );
+    assert!(t.take_staging(Direction::Load, big).is_none());
     drop(off);
     let load = t.take_staging(Direction::Load, big).expect("free again");
     assert!(t.take_staging(Direction::Offload, big).is_none());
@@ -567,22 +563,14 @@ fn auto_staging_takes_one_direction_at_a_time_unless_copies_are_small() {
     drop(load);
     let load = t.take_staging(Direction::Load, big).expect("free again");
     drop(small_off);
-    assert!(
-        t.take_staging(Direction::Offload, big).is_none(),
-        "{}",
-        line!()
-    );
+    assert!(t.take_staging(Direction::Offload, big).is_none());
     drop(load);
     // Always: both at once (tests, measurements); a turn taken then holds nothing.
     t.set_staging(Staging::Always, super::staged::DEFAULT_CHUNK);
     let off = t.take_staging(Direction::Offload, big).expect("always");
     assert!(t.take_staging(Direction::Load, big).is_some());
     t.set_staging(Staging::Auto, super::staged::DEFAULT_CHUNK);
-    assert!(
-        t.take_staging(Direction::Load, big).is_some(),
-        "{}",
-        line!()
-    );
+    assert!(t.take_staging(Direction::Load, big).is_some());
     drop(off);
 }
 
