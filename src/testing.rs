@@ -9,7 +9,7 @@ use crate::dlpack::{DType, DeviceView, TensorMeta};
 use crate::driver::{self, CUdeviceptr};
 use crate::error::{Error, Result, on_drop};
 
-pub use crate::blocks::panic_in_staged_task;
+pub use crate::blocks::{panic_in_staged_task, staged_handovers};
 pub use crate::d2h::{
     landing_after_spin, landing_counts, landing_free_words, landing_from_stream, landing_reset,
 };

@@ -618,7 +618,7 @@ fn gpu_blocks_offload_and_load_at_once_every_move_checked(#[values(false, true)]
 #[rstest]
 #[ignore = "needs a CUDA GPU: run with --include-ignored (scripts/gpu-run does)"]
 fn gpu_blocks_one_mover_offloads_and_loads_at_once_every_block_checked(
-    #[values(4 << 10, 16 << 10)] bytes: usize,
+    #[values(4 << 10, 16 << 10, 64 << 10)] bytes: usize,
 ) {
     let Some(d) =
         gpu_or_skip("gpu_blocks_one_mover_offloads_and_loads_at_once_every_block_checked")
@@ -629,11 +629,16 @@ fn gpu_blocks_one_mover_offloads_and_loads_at_once_every_block_checked(
     // One mover under auto staging (1 MiB chunks), each round an offload of device blocks of
     // the first half into host blocks of the first half and a load of host blocks of the second
     // half into device blocks of the second half, sent back to back in the background: moves
-    // of 10 MiB whose copies average about 4 KiB (both directions stage at once) or 16 KiB (one
-    // stages, a move that starts while it does goes unstaged). Both sides filled with their own
-    // values first: every block of both checked each round, the untouched ones unchanged.
+    // of 10-40 MiB whose copies average about 4 KiB (both directions stage at once), 16 KiB
+    // (one stages, a move that starts while it does goes unstaged) or 64 KiB (that move asks
+    // the staged one to hand its chunks not yet begun over to 2D copies). Both sides filled
+    // with their own values first: every block of both checked each round, the untouched ones
+    // unchanged.
     let (a_s, b_s) = (Stream::new(&d).unwrap(), Stream::new(&d).unwrap());
-    let (tensors, blocks, n) = (4, 1024, 320);
+    let tensors = 4;
+    let blocks = if bytes >= 64 << 10 { 256 } else { 1024 };
+    let n = blocks * 5 / 16;
+    let handovers = pinstage::testing::staged_handovers();
     let mut s = Sides::with(&d, Layout::KvFirst, tensors, bytes, blocks, blocks, true);
     let (dv, hv, dim) = s.views();
     let mover = BlockMover::new(&dv, &hv, dim).unwrap();
@@ -689,6 +694,11 @@ fn gpu_blocks_one_mover_offloads_and_loads_at_once_every_block_checked(
             &load_dev,
             &format!("load {what}"),
         );
+    }
+    if bytes >= 64 << 10 {
+        // Eight pairs sent back to back: the second move of at least one started while the
+        // first was staging (a 40 MiB move takes about a millisecond).
+        assert!(pinstage::testing::staged_handovers() > handovers);
     }
 }
 

@@ -196,7 +196,7 @@ unsafe fn run(
             .map_err(bug)?;
         let (blocks, n_runs) = (job.src_ids.len(), runs.len());
         if let Some((shape, chunk)) = tensors.staged(job.direction, blocks, n_runs)
-            && let Some(_turn) =
+            && let Some(turn) =
                 tensors.take_staging(job.direction, tensors.copy_bytes(blocks, n_runs))
             && (stage.ring(cur, chunk, &tensors.staging_held).is_some() || {
                 // No memory for the ring: this move and the next of this chunk size go
@@ -222,6 +222,7 @@ unsafe fn run(
                     stream,
                     &job.fork,
                     job.ticket.event(),
+                    &|| turn.hand_over(),
                 )
             }
             .map_err(staged_error);

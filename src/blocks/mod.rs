@@ -28,4 +28,7 @@ pub use flow::panic_in_staged_task;
 pub use mover::BlockMover;
 #[cfg(test)]
 pub(crate) use plan::{BlockLayout, Segment, plan};
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub use staged::staged_handovers;
 pub use staged::{CHUNK_RANGE, DEFAULT_CHUNK, Staging};

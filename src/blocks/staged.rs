@@ -4,8 +4,7 @@
 //! the link, and pinstage's copy threads scatter (offload) or gather (load) the host blocks.
 //! Small blocks cross the link as single rows far below its rate; inside device memory the same
 //! rows move at hundreds of GB/s, and the host side's rows are plain memory copies
-//! (lab/c/blocks_stage.c: on an H100, 4-32 KiB blocks at 39-49 GB/s against 16-39 for 2D copies
-//! across the link).
+//! (lab/c/blocks_stage.c measures both; benches/RESULTS.md has the figures).
 //!
 //! A mover's thread of each direction owns a ring of [`SLOTS`] chunks of [`Staging`]'s chunk size
 //! in device memory and as many in pinned host memory, and a stream of its own for the 2D copies
@@ -31,6 +30,12 @@
 //!
 //! Nothing waits on the device for a value the host writes later: every wait is on an event
 //! recorded before it.
+//!
+//! A staged move asked to hand over (the other direction's move of large copies started beside
+//! it: [`super::tensors::Tensors::take_staging`]) queues its chunks not yet begun as 2D copies
+//! across the link on the thread's stream ([`across`]), and ends with the chunks before them:
+//! every staged byte crosses the host's memory two or three times, and two directions' staged
+//! bytes at once are more than it carries.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -68,6 +73,11 @@ pub(super) const AUTO_BELOW_COPY: usize = 128 << 10;
 /// unstaged one's copies cross the link fast enough (benches/RESULTS.md, both at once).
 pub(super) const PAIR_BELOW_COPY: usize = 12 << 10;
 
+/// ... and of this or more: the other direction's staged move hands its chunks not yet begun
+/// over to 2D copies across the link, and neither stages (two unstaged moves at once outrun a
+/// staged and an unstaged one there).
+pub(super) const PAIR_UNSTAGED_FROM: usize = 32 << 10;
+
 /// Whether a mover's moves in the background go through staging buffers
 /// ([`BlockMover::set_staging`](super::BlockMover::set_staging)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,7 +88,9 @@ pub enum Staging {
     /// tensor each), one direction at a time: a move that starts while the other direction's
     /// goes through staging goes unstaged (two staged at once move about what one moves),
     /// unless its copies average under 12 KiB (unstaged, they would cross the link slower
-    /// still).
+    /// still); from 32 KiB the staged move then hands its chunks not yet begun over to 2D
+    /// copies across the link (two unstaged moves at once outrun a staged and an unstaged one
+    /// there).
     Auto,
     /// Every move in the background between tensors at one stride (or one tensor each): tests,
     /// measurements.
@@ -198,7 +210,9 @@ impl Stage {
 /// `stream` and the 2D copies inside device memory on the ring's own
 /// stream (the engines run both at once: one stream would serialize them), after `fork`;
 /// records `done` on `stream` after every copy. Returns once the move completed (offload: the
-/// last host row stored) or, for a load, once every copy is queued.
+/// last host row stored) or, for a load, once every copy is queued. Once `hand_over` says so
+/// (checked between chunks, until it says so once), the chunks not yet begun go as 2D copies
+/// across the link on `stream` instead (the move then completes when `done` does).
 ///
 /// # Errors
 /// [`Error::Driver`]: a copy or an event refused, or a copy failed; both streams are drained
@@ -219,6 +233,7 @@ pub(super) unsafe fn run(
     stream: StreamHandle,
     fork: &Event,
     done: &Event,
+    hand_over: &dyn Fn() -> bool,
 ) -> Result<()> {
     let flow = Flow::new(
         direction,
@@ -239,7 +254,7 @@ pub(super) unsafe fn run(
     // else to do), with no barrier between chunks.
     let moved = match crate::host::workers::workers() {
         // SAFETY: the caller's contract.
-        None => unsafe { drive(cur, ring, &flow, stream, fork, done, &|_| {}) },
+        None => unsafe { drive(cur, ring, &flow, stream, (fork, done), hand_over, &|_| {}) },
         Some(pool) => pool.in_place_scope(|s| {
             let threads = pool.current_num_threads();
             // Copy threads for a chunk just opened: as many as it has tasks, up to the pool's
@@ -255,7 +270,8 @@ pub(super) unsafe fn run(
                 }
             };
             // SAFETY: the caller's contract.
-            let driven = unsafe { drive(cur, ring, &flow, stream, fork, done, &spawn) };
+            let driven =
+                unsafe { drive(cur, ring, &flow, stream, (fork, done), hand_over, &spawn) };
             // A failure: the copy threads take no further task (the scope waits for those at
             // work).
             flow.stop.store(true, Ordering::Relaxed);
@@ -287,22 +303,24 @@ impl Drop for Drain<'_, '_> {
 /// copy threads once its host slot may be used (offload: its copy across landed; load: the
 /// slot's last copy across completed), is `finished` once its tasks are done, and is issued
 /// (offload: the 2D gathers and the copy across of chunk `j`, once chunk `j - SLOTS` finished;
-/// load: the copy across and the 2D scatters of chunk `j`, once it finished).
+/// load: the copy across and the 2D scatters of chunk `j`, once it finished). Handed over, the
+/// chunks not yet begun (neither issued nor opened) go by [`across`] and the move ends with
+/// the chunks before them.
 ///
 /// # Safety
 /// As [`run`].
-#[allow(clippy::too_many_arguments)]
 unsafe fn drive(
     cur: &Current<'_>,
     ring: &mut Ring,
     flow: &Flow<'_>,
     stream: StreamHandle,
-    fork: &Event,
-    done: &Event,
+    (fork, done): (&Event, &Event),
+    hand_over: &dyn Fn() -> bool,
     spawn: &dyn Fn(usize),
 ) -> Result<()> {
     let work = flow.work;
-    let n = work.ends.len();
+    let mut n = work.ends.len();
+    let mut handed = false;
     let device = Arc::clone(&ring.device);
     let dev = device.handle();
     let offload = flow.direction == Direction::Offload;
@@ -324,6 +342,21 @@ unsafe fn drive(
             )));
         }
         let mut moved = false;
+        // Offload: chunks from `issued` on are not begun (`opened <= issued`); load: from
+        // `opened` on (`issued <= opened`).
+        let begun = opened.max(issued);
+        if !handed && begun < n && hand_over() {
+            handed = true;
+            if offload {
+                // The copies across read the device blocks: after the work before the call.
+                fork.wait_on_in(cur, stream)?;
+            }
+            // SAFETY: the caller's contract (the pieces of chunks `begun..n` are no chunk's
+            // that the ring moves: those end at `begun`).
+            unsafe { across(work, begun..n, flow.direction, flow.shape, stream) }?;
+            n = begun;
+            handover_counted();
+        }
         if offload {
             // Chunk j's gathers into device slot k on the ring's stream (its last reader, chunk
             // j - SLOTS's copy across, completed: it opened), then the copy across on
@@ -417,6 +450,63 @@ unsafe fn drive(
                 .pause();
         }
     }
+}
+
+/// Queues 2D copies across the link on `stream` for `chunks` of `work`: each piece's rows
+/// straight between its device rows and its host rows.
+///
+/// # Safety
+/// As [`run`].
+unsafe fn across(
+    work: &Work,
+    chunks: std::ops::Range<usize>,
+    direction: Direction,
+    shape: Shape,
+    stream: StreamHandle,
+) -> Result<()> {
+    for j in chunks {
+        for p in work.chunk(j).0 {
+            // One tensor (pitch 0): one row, any pitch of at least its width.
+            let (device, host) = match direction {
+                Direction::Offload => (p.src, p.dst),
+                Direction::Load => (p.dst, p.src),
+            };
+            let device = Pitched {
+                addr: device,
+                pitch: shape.device_pitch.max(p.len),
+                host: false,
+            };
+            let host = Pitched {
+                addr: host,
+                pitch: shape.host_pitch.max(p.len),
+                host: true,
+            };
+            let (dst, src) = match direction {
+                Direction::Offload => (host, device),
+                Direction::Load => (device, host),
+            };
+            // SAFETY: the caller's contract 1; rows of `p.len <= pitch` bytes on both sides,
+            // the pitches within a 2D copy's (`strides`).
+            unsafe { memcpy_2d_async(dst, src, p.len, shape.rows, stream.raw()) }?;
+        }
+    }
+    Ok(())
+}
+
+/// Staged moves that handed chunks over ([`run`]), counted for the tests (`testing`).
+#[cfg(feature = "testing")]
+static HANDOVERS: AtomicUsize = AtomicUsize::new(0);
+
+fn handover_counted() {
+    #[cfg(feature = "testing")]
+    HANDOVERS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many staged moves handed their chunks not yet begun over to 2D copies so far.
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub fn staged_handovers() -> usize {
+    HANDOVERS.load(Ordering::Relaxed)
 }
 
 /// Queues the 2D copy between piece `p`'s device rows and its staged rows at `slot + p.off`:

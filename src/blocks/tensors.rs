@@ -115,29 +115,48 @@ impl Tensors {
     }
 
     /// Whether a move of `direction` that [`Tensors::staged`] stages, in copies of `copy_bytes`
-    /// on average, may go through staging now: under [`Staging::Auto`], not while the other
-    /// direction's move does (two staged at once move about what one moves: the host's memory
-    /// carries both directions' staged bytes) unless its copies are under
-    /// [`staged::PAIR_BELOW_COPY`] (there unstaged copies cross the link far slower still).
-    /// The turn ends when the returned value drops, once `staged::run` returned: an offload's
-    /// move complete, a load's last copies queued (up to a ring's worth of them may still run
-    /// beside the other direction's next move).
+    /// on average, may go through staging now. Under [`Staging::Auto`] one direction at a time
+    /// (two staged at once move about what one moves: the host's memory carries both
+    /// directions' staged bytes), except for copies under [`staged::PAIR_BELOW_COPY`] (unstaged
+    /// they would cross the link slower still): a move that starts while the other direction's
+    /// stages goes unstaged, and from [`staged::PAIR_UNSTAGED_FROM`] asks that move to hand its
+    /// chunks not yet begun over to 2D copies ([`StagingTurn::hand_over`]). The turn ends when
+    /// the returned value drops, once `staged::run` returned: an offload's move complete, a
+    /// load's last copies queued (up to a ring's worth of them may still run beside the other
+    /// direction's next move).
     pub(super) fn take_staging(
         &self,
         direction: Direction,
         copy_bytes: usize,
     ) -> Option<StagingTurn<'_>> {
         let mine = direction as u8 + 1;
-        let taken = self.staging().0 != Staging::Auto
-            || self
-                .staging_now
-                .compare_exchange(0, mine, Ordering::Acquire, Ordering::Relaxed)
-                .is_ok()
-            // Beside the other direction's turn: a turn that holds no mark (its drop finds the
-            // other's mark, or none, and leaves it; this direction's next move waits for this
-            // one, on the same thread).
-            || copy_bytes < staged::PAIR_BELOW_COPY;
-        taken.then_some(StagingTurn(&self.staging_now, mine))
+        let turn = Some(StagingTurn {
+            mark: &self.staging_now,
+            mine,
+            copy_bytes,
+        });
+        if self.staging().0 != Staging::Auto {
+            return turn;
+        }
+        match self
+            .staging_now
+            .compare_exchange(0, mine, Ordering::Acquire, Ordering::Relaxed)
+        {
+            Ok(_) => turn,
+            // Beside the other direction's turn, a turn without the mark: its drop finds the
+            // other's mark (or none) and leaves it; this direction's next move runs after this
+            // one, on the same thread.
+            Err(_) if copy_bytes < staged::PAIR_BELOW_COPY => turn,
+            Err(_) => {
+                if copy_bytes >= staged::PAIR_UNSTAGED_FROM {
+                    // Only while the other direction holds the mark: the bit goes with it.
+                    let _ =
+                        self.staging_now
+                            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| asked(v, mine));
+                }
+                None
+            }
+        }
     }
 
     /// Records that `direction`'s ring of `chunk`-byte chunks could not be made.
@@ -380,7 +399,8 @@ fn staged_reason(staging: Staging, default_chunk: bool) -> &'static str {
                  KiB, which cross the link as single rows far below its rate; ",
                 $chunk,
                 "unless the other direction's move goes through staging when it starts and these \
-                 copies average 12 KiB or more)"
+                 copies average 12 KiB or more; from 32 KiB that move then hands its chunks not \
+                 yet begun over to 2D copies across the link)"
             ))
         };
     }
@@ -391,15 +411,86 @@ fn staged_reason(staging: Staging, default_chunk: bool) -> &'static str {
     }
 }
 
+/// The direction bits of [`Tensors`]'s staging mark, and the bit the other direction sets to
+/// ask the marked move to hand its chunks not yet begun over.
+const MARK: u8 = 3;
+const HAND_OVER: u8 = 4;
+
+/// The staging mark `v` once direction `mine` asks the marked move to hand over: `None` (left
+/// as it is) unless the other direction holds it (it may have let go since `mine` found it).
+fn asked(v: u8, mine: u8) -> Option<u8> {
+    (v & MARK != 0 && v & MARK != mine).then_some(v | HAND_OVER)
+}
+
 /// A direction's turn at staging ([`Tensors::take_staging`]), ended when dropped (also when the
 /// move panics).
-pub(super) struct StagingTurn<'a>(&'a AtomicU8, u8);
+pub(super) struct StagingTurn<'a> {
+    mark: &'a AtomicU8,
+    mine: u8,
+    copy_bytes: usize,
+}
+
+impl StagingTurn<'_> {
+    /// Whether the other direction's move asked this one to hand its chunks not yet begun over
+    /// (only a turn that holds the mark is asked), and its copies are large enough to.
+    pub(super) fn hand_over(&self) -> bool {
+        self.copy_bytes >= staged::PAIR_UNSTAGED_FROM
+            && self.mark.load(Ordering::Relaxed) == self.mine | HAND_OVER
+    }
+}
 
 impl Drop for StagingTurn<'_> {
     fn drop(&mut self) {
-        // Only a turn taken under `Staging::Auto` holds the mark.
+        // Only a turn taken under `Staging::Auto` holds the mark; the hand-over bit goes with it.
         let _ = self
-            .0
-            .compare_exchange(self.1, 0, Ordering::Release, Ordering::Relaxed);
+            .mark
+            .fetch_update(Ordering::Release, Ordering::Relaxed, |v| {
+                (v & MARK == self.mine).then_some(0)
+            });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::two_at_one_stride;
+    use super::staged::{PAIR_BELOW_COPY, PAIR_UNSTAGED_FROM, Staging};
+    use super::*;
+
+    #[test]
+    fn a_large_move_beside_a_staged_one_asks_it_to_hand_over() {
+        let t = two_at_one_stride();
+        let (mid, large) = (PAIR_BELOW_COPY, PAIR_UNSTAGED_FROM);
+        // Copies between the two cuts: the second move goes unstaged, asking nothing.
+        let off = t.take_staging(Direction::Offload, large).expect("first");
+        assert!(t.take_staging(Direction::Load, mid).is_none());
+        assert!(!off.hand_over());
+        // From PAIR_UNSTAGED_FROM: it asks, and the marked turn hands over.
+        assert!(t.take_staging(Direction::Load, large).is_none());
+        assert!(off.hand_over());
+        // The bit goes with the mark: the next turn is not asked.
+        drop(off);
+        let load = t.take_staging(Direction::Load, large).expect("free again");
+        assert!(!load.hand_over());
+        // A turn of smaller copies is never asked to hand over (they would cross slower).
+        drop(load);
+        let small = t
+            .take_staging(Direction::Offload, large - 1)
+            .expect("first");
+        assert!(t.take_staging(Direction::Load, large).is_none());
+        assert!(!small.hand_over());
+        // Nor a turn without the mark (beside the other's), nor one under `always`.
+        let beside = t
+            .take_staging(Direction::Load, mid - 1)
+            .expect("small copies");
+        assert!(t.take_staging(Direction::Offload, large).is_none());
+        assert!(!beside.hand_over());
+        drop((small, beside));
+        t.set_staging(Staging::Always, staged::DEFAULT_CHUNK);
+        let off = t.take_staging(Direction::Offload, large).expect("always");
+        assert!(t.take_staging(Direction::Load, large).is_some());
+        assert!(!off.hand_over());
+        // Asked as the mark goes: it stays free.
+        assert_eq!(asked(0, 1), None);
+        assert_eq!(asked(2, 1), Some(2 | HAND_OVER));
     }
 }

@@ -524,7 +524,7 @@ fn how_picks_2d_copies_a_batch_or_single_copies() {
 
 /// Two tensors at one stride on each side, 4096 blocks of 2 parts of 16 KiB (64 KiB a block
 /// across them), batches and timing on.
-fn two_at_one_stride() -> super::tensors::Tensors {
+pub(super) fn two_at_one_stride() -> super::tensors::Tensors {
     let pairs = (0..2u64)
         .map(|i| plan::Pair {
             device: layout(0x1_0000_0000 * (i + 1), 4096, 16 << 10, 2),
