@@ -639,16 +639,26 @@ fn gpu_blocks_one_mover_offloads_and_loads_at_once_every_block_checked(
     let blocks = if bytes >= 64 << 10 { 256 } else { 1024 };
     let n = blocks * 5 / 16;
     let handovers = pinstage::testing::staged_handovers();
-    let mut s = Sides::with(&d, Layout::KvFirst, tensors, bytes, blocks, blocks, true);
+    // More host blocks than device blocks: the two sides' tensors at different strides.
+    let mut s = Sides::with(
+        &d,
+        Layout::KvFirst,
+        tensors,
+        bytes,
+        blocks,
+        blocks + 64,
+        true,
+    );
     let (dv, hv, dim) = s.views();
     let mover = BlockMover::new(&dv, &hv, dim).unwrap();
     mover.set_staging(Staging::Auto, 1 << 20).unwrap();
-    let half = blocks / 2;
+    let (half, host_half) = (blocks / 2, (blocks + 64) / 2);
     for m in 0..8u32 {
         let seed = 7 + 2 * m as u64;
-        let (off_dev, off_host) = (ids(n, half, seed), ids(n, half, seed + 1000));
-        let up = |v: Vec<usize>| v.into_iter().map(|i| i + half).collect::<Vec<_>>();
-        let (load_host, load_dev) = (up(ids(n, half, seed + 1)), up(ids(n, half, seed + 1001)));
+        let (off_dev, off_host) = (ids(n, half, seed), ids(n, host_half, seed + 1000));
+        let up = |v: Vec<usize>, by| v.into_iter().map(|i| i + by).collect::<Vec<_>>();
+        let load_host = up(ids(n, host_half, seed + 1), host_half);
+        let load_dev = up(ids(n, half, seed + 1001), half);
         for (direction, src, dst) in [
             (Direction::Offload, &off_dev, &off_host),
             (Direction::Load, &load_host, &load_dev),

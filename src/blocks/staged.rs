@@ -212,7 +212,7 @@ impl Stage {
 /// records `done` on `stream` after every copy. Returns once the move completed (offload: the
 /// last host row stored) or, for a load, once every copy is queued. Once `hand_over` says so
 /// (checked between chunks, until it says so once), the chunks not yet begun go as 2D copies
-/// across the link on `stream` instead (the move then completes when `done` does).
+/// across the link on `stream` instead (an offload then returns once `done` completed).
 ///
 /// # Errors
 /// [`Error::Driver`]: a copy or an event refused, or a copy failed; both streams are drained
@@ -320,7 +320,8 @@ unsafe fn drive(
 ) -> Result<()> {
     let work = flow.work;
     let mut n = work.ends.len();
-    let mut handed = false;
+    // Bytes handed over to 2D copies across the link (0: none, or not yet).
+    let mut handed = 0;
     let device = Arc::clone(&ring.device);
     let dev = device.handle();
     let offload = flow.direction == Direction::Offload;
@@ -345,8 +346,8 @@ unsafe fn drive(
         // Offload: chunks from `issued` on are not begun (`opened <= issued`); load: from
         // `opened` on (`issued <= opened`).
         let begun = opened.max(issued);
-        if !handed && begun < n && hand_over() {
-            handed = true;
+        if handed == 0 && begun < n && hand_over() {
+            handed = (begun..n).map(|j| work.chunk(j).1).sum::<usize>().max(1);
             if offload {
                 // The copies across read the device blocks: after the work before the call.
                 fork.wait_on_in(cur, stream)?;
@@ -383,7 +384,13 @@ unsafe fn drive(
             }
             if finished == n {
                 // Every copy's completion was seen on the host (a failed copy fails its event).
-                return done.record_in(cur, stream);
+                done.record_in(cur, stream)?;
+                if handed > 0 {
+                    // The chunks handed over land with `done`: the move completes then, as
+                    // every staged offload does, once the host blocks hold the data.
+                    wait_until(&Backoff::new(copy_time(handed)), None, || done.query())?;
+                }
+                return Ok(());
             }
         } else {
             while issued < finished {
