@@ -492,5 +492,9 @@ mod tests {
         // Asked as the mark goes: it stays free.
         assert_eq!(asked(0, 1), None);
         assert_eq!(asked(2, 1), Some(2 | HAND_OVER));
+        // Asked again (the other direction's next move, the marked one still going): still asked;
+        // never by its own direction.
+        assert_eq!(asked(2 | HAND_OVER, 1), Some(2 | HAND_OVER));
+        assert_eq!(asked(1, 1), None);
     }
 }
