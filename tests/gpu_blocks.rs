@@ -630,8 +630,9 @@ fn gpu_blocks_one_mover_offloads_and_loads_at_once_every_block_checked(
     // the first half into host blocks of the first half and a load of host blocks of the second
     // half into device blocks of the second half, sent back to back in the background: moves
     // of 10-40 MiB whose copies average about 4 KiB (both directions stage at once), 16 KiB
-    // (one stages, a move that starts while it does goes unstaged) or 64 KiB (that move asks
-    // the staged one to hand its chunks not yet begun over to 2D copies). Both sides filled
+    // (the load stages; a staged offload beside it hands its chunks not yet begun over to 2D
+    // copies) or 64 KiB (the second move goes unstaged, and a staged first one hands over).
+    // Both sides filled
     // with their own values first: every block of both checked each round, the untouched ones
     // unchanged.
     let (a_s, b_s) = (Stream::new(&d).unwrap(), Stream::new(&d).unwrap());

@@ -31,8 +31,8 @@
 //! Nothing waits on the device for a value the host writes later: every wait is on an event
 //! recorded before it.
 //!
-//! A staged move asked to hand over (the other direction's move of large copies started beside
-//! it: [`super::tensors::Tensors::take_staging`]) queues its chunks not yet begun as 2D copies
+//! A staged move asked to hand over (the other direction's move started beside it:
+//! [`super::tensors::Tensors::take_staging`] says when) queues its chunks not yet begun as 2D copies
 //! across the link on the thread's stream ([`across`]), and ends with the chunks before them:
 //! every staged byte crosses the host's memory two or three times, and two directions' staged
 //! bytes at once are more than it carries.
@@ -75,7 +75,7 @@ pub(super) const PAIR_BELOW_COPY: usize = 12 << 10;
 
 /// ... and of this or more: the other direction's staged move hands its chunks not yet begun
 /// over to 2D copies across the link, and neither stages (two unstaged moves at once outrun a
-/// staged and an unstaged one there).
+/// staged and an unstaged one there). Between the two cuts the load is the one staged.
 pub(super) const PAIR_UNSTAGED_FROM: usize = 32 << 10;
 
 /// Whether a mover's moves in the background go through staging buffers
@@ -90,7 +90,8 @@ pub enum Staging {
     /// unless its copies average under 12 KiB (unstaged, they would cross the link slower
     /// still); from 32 KiB the staged move then hands its chunks not yet begun over to 2D
     /// copies across the link (two unstaged moves at once outrun a staged and an unstaged one
-    /// there).
+    /// there); in between a load stages beside a staged offload, which hands over (unstaged, a
+    /// load's rows cross the link slower than an offload's).
     Auto,
     /// Every move in the background between tensors at one stride (or one tensor each): tests,
     /// measurements.

@@ -117,13 +117,17 @@ impl Tensors {
     /// Whether a move of `direction` that [`Tensors::staged`] stages, in copies of `copy_bytes`
     /// on average, may go through staging now. Under [`Staging::Auto`] one direction at a time
     /// (two staged at once move about what one moves: the host's memory carries both
-    /// directions' staged bytes), except for copies under [`staged::PAIR_BELOW_COPY`] (unstaged
-    /// they would cross the link slower still): a move that starts while the other direction's
-    /// stages goes unstaged, and from [`staged::PAIR_UNSTAGED_FROM`] asks that move to hand its
-    /// chunks not yet begun over to 2D copies ([`StagingTurn::hand_over`]). The turn ends when
-    /// the returned value drops, once `staged::run` returned: an offload's move complete, a
-    /// load's last copies queued (up to a ring's worth of them may still run beside the other
-    /// direction's next move).
+    /// directions' staged bytes). A move that starts while the other direction's stages:
+    /// - in copies under [`staged::PAIR_BELOW_COPY`] stages too (unstaged, they would cross the
+    ///   link slower still);
+    /// - from [`staged::PAIR_UNSTAGED_FROM`] goes unstaged and asks the staged move to hand its
+    ///   chunks not yet begun over to 2D copies ([`StagingTurn::hand_over`]): neither stages;
+    /// - between the two, a load stages and asks the offload to hand over (a load's rows cross
+    ///   the link unstaged slower than an offload's), an offload goes unstaged.
+    ///
+    /// The turn ends when the returned value drops, once `staged::run` returned: an offload's
+    /// move complete, a load's last copies queued (up to a ring's worth of them may still run
+    /// beside the other direction's next move).
     pub(super) fn take_staging(
         &self,
         direction: Direction,
@@ -138,25 +142,20 @@ impl Tensors {
         if self.staging().0 != Staging::Auto {
             return turn;
         }
-        match self
+        let small = copy_bytes < staged::PAIR_BELOW_COPY;
+        let large = copy_bytes >= staged::PAIR_UNSTAGED_FROM;
+        let beside = small || (direction == Direction::Load && !large);
+        let asks = !small && (large || beside);
+        let was = self
             .staging_now
-            .compare_exchange(0, mine, Ordering::Acquire, Ordering::Relaxed)
-        {
-            Ok(_) => turn,
-            // Beside the other direction's turn, a turn without the mark: its drop finds the
-            // other's mark (or none) and leaves it; this direction's next move runs after this
-            // one, on the same thread.
-            Err(_) if copy_bytes < staged::PAIR_BELOW_COPY => turn,
-            Err(_) => {
-                if copy_bytes >= staged::PAIR_UNSTAGED_FROM {
-                    // Only while the other direction holds the mark: the bit goes with it.
-                    let _ =
-                        self.staging_now
-                            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| asked(v, mine));
-                }
-                None
-            }
-        }
+            .fetch_update(Ordering::Acquire, Ordering::Relaxed, |v| {
+                take_or_ask(v, mine, asks)
+            })
+            .unwrap_or_else(|v| v);
+        // The mark taken (it was free); else a turn without it beside the other direction's:
+        // its drop finds the other's mark (or none) and leaves it, and this direction's next
+        // move runs after this one, on the same thread.
+        (was & MARK == 0 || beside).then_some(turn).flatten()
     }
 
     /// Records that `direction`'s ring of `chunk`-byte chunks could not be made.
@@ -399,8 +398,9 @@ fn staged_reason(staging: Staging, default_chunk: bool) -> &'static str {
                  KiB, which cross the link as single rows far below its rate; ",
                 $chunk,
                 "unless the other direction's move goes through staging when it starts and these \
-                 copies average 12 KiB or more; from 32 KiB that move then hands its chunks not \
-                 yet begun over to 2D copies across the link)"
+                 copies average 12 KiB or more; from 32 KiB, or for a load, that move then hands \
+                 its chunks not yet begun over to 2D copies across the link, and a load stages \
+                 under 32 KiB)"
             ))
         };
     }
@@ -416,10 +416,14 @@ fn staged_reason(staging: Staging, default_chunk: bool) -> &'static str {
 const MARK: u8 = 3;
 const HAND_OVER: u8 = 4;
 
-/// The staging mark `v` once direction `mine` asks the marked move to hand over: `None` (left
-/// as it is) unless the other direction holds it (it may have let go since `mine` found it).
-fn asked(v: u8, mine: u8) -> Option<u8> {
-    (v & MARK != 0 && v & MARK != mine).then_some(v | HAND_OVER)
+/// The staging mark `v` once direction `mine` tried to take it: its own if it was free, else
+/// (`ask`) the hand-over bit added while the other direction holds it; `None`: left as it is.
+fn take_or_ask(v: u8, mine: u8, ask: bool) -> Option<u8> {
+    if v & MARK == 0 {
+        Some(mine)
+    } else {
+        (ask && v & MARK != mine).then_some(v | HAND_OVER)
+    }
 }
 
 /// A direction's turn at staging ([`Tensors::take_staging`]), ended when dropped (also when the
@@ -432,9 +436,10 @@ pub(super) struct StagingTurn<'a> {
 
 impl StagingTurn<'_> {
     /// Whether the other direction's move asked this one to hand its chunks not yet begun over
-    /// (only a turn that holds the mark is asked), and its copies are large enough to.
+    /// (only a turn that holds the mark is asked), and its copies are large enough to (below
+    /// [`staged::PAIR_BELOW_COPY`] both stage).
     pub(super) fn hand_over(&self) -> bool {
-        self.copy_bytes >= staged::PAIR_UNSTAGED_FROM
+        self.copy_bytes >= staged::PAIR_BELOW_COPY
             && self.mark.load(Ordering::Relaxed) == self.mine | HAND_OVER
     }
 }
@@ -457,44 +462,61 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_large_move_beside_a_staged_one_asks_it_to_hand_over() {
+    fn a_move_beside_a_staged_one_asks_it_to_hand_over_by_copy_size() {
         let t = two_at_one_stride();
         let (mid, large) = (PAIR_BELOW_COPY, PAIR_UNSTAGED_FROM);
-        // Copies between the two cuts: the second move goes unstaged, asking nothing.
+        // From PAIR_UNSTAGED_FROM: the second move goes unstaged and asks; the marked turn
+        // hands over.
         let off = t.take_staging(Direction::Offload, large).expect("first");
-        assert!(t.take_staging(Direction::Load, mid).is_none());
         assert!(!off.hand_over());
-        // From PAIR_UNSTAGED_FROM: it asks, and the marked turn hands over.
         assert!(t.take_staging(Direction::Load, large).is_none());
         assert!(off.hand_over());
         // The bit goes with the mark: the next turn is not asked.
         drop(off);
         let load = t.take_staging(Direction::Load, large).expect("free again");
         assert!(!load.hand_over());
-        // A turn of smaller copies is never asked to hand over (they would cross slower).
+        // Between the cuts an offload beside a staged load goes unstaged and asks nothing ...
+        assert!(t.take_staging(Direction::Offload, mid).is_none());
+        assert!(!load.hand_over());
         drop(load);
-        let small = t
-            .take_staging(Direction::Offload, large - 1)
-            .expect("first");
+        // ... and a load beside a staged offload stages (a turn without the mark) and asks it.
+        let off = t.take_staging(Direction::Offload, mid).expect("first");
+        let beside = t.take_staging(Direction::Load, mid).expect("a load stages");
+        assert!(off.hand_over() && !beside.hand_over());
+        drop(beside);
+        assert!(
+            off.hand_over(),
+            "the mark and its bit outlive the turn beside it"
+        );
+        drop(off);
+        // Small copies: both stage, and a small turn is never asked to hand over.
+        let small = t.take_staging(Direction::Offload, mid - 1).expect("first");
         assert!(t.take_staging(Direction::Load, large).is_none());
         assert!(!small.hand_over());
-        // Nor a turn without the mark (beside the other's), nor one under `always`.
         let beside = t
             .take_staging(Direction::Load, mid - 1)
             .expect("small copies");
-        assert!(t.take_staging(Direction::Offload, large).is_none());
         assert!(!beside.hand_over());
         drop((small, beside));
+        // A large move that finds the mark free takes it (the holder let go meanwhile).
+        let load = t.take_staging(Direction::Load, large).expect("free");
+        assert!(
+            t.take_staging(Direction::Offload, mid).is_none(),
+            "the mark is held"
+        );
+        drop(load);
+        // Always: no mark, no asking.
         t.set_staging(Staging::Always, staged::DEFAULT_CHUNK);
         let off = t.take_staging(Direction::Offload, large).expect("always");
         assert!(t.take_staging(Direction::Load, large).is_some());
         assert!(!off.hand_over());
-        // Asked as the mark goes: it stays free.
-        assert_eq!(asked(0, 1), None);
-        assert_eq!(asked(2, 1), Some(2 | HAND_OVER));
-        // Asked again (the other direction's next move, the marked one still going): still asked;
-        // never by its own direction.
-        assert_eq!(asked(2 | HAND_OVER, 1), Some(2 | HAND_OVER));
-        assert_eq!(asked(1, 1), None);
+        // The mark: taken when free; asked only while the other direction holds it, again
+        // included; never by its own direction.
+        assert_eq!(take_or_ask(0, 1, true), Some(1));
+        assert_eq!(take_or_ask(0, 2, false), Some(2));
+        assert_eq!(take_or_ask(2, 1, true), Some(2 | HAND_OVER));
+        assert_eq!(take_or_ask(2 | HAND_OVER, 1, true), Some(2 | HAND_OVER));
+        assert_eq!(take_or_ask(2, 1, false), None);
+        assert_eq!(take_or_ask(1, 1, true), None);
     }
 }

@@ -538,9 +538,9 @@ pub(super) fn two_at_one_stride() -> super::tensors::Tensors {
 
 #[test]
 fn auto_staging_takes_one_direction_at_a_time_unless_copies_are_small() {
-    use super::staged::{PAIR_BELOW_COPY, Staging};
+    use super::staged::{PAIR_BELOW_COPY, PAIR_UNSTAGED_FROM, Staging};
     let t = two_at_one_stride();
-    let (big, small) = (PAIR_BELOW_COPY, PAIR_BELOW_COPY - 1);
+    let (big, small) = (PAIR_UNSTAGED_FROM, PAIR_BELOW_COPY - 1);
     // Auto (the default): while the offload stages, the load does not; then it may.
     let off = t
         .take_staging(Direction::Offload, big)

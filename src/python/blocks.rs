@@ -38,8 +38,8 @@ use crate::stamps::stamp;
 ///         (or one tensor each), one direction at a time (a move that starts while the other
 ///         direction's goes through staging goes unstaged, unless its copies average under 12
 ///         KiB: then both stage; from 32 KiB the staged one hands its chunks not yet begun over
-///         to 2D copies across the link); ``"always"``: every move in the background there;
-///         ``"never"``.
+///         to 2D copies across the link; in between, a load stages beside a staged offload,
+///         which hands over); ``"always"``: every move in the background there; ``"never"``.
 ///         A staged offload completes (``wait``, ``done``, ``stream_wait``) once the host blocks
 ///         hold the data, and its ``stream_wait`` waits on the host until then; a staged load
 ///         reads the host blocks once the work queued on ``stream`` before the call completed,
