@@ -632,9 +632,8 @@ fn gpu_blocks_one_mover_offloads_and_loads_at_once_every_block_checked(
     // of 10-40 MiB whose copies average about 4 KiB (both directions stage at once), 16 KiB
     // (the load stages; a staged offload beside it hands its chunks not yet begun over to 2D
     // copies) or 64 KiB (the second move goes unstaged, and a staged first one hands over).
-    // Both sides filled
-    // with their own values first: every block of both checked each round, the untouched ones
-    // unchanged.
+    // Both sides filled with their own values first: every block of both checked each round,
+    // the untouched ones unchanged.
     let (a_s, b_s) = (Stream::new(&d).unwrap(), Stream::new(&d).unwrap());
     let tensors = 4;
     let blocks = if bytes >= 64 << 10 { 256 } else { 1024 };
